@@ -26,11 +26,14 @@ TOKEN_DTYPE = np.dtype("<u2")
 class ShardError(ValueError):
     """A file is not a valid token shard; the message names the file, the rule and the fix."""
 
+    def __init__(self, path: Path, rule: str, advice: str) -> None:
+        super().__init__(f"{path}: {rule}; {advice}")
+        self.path = path
+        self.rule = rule
+
 
 def _shard_error(path: Path, rule: str) -> ShardError:
-    return ShardError(
-        f"{path}: {rule}; this is not a valid token shard, so delete it and download or tokenize it again"
-    )
+    return ShardError(path, rule, "this is not a valid token shard, so delete it and download or tokenize it again")
 
 
 def read_header(path: str | os.PathLike[str]) -> int:
@@ -41,9 +44,9 @@ def read_header(path: str | os.PathLike[str]) -> int:
         with path.open("rb") as f:
             header_bytes = f.read(HEADER_BYTES)
     except FileNotFoundError:
-        raise ShardError(f"{path}: no such file; check the path, or download or tokenize the shard first") from None
+        raise ShardError(path, "no such file", "check the path, or download or tokenize the shard first") from None
     except IsADirectoryError:
-        raise ShardError(f"{path}: is a directory, not a shard file; pass the path of a .bin shard") from None
+        raise ShardError(path, "is a directory, not a shard file", "pass the path of a .bin shard") from None
     if len(header_bytes) < HEADER_BYTES:
         raise _shard_error(path, f"the file has {file_size} bytes, fewer than the {HEADER_BYTES}-byte header")
     header = np.frombuffer(header_bytes, dtype=HEADER_DTYPE)
