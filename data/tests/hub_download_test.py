@@ -75,7 +75,7 @@ class FakeHub:
 @pytest.fixture
 def fake_hub(tmp_path: Path) -> Iterator[FakeHub]:
     hub = FakeHub()
-    thread = threading.Thread(target=hub.server.serve_forever, daemon=True)
+    thread = threading.Thread(target=hub.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield hub
     hub.server.shutdown()
