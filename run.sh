@@ -29,11 +29,12 @@ else
     fail "no CUDA GPU is visible; to train a tiny model on the CPU instead, run: python train_gpt.py --preset=smoke"
 fi
 
-# The default data paths are used unless the caller points elsewhere.
-if [[ " $* " != *" --train_files"* && " $* " != *" --val_files"* ]]; then
+# train_gpt.py reads the default shards unless told otherwise (the smoke preset writes its own);
+# like train_gpt.py, DATA_PATH is prefixed to the default paths.
+if [[ " $* " != *" --train_files"* && " $* " != *" --val_files"* && " $* " != *" --preset=smoke "* ]]; then
   for shard in data/fineweb10B/fineweb_train_000001.bin data/fineweb10B/fineweb_val_000000.bin; do
-    [[ -f "$shard" ]] ||
-      fail "$shard is missing; download the first 900M FineWeb tokens with: python data/cached_fineweb10B.py 9"
+    [[ -f "${DATA_PATH:-.}/$shard" ]] ||
+      fail "${DATA_PATH:-.}/$shard is missing; download the first 900M FineWeb tokens with: python data/cached_fineweb10B.py 9"
   done
 fi
 

@@ -79,9 +79,18 @@ def test_missing_default_shards_name_the_download_command(checkout: Path) -> Non
     assert SHARDS[0] in result.stderr and "python data/cached_fineweb10B.py 9" in result.stderr
 
 
-@pytest.mark.parametrize("flag", ["--train_files=mine/*.bin", "--val_files=mine/val.bin"])
-def test_own_data_paths_skip_the_default_shard_check(checkout: Path, flag: str) -> None:
+@pytest.mark.parametrize("flag", ["--train_files=mine/*.bin", "--val_files=mine/val.bin", "--preset=smoke"])
+def test_own_data_skips_the_default_shard_check(checkout: Path, flag: str) -> None:
     for shard in SHARDS:
         (checkout / shard).unlink()
     result = run(checkout, flag)
     assert result.returncode == 0 and result.stdout.strip().endswith(f"train_gpt.py {flag}")
+
+
+def test_data_path_prefixes_the_default_shards(checkout: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    assert run(checkout, DATA_PATH=str(elsewhere)).returncode == 1
+    for shard in SHARDS:
+        (elsewhere / shard).parent.mkdir(parents=True, exist_ok=True)
+        (elsewhere / shard).write_bytes(b"")
+    assert run(checkout, DATA_PATH=str(elsewhere)).returncode == 0
