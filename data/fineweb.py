@@ -203,13 +203,13 @@ def local_documents(files: Iterable[Path]) -> Iterator[str]:
 
 
 def hub_documents(sample: str) -> Iterator[str]:
+    """The documents of a FineWeb sample, streamed (the import fails here, before any work starts)."""
     try:
         import datasets
     except ImportError:
         raise InputError(f"reading {HF_DATASET} needs the datasets library: pip install datasets") from None
     rows = datasets.load_dataset(HF_DATASET, name=f"sample-{sample}", split="train", streaming=True)
-    for row in rows:
-        yield row["text"]
+    return (row["text"] for row in rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,9 +299,16 @@ def tokenize_corpus(
         multiprocessing.Pool(workers or os.cpu_count(), initializer=init_worker, initargs=(bpe_file,)) as pool,
         tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress,
     ):
-        for tokens in pool.imap(tokenize, documents, chunksize=DOCUMENTS_PER_TASK):
-            writer.add(tokens)
-            progress.update(tokens.size)
+        try:
+            for tokens in pool.imap(tokenize, documents, chunksize=DOCUMENTS_PER_TASK):
+                writer.add(tokens)
+                progress.update(tokens.size)
+        except InputError as error:
+            if not writer.paths:
+                raise
+            raise InputError(
+                f"{error} ({len(writer.paths)} shards were already written to {out_dir}; delete them before running again)"
+            ) from None
     return writer.close()
 
 

@@ -163,6 +163,24 @@ def test_bad_input_is_one_clear_line(tmp_path: Path, bpe_file: Path, capsys: pyt
     assert error_lines[-1].startswith("error: ") and expected in error_lines[-1]
 
 
+def test_error_after_written_shards_says_so(tmp_path: Path, bpe_file: Path) -> None:
+    write_corpus(tmp_path / "corpus", "txt", DOCUMENTS * 6)  # several tasks' worth of documents come first
+    (tmp_path / "corpus" / "zz_latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=r"zz_latin1.txt: not UTF-8 .*\(\d+ shards were already written to .*delete them"):
+        tokenize_corpus(local_documents(expand_inputs([tmp_path / "corpus"])), out, "c", 16, bpe_file, workers=1)
+    assert any(out.iterdir())
+
+
+def test_hub_source_without_datasets_names_the_install_command(
+    tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail, as when it is not installed
+    assert main(["--hf-sample", "10BT", "--bpe-file", str(bpe_file), "--out-dir", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip() == "error: reading HuggingFaceFW/fineweb needs the datasets library: pip install datasets"
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_bpe_file_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "bad.tiktoken"
     path.write_text("not-base64!! 0\n")
