@@ -71,6 +71,15 @@ def offline_route(out_dir: Path) -> str:
     )
 
 
+def one_line(error: BaseException) -> str:
+    """An exception as `Type: message` on one line (Hub errors can span several)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def http_status(error: HfHubHTTPError) -> str:
+    return str(error.response.status_code) if error.response is not None else one_line(error)
+
+
 def check_hub_reachable(repo_id: str, filename: str, out_dir: Path, endpoint: str | None) -> None:
     """Ask the Hub for one file's metadata, so that an offline machine fails in seconds.
 
@@ -80,13 +89,10 @@ def check_hub_reachable(repo_id: str, filename: str, out_dir: Path, endpoint: st
     try:
         get_hf_file_metadata(url, timeout=PROBE_TIMEOUT_S)
     except HfHubHTTPError as error:
-        status = error.response.status_code if error.response is not None else "an error"
-        raise DownloadError(f"The Hub answered {status} for {url}; check the repo and file name") from error
+        raise DownloadError(f"The Hub answered {http_status(error)} for {url}; check the repo and file name") from error
     except Exception as error:  # the network error types differ between huggingface_hub versions
         hub = endpoint or constants.ENDPOINT
-        raise DownloadError(
-            f"Cannot reach the Hugging Face Hub at {hub} ({type(error).__name__}: {error}); {offline_route(out_dir)}"
-        ) from error
+        raise DownloadError(f"Cannot reach the Hugging Face Hub at {hub} ({one_line(error)}); {offline_route(out_dir)}") from error
 
 
 def download_shard(repo_id: str, filename: str, out_dir: Path, endpoint: str | None) -> Path:
@@ -104,7 +110,7 @@ def download_shard(repo_id: str, filename: str, out_dir: Path, endpoint: str | N
     except LocalEntryNotFoundError as error:  # the connection went away after the first check
         raise DownloadError(f"Lost the connection to the Hub while fetching {filename}; {offline_route(out_dir)}") from error
     except HfHubHTTPError as error:
-        raise DownloadError(f"The Hub refused {repo_id}/{filename} ({error}); check the repo and file name") from error
+        raise DownloadError(f"The Hub answered {http_status(error)} for {repo_id}/{filename}; check the repo and file name") from error
     try:
         read_header(staged)
     except ShardError as error:
@@ -134,7 +140,7 @@ def download_shards(
     check_hub_reachable(repo.repo_id, missing[0], out_dir, endpoint)
     for name in tqdm(missing, desc=f"downloading to {out_dir}", unit="shard"):
         download_shard(repo.repo_id, name, out_dir, endpoint)
-    shutil.rmtree(out_dir / STAGING_DIR_NAME)  # only download bookkeeping is left there
+    shutil.rmtree(out_dir / STAGING_DIR_NAME, ignore_errors=True)  # only download bookkeeping is left there
     return missing
 
 
