@@ -169,16 +169,21 @@ def jsonl_documents(path: Path) -> Iterator[str]:
 
 
 def parquet_documents(path: Path) -> Iterator[str]:
-    import pyarrow.parquet as pq  # only needed for parquet inputs
+    import pyarrow as pa  # only needed for parquet inputs
+    import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
-    if "text" not in parquet.schema_arrow.names:
-        raise InputError(f'{path}: no "text" column (columns: {", ".join(parquet.schema_arrow.names)})')
-    for batch in parquet.iter_batches(columns=["text"]):
-        for text in batch.column(0).to_pylist():
-            if not isinstance(text, str):
-                raise InputError(f'{path}: a row has no text (null "text" value); drop such rows first')
-            yield text
+    try:
+        parquet = pq.ParquetFile(path)
+        columns = parquet.schema_arrow.names
+        if "text" not in columns:
+            raise InputError(f'{path}: no "text" column (columns: {", ".join(columns)}); name the text column "text"')
+        for batch in parquet.iter_batches(columns=["text"]):
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):
+                    raise InputError(f'{path}: a row has no text (null "text" value); drop such rows first')
+                yield text
+    except pa.ArrowException as error:
+        raise InputError(f"{path}: not a readable parquet file ({error}); check that the file is complete") from None
 
 
 def file_documents(path: Path) -> Iterator[str]:

@@ -143,6 +143,9 @@ def bad_input(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     path = tmp_path / "body.parquet"
     pq.write_table(pa.table({"body": ["x"]}), path)
     cases["parquet-without-text"] = (path, 'body.parquet: no "text" column')
+    path = tmp_path / "fake.parquet"
+    path.write_text("not parquet at all")
+    cases["not-parquet"] = (path, "fake.parquet: not a readable parquet file")
     path = tmp_path / "truncated.gz"
     compressed = gzip.compress(" ".join(str(n) for n in range(5000)).encode())
     path.write_bytes(compressed[: len(compressed) // 2])
@@ -153,7 +156,10 @@ def bad_input(tmp_path: Path) -> dict[str, tuple[Path, str]]:
 
 @pytest.mark.parametrize(
     "case",
-    ["unsupported-suffix", "jsonl-without-text", "jsonl-not-json", "not-utf8", "parquet-without-text", "truncated-gzip", "missing"],
+    [
+        "unsupported-suffix", "jsonl-without-text", "jsonl-not-json", "not-utf8", "parquet-without-text", "not-parquet",
+        "truncated-gzip", "missing",
+    ],
 )
 def test_bad_input_is_one_clear_line(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
     path, expected = bad_input(tmp_path)[case]
