@@ -86,7 +86,7 @@ def load_encoding(bpe_file: Path | None) -> tiktoken.Encoding:
         except Exception as error:  # tiktoken fetches its files over the network on first use
             raise InputError(
                 f"tiktoken could not load its gpt2 encoding ({type(error).__name__}); pass --bpe-file PATH "
-                "to a local gpt2.tiktoken (this project's shared/tokenizer/README.md says where to get one)"
+                "to a local gpt2.tiktoken (README.md, section Data, says where to get one)"
             ) from None
     ranks = read_bpe_ranks(bpe_file)
     if max(ranks.values()) >= EOT:
