@@ -79,15 +79,17 @@ def read_bpe_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def load_encoding(bpe_file: Path | None) -> tiktoken.Encoding:
-    if bpe_file is None:
-        try:
-            return tiktoken.get_encoding("gpt2")
-        except Exception as error:  # tiktoken fetches its files over the network on first use
-            raise InputError(
-                f"tiktoken could not load its gpt2 encoding ({type(error).__name__}); pass --bpe-file PATH "
-                "to a local gpt2.tiktoken (README.md, section Data, says where to get one)"
-            ) from None
+def tiktoken_gpt2() -> tiktoken.Encoding:
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as error:  # tiktoken fetches its files over the network on first use
+        raise InputError(
+            f"tiktoken could not load its gpt2 encoding ({type(error).__name__}); pass --bpe-file PATH "
+            "to a local gpt2.tiktoken (README.md, section Data, says where to get one)"
+        ) from None
+
+
+def bpe_file_gpt2(bpe_file: Path) -> tiktoken.Encoding:
     ranks = read_bpe_ranks(bpe_file)
     if max(ranks.values()) >= EOT:
         raise InputError(f"--bpe-file {bpe_file}: has ranks >= {EOT}, so it is not GPT-2's BPE; pass gpt2.tiktoken")
@@ -98,12 +100,8 @@ def load_encoding(bpe_file: Path | None) -> tiktoken.Encoding:
 
 def gpt2_encoding(bpe_file: Path | None) -> tiktoken.Encoding:
     """GPT-2 BPE with <|endoftext|> = 50256, from `bpe_file` or else from tiktoken's own download."""
-    encoding = load_encoding(bpe_file)
-    if encoding.max_token_value > MAX_TOKEN:
-        raise InputError(
-            f"the encoding {encoding.name} has token ids up to {encoding.max_token_value}, "
-            f"but shards store uint16 (< {MAX_TOKEN + 1}); use GPT-2's BPE"
-        )
+    encoding = tiktoken_gpt2() if bpe_file is None else bpe_file_gpt2(bpe_file)
+    assert encoding.max_token_value <= MAX_TOKEN, f"{encoding.name}: token ids must fit the shards' uint16"
     return encoding
 
 

@@ -194,6 +194,9 @@ def test_bad_bpe_file_is_a_clear_error(tmp_path: Path) -> None:
         gpt2_encoding(path)
     with pytest.raises(InputError, match="cannot read it"):
         gpt2_encoding(tmp_path / "absent.tiktoken")
+    path.write_text(f"{base64.b64encode(b'x').decode()} {EOT}\n")
+    with pytest.raises(InputError, match="not GPT-2's BPE"):
+        gpt2_encoding(path)
 
 
 def test_script_runs_from_the_command_line(tmp_path: Path, bpe_file: Path) -> None:
