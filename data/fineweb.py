@@ -9,8 +9,8 @@ Every document becomes <|endoftext|> followed by its tokens; the token stream is
     python data/fineweb.py --input corpus/ --bpe-file ../shared/tokenizer/gpt2.tiktoken --out-dir data/mycorpus
 
 Local inputs: .txt (one document per file), .jsonl (one JSON object per line, its "text" field is a
-document), .parquet (its "text" column), and any of these compressed as .gz or .xz (a compressed file
-that is not .jsonl is one text document). Directories are searched recursively for such files.
+document), .parquet (its "text" column), and .txt or .jsonl compressed as .gz or .xz (a compressed file
+not named .jsonl.gz/.jsonl.xz is one text document). Directories are searched recursively for such files.
 """
 
 from __future__ import annotations
