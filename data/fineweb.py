@@ -1,0 +1,360 @@
+"""Tokenize a text corpus with GPT-2 BPE into .bin shards (the speedrun's FineWeb shard layout).
+
+Every document becomes <|endoftext|> followed by its tokens; the token stream is cut into shards of
+--shard-size tokens: first <name>_val_000000.bin, then <name>_train_000001.bin, ...
+
+    # online: the FineWeb sample the speedrun uses (needs `pip install datasets`)
+    python data/fineweb.py --hf-sample 10BT
+    # offline: local files, with the GPT-2 BPE ranks from a local gpt2.tiktoken file
+    python data/fineweb.py --input corpus/ --bpe-file ../shared/tokenizer/gpt2.tiktoken --out-dir data/mycorpus
+
+Local inputs: .txt (one document per file), .jsonl (one JSON object per line, its "text" field is a
+document), .parquet (its "text" column), and .txt or .jsonl compressed as .gz or .xz (a compressed file
+not named .jsonl.gz/.jsonl.xz is one text document). Directories are searched recursively for such files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import gzip
+import json
+import lzma
+import multiprocessing
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+import tiktoken
+from tqdm import tqdm
+
+from shards import MAX_TOKEN, write_shard
+
+DATA_DIR = Path(__file__).resolve().parent
+EOT = 50256  # <|endoftext|> in GPT-2's vocabulary
+# GPT-2's pre-tokenization regex, from its encoder.py (what tiktoken's "gpt2" encoding splits with).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+HF_DATASET = "HuggingFaceFW/fineweb"
+HF_SAMPLES = {"10BT": DATA_DIR / "fineweb10B", "100BT": DATA_DIR / "fineweb100B"}  # sample -> default out dir
+DEFAULT_SHARD_SIZE = 100_000_000  # tokens, as in the published shards
+DOCUMENTS_PER_TASK = 16  # documents sent to a worker at once: amortizes the inter-process hand-off
+SUPPORTED_INPUTS = ".txt, .jsonl, .parquet, .gz, .xz"
+
+
+class InputError(ValueError):
+    """Bad user input (file, flag or environment); the message is one line that says what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The encoding
+
+
+def read_bpe_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a .tiktoken file: one `base64(token bytes) rank` per line.
+
+    tiktoken's own loader caches files by path under /tmp, which serves stale ranks when a path is
+    reused for another file, so we parse the (simple) format ourselves.
+    """
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as error:
+        raise InputError(f"--bpe-file {path}: cannot read it ({error.strerror}); pass the path of gpt2.tiktoken") from None
+    ranks: dict[bytes, int] = {}
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise InputError(
+                f"--bpe-file {path}:{line_number}: expected `base64-token rank`; pass a tiktoken BPE file such as gpt2.tiktoken"
+            ) from None
+    if not ranks:
+        raise InputError(f"--bpe-file {path}: the file is empty; pass a tiktoken BPE file such as gpt2.tiktoken")
+    return ranks
+
+
+def tiktoken_gpt2() -> tiktoken.Encoding:
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as error:  # tiktoken fetches its files over the network on first use
+        raise InputError(
+            f"tiktoken could not load its gpt2 encoding ({type(error).__name__}); pass --bpe-file PATH "
+            "to a local gpt2.tiktoken (README.md, section Data, says where to get one)"
+        ) from None
+
+
+def bpe_file_gpt2(bpe_file: Path) -> tiktoken.Encoding:
+    ranks = read_bpe_ranks(bpe_file)
+    if max(ranks.values()) >= EOT:
+        raise InputError(f"--bpe-file {bpe_file}: has ranks >= {EOT}, so it is not GPT-2's BPE; pass gpt2.tiktoken")
+    return tiktoken.Encoding(
+        name=f"gpt2 ({bpe_file})", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT}
+    )
+
+
+def gpt2_encoding(bpe_file: Path | None) -> tiktoken.Encoding:
+    """GPT-2 BPE with <|endoftext|> = 50256, from `bpe_file` or else from tiktoken's own download."""
+    encoding = tiktoken_gpt2() if bpe_file is None else bpe_file_gpt2(bpe_file)
+    assert encoding.max_token_value <= MAX_TOKEN, f"{encoding.name}: token ids must fit the shards' uint16"
+    return encoding
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents
+
+
+def input_format(path: Path) -> str | None:
+    """'text', 'jsonl' or 'parquet' from the file name, or None when the name is not supported."""
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    compressed = name.endswith((".gz", ".xz"))
+    inner = name[:-3] if compressed else name
+    if inner.endswith(".jsonl"):
+        return "jsonl"
+    if compressed or inner.endswith(".txt"):
+        return "text"
+    return None
+
+
+def expand_inputs(paths: Sequence[Path]) -> list[Path]:
+    """The files to read, in order: files as given, directories searched recursively (sorted)."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and input_format(p) is not None)
+            if not found:
+                raise InputError(f"--input {path}: the directory holds no {SUPPORTED_INPUTS} files")
+            files.extend(found)
+        elif not path.is_file():
+            raise InputError(f"--input {path}: no such file or directory")
+        elif input_format(path) is None:
+            raise InputError(f"--input {path}: unsupported file type; supported: {SUPPORTED_INPUTS}")
+        else:
+            files.append(path)
+    return files
+
+
+def open_text(path: Path) -> TextIO:
+    """Open a possibly compressed UTF-8 file, keeping its line endings exactly."""
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    if name.endswith(".xz"):
+        return lzma.open(path, "rt", encoding="utf-8", newline="")
+    return path.open("r", encoding="utf-8", newline="")
+
+
+def jsonl_documents(path: Path) -> Iterator[str]:
+    with open_text(path) as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InputError(f"{path}:{line_number}: not valid JSON ({error.msg}); fix or remove the line") from None
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise InputError(f'{path}:{line_number}: no string "text" field; every line needs one')
+            yield text
+
+
+def parquet_documents(path: Path) -> Iterator[str]:
+    import pyarrow as pa  # only needed for parquet inputs
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        columns = parquet.schema_arrow.names
+        if "text" not in columns:
+            raise InputError(f'{path}: no "text" column (columns: {", ".join(columns)}); name the text column "text"')
+        for batch in parquet.iter_batches(columns=["text"]):
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):
+                    raise InputError(f'{path}: a row has no text (null "text" value); drop such rows first')
+                yield text
+    except pa.ArrowException as error:
+        raise InputError(f"{path}: not a readable parquet file ({error}); check that the file is complete") from None
+
+
+def file_documents(path: Path) -> Iterator[str]:
+    try:
+        kind = input_format(path)
+        if kind == "parquet":
+            yield from parquet_documents(path)
+        elif kind == "jsonl":
+            yield from jsonl_documents(path)
+        else:
+            with open_text(path) as f:
+                yield f.read()
+    except UnicodeDecodeError as error:
+        raise InputError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason}); convert it to UTF-8") from None
+    except (OSError, EOFError) as error:
+        raise InputError(f"{path}: cannot read it ({error}); check that the file is complete") from None
+
+
+def local_documents(files: Iterable[Path]) -> Iterator[str]:
+    for path in files:
+        yield from file_documents(path)
+
+
+def hub_documents(sample: str) -> Iterator[str]:
+    """The documents of a FineWeb sample, streamed (the import fails here, before any work starts)."""
+    try:
+        import datasets
+    except ImportError:
+        raise InputError(f"reading {HF_DATASET} needs the datasets library: pip install datasets") from None
+    rows = datasets.load_dataset(HF_DATASET, name=f"sample-{sample}", split="train", streaming=True)
+    return (row["text"] for row in rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization and sharding
+
+_worker_encoding: tiktoken.Encoding | None = None
+
+
+def init_worker(bpe_file: Path | None) -> None:
+    global _worker_encoding
+    _worker_encoding = gpt2_encoding(bpe_file)
+
+
+def tokenize(document: str) -> np.ndarray:
+    """<|endoftext|> followed by the document's tokens (special-token text is treated as plain text)."""
+    assert _worker_encoding is not None, "init_worker runs first in every worker"
+    ids = _worker_encoding.encode_ordinary(document)
+    tokens = np.empty(len(ids) + 1, dtype=np.uint16)
+    tokens[0] = EOT
+    tokens[1:] = ids
+    return tokens
+
+
+class ShardWriter:
+    """Cuts a token stream into shards of exactly `shard_size` tokens (the last one may be shorter).
+
+    Shard 0 is the validation shard; a document may continue from one shard into the next.
+    """
+
+    def __init__(self, out_dir: Path, name: str, shard_size: int) -> None:
+        self.out_dir = out_dir
+        self.name = name
+        self.buffer = np.empty(shard_size, dtype=np.uint16)
+        self.filled = 0
+        self.paths: list[Path] = []
+
+    def shard_path(self, index: int) -> Path:
+        split = "val" if index == 0 else "train"
+        return self.out_dir / f"{self.name}_{split}_{index:06d}.bin"
+
+    def add(self, tokens: np.ndarray) -> None:
+        while tokens.size:
+            take = min(tokens.size, self.buffer.size - self.filled)
+            self.buffer[self.filled : self.filled + take] = tokens[:take]
+            self.filled += take
+            tokens = tokens[take:]
+            if self.filled == self.buffer.size:
+                self._write()
+
+    def close(self) -> list[Path]:
+        if self.filled:
+            self._write()
+        return self.paths
+
+    def _write(self) -> None:
+        path = self.shard_path(len(self.paths))
+        write_shard(path, self.buffer[: self.filled])
+        self.paths.append(path)
+        self.filled = 0
+
+
+def check_out_dir(out_dir: Path, name: str) -> None:
+    existing = sorted(out_dir.glob(f"{name}_*.bin"))
+    if existing:
+        raise InputError(
+            f"{out_dir} already holds {len(existing)} shards named {name}_*.bin (e.g. {existing[0].name}); "
+            "pass another --out-dir or --name, existing shards are never overwritten"
+        )
+
+
+def tokenize_corpus(
+    documents: Iterable[str],
+    out_dir: Path,
+    name: str = "fineweb",
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    bpe_file: Path | None = None,
+    workers: int | None = None,
+) -> list[Path]:
+    """Tokenize `documents` in `workers` processes and write the shards; returns their paths."""
+    if shard_size <= 0:
+        raise InputError(f"--shard-size must be positive, got {shard_size}")
+    gpt2_encoding(bpe_file)  # fail here, once, rather than in every worker
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out_dir, name)
+    writer = ShardWriter(out_dir, name, shard_size)
+    with (
+        multiprocessing.Pool(workers or os.cpu_count(), initializer=init_worker, initargs=(bpe_file,)) as pool,
+        tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress,
+    ):
+        try:
+            for tokens in pool.imap(tokenize, documents, chunksize=DOCUMENTS_PER_TASK):
+                writer.add(tokens)
+                progress.update(tokens.size)
+        except InputError as error:
+            if not writer.paths:
+                raise
+            raise InputError(
+                f"{error} ({len(writer.paths)} shards were already written to {out_dir}; delete them before running again)"
+            ) from None
+    return writer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", type=Path, nargs="+", metavar="PATH", help="local files or directories")
+    source.add_argument("--hf-sample", choices=sorted(HF_SAMPLES), help=f"a sample of {HF_DATASET} (online)")
+    parser.add_argument("--out-dir", type=Path, help="where the shards go (default for --hf-sample: data/fineweb10B or data/fineweb100B)")
+    parser.add_argument("--name", default="fineweb", help="shard file prefix (default: %(default)s)")
+    parser.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="tokens per shard (default: %(default)s)")
+    parser.add_argument("--bpe-file", type=Path, help="a local gpt2.tiktoken, for machines where tiktoken cannot download it")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.out_dir is None:
+        if args.input:
+            parser.error("--out-dir is required with --input")
+        args.out_dir = HF_SAMPLES[args.hf_sample]
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        documents = local_documents(expand_inputs(args.input)) if args.input else hub_documents(args.hf_sample)
+        paths = tokenize_corpus(documents, args.out_dir, args.name, args.shard_size, args.bpe_file, args.workers)
+    except InputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if not paths:
+        print(f"error: the input holds no documents, so no shards were written to {args.out_dir}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(paths)} shards to {args.out_dir}: 1 validation shard, {len(paths) - 1} training shards")
+    if len(paths) == 1:
+        print("note: the whole corpus fit in the validation shard; use a smaller --shard-size to get training shards")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Tokenizing local corpora into shards, with a tiny BPE built here (no network)."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import lzma
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fineweb import EOT, InputError, expand_inputs, gpt2_encoding, local_documents, main, tokenize_corpus
+from shards import read_shard, write_shard
+
+DATA_DIR = Path(__file__).resolve().parents[1]
+MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"an", b"nd", b" a", b"and"]
+DOCUMENTS = [
+    "the cat and the hat",
+    "Ünïcödé text: naïve café, 東京, emoji 🙂.",
+    "Windows line endings\r\nare kept.\r\n",
+    "A document that mentions <|endoftext|> as plain text.",
+    "",
+    "   leading and trailing whitespace \n\n\t",
+    "the " * 40,
+]
+
+
+@pytest.fixture
+def bpe_file(tmp_path: Path) -> Path:
+    """The 256 single bytes plus a few merges, in tiktoken's `base64(token) rank` format."""
+    tokens = [bytes([value]) for value in range(256)] + MERGES
+    path = tmp_path / "tiny.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(tokens)))
+    return path
+
+
+def write_corpus(folder: Path, kind: str, documents: list[str]) -> list[Path]:
+    """`documents` stored in the local input format `kind`; returns the files in reading order."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind in ("txt", "gz", "xz"):
+        opener = {"txt": open, "gz": gzip.open, "xz": lzma.open}[kind]
+        paths = [folder / f"doc{index:02d}.{kind}" for index in range(len(documents))]
+        for path, text in zip(paths, documents):
+            with opener(path, "wb") as f:
+                f.write(text.encode())
+        return paths
+    if kind in ("jsonl", "jsonl.gz"):
+        path = folder / f"docs.{kind}"
+        opener = gzip.open if kind.endswith(".gz") else open
+        with opener(path, "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps({"id": index, "text": text}) + "\n" for index, text in enumerate(documents))
+        return [path]
+    if kind == "parquet":
+        path = folder / "docs.parquet"
+        pq.write_table(pa.table({"text": documents, "id": list(range(len(documents)))}), path, row_group_size=3)
+        return [path]
+    raise AssertionError(kind)
+
+
+def shard_order(paths: list[Path]) -> list[Path]:
+    return sorted(paths, key=lambda path: ("_train_" in path.name, path.name))
+
+
+def all_tokens(out_dir: Path) -> np.ndarray:
+    return np.concatenate([read_shard(path) for path in shard_order(list(out_dir.glob("*.bin")))])
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "jsonl.gz", "parquet", "xz", "gz"])
+def test_every_local_format_round_trips(tmp_path: Path, bpe_file: Path, kind: str) -> None:
+    files = write_corpus(tmp_path / "corpus", kind, DOCUMENTS)
+    assert list(local_documents(expand_inputs(files))) == DOCUMENTS
+    out = tmp_path / "shards"
+    paths = tokenize_corpus(local_documents(files), out, "tiny", shard_size=64, bpe_file=bpe_file, workers=1)
+    tokens = all_tokens(out)
+
+    encoding = gpt2_encoding(bpe_file)
+    assert encoding.decode(tokens.tolist()) == "".join("<|endoftext|>" + text for text in DOCUMENTS)
+    # One EOT before every document and nowhere else (the literal "<|endoftext|>" text is not special).
+    eot_positions = np.flatnonzero(tokens == EOT)
+    assert len(eot_positions) == len(DOCUMENTS) and eot_positions[0] == 0
+    for text, start, end in zip(DOCUMENTS, eot_positions, [*eot_positions[1:], len(tokens)]):
+        assert encoding.decode(tokens[start + 1 : end].tolist()) == text
+    assert {256, 258, 260} <= set(tokens.tolist())  # the file's merges were used
+
+    assert [path.name for path in paths] == ["tiny_val_000000.bin"] + [
+        f"tiny_train_{index:06d}.bin" for index in range(1, len(paths))
+    ]
+    sizes = [read_shard(path).size for path in paths]
+    assert all(size == 64 for size in sizes[:-1]) and 0 < sizes[-1] <= 64 and len(sizes) >= 3
+    assert sorted(out.iterdir()) == sorted(paths)  # no temporary files left
+
+
+def test_shard_split_is_exact_at_the_boundary(tmp_path: Path, bpe_file: Path) -> None:
+    # "ab" -> [EOT, a, b]: four such documents are 12 tokens, exactly two shards of 6.
+    out = tmp_path / "shards"
+    paths = tokenize_corpus(["ab"] * 4, out, "x", shard_size=6, bpe_file=bpe_file, workers=1)
+    assert [path.name for path in paths] == ["x_val_000000.bin", "x_train_000001.bin"]
+    a, b = ord("a"), ord("b")
+    for path in paths:
+        np.testing.assert_array_equal(read_shard(path), [EOT, a, b, EOT, a, b])
+
+
+def test_documents_continue_across_shards_and_workers_keep_order(tmp_path: Path, bpe_file: Path) -> None:
+    documents = [f"document number {index} " + "and the " * (index % 7) for index in range(200)]
+    one, two = tmp_path / "one", tmp_path / "two"
+    tokenize_corpus(documents, one, "c", shard_size=500, bpe_file=bpe_file, workers=1)
+    tokenize_corpus(documents, two, "c", shard_size=500, bpe_file=bpe_file, workers=2)
+    tokens = all_tokens(one)
+    np.testing.assert_array_equal(tokens, all_tokens(two))
+    assert gpt2_encoding(bpe_file).decode(tokens.tolist()) == "".join("<|endoftext|>" + d for d in documents)
+
+
+def test_existing_shards_are_never_overwritten(tmp_path: Path, bpe_file: Path) -> None:
+    out = tmp_path / "shards"
+    out.mkdir()
+    write_shard(out / "c_val_000000.bin", np.array([1, 2, 3], dtype=np.uint16))
+    with pytest.raises(InputError, match="already holds 1 shards named c_"):
+        tokenize_corpus(["text"], out, "c", shard_size=10, bpe_file=bpe_file, workers=1)
+    np.testing.assert_array_equal(read_shard(out / "c_val_000000.bin"), [1, 2, 3])
+
+
+def bad_input(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Broken inputs and the words their error must contain."""
+    cases = {}
+    path = tmp_path / "notes.md"
+    path.write_text("hello")
+    cases["unsupported-suffix"] = (path, "notes.md: unsupported file type")
+    path = tmp_path / "missing_text.jsonl"
+    path.write_text('{"text": "ok"}\n{"body": "no text here"}\n')
+    cases["jsonl-without-text"] = (path, 'missing_text.jsonl:2: no string "text" field')
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "ok"\n')
+    cases["jsonl-not-json"] = (path, "broken.jsonl:1: not valid JSON")
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9".encode("latin-1"))
+    cases["not-utf8"] = (path, "latin1.txt: not UTF-8 text")
+    path = tmp_path / "body.parquet"
+    pq.write_table(pa.table({"body": ["x"]}), path)
+    cases["parquet-without-text"] = (path, 'body.parquet: no "text" column')
+    path = tmp_path / "fake.parquet"
+    path.write_text("not parquet at all")
+    cases["not-parquet"] = (path, "fake.parquet: not a readable parquet file")
+    path = tmp_path / "truncated.gz"
+    compressed = gzip.compress(" ".join(str(n) for n in range(5000)).encode())
+    path.write_bytes(compressed[: len(compressed) // 2])
+    cases["truncated-gzip"] = (path, "truncated.gz: cannot read it")
+    cases["missing"] = (tmp_path / "absent.txt", "absent.txt: no such file or directory")
+    return cases
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unsupported-suffix", "jsonl-without-text", "jsonl-not-json", "not-utf8", "parquet-without-text", "not-parquet",
+        "truncated-gzip", "missing",
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    path, expected = bad_input(tmp_path)[case]
+    argv = ["--input", str(path), "--bpe-file", str(bpe_file), "--out-dir", str(tmp_path / "out"), "--workers", "1"]
+    assert main(argv) == 1
+    error_lines = capsys.readouterr().err.strip().splitlines()
+    assert error_lines[-1].startswith("error: ") and expected in error_lines[-1]
+
+
+def test_error_after_written_shards_says_so(tmp_path: Path, bpe_file: Path) -> None:
+    write_corpus(tmp_path / "corpus", "txt", DOCUMENTS * 6)  # several tasks' worth of documents come first
+    (tmp_path / "corpus" / "zz_latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=r"zz_latin1.txt: not UTF-8 .*\(\d+ shards were already written to .*delete them"):
+        tokenize_corpus(local_documents(expand_inputs([tmp_path / "corpus"])), out, "c", 16, bpe_file, workers=1)
+    assert any(out.iterdir())
+
+
+def test_hub_source_without_datasets_names_the_install_command(
+    tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail, as when it is not installed
+    assert main(["--hf-sample", "10BT", "--bpe-file", str(bpe_file), "--out-dir", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip() == "error: reading HuggingFaceFW/fineweb needs the datasets library: pip install datasets"
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_bpe_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.tiktoken"
+    path.write_text("not-base64!! 0\n")
+    with pytest.raises(InputError, match="bad.tiktoken:1: expected `base64-token rank`"):
+        gpt2_encoding(path)
+    with pytest.raises(InputError, match="cannot read it"):
+        gpt2_encoding(tmp_path / "absent.tiktoken")
+    path.write_text(f"{base64.b64encode(b'x').decode()} {EOT}\n")
+    with pytest.raises(InputError, match="not GPT-2's BPE"):
+        gpt2_encoding(path)
+
+
+def test_script_runs_from_the_command_line(tmp_path: Path, bpe_file: Path) -> None:
+    files = write_corpus(tmp_path / "corpus", "txt", DOCUMENTS)
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, str(DATA_DIR / "fineweb.py"), "--input", str(tmp_path / "corpus"), "--bpe-file", str(bpe_file),
+         "--out-dir", str(out), "--name", "tiny", "--shard-size", "100", "--workers", "2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "wrote 3 shards" in result.stdout and "2 training shards" in result.stdout
+    text = gpt2_encoding(bpe_file).decode(all_tokens(out).tolist())
+    assert text == "".join("<|endoftext|>" + path.read_bytes().decode() for path in files)

@@ -1,0 +1,96 @@
+"""run.sh: GPU count, NPROC override and the one-sentence failures, with fake nvidia-smi and torchrun."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARDS = ["data/fineweb10B/fineweb_train_000001.bin", "data/fineweb10B/fineweb_val_000000.bin"]
+
+
+def make_executable(path: Path, body: str) -> None:
+    path.write_text(f"#!/usr/bin/env bash\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """A folder with run.sh, the default shards, and a bin/ with fake nvidia-smi (4 GPUs) and torchrun."""
+    shutil.copy(REPO / "run.sh", tmp_path / "run.sh")
+    for shard in SHARDS:
+        (tmp_path / shard).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / shard).write_bytes(b"")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    make_executable(bin_dir / "nvidia-smi", 'for i in 0 1 2 3; do echo "GPU $i: NVIDIA H200 (UUID: GPU-$i)"; done')
+    make_executable(bin_dir / "torchrun", 'echo "torchrun $*"')
+    return tmp_path
+
+
+def run(checkout: Path, *args: str, gpus_present: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+    if not gpus_present:  # what nvidia-smi does on a machine without a working GPU
+        make_executable(checkout / "bin" / "nvidia-smi", 'echo "No devices were found"; exit 6')
+    base_env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC")}
+    base_env["PATH"] = f"{checkout / 'bin'}:/usr/bin:/bin"
+    return subprocess.run(
+        ["bash", str(checkout / "run.sh"), *args], capture_output=True, text=True, env={**base_env, **env}, timeout=30
+    )
+
+
+def test_uses_every_visible_gpu_and_passes_arguments_through(checkout: Path) -> None:
+    result = run(checkout, "--num_iterations=10")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "torchrun --standalone --nproc_per_node=4 train_gpt.py --num_iterations=10"
+
+
+@pytest.mark.parametrize(("visible", "expected"), [("0,2", 2), ("1", 1), ("0,1,2,3,4,5", 4)])
+def test_respects_cuda_visible_devices(checkout: Path, visible: str, expected: int) -> None:
+    result = run(checkout, CUDA_VISIBLE_DEVICES=visible)
+    assert f"--nproc_per_node={expected} " in result.stdout
+
+
+def test_nproc_overrides_the_count(checkout: Path) -> None:
+    assert "--nproc_per_node=8 " in run(checkout, NPROC="8").stdout
+
+
+@pytest.mark.parametrize("env", [{"CUDA_VISIBLE_DEVICES": ""}, {"CUDA_VISIBLE_DEVICES": "-1"}, {}])
+def test_no_gpu_is_one_sentence_pointing_to_the_cpu_smoke_run(checkout: Path, env: dict[str, str]) -> None:
+    result = run(checkout, gpus_present=bool(env), **env)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "python train_gpt.py --preset=smoke" in result.stderr
+
+
+def test_bad_nproc_is_rejected(checkout: Path) -> None:
+    result = run(checkout, NPROC="two")
+    assert result.returncode == 1 and "NPROC must be a positive number" in result.stderr
+
+
+def test_missing_default_shards_name_the_download_command(checkout: Path) -> None:
+    (checkout / SHARDS[0]).unlink()
+    result = run(checkout)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert SHARDS[0] in result.stderr and "python data/cached_fineweb10B.py 9" in result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--train_files=mine/*.bin", "--val_files=mine/val.bin", "--preset=smoke"])
+def test_own_data_skips_the_default_shard_check(checkout: Path, flag: str) -> None:
+    for shard in SHARDS:
+        (checkout / shard).unlink()
+    result = run(checkout, flag)
+    assert result.returncode == 0 and result.stdout.strip().endswith(f"train_gpt.py {flag}")
+
+
+def test_data_path_prefixes_the_default_shards(checkout: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    assert run(checkout, DATA_PATH=str(elsewhere)).returncode == 1
+    for shard in SHARDS:
+        (elsewhere / shard).parent.mkdir(parents=True, exist_ok=True)
+        (elsewhere / shard).write_bytes(b"")
+    assert run(checkout, DATA_PATH=str(elsewhere)).returncode == 0
