@@ -480,7 +480,7 @@ FP8_GRAD_SCALE = 1.0 / 448
 
 
 def _scale(value: float, like: Tensor) -> Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
+    return torch.full((), value, dtype=torch.float32, device=like.device)  # a fill kernel: no host copy, no sync
 
 
 @torch.library.custom_op("train_gpt::fp8_head", mutates_args=())
@@ -878,11 +878,12 @@ def newton_schulz_reference(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> T
 if triton is not None:
 
     @triton.jit
-    def _symmetric_matmul_kernel(src_ptr, add_ptr, out_ptr, M, K, stride_sb, stride_sm, stride_sk, stride_ab, stride_am, stride_an, stride_ob, stride_om, stride_on, alpha, beta, HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    def _symmetric_matmul_kernel(src_ptr, add_ptr, out_ptr, M, K: tl.constexpr, stride_sb, stride_sm, stride_sk, stride_ab, stride_am, stride_an, stride_ob, stride_om, stride_on, alpha, beta, HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """out[b] = S S^T (or alpha S S^T + beta A) for S = src[b] of shape (M, K).
 
         The output is symmetric, so tiles lying wholly above the diagonal exit at once; every computed
-        tile is stored twice, at its place and mirrored. Grid: (tiles, batch).
+        tile is stored twice, at its place and mirrored. Grid: (tiles, batch). K is a compile-time constant
+        (a fixed loop trip count; the few matrix shapes of a run each compile once).
         """
         pid = tl.program_id(0)
         batch = tl.program_id(1)
