@@ -1,0 +1,124 @@
+"""Command line, schedules (the spec's boundary steps), YaRN and bad-input errors of train_gpt.py."""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_gpt as tg
+from conftest import ROOT
+
+
+def test_defaults_are_the_record():
+    hp, overrides = tg.parse_args([])
+    assert overrides == {}
+    assert (hp.train_batch_size, hp.val_batch_size, hp.val_tokens, hp.train_max_seq_len) == (393_216, 2_097_152, 10_485_760, 2048)
+    assert (hp.num_iterations, hp.iteration_extension, hp.cooldown_frac, hp.val_loss_every) == (1640, 40, 0.5, 125)
+    assert (hp.ws_schedule, hp.ws_validate, hp.ws_long_validate, hp.block_size) == ((3, 7, 11), 13, 20, 128)
+    assert (hp.adam_lr, hp.muon_lr, hp.adam_beta1, hp.adam_beta2, hp.adam_eps) == (0.008, 0.05, 0.8, 0.95, 1e-8)
+    assert hp.train_files == "data/fineweb10B/fineweb_train_*.bin" and hp.compile and not hp.save_checkpoint
+
+
+def test_preset_and_explicit_overrides(monkeypatch):
+    monkeypatch.delenv("DISABLE_FP8", raising=False)
+    hp, overrides = tg.parse_args(["--preset=smoke", "--model_dim=96", "--compile=1", "--ws_schedule=2,4", "--disable_fp8=TRUE"])
+    assert hp.model_dim == 96 and hp.num_heads == tg.PRESETS["smoke"]["num_heads"]  # explicit wins, preset fills
+    assert hp.compile is True and hp.disable_fp8 is True and hp.ws_schedule == (2, 4)
+    assert overrides == {"preset": "smoke", "model_dim": 96, "compile": True, "ws_schedule": (2, 4), "disable_fp8": True}
+    monkeypatch.setenv("DISABLE_FP8", "1")
+    assert tg.parse_args([])[0].disable_fp8 is True
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--no_such_option=1"], "--no_such_option"),
+        (["--num_iterations=abc"], "--num_iterations"),
+        (["--compile=maybe"], "--compile"),
+        (["--preset=huge"], "--preset"),
+        (["--attention_backend=fa2"], "--attention_backend"),
+        (["--val_tokens=1000"], "--val_tokens"),
+        (["--train_batch_size=1000"], "--train_batch_size"),
+        (["--model_dim=100"], "--model_dim"),
+        (["--bos_token=60000"], "--bos_token"),
+    ],
+)
+def test_bad_command_line_values_name_the_option(argv, fragment):
+    with pytest.raises(tg.UserError) as info:
+        tg.parse_args(argv)
+    message = str(info.value)
+    assert fragment in message and "\n" not in message
+
+
+def test_bad_world_size_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(tg.UserError, match="WORLD_SIZE=3"):
+        tg.setup_distributed()
+
+
+def test_main_reports_user_errors_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), f"--train_files={tmp_path}/nothing_*.bin", f"--log_dir={tmp_path}"], capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nothing_*.bin" in lines[0] and "python data/cached_fineweb10B.py 9" in lines[0], result.stderr
+    assert list(tmp_path.iterdir()) == [], "no log is created for a run that cannot start"
+
+
+@pytest.mark.parametrize("step, expected", [(0, (1, 3)), (546, (1, 3)), (547, (3, 7)), (1093, (3, 7)), (1094, (5, 11)), (1639, (5, 11)), (1679, (5, 11)), (1680, (6, 13))])
+def test_window_schedule_boundaries(step, expected):
+    assert tg.window_blocks(step, tg.Hyperparameters()) == expected
+
+
+@pytest.mark.parametrize("step, expected", [(0, 1.0), (820, 1.0), (821, 0.998902), (1230, 0.55), (1639, 0.101098), (1640, 0.10018), (1679, 0.10018)])
+def test_lr_schedule_boundaries(step, expected):
+    assert tg.lr_multiplier(step, tg.Hyperparameters()) == pytest.approx(expected, abs=1e-6)
+
+
+def test_muon_momentum_warmup():
+    hp = tg.Hyperparameters()
+    assert [tg.muon_momentum(s, hp) for s in (0, 150, 300, 1000)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
+
+
+def test_yarn_updates_match_the_record_table():
+    rotary = tg.Rotary(head_dim=128, max_seq_len=4096, block_size=128, table_dtype=torch.bfloat16)
+    base = rotary.freqs.clone()
+    assert base[:32] == pytest.approx([(1 / 1024) ** (j / 31) for j in range(32)], rel=1e-6) and (base[32:] == 0).all()
+    for old, new, scale in ((3, 7, 0.11694596), (7, 11, 0.12751752), (11, 13, 0.13177799)):
+        rotary.apply_yarn(old, new)
+        assert rotary.attn_scale == pytest.approx(scale, abs=1e-8)
+    # after 3→7: pairs with 384·ω/2π >= 32 rotations keep their frequency, those <= 1 are scaled by 3/7
+    rotary.reset()
+    rotary.apply_yarn(3, 7)
+    rotations = 128 * 3 * base / (2 * math.pi)
+    fast, slow = rotations >= 32, (rotations <= 1) & (base > 0)
+    assert fast.any() and slow.any()
+    torch.testing.assert_close(rotary.freqs[fast], base[fast])
+    torch.testing.assert_close(rotary.freqs[slow], base[slow] * 3 / 7)
+    assert (rotary.freqs[32:] == 0).all()
+    assert rotary.cos.dtype == torch.bfloat16
+    torch.testing.assert_close(rotary.cos[1000].float(), torch.cos(1000 * rotary.freqs), atol=8e-3, rtol=0)
+    rotary.reset()
+    assert rotary.attn_scale == 0.1 and torch.equal(rotary.freqs, base)
+
+
+def test_rotary_rotates_half_pairs_with_the_record_sign():
+    rotary = tg.Rotary(head_dim=8, max_seq_len=16, block_size=16, table_dtype=torch.float32)
+    x = torch.randn(1, 16, 1, 8)
+    y = rotary(x)
+    theta = torch.arange(16.0)[:, None] * rotary.freqs[None]
+    x1, x2 = x[0, :, 0, :4], x[0, :, 0, 4:]
+    torch.testing.assert_close(y[0, :, 0, :4], x1 * theta.cos() + x2 * theta.sin())
+    torch.testing.assert_close(y[0, :, 0, 4:], -x1 * theta.sin() + x2 * theta.cos())
+    torch.testing.assert_close(y[..., [2, 3, 6, 7]], x[..., [2, 3, 6, 7]])  # the zero-frequency half is untouched
+
+
+def test_open_log_never_overwrites(tmp_path):
+    path, run_id = tg.open_log(str(tmp_path), "")
+    assert path.exists() and path.name == f"{run_id}.txt"
+    path.write_text("precious")
+    with pytest.raises(tg.UserError, match="already exists"):
+        tg.open_log(str(tmp_path), run_id)
+    assert path.read_text() == "precious"

@@ -1,0 +1,158 @@
+"""Shard format, the BOS-aligned training loader and the validation loader of train_gpt.py."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as tg
+from conftest import TINY_BOS, TINY_VOCAB
+
+CPU = torch.device("cpu")
+
+
+def docs_shard(path: Path, lengths: list[int], first_token: int = 1) -> np.ndarray:
+    """Documents of the given lengths (BOS included), token values counting up so positions are traceable."""
+    tokens = (np.arange(sum(lengths)) % 400 + first_token).astype(np.int64)
+    tokens[np.cumsum([0] + lengths[:-1])] = TINY_BOS
+    tg.write_shard(path, tokens)
+    return tokens
+
+
+def loader(files, tokens_local=64, max_seq_len=32, rank=0, world_size=1, cycle=False, cu=True):
+    return tg.train_loader([str(f) for f in files], tokens_local, max_seq_len, rank, world_size, TINY_BOS, TINY_VOCAB, cycle, CPU, cu)
+
+
+def test_shard_roundtrip_and_header_errors(tmp_path):
+    tokens = docs_shard(tmp_path / "ok.bin", [5, 7])
+    assert tg.read_shard_header(str(tmp_path / "ok.bin")) == 12
+    np.testing.assert_array_equal(tg.read_shard(str(tmp_path / "ok.bin"), TINY_VOCAB), tokens)
+    (tmp_path / "tiny.bin").write_bytes(b"\0" * 10)
+    raw = bytearray((tmp_path / "ok.bin").read_bytes())
+    (tmp_path / "magic.bin").write_bytes(b"\1\2\3\4" + raw[4:])
+    (tmp_path / "short.bin").write_bytes(raw[:-2])
+    for name, fragment in (("tiny.bin", "too short"), ("magic.bin", "not a token shard"), ("short.bin", "truncated")):
+        with pytest.raises(tg.UserError, match=fragment) as info:
+            tg.read_shard(str(tmp_path / name), TINY_VOCAB)
+        assert name in str(info.value)
+    with pytest.raises(tg.UserError, match="vocab_size"):
+        tg.read_shard(str(tmp_path / "ok.bin"), 100)
+    with pytest.raises(FileExistsError):
+        tg.write_shard(tmp_path / "ok.bin", tokens)
+
+
+def test_resolve_files_uses_data_path_and_explains_missing_data(tmp_path, monkeypatch):
+    docs_shard(tmp_path / "a_train_000001.bin", [4])
+    monkeypatch.setenv("DATA_PATH", str(tmp_path))
+    assert tg.resolve_files("a_train_*.bin", "train") == [str(tmp_path / "a_train_000001.bin")]
+    with pytest.raises(tg.UserError, match="cached_fineweb10B.py 9") as info:
+        tg.resolve_files("b_*.bin", "val")
+    assert "b_*.bin" in str(info.value) and "--val_files" in str(info.value)
+
+
+def test_plan_segments_exact_counts_truncation_and_bos_starts():
+    bos = np.array([0, 10, 100, 103, 300, 320, 390])
+    rows, cursor = tg.plan_segments(bos, 400, 0, num_tokens_local=50, max_seq_len=32, world_size=2, index_is_complete=True)
+    assert rows[0] == [(0, 10), (10, 42), (100, 103), (103, 109)]  # doc 2 truncated at 32, last cut to fit 51
+    assert rows[1] == [(300, 320), (320, 351)]  # the next rank starts at the next BOS; cut remainders dropped
+    assert [sum(e - s for s, e in row) for row in rows] == [51, 51] and cursor == 6
+    assert tg.plan_segments(bos, 400, 0, 50, 32, world_size=3, index_is_complete=True) is None
+    # with a quick (partial) index the last known BOS cannot start a segment: its end is unknown
+    assert tg.plan_segments(np.array([0, 10]), 400, 0, 5, 32, 1, index_is_complete=False) == ([[(0, 6)]], 1)
+    assert tg.plan_segments(np.array([0, 10]), 400, 1, 5, 32, 1, index_is_complete=False) is None
+
+
+def test_train_batches_shift_targets_and_pad_cu_seqlens(tmp_path):
+    tokens = docs_shard(tmp_path / "t_000001.bin", [20, 50, 9, 30, 40, 60, 25, 33, 70, 12] * 3)
+    batch = next(loader([tmp_path / "t_000001.bin"]))
+    assert batch.inputs.dtype == torch.int32 and batch.targets.dtype == torch.int64 and batch.cu_seqlens.dtype == torch.int32
+    assert batch.inputs.shape == batch.targets.shape == (64,)
+    # segments: [0,20) [20,52) (doc 2 truncated to 32) [70,79) [79,83) (cut: 20+32+9+4 = 65 = 64 + 1)
+    expected = np.concatenate([tokens[0:20], tokens[20:52], tokens[70:79], tokens[79:83]])
+    np.testing.assert_array_equal(batch.inputs.numpy(), expected[:-1])
+    np.testing.assert_array_equal(batch.targets.numpy(), expected[1:])
+    cu = batch.cu_seqlens.numpy()
+    assert cu.shape == (128,) and list(cu[:5]) == [0, 20, 52, 61, 64] and (cu[4:] == 64).all()
+    assert (batch.inputs.numpy()[cu[:4]] == TINY_BOS).all()
+
+
+def test_ranks_take_consecutive_rows_of_one_plan(tmp_path):
+    docs_shard(tmp_path / "t_000001.bin", [40, 70, 33, 90, 21, 64, 50] * 6)
+    files = [tmp_path / "t_000001.bin"]
+    single = loader(files, tokens_local=64, world_size=1)
+    first, second = next(single), next(single)
+    rank0, rank1 = next(loader(files, 64, rank=0, world_size=2)), next(loader(files, 64, rank=1, world_size=2))
+    assert torch.equal(rank0.inputs, first.inputs) and torch.equal(rank1.inputs, second.inputs)
+
+
+def test_shard_switch_exhaustion_and_cycling(tmp_path):
+    files = [tmp_path / "t_000001.bin", tmp_path / "t_000002.bin"]
+    docs_shard(files[0], [100] * 4, first_token=1)
+    docs_shard(files[1], [100] * 4, first_token=100)
+    batches = list(_take(loader(files, tokens_local=64, max_seq_len=128, cycle=False), 20))
+    assert len(batches) == 8  # one batch per 100-token document, then a clear error
+    assert batches[3].inputs[1] == 302 and batches[4].inputs[1] == 101  # second shard after the first
+    with pytest.raises(tg.UserError, match="cycle_train_files"):
+        list(loader(files, tokens_local=64, max_seq_len=128, cycle=False))
+    cycled = list(_take(loader(files, tokens_local=64, max_seq_len=128, cycle=True), 10))
+    assert torch.equal(cycled[8].inputs, batches[0].inputs)
+
+
+def _take(iterator, n):
+    for _ in range(n):
+        try:
+            yield next(iterator)
+        except tg.UserError:
+            return
+
+
+def test_quick_bos_index_hands_over_to_the_full_index(tmp_path, monkeypatch):
+    path = tmp_path / "t_000001.bin"
+    docs_shard(path, [30, 45, 20, 80, 66, 31, 90, 25] * 8)
+    reference = list(_take(loader([path], tokens_local=64, max_seq_len=64), 12))
+    monkeypatch.setattr(tg, "QUICK_BOS_SCAN_TOKENS", 150)
+    quick = list(_take(loader([path], tokens_local=64, max_seq_len=64), 12))
+    assert len(quick) == len(reference) == 12
+    for a, b in zip(quick, reference):
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+
+
+def test_shard_without_bos_is_rejected(tmp_path):
+    tg.write_shard(tmp_path / "t_000001.bin", np.full(500, 7))
+    with pytest.raises(tg.UserError, match="no BOS token") as info:
+        next(loader([tmp_path / "t_000001.bin"]))
+    assert "t_000001.bin" in str(info.value)
+
+
+def test_val_loader_windows_and_unaligned_documents(tmp_path):
+    tokens = docs_shard(tmp_path / "v_000000.bin", [13, 40, 7, 40, 50, 60, 50])  # 260 tokens, BOS at 0
+    files = [str(tmp_path / "v_000000.bin")]
+    make = lambda rank: tg.val_loader(files, 64, rank, 2, TINY_BOS, TINY_VOCAB, CPU, True)
+    r0, r1 = make(0), make(1)
+    a, b = next(r0), next(r1)
+    np.testing.assert_array_equal(a.inputs.numpy(), tokens[0:64])
+    np.testing.assert_array_equal(b.targets.numpy(), tokens[65:129])
+    assert list(a.cu_seqlens.numpy()[:5]) == [0, 0, 13, 53, 60] and (a.cu_seqlens.numpy()[5:] == 64).all()
+    assert list(b.cu_seqlens.numpy()[:3]) == [0, 100 - 64, 64]  # tokens before the first BOS form document 0
+    a2 = next(r0)
+    np.testing.assert_array_equal(a2.inputs.numpy(), tokens[128:192])
+    with pytest.raises(tg.UserError, match="exhausted"):
+        next(r0)  # 256 + 1 > 260 tokens needed for a third window
+
+
+def test_val_data_too_short_is_reported(tmp_path):
+    docs_shard(tmp_path / "v_000000.bin", [100] * 10)
+    assert tg.check_val_data([str(tmp_path / "v_000000.bin")], 512, 512, 4) == 1000
+    with pytest.raises(tg.UserError, match="validation data too short"):
+        tg.check_val_data([str(tmp_path / "v_000000.bin")], 1024, 512, 4)
+
+
+def test_too_many_documents_for_fixed_cu_seqlens(tmp_path):
+    docs_shard(tmp_path / "v_000000.bin", [2] * 200)
+    with pytest.raises(tg.UserError, match="documents"):
+        next(tg.val_loader([str(tmp_path / "v_000000.bin")], 300, 0, 1, TINY_BOS, TINY_VOCAB, CPU, True))
+    assert next(tg.val_loader([str(tmp_path / "v_000000.bin")], 300, 0, 1, TINY_BOS, TINY_VOCAB, CPU, False)).cu_seqlens is None
+
+
+def test_max_docs_matches_the_record():
+    assert tg.max_docs_per_batch(49_152) == 256 and tg.max_docs_per_batch(262_144) == 896

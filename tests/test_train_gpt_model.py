@@ -1,0 +1,225 @@
+"""Model structure, attention masks, the FP8 head and the optimizers of train_gpt.py."""
+import math
+
+import pytest
+import torch
+
+import train_gpt as tg
+from conftest import TINY_BOS, TINY_VOCAB
+
+
+def record_model(world_size: int = 8) -> tg.GPT:
+    """The 124M record model, built on the meta device (no memory, no init cost)."""
+    with torch.device("meta"):
+        return tg.GPT(50257, 768, 6, 262_144, 128, world_size, tg.Attention("reference", 128, 50256))
+
+
+def tiny_model(backend: str = "reference", dim: int = 64, heads: int = 2, block: int = 16) -> tg.GPT:
+    torch.manual_seed(0)
+    return tg.GPT(TINY_VOCAB, dim, heads, 256, block, 1, tg.Attention(backend, block, TINY_BOS), torch.float32)
+
+
+def muon_params(model: tg.GPT) -> list[torch.nn.Parameter]:
+    hidden = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2 and "gate" not in n]
+    return hidden + [p for n, p in model.named_parameters() if "gate" in n]
+
+
+def test_record_parameter_inventory():
+    model = record_model()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["embed.weight"] == (50304, 768) and shapes["lm_head.weight"] == (50304, 768) and shapes["scalars"] == (72,)
+    assert shapes["blocks.1.attn.qkvo_w"] == (768, 3072) and shapes["blocks.1.mlp.c_fc"] == (768, 3072) and shapes["blocks.1.attn.attn_gate.weight"] == (6, 12)
+    assert not any(n.startswith("blocks.0.") for n in shapes) and "blocks.7.attn.qkvo_w" not in shapes and "blocks.7.mlp.c_fc" in shapes
+    count = lambda tag: sum(p.numel() for p in model.parameters() if p.module_tag == tag)
+    assert (count("attn"), count("mlp"), count("attn_gate") + count("smear_gate")) == (23_592_960, 51_904_512, 732)
+    assert tg.embedding_parameter_count(model) == 154_533_888
+    assert tg.matmul_parameter_count(model) == 23_592_960 + 51_904_512 + 38_633_472
+    assert model.embed.weight.lr_mul == 75 and model.value_embeds[2].weight.lr_mul == 75 and model.scalars.lr_mul == 5 and model.lm_head.weight.lr_mul == 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_muon_groups_of_the_record_model(world_size):
+    groups = tg.muon_groups(muon_params(record_model(world_size)), world_size)
+    assert [len(g.params) for g in groups] == [1, 10, 16, 16]
+    assert [g.padded for g in groups] == [math.ceil(n / world_size) * world_size for n in (1, 10, 16, 16)]
+    assert [g.params[0].module_tag for g in groups] == ["smear_gate", "attn_gate", "attn", "mlp"]
+    assert [p.module_tag for p in groups[2].params] == ["attn"] * 10 + ["mlp"] * 6
+    owned = [p for g in groups for r in range(world_size) for p in g.owned(r)]
+    assert len(owned) == 43 == len({id(p) for p in owned}), "every Muon matrix is owned by exactly one rank"
+
+
+def test_muon_layout_at_eight_ranks_never_mixes_attn_and_mlp():
+    groups = tg.muon_groups(muon_params(record_model()), 8)
+    labels = lambda group, rank: [p.label for p in groups[group].owned(rank)]
+    assert labels(0, 0) == ["smear_gate.weight"] and all(labels(0, r) == [] for r in range(1, 8))
+    assert [len(labels(1, r)) for r in range(8)] == [2, 2, 2, 2, 2, 0, 0, 0]
+    attn_layers = [[int(l.split(".")[1]) for l in labels(2, r)] for r in range(5)]
+    assert attn_layers == [[1, 2], [3, 4], [5, 6], [8, 9], [10, 11]]
+    assert [labels(2, r) for r in range(5, 8)] == [[f"blocks.{i}.mlp.c_fc", f"blocks.{i}.mlp.c_proj"] for i in (1, 2, 3)]
+    assert [labels(3, r) for r in range(8)] == [[f"blocks.{i}.mlp.c_fc", f"blocks.{i}.mlp.c_proj"] for i in range(4, 12)]
+    for group in groups:
+        for rank in range(8):
+            assert len({p.module_tag for p in group.owned(rank)}) <= 1
+
+
+def test_initial_loss_is_uniform_over_the_padded_vocabulary():
+    model = tiny_model().eval()
+    ids = torch.randint(0, TINY_VOCAB, (128,), dtype=torch.int32)
+    loss = model(ids, ids.long(), None, 1, 3, 128)
+    assert loss.item() == pytest.approx(math.log(512), abs=1e-5)
+    model.train()
+    assert model(ids, ids.long(), None, 1, 3, 128).item() == pytest.approx(128 * math.log(512), rel=1e-5)  # sum in training
+
+
+def test_every_parameter_gets_a_gradient_path_after_one_update():
+    model = tiny_model()
+    ids = torch.randint(0, TINY_VOCAB - 1, (128,), dtype=torch.int32)
+    ids[::37] = TINY_BOS
+    hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2)
+    adam, muon = tg.build_optimizers(model, hp, 0, 1)
+    for _ in range(2):  # zero-initialized matrices (O, c_proj, head) only pass gradient after a first step
+        model(ids, ids.long(), None, 1, 3, 128).backward()
+        adam.step()
+        muon.step()
+    model(ids, ids.long(), None, 1, 3, 128).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == ["scalars"] or missing == [], missing
+    used = model.scalars.grad != 0
+    assert used[:5].all() and not used[5:12].any() and used[60] and not used[61:].any()
+
+
+# ---- attention masks ----
+def random_documents(T: int, num_bos: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY_BOS, (T,), generator=g)
+    ids[torch.randint(0, T, (num_bos,), generator=g)] = TINY_BOS
+    return ids
+
+
+def block_mask_as_dense(mask, docs: torch.Tensor, block: int) -> torch.Tensor:
+    """What a block-sparse kernel sees: full blocks wholesale, mask_mod only inside partial blocks."""
+    T = docs.numel()
+    dense = torch.zeros(T, T, dtype=torch.bool)
+    q, k = torch.meshgrid(torch.arange(T), torch.arange(T), indexing="ij")
+    token_rule = mask.mask_mod(0, 0, q, k)
+    for counts, indices, full in ((mask.kv_num_blocks, mask.kv_indices, False), (mask.full_kv_num_blocks, mask.full_kv_indices, True)):
+        for qb in range(T // block):
+            for kb in indices[0, 0, qb, : counts[0, 0, qb]].tolist():
+                rows, cols = slice(qb * block, (qb + 1) * block), slice(kb * block, (kb + 1) * block)
+                dense[rows, cols] = True if full else token_rule[rows, cols]
+    return dense
+
+
+@pytest.mark.parametrize("window_blocks", [1, 2, 3, 5])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_flex_block_tables_are_token_exact(window_blocks, seed):
+    block = 16
+    ids = random_documents(192, num_bos=5 + 3 * seed, seed=seed)
+    docs = tg.document_ids(ids, TINY_BOS)
+    mask = tg.flex_window_mask(docs, window_blocks, block)
+    expected = tg.dense_window_mask(docs, window_blocks * block)
+    assert torch.equal(block_mask_as_dense(mask, docs, block), expected)
+    assert expected.sum(-1).max() == window_blocks * block + 1 or expected.sum(-1).max() < window_blocks * block + 1
+
+
+def test_flex_attention_eager_matches_reference_on_packed_documents():
+    torch.manual_seed(0)
+    ids = random_documents(256, num_bos=7, seed=3)
+    docs = tg.document_ids(ids, TINY_BOS)
+    q, k, v = (torch.randn(1, 256, 2, 32) for _ in range(3))
+    flex, ref = tg.Attention("flex", 32, TINY_BOS), tg.Attention("reference", 32, TINY_BOS)
+    for window in (1, 3, 4):
+        out_flex = flex(q, k, v, flex.prepare(ids, None, (window,), 256), window, 0.12)
+        out_ref = ref(q, k, v, ref.prepare(ids, None, (window,), 256), window, 0.12)
+        torch.testing.assert_close(out_flex, out_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_attention_respects_documents_and_window():
+    ids = torch.tensor([TINY_BOS, 1, 2, 3, TINY_BOS, 4, 5, 6])
+    mask = tg.dense_window_mask(tg.document_ids(ids, TINY_BOS), window=2)
+    assert mask[3].tolist() == [False, True, True, True, False, False, False, False]  # i - j <= 2, same doc
+    assert mask[4].tolist() == [False] * 4 + [True] + [False] * 3  # a BOS opens its own document
+
+
+# ---- FP8 head (CPU _scaled_mm exists in recent PyTorch; on CUDA it needs compute capability >= 8.9) ----
+def test_fp8_head_forward_and_backward_track_the_bf16_matmul():
+    torch.manual_seed(0)
+    x = tg.rms_norm(torch.randn(64, 768)).bfloat16().requires_grad_()
+    w = (torch.randn(256, 768) * 0.05).bfloat16().requires_grad_()
+    try:
+        logits = tg.fp8_head(x, w, tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)[0]
+    except (RuntimeError, NotImplementedError) as error:
+        pytest.skip(f"torch._scaled_mm unavailable on this CPU build: {error}")
+    reference = x.float() @ w.float().T
+    assert logits.dtype == torch.bfloat16
+    assert (logits.float() - reference).norm() / reference.norm() < 0.08
+    grad = torch.randn_like(reference) * 0.01
+    logits.backward(grad.bfloat16())
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    for got, want in ((x.grad, grad @ w.float()), (w.grad, grad.T @ x.float())):
+        assert (got.float() - want).norm() / want.norm() < 0.15
+
+
+# ---- optimizers ----
+def plain_adam_reference(param: torch.Tensor, grads: list[torch.Tensor], lr: float, betas=(0.8, 0.95), eps=1e-8) -> torch.Tensor:
+    """The spec's Adam in float64, with moments rounded to bf16 after each update as DistAdam stores them."""
+    p = param.double().clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        m = (betas[0] * m + (1 - betas[0]) * g).bfloat16().double()
+        v = (betas[1] * v + (1 - betas[1]) * g * g).bfloat16().double()
+        p = p - lr * math.sqrt(1 - betas[1] ** t) / (1 - betas[0] ** t) * m / (v.sqrt() + eps)
+    return p
+
+
+def test_dist_adam_matches_a_plain_adam_reference():
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(16, 8))
+    b = torch.nn.Parameter(torch.randn(24))
+    tg.tag(a, lr_mul=75.0)
+    tg.tag(b, lr_mul=5.0)
+    start_a, start_b = a.detach().clone(), b.detach().clone()
+    opt = tg.DistAdam([a, b], lr=0.008, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.0, rank=0, world_size=1)
+    grads = [(torch.randn(16, 8), torch.randn(24)) for _ in range(4)]
+    for ga, gb in grads:
+        a.grad, b.grad = ga.clone(), gb.clone()
+        opt.step()
+    # bf16 moments and a bf16 ratio m / (sqrt(v) + eps) carry ~2^-8 relative error per step; a wrong bias
+    # correction (e.g. none: the first step's factor is sqrt(0.05) / 0.2 = 1.12) would be 10x outside this.
+    for param, start, lr, index in ((a, start_a, 0.008 * 75, 0), (b, start_b, 0.008 * 5, 1)):
+        expected = plain_adam_reference(start, [g[index] for g in grads], lr)
+        assert (param.detach().double() - expected).abs().max() < 0.01 * lr * len(grads)
+        assert (param.detach().double() - start.double()).abs().max() > 0.5 * lr  # it did move
+    assert opt.state[a]["exp_avg"].dtype == torch.bfloat16 and int(opt.state[a]["step"]) == 4
+
+
+def test_muon_step_is_nesterov_momentum_then_newton_schulz_per_qkvo_slice():
+    model = tiny_model(dim=32)
+    params = muon_params(model)
+    torch.manual_seed(1)
+    grads = [torch.randn_like(p) for p in params]
+    before = [p.detach().clone() for p in params]
+    opt = tg.Muon(params, lr=0.05, momentum=0.9, weight_decay=0.0, rank=0, world_size=1)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    for p, g, p0 in zip(params, grads, before):
+        update = 0.1 * g + 0.9 * (0.1 * g)  # first step: m = (1 - mu) g; u = (1 - mu) g + mu m
+        if p.module_tag == "attn":
+            ortho = tg.newton_schulz_reference(update.view(4, 32, 32), torch.float32).reshape(p.shape)
+        else:
+            ortho = tg.newton_schulz_reference(update, torch.float32)
+        torch.testing.assert_close(p.detach(), p0 - 0.05 * ortho, atol=1e-5, rtol=1e-5, msg=p.label)
+
+
+def test_newton_schulz_reference_orthogonalizes():
+    torch.manual_seed(0)
+    G = torch.randn(3, 48, 96, dtype=torch.float64)
+    X = tg.newton_schulz_reference(G, torch.float64)
+    singular = torch.linalg.svdvals(X)
+    assert ((singular > 0.6) & (singular < 1.25)).all()  # the quintic's band around 1
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    assert torch.nn.functional.cosine_similarity(X.flatten(1), (U @ Vh).flatten(1)).min() > 0.95
+    assert tg.newton_schulz_reference(G.mT, torch.float64).shape == (3, 96, 48)  # tall input: transposed inside

@@ -1,0 +1,1448 @@
+"""Track 1 record script: GPT-2 (124M) on FineWeb to 3.28 validation loss.
+
+Implements the 2025-09-23 "MuonCustomSizing" record recipe (modded-nanogpt track 1) from its fact sheet:
+12 block slots with U-net skips, value embeddings, smear and attention gates, YaRN rotary, sliding-window
+document attention (FlashAttention-3 varlen, FlexAttention, or a plain reference), an FP8 head, Muon with
+custom parameter groups and Triton Newton-Schulz kernels, and a sharded Adam.
+
+    torchrun --standalone --nproc_per_node=8 train_gpt.py              # the record run
+    python train_gpt.py --preset=smoke                                  # tiny CPU run of the whole pipeline
+"""
+
+# =============================================================================================
+# Imports and setup helpers
+# =============================================================================================
+import argparse
+import copy
+import dataclasses
+import glob
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without Triton use the PyTorch Newton-Schulz
+    triton = None
+    tl = None
+
+try:
+    from flash_attn_interface import flash_attn_varlen_func  # FlashAttention-3 (Hopper); optional
+except ImportError:
+    flash_attn_varlen_func = None
+
+
+class UserError(Exception):
+    """A problem with the command line, the environment or the data: reported as one line, no traceback."""
+
+
+def ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+# =============================================================================================
+# Hyperparameters
+# =============================================================================================
+@dataclass
+class Hyperparameters:
+    # data (DATA_PATH, when set, is prefixed to both patterns)
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = 10_485_760  # fixed for comparability with every record
+    train_batch_size: int = 2048 * 24 * 8  # tokens per optimizer step, all ranks together
+    train_max_seq_len: int = 128 * 16  # documents are truncated to this many tokens
+    val_batch_size: int = 4 * 64 * 1024 * 8  # tokens per validation step, all ranks together
+    cycle_train_files: bool = False  # let small proxy datasets repeat; a record run never repeats data
+    # schedule
+    num_iterations: int = 1640  # the LR and window schedules are defined over this many steps
+    iteration_extension: int = 40  # extra steps at the final LR and windows
+    cooldown_frac: float = 0.5
+    val_loss_every: int = 125  # 0: validate only at the end
+    warmup_steps: int = 30  # untimed kernel warm-up steps (state restored afterwards)
+    # attention windows, in units of block_size tokens
+    block_size: int = 128
+    ws_schedule: tuple[int, ...] = (3, 7, 11)
+    ws_validate: int = 13
+    ws_long_validate: int = 20
+    # model (the record's constants; overridable for tiny test and smoke models)
+    vocab_size: int = 50257
+    bos_token: int = 50256  # GPT-2 <|endoftext|>, which opens every document
+    model_dim: int = 768
+    num_heads: int = 6
+    # optimizers
+    adam_lr: float = 0.008
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    muon_lr: float = 0.05
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85
+    muon_momentum_warmup_steps: int = 300
+    weight_decay: float = 0.0
+    # run
+    run_id: str = ""  # empty: a fresh uuid4
+    log_dir: str = "logs"
+    save_checkpoint: bool = False
+    compile: bool = True
+    attention_backend: str = "auto"  # auto | flash3 | flex | reference
+    disable_fp8: bool = False  # also the DISABLE_FP8 environment variable
+    seed: int = -1  # -1: unseeded like the record (parameters are broadcast from rank 0 anyway)
+
+
+ATTENTION_BACKENDS = ("auto", "flash3", "flex", "reference")
+NUM_LAYERS = 12  # block slots 0-11; the topology below is fixed for every preset
+GATE_INPUT_DIMS = 12  # smear and attention gates read the first 12 channels
+
+# Tiny configuration of the same 12-slot topology: the whole pipeline on CPU in well under two minutes.
+# Real GPT-2 vocabulary, so real shards work; per-rank micro-batches of 128 tokens at any world size.
+PRESETS: dict[str, dict[str, Any]] = {
+    "smoke": dict(
+        model_dim=64,
+        num_heads=2,
+        train_batch_size=8 * 128,
+        train_max_seq_len=128,
+        val_batch_size=8 * 256,
+        val_tokens=8 * 256 * 2,
+        num_iterations=32,
+        iteration_extension=4,
+        val_loss_every=12,
+        warmup_steps=3,
+        block_size=16,
+        compile=False,
+    ),
+}
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1"):
+        return True
+    if lowered in ("false", "0"):
+        return False
+    raise ValueError(f"expected true/false/1/0, got {text!r}")
+
+
+def _parse_int_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.replace("(", "").replace(")", "").split(",") if part.strip())
+
+
+def _value_parser(field_type: Any) -> Callable[[str], Any]:
+    if field_type is bool:
+        return _parse_bool
+    if field_type in (int, float, str):
+        return field_type
+    return _parse_int_tuple  # the only other field type is tuple[int, ...]
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise UserError(f"{message} (see --help)")
+
+
+def parse_args(argv: list[str]) -> tuple[Hyperparameters, dict[str, Any]]:
+    """Defaults are the record; --preset applies a named override set; explicit --name=value wins."""
+    parser = _ArgumentParser(prog="train_gpt.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS)
+    for f in dataclasses.fields(Hyperparameters):
+        parser.add_argument(f"--{f.name}", type=_value_parser(f.type), default=argparse.SUPPRESS, metavar=f.type.__name__ if isinstance(f.type, type) else "INTS")
+    explicit = vars(parser.parse_args(argv))
+    preset = explicit.pop("preset", None)
+    values = dict(PRESETS[preset]) if preset else {}
+    values.update(explicit)
+    if os.environ.get("DISABLE_FP8"):
+        values["disable_fp8"] = True
+    hp = Hyperparameters(**values)
+    validate_hyperparameters(hp)
+    overrides = ({"preset": preset} if preset else {}) | explicit
+    return hp, overrides
+
+
+def validate_hyperparameters(hp: Hyperparameters) -> None:
+    def need(condition: bool, message: str) -> None:
+        if not condition:
+            raise UserError(message)
+
+    need(hp.attention_backend in ATTENTION_BACKENDS, f"--attention_backend={hp.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    need(hp.model_dim % hp.num_heads == 0, f"--model_dim={hp.model_dim} must be a multiple of --num_heads={hp.num_heads}")
+    need((hp.model_dim // hp.num_heads) % 4 == 0, f"head dim {hp.model_dim // hp.num_heads} must be a multiple of 4 (half-truncated rotary)")
+    need(hp.model_dim >= GATE_INPUT_DIMS, f"--model_dim={hp.model_dim} must be at least {GATE_INPUT_DIMS} (the gates read 12 channels)")
+    need(0 <= hp.bos_token < hp.vocab_size, f"--bos_token={hp.bos_token} must lie in [0, vocab_size={hp.vocab_size})")
+    need(hp.block_size > 0 and hp.block_size % 16 == 0, f"--block_size={hp.block_size} must be a positive multiple of 16")
+    need(len(hp.ws_schedule) > 0 and min(hp.ws_schedule) >= 1, f"--ws_schedule={hp.ws_schedule} needs at least one window of >= 1 block")
+    for name in ("train_batch_size", "val_batch_size"):
+        tokens = getattr(hp, name)
+        need(tokens > 0 and tokens % (8 * hp.block_size) == 0, f"--{name}={tokens} must be a positive multiple of 8 x block_size = {8 * hp.block_size}")
+    need(hp.val_tokens > 0 and hp.val_tokens % hp.val_batch_size == 0, f"--val_tokens={hp.val_tokens} must be a positive multiple of --val_batch_size={hp.val_batch_size}")
+    need(hp.train_max_seq_len > 0, f"--train_max_seq_len={hp.train_max_seq_len} must be positive")
+    need(hp.num_iterations > 0 and hp.iteration_extension >= 0, "--num_iterations must be positive and --iteration_extension >= 0")
+    need(0.0 <= hp.cooldown_frac <= 1.0, f"--cooldown_frac={hp.cooldown_frac} must lie in [0, 1]")
+    need(hp.val_loss_every >= 0 and hp.warmup_steps >= 0, "--val_loss_every and --warmup_steps must be >= 0")
+
+
+# ---- schedules (step → value); the spec's boundary steps are tested ----
+def window_blocks(step: int, hp: Hyperparameters) -> tuple[int, int]:
+    """(short, long) attention windows in blocks. Denominator num_iterations + 1 is the record's (1641)."""
+    if step == hp.num_iterations + hp.iteration_extension:
+        return hp.ws_validate // 2, hp.ws_validate
+    progress = min(step / (hp.num_iterations + 1), 0.9999)
+    long_window = hp.ws_schedule[int(len(hp.ws_schedule) * progress)]
+    return long_window // 2, long_window
+
+
+def lr_multiplier(step: int, hp: Hyperparameters) -> float:
+    """Constant, then a linear cooldown to 0.1 over the last cooldown_frac of num_iterations."""
+    progress = min(0.9999, step / hp.num_iterations)
+    if progress < 1 - hp.cooldown_frac:
+        return 1.0
+    w = (1 - progress) / hp.cooldown_frac
+    return w * 1.0 + (1 - w) * 0.1
+
+
+def muon_momentum(step: int, hp: Hyperparameters) -> float:
+    frac = min(step / hp.muon_momentum_warmup_steps, 1.0) if hp.muon_momentum_warmup_steps > 0 else 1.0
+    return hp.muon_momentum_start * (1 - frac) + hp.muon_momentum * frac
+
+
+# =============================================================================================
+# Data
+# =============================================================================================
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+SHARD_HEADER_INTS = 256
+DOWNLOAD_HINT = "python data/cached_fineweb10B.py 9"
+QUICK_BOS_SCAN_TOKENS = 4_000_000  # the first shard's BOS index is built from this prefix first...
+QUICK_INDEX_BATCHES = 5  # ...and replaced by the full (background-built) index after this many batches
+
+
+class Batch(NamedTuple):
+    inputs: Tensor  # (T,) int32
+    targets: Tensor  # (T,) int64
+    cu_seqlens: Tensor | None  # (max_num_docs,) int32, document starts padded with T; only for FlashAttention-3
+
+
+def resolve_files(pattern: str, what: str) -> list[str]:
+    full_pattern = os.path.join(os.environ.get("DATA_PATH", "."), pattern) if os.environ.get("DATA_PATH") else pattern
+    files = sorted(glob.glob(full_pattern))
+    if not files:
+        raise UserError(f"no {what} files match {full_pattern!r}: download FineWeb shards with `{DOWNLOAD_HINT}` or pass --{what}_files=<glob>")
+    return files
+
+
+def read_shard_header(path: str) -> int:
+    """Validates magic, version and size; returns the token count."""
+    size = os.path.getsize(path)
+    if size < 4 * SHARD_HEADER_INTS:
+        raise UserError(f"{path}: {size} bytes is too short for a shard header; re-download or regenerate it")
+    header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
+    if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
+        raise UserError(f"{path}: not a token shard (magic {header[0]}, version {header[1]}; expected {SHARD_MAGIC}, {SHARD_VERSION})")
+    num_tokens = int(header[2])
+    if size != 4 * SHARD_HEADER_INTS + 2 * num_tokens:
+        raise UserError(f"{path}: header says {num_tokens} tokens but the file holds {(size - 1024) / 2:g}; the shard is truncated or corrupt")
+    return num_tokens
+
+
+def read_shard(path: str, vocab_size: int) -> np.ndarray:
+    num_tokens = read_shard_header(path)
+    tokens = np.fromfile(path, dtype="<u2", count=num_tokens, offset=4 * SHARD_HEADER_INTS)
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        raise UserError(f"{path}: token id {int(tokens.max())} >= vocab_size {vocab_size}; wrong tokenizer or --vocab_size")
+    return tokens
+
+
+def bos_positions(tokens: np.ndarray, bos_token: int) -> np.ndarray:
+    return np.flatnonzero(tokens == bos_token).astype(np.int64)
+
+
+def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
+    tensor = torch.from_numpy(array).to(dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def max_docs_per_batch(num_tokens_local: int) -> int:
+    """Fixed cu_seqlens length (static shapes): next multiple of 128 of tokens/300 (256 train, 896 val)."""
+    return max(128, ceil_to(num_tokens_local // 300, 128))
+
+
+def _cu_seqlens(starts: np.ndarray, num_tokens_local: int, max_num_docs: int, where: str) -> np.ndarray:
+    if starts.size + 1 > max_num_docs:
+        raise UserError(f"{where}: {starts.size} documents in one {num_tokens_local}-token micro-batch exceed the fixed limit {max_num_docs - 1}; the data has unusually short documents")
+    cu = np.full(max_num_docs, num_tokens_local, dtype=np.int32)
+    cu[: starts.size] = starts
+    return cu
+
+
+def plan_segments(bos: np.ndarray, shard_len: int, cursor: int, num_tokens_local: int, max_seq_len: int, world_size: int, index_is_complete: bool) -> tuple[list[list[tuple[int, int]]], int] | None:
+    """Cuts the next world_size rows of BOS-aligned segments (each row num_tokens_local + 1 tokens).
+
+    Every segment starts at a BOS; a document is cut at max_seq_len and each row's last segment is cut to
+    fit (remainders are dropped). Returns None when the BOS index runs out (the caller swaps shards).
+    With an incomplete (quick) index the last known BOS cannot start a segment: its end is unknown.
+    """
+    rows = []
+    usable = len(bos) if index_is_complete else len(bos) - 1
+    for _ in range(world_size):
+        segments, length = [], 0
+        while length <= num_tokens_local:
+            if cursor >= usable:
+                return None
+            start = int(bos[cursor])
+            next_start = int(bos[cursor + 1]) if cursor + 1 < len(bos) else shard_len
+            end = min(next_start, start + max_seq_len, start + num_tokens_local - length + 1)
+            segments.append((start, end))
+            length += end - start
+            cursor += 1
+        assert length == num_tokens_local + 1
+        rows.append(segments)
+    return rows, cursor
+
+
+def _shard_paths(files: list[str], cycle: bool) -> Iterator[str]:
+    while True:
+        yield from files
+        if not cycle:
+            return
+
+
+def train_loader(files: list[str], num_tokens_local: int, max_seq_len: int, rank: int, world_size: int, bos_token: int, vocab_size: int, cycle: bool, device: torch.device, with_cu_seqlens: bool) -> Iterator[Batch]:
+    """BOS-aligned training batches for this rank; lazy (the first shard is read at the first batch).
+
+    The next shard and its BOS index are loaded in a background thread while the current one is used.
+    """
+    max_num_docs = max_docs_per_batch(num_tokens_local)
+    pool = ThreadPoolExecutor(max_workers=1)
+    paths = _shard_paths(files, cycle)
+
+    def load(path: str) -> tuple[str, np.ndarray, np.ndarray]:
+        tokens = read_shard(path, vocab_size)
+        bos = bos_positions(tokens, bos_token)
+        if bos.size == 0:
+            raise UserError(f"{path}: no BOS token ({bos_token}) found; training shards must hold documents that each start with it")
+        return path, tokens, bos
+
+    def preload() -> Future | None:
+        path = next(paths, None)
+        return pool.submit(load, path) if path is not None else None
+
+    path = next(paths)
+    tokens = read_shard(path, vocab_size)
+    bos = bos_positions(tokens[:QUICK_BOS_SCAN_TOKENS], bos_token)
+    index_complete = tokens.size <= QUICK_BOS_SCAN_TOKENS
+    full_index = None if index_complete else pool.submit(bos_positions, tokens, bos_token)
+    if index_complete and bos.size == 0:
+        raise UserError(f"{path}: no BOS token ({bos_token}) found; training shards must hold documents that each start with it")
+    upcoming = preload()
+    cursor, served = 0, 0
+    while True:
+        if not index_complete and served >= QUICK_INDEX_BATCHES:
+            bos, index_complete = full_index.result(), True
+        plan = plan_segments(bos, tokens.size, cursor, num_tokens_local, max_seq_len, world_size, index_complete)
+        if plan is None:
+            if not index_complete:  # quick index exhausted early: switch to the full one and replan
+                bos, index_complete = full_index.result(), True
+                continue
+            if upcoming is None:
+                raise UserError(f"training data exhausted after {served} batches ({len(files)} files from the --train_files pattern); add shards or pass --cycle_train_files=true for small proxy datasets")
+            path, tokens, bos = upcoming.result()
+            upcoming, cursor = preload(), 0
+            continue
+        rows, cursor = plan
+        segments = rows[rank]
+        buffer = np.concatenate([tokens[start:end] for start, end in segments])
+        cu = None
+        if with_cu_seqlens:
+            lengths = np.array([end - start for start, end in segments], dtype=np.int64)
+            lengths[-1] -= 1  # the row's "+1" target token belongs to no input position
+            cu = _to_device(_cu_seqlens(np.concatenate([[0], np.cumsum(lengths)[:-1]]), num_tokens_local, max_num_docs, path), torch.int32, device)
+        served += 1
+        yield Batch(_to_device(buffer[:-1], torch.int32, device), _to_device(buffer[1:], torch.int64, device), cu)
+
+
+def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, steps_per_batch: int) -> int:
+    """Counts validation tokens usable by the windowed reader; clear error when too short."""
+    micro_tokens = val_batch_size // steps_per_batch
+    usable = sum((read_shard_header(path) - 1) // micro_tokens * micro_tokens for path in files)
+    if usable < val_tokens:
+        raise UserError(f"validation data too short: {usable} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens")
+    return sum(read_shard_header(path) for path in files)
+
+
+def val_loader(files: list[str], num_tokens_local: int, rank: int, world_size: int, bos_token: int, vocab_size: int, device: torch.device, with_cu_seqlens: bool) -> Iterator[Batch]:
+    """Contiguous, unaligned validation windows; every evaluation sees the same first tokens."""
+    max_num_docs = max_docs_per_batch(num_tokens_local)
+    num_tokens = num_tokens_local * world_size
+    paths = iter(files)
+    path = next(paths)
+    tokens, pos = read_shard(path, vocab_size), 0
+    while True:
+        if pos + num_tokens + 1 > tokens.size:  # the window needs num_tokens + 1 tokens
+            path = next(paths, None)
+            if path is None:
+                raise UserError("validation data exhausted; add validation shards or lower --val_tokens")
+            tokens, pos = read_shard(path, vocab_size), 0
+            continue
+        start = pos + rank * num_tokens_local
+        buffer = tokens[start : start + num_tokens_local + 1]
+        cu = None
+        if with_cu_seqlens:  # tokens before the first BOS form document 0 (a BOS at 0 makes it empty)
+            starts = np.concatenate([[0], bos_positions(buffer[:-1], bos_token)])
+            cu = _to_device(_cu_seqlens(starts, num_tokens_local, max_num_docs, path), torch.int32, device)
+        pos += num_tokens
+        yield Batch(_to_device(buffer[:-1], torch.int32, device), _to_device(buffer[1:], torch.int64, device), cu)
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """Writes a shard in the FineWeb format; never overwrites an existing file."""
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
+    with open(path, "xb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+
+
+def synthetic_tokens(num_tokens: int, vocab_size: int, bos_token: int, seed: int) -> np.ndarray:
+    """Learnable toy text: documents of 20-200 tokens, each a random walk over 256 token ids after a BOS."""
+    rng = np.random.default_rng(seed)
+    alphabet = min(256, vocab_size - 1)
+    steps = rng.choice([1, 1, 1, 2, 3, -1, 5], size=num_tokens)
+    tokens = (np.cumsum(steps) % alphabet).astype(np.int64)
+    tokens = np.where(tokens >= bos_token, tokens + 1, tokens)  # keep the BOS id for document starts
+    doc_starts = np.cumsum(rng.integers(20, 200, size=num_tokens // 20 + 1))
+    tokens[np.concatenate([[0], doc_starts[doc_starts < num_tokens]])] = bos_token
+    return tokens
+
+
+def generate_smoke_shards(folder: Path, hp: Hyperparameters) -> tuple[str, str]:
+    """Small deterministic shards for the smoke preset (reused when already present). Each of the two train
+    shards alone holds twice the run's tokens: BOS alignment drops the cut remainders of documents."""
+    folder.mkdir(parents=True, exist_ok=True)
+    train_tokens = 2 * hp.train_batch_size * (hp.num_iterations + hp.iteration_extension + hp.warmup_steps + 1)
+    for name, size, seed in (("smoke_train_000001.bin", train_tokens, 1), ("smoke_train_000002.bin", train_tokens, 2), ("smoke_val_000000.bin", hp.val_tokens + 1, 3)):
+        if not (folder / name).exists():
+            write_shard(folder / name, synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed))
+    return str(folder / "smoke_train_*.bin"), str(folder / "smoke_val_*.bin")
+
+
+# =============================================================================================
+# Model
+# =============================================================================================
+# Attention and MLP matrices are raw fp32 Parameters of one shared stored shape (D, 4D) so Muon can batch
+# them; every parameter carries `module_tag` (Muon grouping), `lr_mul` and `wd_mul` (optimizer scaling),
+# and `label` (its name, for the log).
+ATTENTION_LAYERS_SKIPPED = (0, 7)
+VALUE_EMBED_FOR_LAYER = (None, 1, 2, None, None, None, None, None, None, 0, 1, 2)  # 0-1-2 ... 0-1-2
+LONG_WINDOW_LAYERS = (4, 11)  # every other attention layer uses the short window
+UNET_SKIP_PAIRS = 5  # pushes after layers 1-5, pops (LIFO) before layers 6-10
+
+
+def tag(param: nn.Parameter, module_tag: str | None = None, lr_mul: float = 1.0, wd_mul: float = 1.0) -> nn.Parameter:
+    param.module_tag, param.lr_mul, param.wd_mul = module_tag, lr_mul, wd_mul
+    return param
+
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))  # PyTorch's default eps, no weight anywhere in Track 1
+
+
+class CastedLinear(nn.Linear):
+    """Bias-free linear whose weight is cast to the activation dtype at use."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight.type_as(x))
+
+
+# ---- FP8 head: torch._scaled_mm with static scales, saved FP8 copies, and its own backward ----
+FP8_X_SCALE = math.sqrt(768) / 448  # |RMS-normed x| <= sqrt(768); 448 = largest e4m3 value
+FP8_W_SCALE = 2.0**-9
+FP8_GRAD_SCALE = 1.0 / 448
+
+
+def _scale(value: float, like: Tensor) -> Tensor:
+    return torch.full((), value, dtype=torch.float32, device=like.device)  # a fill kernel: no host copy, no sync
+
+
+@torch.library.custom_op("train_gpt::fp8_head", mutates_args=())
+def fp8_head(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(x/x_s)(w/w_s)^T in e4m3 with fast accumulation, rescaled; returns bf16 logits and the FP8 copies."""
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    logits = torch._scaled_mm(x_f8, w_f8.T, scale_a=_scale(x_s, x), scale_b=_scale(w_s, x), out_dtype=torch.bfloat16, use_fast_accum=True)
+    return logits, x_f8, w_f8
+
+
+@fp8_head.register_fake
+def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    return x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn)
+
+
+@torch.library.custom_op("train_gpt::fp8_head_backward", mutates_args=())
+def fp8_head_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    """grad_x = (g/grad_s)(w/w_s) in bf16, grad_w = ((x/x_s)^T (g/grad_s))^T in fp32; g in e5m2, no fast accumulation."""
+    grad_f8 = grad.div(grad_s).to(torch.float8_e5m2)
+    column_major = lambda t: t.T.contiguous().T  # _scaled_mm wants its second operand column-major
+    grad_x = torch._scaled_mm(grad_f8, column_major(w_f8), scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), out_dtype=torch.bfloat16, use_fast_accum=False)
+    grad_w = torch._scaled_mm(x_f8.T.contiguous(), column_major(grad_f8), scale_a=_scale(x_s, grad), scale_b=_scale(grad_s, grad), out_dtype=torch.float32, use_fast_accum=False).T
+    return grad_x, grad_w
+
+
+@fp8_head_backward.register_fake
+def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
+
+
+def _fp8_head_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    _, _, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8 = output
+    ctx.save_for_backward(x_f8, w_f8)  # the FP8 copies, not the bf16 originals
+    ctx.scales = (x_s, w_s, grad_s)
+
+
+def _fp8_head_backward(ctx: Any, grad_logits: Tensor, *_unused: Any) -> tuple:
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = fp8_head_backward(grad_logits, x_f8, w_f8, *ctx.scales)
+    return grad_x, grad_w, None, None, None  # autograd casts grad_w to the bf16 weight dtype
+
+
+fp8_head.register_autograd(_fp8_head_backward, setup_context=_fp8_head_setup_context)
+
+
+class LMHead(CastedLinear):
+    """Vocabulary projection: FP8 in training when enabled, plain matmul in eval (and on CPU)."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__(dim, vocab)
+        self.use_fp8 = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training and self.use_fp8:
+            flat = x.flatten(0, -2)
+            logits = fp8_head(flat, self.weight, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
+            return logits.view(*x.shape[:-1], -1)
+        return super().forward(x)
+
+
+# ---- rotary embedding with YaRN ----
+class Rotary(nn.Module):
+    """Half-truncated rotary: head_dim/4 frequencies log-spaced from 1 to 1/1024, then head_dim/4 zeros.
+
+    Positions are indices into the rank's packed buffer. YaRN updates compound on the current frequencies.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, block_size: int, table_dtype: torch.dtype):
+        super().__init__()
+        quarter = head_dim // 4
+        base = torch.cat([(1 / 1024) ** torch.linspace(0, 1, quarter, dtype=torch.float32), torch.zeros(quarter)])
+        self.register_buffer("base_freqs", base, persistent=False)
+        self.register_buffer("freqs", base.clone(), persistent=False)
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
+        self.block_size = block_size
+        self.attn_scale = 0.1
+        self.reset()
+
+    @torch.no_grad()
+    def _refresh_tables(self) -> None:
+        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32, device=self.freqs.device), self.freqs)
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        self.freqs.copy_(self.base_freqs)
+        self.attn_scale = 0.1
+        self._refresh_tables()
+
+    @torch.no_grad()
+    def apply_yarn(self, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0) -> None:
+        """Stretch the long context from old_window to new_window blocks (YaRN, 2025-09-10 record)."""
+        rotations = self.block_size * old_window * self.freqs / (2 * math.pi)
+        ratio = old_window / new_window
+        ramp = ((rotations - alpha) / (beta - alpha)).clamp(0, 1)
+        self.freqs.mul_(ratio + ramp * (1 - ratio))
+        self._refresh_tables()
+        self.attn_scale *= 0.2 * math.log(new_window / old_window) + 1
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (1, T, H, d)
+        cos = self.cos[None, : x.size(1), None, :]
+        sin = self.sin[None, : x.size(1), None, :]
+        x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+
+
+# ---- attention backends ----
+# Key j is visible to query i iff same document, j <= i and i - j <= W tokens (FA3's window (W, 0)).
+def document_ids(ids: Tensor, bos_token: int) -> Tensor:
+    """Inclusive prefix count of BOS tokens: a BOS belongs to the document it opens."""
+    return (ids == bos_token).cumsum(0, dtype=torch.int32)
+
+
+def dense_window_mask(docs: Tensor, window: int) -> Tensor:
+    pos = torch.arange(docs.numel(), device=docs.device)
+    offset = pos[:, None] - pos[None, :]
+    return (offset >= 0) & (offset <= window) & (docs[:, None] == docs[None, :])
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Plain masked softmax attention on (1, T, H, d) tensors: the CPU path and the tests' oracle."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.float()).type_as(q)
+
+
+def _kv_block_table(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Boolean (NB, NB) block matrix → (counts (1,1,NB), indices (1,1,NB,NB)), selected blocks first."""
+    order = torch.where(blocks, torch.arange(blocks.size(1), device=blocks.device), -1)
+    indices = torch.argsort(order, dim=-1, descending=True)
+    return blocks.sum(dim=-1, dtype=torch.int32)[None, None], indices.to(torch.int32)[None, None]
+
+
+def flex_window_mask(docs: Tensor, window_blocks: int, block_size: int) -> BlockMask:
+    """Token-exact document-causal sliding-window BlockMask (spec §22.2: window in the dense block tables).
+
+    With d = query block - key block: blocks with d in [1, W-1] inside one document are fully visible;
+    the diagonal, document-cut blocks and the band d = W are partial (token rule applied); d > W is empty.
+    """
+    num_blocks = docs.numel() // block_size
+    per_block = docs.view(num_blocks, block_size)
+    first, last = per_block[:, 0], per_block[:, -1]
+    blk = torch.arange(num_blocks, device=docs.device)
+    distance = blk[:, None] - blk[None, :]
+    may_overlap = (distance >= 0) & (first[:, None] <= last[None, :]) & (last[:, None] >= first[None, :])
+    one_document = (first[:, None] == last[None, :]) & (last[:, None] == first[None, :])
+    full = one_document & (distance >= 1) & (distance <= window_blocks - 1)
+    partial = may_overlap & (distance <= window_blocks) & ~full
+    window = window_blocks * block_size
+
+    def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & (docs[q_idx] == docs[kv_idx])
+
+    partial_count, partial_index = _kv_block_table(partial)
+    full_count, full_index = _kv_block_table(full)
+    return BlockMask.from_kv_blocks(partial_count, partial_index, full_count, full_index, BLOCK_SIZE=block_size, mask_mod=visible)
+
+
+class AttentionInputs(NamedTuple):
+    """What every attention layer of one forward needs; masks are built once per forward and window."""
+
+    masks: dict[int, Any]  # window in blocks → BlockMask (flex) or dense bool mask (reference)
+    cu_seqlens: Tensor | None
+    max_seqlen: int
+
+
+class Attention:
+    """Chooses the attention implementation once per run; the name is written to the log."""
+
+    def __init__(self, backend: str, block_size: int, bos_token: int):
+        self.backend, self.block_size, self.bos_token = backend, block_size, bos_token
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: tuple[int, ...], max_seqlen: int) -> AttentionInputs:
+        if self.backend == "flash3":
+            return AttentionInputs({}, cu_seqlens, max_seqlen)
+        docs = document_ids(ids, self.bos_token)
+        if self.backend == "flex":
+            return AttentionInputs({w: flex_window_mask(docs, w, self.block_size) for w in windows}, None, max_seqlen)
+        return AttentionInputs({w: dense_window_mask(docs, w * self.block_size) for w in windows}, None, max_seqlen)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window_blocks: int, scale: float) -> Tensor:
+        """q, k, v, result: (1, T, H, d)."""
+        if self.backend == "flash3":
+            # UNTESTED here (no FlashAttention-3 build on our machines): the record's varlen call.
+            y = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=inputs.cu_seqlens, cu_seqlens_k=inputs.cu_seqlens, max_seqlen_q=inputs.max_seqlen, max_seqlen_k=inputs.max_seqlen, softmax_scale=scale, causal=True, window_size=(window_blocks * self.block_size, 0))
+            return y.unsqueeze(0)
+        mask = inputs.masks[window_blocks]
+        if self.backend == "flex":
+            return flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale).transpose(1, 2)
+        return reference_attention(q, k, v, mask, scale)
+
+
+def choose_attention_backend(requested: str, device: torch.device) -> str:
+    if requested == "flash3" and flash_attn_varlen_func is None:
+        raise UserError("--attention_backend=flash3 but flash_attn_interface (FlashAttention-3) does not import; use auto, flex or reference")
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "flash3" if flash_attn_varlen_func is not None else "flex"
+    return "reference"
+
+
+# ---- blocks ----
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        # (D, 4D) storage reinterpreted as (4, D, D) = W_Q, W_K, W_V, W_O in (out, in) convention.
+        self.qkvo_w = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "attn")
+        self.attn_gate = CastedLinear(GATE_INPUT_DIMS, num_heads)
+        tag(self.attn_gate.weight, "attn_gate")
+
+    def forward(self, x: Tensor, value_embed: Tensor | None, mix: Tensor, rotary: Rotary, attention: Attention, inputs: AttentionInputs, window_blocks: int) -> Tensor:
+        T, D = x.size(1), x.size(2)
+        weights = self.qkvo_w.view(4, D, D).type_as(x)
+        qkv = F.linear(x, weights[:3].flatten(0, 1)).view(1, T, 3 * self.num_heads, self.head_dim)
+        q, k, v = qkv.chunk(3, dim=-2)
+        q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
+        v = mix[0] * v + mix[1] * value_embed.view_as(v) if value_embed is not None else mix[0] * v
+        y = attention(q, k, v, inputs, window_blocks, rotary.attn_scale)
+        y = y * torch.sigmoid(self.attn_gate(x[..., :GATE_INPUT_DIMS])).unsqueeze(-1)  # sparse per-head gate
+        return F.linear(y.reshape(1, T, D), weights[3])
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.c_fc = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as h @ c_fc
+        self.c_proj = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as a @ c_proj^T
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(F.relu(x @ self.c_fc.type_as(x)).square(), self.c_proj.type_as(x))
+
+
+class Block(nn.Module):
+    def __init__(self, layer: int, dim: int, num_heads: int):
+        super().__init__()
+        self.attn = CausalSelfAttention(dim, num_heads) if layer not in ATTENTION_LAYERS_SKIPPED else None
+        self.mlp = MLP(dim) if layer != 0 else None
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, num_heads: int, max_seq_len: int, block_size: int, world_size: int, attention: Attention, table_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        padded_vocab = ceil_to(vocab_size, 128)  # padding rows train normally and are never targets
+        self.attention = attention
+        self.embed = nn.Embedding(padded_vocab, dim)
+        self.value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, dim) for _ in range(3))
+        self.smear_gate = CastedLinear(GATE_INPUT_DIMS, 1)
+        self.blocks = nn.ModuleList(Block(layer, dim, num_heads) for layer in range(NUM_LAYERS))
+        self.rotary = Rotary(dim // num_heads, max_seq_len, block_size, table_dtype)
+        self.lm_head = LMHead(dim, padded_vocab)
+        L = NUM_LAYERS
+        pad = (-6 * L) % world_size  # DistAdam shards the scalars along dim 0
+        self.scalars = nn.Parameter(torch.cat([
+            torch.full((L,), -1.5),  # 0..L-1: U-net skip gates (sigmoid), 0-4 used
+            torch.tensor([1.0, 0.0]).repeat(L),  # 12..35: block lambdas (a_i, b_i)
+            torch.tensor([0.5, 0.5]).repeat(L),  # 36..59: value mixing (s0, s1)
+            torch.zeros(L),  # 60..71: smear lambda at 60
+            torch.ones(pad),
+        ]))
+        for table in (self.embed, *self.value_embeds):
+            tag(table.weight, lr_mul=75.0)
+        tag(self.smear_gate.weight, "smear_gate")
+        tag(self.lm_head.weight, lr_mul=1.0)
+        tag(self.scalars, lr_mul=5.0)
+        for name, param in self.named_parameters():
+            param.label = name
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        dim = self.embed.embedding_dim
+        bound = math.sqrt(3) * 0.5 * dim**-0.5  # uniform with std 0.5/sqrt(dim): 1/32 at dim 768
+        for table in (self.embed, *self.value_embeds):
+            nn.init.normal_(table.weight)
+        for zeroed in (self.smear_gate.weight, self.lm_head.weight):
+            zeroed.zero_()
+        for block in self.blocks:
+            if block.attn is not None:
+                qkvo = block.attn.qkvo_w.view(4, dim, dim)
+                qkvo[:3].uniform_(-bound, bound)
+                qkvo[3].zero_()
+                block.attn.attn_gate.weight.zero_()
+            if block.mlp is not None:
+                block.mlp.c_fc.uniform_(-bound, bound)
+                block.mlp.c_proj.zero_()
+
+    def forward(self, ids: Tensor, targets: Tensor, cu_seqlens: Tensor | None, ws_short: int, ws_long: int, max_seqlen: int) -> Tensor:
+        """Sum of token losses in training, mean in eval. ws_* are Python ints: each (window, attn_scale)
+        pair compiles its own graph (3 in training, a few more in eval), as in the record."""
+        s = self.scalars
+        inputs = self.attention.prepare(ids, cu_seqlens, (ws_short, ws_long), max_seqlen)
+        value_embeds = [table(ids)[None] for table in self.value_embeds]
+        x = self.embed(ids)
+        # smear: mix the previous token's embedding into each position, gated by the current token
+        gate = torch.sigmoid(self.smear_gate(x[1:, :GATE_INPUT_DIMS]))
+        x = torch.cat([x[:1], x[1:] + s[60] * gate * x[:-1]])
+        x = x0 = rms_norm(x)[None]
+        skips = []
+        for layer in range(1, NUM_LAYERS):  # block 0 holds nothing and never runs
+            if NUM_LAYERS // 2 <= layer < NUM_LAYERS // 2 + UNET_SKIP_PAIRS:
+                x = x + torch.sigmoid(s[layer - NUM_LAYERS // 2]) * skips.pop()
+            block = self.blocks[layer]
+            x = s[12 + 2 * layer] * x + s[13 + 2 * layer] * x0
+            if block.attn is not None:
+                ve_index = VALUE_EMBED_FOR_LAYER[layer]
+                window = ws_long if layer in LONG_WINDOW_LAYERS else ws_short
+                mix = s[36 + 2 * layer : 38 + 2 * layer]
+                x = x + block.attn(rms_norm(x), value_embeds[ve_index] if ve_index is not None else None, mix, self.rotary, self.attention, inputs, window)
+            x = x + block.mlp(rms_norm(x))
+            if layer <= UNET_SKIP_PAIRS:
+                skips.append(x)
+        logits = self.lm_head(rms_norm(x)).float()
+        logits = 30 * torch.sigmoid(logits / 7.5)  # soft-cap into (0, 30)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum" if self.training else "mean")
+
+
+def matmul_parameter_count(model: GPT) -> int:
+    """Parameters of the matrices multiplied in the forward: attention qkvo, MLP, lm_head."""
+    return sum(p.numel() for p in model.parameters() if p.module_tag in ("attn", "mlp")) + model.lm_head.weight.numel()
+
+
+def embedding_parameter_count(model: GPT) -> int:
+    return sum(t.weight.numel() for t in (model.embed, *model.value_embeds))
+
+
+def attention_flops_per_token(hp: Hyperparameters, train_steps: int) -> int:
+    """Forward attention FLOPs per token averaged over the training schedule, window-limited upper bound:
+    sum over attention layers of 4 * model_dim * (W + 1) (QK^T and PV, 2 FLOPs per multiply-add, W + 1 keys
+    per query); document starts, which shorten the reach, are ignored."""
+    total = 0
+    for step in range(train_steps):
+        ws_short, ws_long = window_blocks(step, hp)
+        for layer in range(NUM_LAYERS):
+            if layer not in ATTENTION_LAYERS_SKIPPED:
+                window = (ws_long if layer in LONG_WINDOW_LAYERS else ws_short) * hp.block_size
+                total += 4 * hp.model_dim * (min(window, hp.train_max_seq_len - 1) + 1)
+    return round(total / max(train_steps, 1))
+
+
+# =============================================================================================
+# Optimizers
+# =============================================================================================
+class _Finished:
+    """Stands in for a distributed Work handle when there is nothing to communicate (one process)."""
+
+    def wait(self) -> None:
+        pass
+
+
+def reduce_scatter_avg(out: Tensor, stacked: Tensor, world_size: int) -> Any:
+    """Async: rank r receives the cross-rank average of stacked's r-th slice along dim 0."""
+    if world_size == 1:
+        out.copy_(stacked)
+        return _Finished()
+    return dist.reduce_scatter_tensor(out, stacked, op=dist.ReduceOp.AVG, async_op=True)
+
+
+def all_gather_into(out: Tensor, local: Tensor, world_size: int) -> Any:
+    if world_size == 1:
+        if out.data_ptr() != local.data_ptr():
+            out.copy_(local)
+        return _Finished()
+    return dist.all_gather_into_tensor(out, local, async_op=True)
+
+
+# ---- Newton-Schulz orthogonalization ----
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic iteration (a, b, c), Muon (K. Jordan, 2024)
+NS_STEPS = 5
+
+
+def _ns_normalize(G: Tensor, dtype: torch.dtype) -> tuple[Tensor, bool]:
+    X = G.to(dtype)
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:
+        X = X.mT
+    return X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7), transposed
+
+
+def newton_schulz_reference(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Batched 5-step Newton-Schulz in plain PyTorch: X <- aX + (bA + cA^2)X with A = XX^T."""
+    X, transposed = _ns_normalize(G, dtype)
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(NS_STEPS):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if transposed else X
+
+
+if triton is not None:
+
+    @triton.jit
+    def _symmetric_matmul_kernel(src_ptr, add_ptr, out_ptr, M, K: tl.constexpr, stride_sb, stride_sm, stride_sk, stride_ab, stride_am, stride_an, stride_ob, stride_om, stride_on, alpha, beta, HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """out[b] = S S^T (or alpha S S^T + beta A) for S = src[b] of shape (M, K).
+
+        The output is symmetric, so tiles lying wholly above the diagonal exit at once; every computed
+        tile is stored twice, at its place and mirrored. Grid: (tiles, batch). K is a compile-time constant
+        (a fixed loop trip count; the few matrix shapes of a run each compile once).
+        """
+        pid = tl.program_id(0)
+        batch = tl.program_id(1)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(M, BLOCK_N)
+        tiles_per_band = GROUP_M * tiles_n  # bands of GROUP_M tile rows share column strips in cache
+        band = pid // tiles_per_band
+        first_m = band * GROUP_M
+        band_rows = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % tiles_per_band) % band_rows
+        pid_n = (pid % tiles_per_band) // band_rows
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        if row0 + BLOCK_M <= col0:
+            return
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        src = src_ptr + batch * stride_sb
+        left = src + (rows % M)[:, None] * stride_sm + ks[None, :] * stride_sk  # indices wrap: loads stay in bounds
+        right = src + (cols % M)[None, :] * stride_sm + ks[:, None] * stride_sk  # the column strip, read transposed
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(left, mask=ks[None, :] < K - k0, other=0.0)
+            b = tl.load(right, mask=ks[:, None] < K - k0, other=0.0)
+            acc = tl.dot(a, b, acc)
+            left += BLOCK_K * stride_sk
+            right += BLOCK_K * stride_sk
+        if HAS_ADD:
+            addend = tl.load(add_ptr + batch * stride_ab + (rows % M)[:, None] * stride_am + (cols % M)[None, :] * stride_an)
+            acc = alpha * acc + beta * addend.to(tl.float32)
+        result = acc.to(out_ptr.dtype.element_ty)
+        inside = (rows[:, None] < M) & (cols[None, :] < M)
+        out = out_ptr + batch * stride_ob
+        tl.store(out + rows[:, None] * stride_om + cols[None, :] * stride_on, result, mask=inside)
+        tl.store(out + cols[None, :] * stride_om + rows[:, None] * stride_on, result, mask=inside)
+
+    def _symmetric_matmul_configs() -> list:
+        return [
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
+            for bm in (64, 128) for bn in (64, 128, 256) for bk in (64, 128) for stages, warps in ((3, 4), (3, 8), (4, 4))
+            if max(bm, bn) <= 2 * min(bm, bn)
+        ]
+
+    _symmetric_matmul_autotuned = triton.autotune(configs=_symmetric_matmul_configs(), key=["M", "K", "stride_sm", "stride_sk"])(_symmetric_matmul_kernel)
+
+
+def symmetric_matmul(src: Tensor, out: Tensor, add: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, config: dict[str, int] | None = None) -> Tensor:
+    """out = src src^T, or alpha src src^T + beta add (add symmetric, same shape as out); batched (B, M, K).
+
+    config=None autotunes (CUDA); an explicit {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M} runs the plain kernel
+    (used by the TRITON_INTERPRET tests on CPU)."""
+    batch, M, K = src.shape
+    addend = add if add is not None else out
+    args = (src, addend, out, M, K, *src.stride(), *addend.stride(), *out.stride(), alpha, beta)
+    if config is None:
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(M, meta["BLOCK_N"]), batch)
+        _symmetric_matmul_autotuned[grid](*args, HAS_ADD=add is not None)
+    else:
+        grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(M, config["BLOCK_N"]), batch)
+        _symmetric_matmul_kernel[grid](*args, HAS_ADD=add is not None, **config)
+    return out
+
+
+def newton_schulz_triton(G: Tensor, config: dict[str, int] | None = None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Same iteration as newton_schulz_reference; X X^T and bA + cA^2 computed by the symmetric kernel."""
+    X, transposed = _ns_normalize(G, dtype)
+    X = X.contiguous()
+    squeeze = X.dim() == 2
+    if squeeze:
+        X = X[None]
+    batch, M, K = X.shape
+    A = X.new_empty(batch, M, M)
+    B = torch.empty_like(A)
+    spare = torch.empty_like(X)
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(NS_STEPS):
+        symmetric_matmul(X, A, config=config)
+        symmetric_matmul(A, B, add=A, alpha=c, beta=b, config=config)  # A A^T = A^2 since A is symmetric
+        torch.baddbmm(X, B, X, beta=a, alpha=1.0, out=spare)
+        X, spare = spare, X
+    X = X[0] if squeeze else X
+    return X.mT if transposed else X
+
+
+def orthogonalize(G: Tensor) -> Tensor:
+    """Triton kernels on CUDA for matrices big enough to tile; PyTorch elsewhere (bf16; fp32 on CPU)."""
+    if G.device.type == "cuda" and triton is not None and min(G.shape[-2:]) >= 64:
+        return newton_schulz_triton(G)
+    return newton_schulz_reference(G, torch.bfloat16 if G.device.type == "cuda" else torch.float32)
+
+
+# ---- Muon with custom parameter groups ----
+MUON_MODULE_ORDER = {"smear_gate": 0, "attn_gate": 1, "attn": 2, "mlp": 3}  # small groups first
+MUON_MAX_GROUP = 16  # two matrices per rank at 8 GPUs; attn and mlp share the stored shape
+MUON_MATRIX_TAGS = ("attn", "mlp")
+
+
+class MuonGroup(NamedTuple):
+    params: list[nn.Parameter]
+    padded: int  # group size rounded up to a multiple of world_size (zero padding)
+    chunk: int  # entries per rank
+
+    def owned(self, rank: int) -> list[nn.Parameter]:
+        return self.params[rank * self.chunk : (rank + 1) * self.chunk]
+
+
+def muon_groups(params: list[nn.Parameter], world_size: int) -> list[MuonGroup]:
+    """Sorts by module tag (stable) and cuts runs of one kind and shape into groups of <= MUON_MAX_GROUP.
+
+    For the 124M model this gives [1, 10, 16, 16]: smear_gate | attn_gate | 10 attn + 6 mlp | 16 mlp; at
+    8 ranks (chunk 2) no rank's chunk mixes attn and mlp. Membership does not depend on world_size; only
+    the padding does, and the Q/K/V/O reshape is chosen per parameter, so every world size does the same math.
+    """
+    ordered = sorted(params, key=lambda p: MUON_MODULE_ORDER[p.module_tag])
+    kind = lambda p: ("matrix" if p.module_tag in MUON_MATRIX_TAGS else p.module_tag, tuple(p.shape))
+    runs: list[list[nn.Parameter]] = []
+    for p in ordered:
+        if runs and kind(runs[-1][0]) == kind(p) and len(runs[-1]) < MUON_MAX_GROUP:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [MuonGroup(run, ceil_to(len(run), world_size), ceil_to(len(run), world_size) // world_size) for run in runs]
+
+
+def _orthogonalize_chunk(updates: Tensor, owned: list[nn.Parameter]) -> Tensor:
+    """NS per entry; attn matrices as four (D, D) pieces (Q, K, V, O), zero for padding entries."""
+    result = torch.zeros_like(updates, dtype=torch.bfloat16 if updates.device.type == "cuda" else torch.float32)
+    attn = [i for i, p in enumerate(owned) if p.module_tag == "attn"]
+    other = [i for i, p in enumerate(owned) if p.module_tag != "attn"]
+    if attn:
+        rows = updates.size(1)
+        stacked = updates[attn].reshape(len(attn) * 4, rows, -1)
+        result[attn] = orthogonalize(stacked).reshape(len(attn), *updates.shape[1:]).to(result.dtype)
+    if other:
+        result[other] = orthogonalize(updates[other]).to(result.dtype)
+    return result
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton-Schulz, sharded: each rank orthogonalizes its chunk of each group.
+
+    Pass 1 launches every group's reduce-scatter; pass 2 waits per group, applies Nesterov momentum, weight
+    decay and Newton-Schulz to the local chunk and launches its all-gather; pass 3 copies the results back.
+    """
+
+    def __init__(self, params: list[nn.Parameter], lr: float, momentum: float, weight_decay: float, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.layout = muon_groups(params, world_size)
+        super().__init__([dict(params=g.params) for g in self.layout], dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        reductions = []
+        for group, layout in zip(self.param_groups, self.layout):
+            grads = [p.grad for p in layout.params]
+            grads += [torch.zeros_like(grads[0])] * (layout.padded - len(grads))
+            local = grads[0].new_empty(layout.chunk, *grads[0].shape)
+            reductions.append((group, layout, local, reduce_scatter_avg(local, torch.stack(grads), self.world_size)))
+        gathers = []
+        for group, layout, grad, work in reductions:
+            work.wait()
+            owned = layout.owned(self.rank)
+            first = layout.params[0]
+            state = self.state[first]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad)
+            momentum = state["momentum_buffer"]
+            mu = group["momentum"]
+            momentum.lerp_(grad, 1 - mu)
+            update = grad.lerp_(momentum, mu)  # Nesterov: (1 - mu) g + mu m, with the updated m
+            rows, cols = first.shape[-2:]
+            eff_lr = group["lr"] * max(1.0, rows / cols) ** 0.5 * first.lr_mul
+            eff_wd = group["lr"] * group["weight_decay"] * first.wd_mul
+            slots = torch.zeros(layout.chunk, *first.shape, dtype=first.dtype, device=first.device)  # padding stays 0
+            if owned:
+                slots[: len(owned)] = torch.stack(owned)
+                if eff_wd:
+                    slots.mul_(1 - eff_wd)
+                slots.add_(_orthogonalize_chunk(update, owned), alpha=-eff_lr)
+            gathered = slots.new_empty(layout.padded, *first.shape)
+            gathers.append((layout, gathered, all_gather_into(gathered, slots, self.world_size)))
+        for layout, gathered, work in gathers:
+            work.wait()
+            for param, value in zip(layout.params, gathered):
+                param.copy_(value)
+
+
+# ---- DistAdam ----
+class DistAdam(torch.optim.Optimizer):
+    """Adam sharded along dim 0: reduce-scatter (AVG) the gradient, update the rank's rows, all-gather.
+
+    Moments are bf16; eps is added to the uncorrected sqrt(v) and the bias corrections fold into the step.
+    """
+
+    def __init__(self, params: list[nn.Parameter], lr: float, betas: tuple[float, float], eps: float, weight_decay: float, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        shapes = list(dict.fromkeys(tuple(p.shape) for p in params))
+        groups = [dict(params=[p for p in params if tuple(p.shape) == shape]) for shape in shapes]
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        reductions = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                local = p.grad.new_empty(p.size(0) // self.world_size, *p.shape[1:])
+                reductions.append((group, p, local, reduce_scatter_avg(local, p.grad, self.world_size)))
+        gathers = []
+        for group, p, grad, work in reductions:
+            work.wait()
+            rows = grad.size(0)
+            shard = p[self.rank * rows : (self.rank + 1) * rows]
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.int64, device=p.device)
+                state["exp_avg"] = torch.zeros_like(shard, dtype=torch.bfloat16)
+                state["exp_avg_sq"] = torch.zeros_like(shard, dtype=torch.bfloat16)
+            beta1, beta2 = group["betas"]
+            lr = group["lr"] * p.lr_mul
+            state["step"] += 1
+            t = state["step"]
+            if group["weight_decay"]:
+                shard.mul_(1 - lr * group["weight_decay"] * p.wd_mul)
+            state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).add_(grad.square(), alpha=1 - beta2)
+            step_size = lr * (1 - beta2**t).sqrt() / (1 - beta1**t)
+            shard.sub_(state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"]) * step_size)
+            gathers.append(all_gather_into(p, shard, self.world_size))
+        for work in gathers:
+            work.wait()
+
+
+def build_optimizers(model: GPT, hp: Hyperparameters, rank: int, world_size: int) -> tuple[DistAdam, Muon]:
+    """Adam: scalars, head, embeddings. Muon: hidden matrices then gates (the record's input order)."""
+    hidden = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2 and "gate" not in n]
+    gates = [p for n, p in model.named_parameters() if "gate" in n]
+    embeddings = [table.weight for table in (model.embed, *model.value_embeds)]
+    adam = DistAdam([model.scalars, model.lm_head.weight, *embeddings], hp.adam_lr, (hp.adam_beta1, hp.adam_beta2), hp.adam_eps, hp.weight_decay, rank, world_size)
+    muon = Muon(hidden + gates, hp.muon_lr, hp.muon_momentum, hp.weight_decay, rank, world_size)
+    for opt in (adam, muon):
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    covered = {id(p) for opt in (adam, muon) for g in opt.param_groups for p in g["params"]}
+    assert covered == {id(p) for p in model.parameters()}, "every parameter belongs to exactly one optimizer"
+    return adam, muon
+
+
+# =============================================================================================
+# Distributed setup and logging
+# =============================================================================================
+class Runtime(NamedTuple):
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    grad_accum_steps: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> Runtime:
+    """torchrun's environment, or a one-process group when run as plain `python train_gpt.py`."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if world_size < 1 or 8 % world_size != 0:
+        raise UserError(f"WORLD_SIZE={world_size}: the record batch needs a world size dividing 8 (1, 2, 4 or 8)")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    dist.barrier()
+    return Runtime(rank, world_size, local_rank, device, 8 // world_size)
+
+
+_log_path: Path | None = None
+_is_master = True
+
+
+def print0(s: str, console: bool = False) -> None:
+    """Rank 0 appends s to the run log (flushed at once) and, with console=True, prints it."""
+    if not _is_master:
+        return
+    if console:
+        print(s, flush=True)
+    if _log_path is not None:
+        with open(_log_path, "a") as f:
+            f.write(s + "\n")
+
+
+def open_log(log_dir: str, run_id: str) -> tuple[Path, str]:
+    """Creates logs/<run_id>.txt without ever overwriting a file; a random id is redrawn on collision."""
+    folder = Path(log_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    while True:
+        rid = run_id or str(uuid.uuid4())
+        path = folder / f"{rid}.txt"
+        try:
+            with open(path, "x"):
+                return path, rid
+        except FileExistsError:
+            if run_id:
+                raise UserError(f"{path} already exists; choose another --run_id (logs are never overwritten)")
+
+
+def _command_output(args: list[str]) -> str | None:
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=30, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def log_environment(rt: Runtime, hp: Hyperparameters, overrides: dict, backend: str, fp8: bool, train_files: list[str], val_files: list[str], val_token_count: int) -> None:
+    print0("=" * 100)
+    print0(f"Running Python {sys.version}")
+    print0(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")
+    print0(f"Running Triton version {triton.__version__ if triton is not None else 'not installed'}")
+    smi = _command_output(["nvidia-smi"])
+    print0(smi if smi is not None else "nvidia-smi: not available")
+    if rt.device.type == "cuda":
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        print0(f"device: {len(names)}x {names[0] if len(set(names)) == 1 else names}")
+    else:
+        print0("device: cpu")
+    print0(f"world_size: {rt.world_size}")
+    print0(f"grad_accum_steps: {rt.grad_accum_steps}")
+    print0(f"attention_backend: {backend}")
+    print0(f"fp8_head: {'on' if fp8 else 'off'}")
+    print0(f"git_commit: {(_command_output(['git', 'rev-parse', 'HEAD']) or 'unknown').strip()}")
+    print0(f"overrides: {overrides!r}")
+    print0(f"hyperparameters: {dataclasses.asdict(hp)!r}")
+    print0(f"train_files: {len(train_files)} files, {sum(read_shard_header(p) for p in train_files)} tokens")
+    print0(f"val_files: {len(val_files)} files, {val_token_count} tokens")
+
+
+def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime, train_steps: int) -> None:
+    total = sum(p.numel() for p in model.parameters())
+    print0(f"params: total={total} matmul={matmul_parameter_count(model)} embed={embedding_parameter_count(model)}")
+    print0(f"attention_flops_per_token: {attention_flops_per_token(hp, train_steps)}")
+    print0(f"muon_group_sizes: {[len(g.params) for g in muon.layout]}")
+    print0(f"muon_group_padded: {[g.padded for g in muon.layout]}")
+    for rank in range(rt.world_size):
+        owned = [[p.label for p in g.owned(rank)] for g in muon.layout]
+        print0(f"muon_rank{rank}_owns: {owned}")
+
+
+# =============================================================================================
+# Warmup (untimed; model and optimizer state restored afterwards)
+# =============================================================================================
+def set_schedules(step: int, hp: Hyperparameters, adam: DistAdam, muon: Muon) -> None:
+    for opt in (adam, muon):
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lr_multiplier(step, hp)
+    for group in muon.param_groups:
+        group["momentum"] = muon_momentum(step, hp)
+
+
+def warmup_kernels(model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hyperparameters, make_train_loader: Callable[[], Iterator[Batch]]) -> None:
+    """Compiles the graph of every training window (and autotunes the kernels) on real batches."""
+    saved = copy.deepcopy(dict(model=raw_model.state_dict(), adam=adam.state_dict(), muon=muon.state_dict()))
+    loader = make_train_loader()
+    current_long = hp.ws_schedule[0]
+    for step in range(hp.warmup_steps):
+        new_long = hp.ws_schedule[step % len(hp.ws_schedule)]
+        if new_long > current_long:
+            raw_model.rotary.apply_yarn(current_long, new_long)
+        elif new_long < current_long:
+            raw_model.rotary.reset()
+        current_long = new_long
+        batch = next(loader)
+        model(batch.inputs, batch.targets, batch.cu_seqlens, new_long // 2, new_long, hp.train_max_seq_len).backward()
+        for opt in (adam, muon):  # initial LR, momentum hp.muon_momentum (group defaults)
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"]
+        for group in muon.param_groups:
+            group["momentum"] = hp.muon_momentum
+        adam.step()
+        muon.step()
+        model.zero_grad(set_to_none=True)
+    raw_model.rotary.reset()
+    raw_model.load_state_dict(saved["model"])
+    adam.load_state_dict(saved["adam"])
+    muon.load_state_dict(saved["muon"])
+
+
+# =============================================================================================
+# Train / validate loop
+# =============================================================================================
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, hp: Hyperparameters, rt: Runtime, make_val_loader: Callable[[], Iterator[Batch]], ws_short: int, ws_long: int) -> Tensor:
+    """Mean loss over val_tokens: sum of per-micro-step means / steps, then averaged across ranks."""
+    model.eval()
+    val_steps = rt.grad_accum_steps * hp.val_tokens // hp.val_batch_size
+    loader = make_val_loader()
+    max_seqlen = hp.val_batch_size // (rt.grad_accum_steps * rt.world_size)
+    total = torch.zeros((), device=rt.device)
+    for _ in range(val_steps):
+        batch = next(loader)
+        total += model(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, max_seqlen)
+    total /= val_steps
+    if rt.world_size > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    model.train()
+    return total
+
+
+def save_checkpoint(log_path: Path, run_id: str, step: int, raw_model: GPT, adam: DistAdam, muon: Muon) -> Path:
+    folder = log_path.parent / run_id
+    folder.mkdir(exist_ok=True)
+    path = folder / f"state_step{step:06d}.pt"
+    with open(path, "xb") as f:  # never overwrite
+        torch.save(dict(step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()]), f)
+    return path
+
+
+def train(model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hyperparameters, rt: Runtime, make_train_loader: Callable[[], Iterator[Batch]], make_val_loader: Callable[[], Iterator[Batch]], on_final: Callable[[int], None]) -> float:
+    """The timed run (spec §18): validation and checkpointing are outside the clock. Returns the final val loss."""
+    train_steps = hp.num_iterations + hp.iteration_extension
+    loader = make_train_loader()
+    training_time_ms = 0.0
+    ws_short, ws_long = window_blocks(0, hp)
+    final_loss = float("nan")
+    synchronize(rt.device)
+    t0 = time.perf_counter()
+    for step in range(train_steps + 1):
+        last_step = step == train_steps
+        ws_short, new_long = window_blocks(step, hp)
+        if new_long != ws_long:
+            raw_model.rotary.apply_yarn(ws_long, new_long)
+            ws_long = new_long
+        if last_step or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0):
+            synchronize(rt.device)
+            training_time_ms += 1000 * (time.perf_counter() - t0)
+            eval_short, eval_long = (hp.ws_validate // 2, hp.ws_long_validate) if last_step else (ws_short, ws_long)
+            final_loss = evaluate(model, hp, rt, make_val_loader, eval_short, eval_long).item()
+            print0(f"step:{step}/{train_steps} val_loss:{final_loss:.4f} train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms", console=True)
+            synchronize(rt.device)
+            t0 = time.perf_counter()
+        if last_step:
+            on_final(step)
+            break
+        for _ in range(rt.grad_accum_steps):
+            batch = next(loader)
+            model(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, hp.train_max_seq_len).backward()
+        set_schedules(step, hp, adam, muon)
+        adam.step()
+        muon.step()
+        model.zero_grad(set_to_none=True)
+        approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
+        print0(f"step:{step + 1}/{train_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms", console=True)
+    return final_loss
+
+
+# =============================================================================================
+# Main and final log
+# =============================================================================================
+def configure_torch(device: torch.device) -> None:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # *_tensor collectives renamed in 2.13
+    dynamo_config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # one graph per (window, attn_scale), train and eval
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, 64)
+    if device.type == "cuda":
+        torch.empty(1, device=device, requires_grad=True).backward()  # early autograd/driver init (record practice)
+
+
+def run(argv: list[str]) -> float:
+    global _log_path, _is_master
+    hp, overrides = parse_args(argv)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA initializes
+    rt = setup_distributed()
+    _is_master = rt.rank == 0
+    configure_torch(rt.device)
+    if hp.seed >= 0:
+        torch.manual_seed(hp.seed)
+    if "train_files" not in overrides and "val_files" not in overrides and overrides.get("preset") == "smoke":
+        folder = Path(hp.log_dir) / f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.num_iterations + hp.iteration_extension}_w{hp.warmup_steps}_val{hp.val_tokens}"
+        if rt.rank == 0:
+            generate_smoke_shards(folder, hp)
+        dist.barrier()
+        hp = dataclasses.replace(hp, train_files=str(folder / "smoke_train_*.bin"), val_files=str(folder / "smoke_val_*.bin"))
+    train_files = resolve_files(hp.train_files, "train")
+    val_files = resolve_files(hp.val_files, "val")
+    val_token_count = check_val_data(val_files, hp.val_tokens, hp.val_batch_size, rt.grad_accum_steps * rt.world_size)
+
+    backend = choose_attention_backend(hp.attention_backend, rt.device)
+    on_cuda = rt.device.type == "cuda"
+    fp8 = on_cuda and not hp.disable_fp8 and torch.cuda.get_device_capability(rt.device) >= (8, 9)
+    train_tokens_local = hp.train_batch_size // (rt.grad_accum_steps * rt.world_size)
+    val_tokens_local = hp.val_batch_size // (rt.grad_accum_steps * rt.world_size)
+    attention = Attention(backend, hp.block_size, hp.bos_token)
+    raw_model = GPT(hp.vocab_size, hp.model_dim, hp.num_heads, max(train_tokens_local, val_tokens_local), hp.block_size, rt.world_size, attention, torch.bfloat16 if on_cuda else torch.float32).to(rt.device)
+    if on_cuda:  # embeddings and linears (head, gates) in bf16; raw matrices and scalars stay fp32
+        for module in raw_model.modules():
+            if isinstance(module, (nn.Embedding, nn.Linear)):
+                module.bfloat16()
+    raw_model.lm_head.use_fp8 = fp8
+    for param in raw_model.parameters():
+        dist.broadcast(param.detach(), 0)
+    adam, muon = build_optimizers(raw_model, hp, rt.rank, rt.world_size)
+    model: nn.Module = torch.compile(raw_model, dynamic=False, fullgraph=True) if hp.compile else raw_model
+
+    if _is_master:
+        _log_path, run_id = open_log(hp.log_dir, hp.run_id)
+        print(f"log: {_log_path}", flush=True)
+        print0(Path(__file__).read_text(), console=False)
+    else:
+        run_id = hp.run_id
+    train_steps = hp.num_iterations + hp.iteration_extension
+    log_environment(rt, hp, overrides, backend, fp8, train_files, val_files, val_token_count)
+    log_model_and_muon(raw_model, muon, hp, rt, train_steps)
+    print0("=" * 100)
+
+    make_train_loader = lambda: train_loader(train_files, train_tokens_local, hp.train_max_seq_len, rt.rank, rt.world_size, hp.bos_token, hp.vocab_size, hp.cycle_train_files, rt.device, backend == "flash3")
+    make_val_loader = lambda: val_loader(val_files, val_tokens_local, rt.rank, rt.world_size, hp.bos_token, hp.vocab_size, rt.device, backend == "flash3")
+    warmup_start = time.perf_counter()
+    warmup_kernels(model, raw_model, adam, muon, hp, make_train_loader)
+    synchronize(rt.device)
+    print0(f"warmup_time: {time.perf_counter() - warmup_start:.1f}s", console=True)
+
+    def on_final(step: int) -> None:
+        if hp.save_checkpoint and _is_master:
+            print0(f"checkpoint: {save_checkpoint(_log_path, run_id, step, raw_model, adam, muon)}", console=True)
+
+    final_loss = train(model, raw_model, adam, muon, hp, rt, make_train_loader, make_val_loader, on_final)
+    allocated = torch.cuda.max_memory_allocated(rt.device) // 2**20 if on_cuda else 0
+    reserved = torch.cuda.max_memory_reserved(rt.device) // 2**20 if on_cuda else 0
+    print0(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB", console=True)
+    dist.destroy_process_group()
+    return final_loss
+
+
+def main() -> None:
+    try:
+        run(sys.argv[1:])
+    except UserError as error:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
