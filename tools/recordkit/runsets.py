@@ -1,0 +1,191 @@
+"""Turn logs (or a record folder's results.json) into a checked set of runs for statistics.
+
+Rules (records spec §6): truncated runs are reported and left out unless --allow-incomplete;
+runs that differ in code hash, step count or GPU count are refused unless --allow-mixed; twin files
+and console captures of a run that is also logged are counted once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import RecordsError
+from .model import Run
+from .parse import find_logs, parse_log
+
+RESULTS_JSON = "results.json"
+
+
+@dataclass
+class RunFacts:
+    """The per-run numbers the statistics need, from a parsed log or from published figures."""
+
+    label: str
+    source: str  # "log" or "published"
+    final_step: int | None
+    total_steps: int | None
+    val_loss: float  # at the final val line
+    train_time_s: float | None
+    step_avg_ms: float | None
+    val_losses: dict[int, float]  # step -> val loss (published folders may list only a few steps)
+    complete: bool
+    status: str
+    code_hash: str | None = None
+    hardware: str | None = None
+    gpu_count: int | None = None
+    era: str | None = None
+    run: Run | None = None
+
+    def loss_at(self, step: int | None) -> float | None:
+        return self.val_loss if step is None else self.val_losses.get(step)
+
+
+def facts_from_run(run: Run) -> RunFacts:
+    final = run.final
+    if final is None:
+        raise RecordsError(f"{run.label}: truncated before its first val line; nothing to use")
+    return RunFacts(
+        label=run.label,
+        source="log",
+        final_step=final.step,
+        total_steps=run.total_steps,
+        val_loss=final.val_loss,
+        train_time_s=final.train_time_s,
+        step_avg_ms=final.step_avg_ms,
+        val_losses={p.step: p.val_loss for p in run.val_points},
+        complete=run.complete,
+        status=run.status,
+        code_hash=run.code_hash,
+        hardware=run.env.hardware,
+        gpu_count=run.env.gpu_count,
+        era=run.era,
+        run=run,
+    )
+
+
+def facts_from_published(entry: dict[str, Any], index: int, where: Path) -> RunFacts:
+    try:
+        val_losses = {int(step): float(loss) for step, loss in (entry.get("val_losses") or {}).items()}
+        final_step = entry.get("final_step")
+        return RunFacts(
+            label=str(entry.get("label") or f"published run {index}"),
+            source="published",
+            final_step=final_step,
+            total_steps=entry.get("total_steps"),
+            val_loss=float(entry["val_loss"]),
+            train_time_s=entry.get("train_time_s"),
+            step_avg_ms=entry.get("step_avg_ms"),
+            val_losses=val_losses,
+            complete=True,
+            status="published",
+            code_hash=entry.get("code_hash"),
+            hardware=entry.get("hardware"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordsError(f"{where}: run {index} is malformed ({exc}); fix results.json or recreate it with `new`") from None
+
+
+@dataclass
+class RunSet:
+    runs: list[RunFacts]
+    notes: list[str] = field(default_factory=list)  # one-line reports (excluded runs, duplicates)
+
+
+def load_runset(paths: list[Path], allow_incomplete: bool = False, allow_mixed: bool = False) -> RunSet:
+    """Runs from log files/folders; a record folder without logs yields its published runs."""
+    published = _published_only_folder(paths)
+    if published is not None:
+        return published
+    runs = [run for log in find_logs(paths) for run in parse_log(log)]
+    return select_runs(runs, allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
+
+
+def _published_only_folder(paths: list[Path]) -> RunSet | None:
+    if len(paths) != 1 or not (paths[0] / RESULTS_JSON).is_file():
+        return None
+    results = read_results(paths[0] / RESULTS_JSON)
+    entries = results.get("runs") or []
+    if not entries or any(entry.get("log") is not None for entry in entries):
+        return None
+    facts = [facts_from_published(entry, i, paths[0]) for i, entry in enumerate(entries, start=1)]
+    return RunSet(facts, [f"{paths[0]}: published figures from results.json (no logs in this folder)"])
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RecordsError(f"{path}: missing; recreate the record folder with `records new`") from None
+    except json.JSONDecodeError as exc:
+        raise RecordsError(f"{path}: invalid JSON (line {exc.lineno}: {exc.msg}); fix or regenerate it") from None
+    if not isinstance(data, dict):
+        raise RecordsError(f"{path}: expected a JSON object; fix or regenerate it")
+    return data
+
+
+def select_runs(runs: list[Run], allow_incomplete: bool, allow_mixed: bool) -> RunSet:
+    notes: list[str] = []
+    runs = _drop_duplicates(runs, notes)
+    kept: list[Run] = []
+    for run in runs:
+        if run.final is None:
+            notes.append(f"{run.label}: truncated before its first val line; excluded")
+        elif not run.complete and not allow_incomplete:
+            notes.append(f"{run.label}: {run.status}; excluded (pass --allow-incomplete to include it)")
+        else:
+            kept.append(run)
+    if not kept:
+        raise RecordsError(
+            f"{', '.join(sorted({str(r.path) for r in runs}))}: no complete run left "
+            "(see the notes above); pass --allow-incomplete to use truncated runs"
+        )
+    facts = [facts_from_run(run) for run in kept]
+    _flag_same_trajectories(facts, notes)
+    if not allow_mixed:
+        _refuse_mixed(facts)
+    return RunSet(facts, notes)
+
+
+def _drop_duplicates(runs: list[Run], notes: list[str]) -> list[Run]:
+    """Count a run once: twin files, or a console capture of a run whose log is also given."""
+    kept: list[Run] = []
+    seen: dict[tuple[Any, ...], Run] = {}
+    for run in runs:
+        key = tuple((p.step, p.val_loss, p.train_time_s) for p in run.val_points)
+        twin = seen.get(key)
+        if twin is None or not key:
+            seen[key] = run
+            kept.append(run)
+            continue
+        notes.append(f"{run.label}: same val lines (losses and times) as {twin.label}; counted once")
+        if twin.code_hash is None and run.code_hash is not None:  # prefer the copy that holds the source
+            kept[kept.index(twin)] = run
+            seen[key] = run
+    return kept
+
+
+def _flag_same_trajectories(facts: list[RunFacts], notes: list[str]) -> None:
+    by_losses: dict[tuple[tuple[int, float], ...], str] = {}
+    for fact in facts:
+        key = tuple(sorted(fact.val_losses.items()))
+        if len(key) > 1 and key in by_losses:
+            notes.append(f"{fact.label}: identical val-loss trajectory to {by_losses[key]} (same seed?); runs must be independent")
+        by_losses.setdefault(key, fact.label)
+
+
+def _refuse_mixed(facts: list[RunFacts]) -> None:
+    for what, value in (
+        ("code hash", lambda f: f.code_hash[:12] if f.code_hash else None),
+        ("total steps", lambda f: f.total_steps),
+        ("GPU count", lambda f: f.gpu_count),
+    ):
+        groups: dict[Any, list[str]] = {}
+        for fact in facts:
+            groups.setdefault(value(fact), []).append(fact.label)
+        known = {k: v for k, v in groups.items() if k is not None}
+        if len(known) > 1:
+            detail = "; ".join(f"{k}: {', '.join(v[:3])}{' …' if len(v) > 3 else ''}" for k, v in known.items())
+            raise RecordsError(f"mixed configurations ({what} differs: {detail}); split the logs or pass --allow-mixed")
