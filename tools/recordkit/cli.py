@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from . import check, compare, diff, extract, folders, tables
 from .errors import RecordsError
 from .parse import find_logs, parse_log
 from .report import render_stats_text, render_statistics_md, track_report
-from .runsets import load_runset
+from .runsets import RESULTS_JSON, RunSet, load_runset
 from .serialize import run_to_json, run_to_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +47,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default=None, help="title of statistics.md")
     _add_selection_flags(p)
     p.set_defaults(handler=cmd_stats)
+
+    p = sub.add_parser("compare", help="candidate vs baseline: time (Welch, paired), loss, matched steps, Track 3 pairwise rule")
+    p.add_argument("--baseline", nargs="+", type=Path, required=True, metavar="LOG|DIR", help="logs, a folder of logs, or a record folder")
+    p.add_argument("--candidate", nargs="+", type=Path, required=True, metavar="LOG|DIR")
+    p.add_argument("--track", type=int, choices=(1, 2, 3), default=1)
+    p.add_argument("--paired", action="store_true", help="runs were interleaved: pair the i-th baseline with the i-th candidate (pass files in run order)")
+    p.add_argument("--json", action="store_true")
+    _add_selection_flags(p)
+    p.set_defaults(handler=cmd_compare)
+
+    p = sub.add_parser("diff", help="new runs against the prior record: code, Hyperparameters, environment, losses, timing")
+    p.add_argument("logs", nargs="+", type=Path, metavar="NEW_LOG")
+    p.add_argument("--against", default="auto", metavar="RECORD_DIR|LOG|auto", help="auto: the newest record folder of the track")
+    p.add_argument("--track", type=int, choices=(1, 2, 3), help="track for --against auto (default: 3 for logs timed in seconds, else 1)")
+    p.add_argument("--plot", type=Path, metavar="OUT.png", help="overlay the val-loss curves in a PNG")
+    _add_selection_flags(p)
+    p.set_defaults(handler=cmd_diff)
+
+    p = sub.add_parser("new", help="create a record folder from logs (never overwrites anything)")
+    _track(p, required=True)
+    p.add_argument("--name", required=True, help="Track 1: CamelCase; Track 3: snake_case")
+    p.add_argument("--logs", nargs="+", type=Path, required=True, metavar="LOG|DIR")
+    p.add_argument("--date", type=_date, help="YYYY-MM-DD (default: today, UTC)")
+    p.add_argument("--hardware", help="describe the machine (default: from the logs' environment)")
+    p.add_argument("--note", help="one line saying what these runs are (e.g. 'CPU smoke run, not a record')")
+    _add_selection_flags(p)
+    p.set_defaults(handler=cmd_new)
+
+    p = sub.add_parser("extract", help="write the script(s) embedded in a log, ready to rerun")
+    p.add_argument("log", type=Path)
+    p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="path of the script; appended files go next to it")
+    p.set_defaults(handler=cmd_extract)
+
+    p = sub.add_parser("check", help="lint record folders, results.json against logs, README tables against folders")
+    p.set_defaults(handler=cmd_check)
+
+    p = sub.add_parser("tables", help="print (or --write into marked READMEs) the record tables")
+    p.add_argument("--write", action="store_true", help="update every README.md that holds records:* markers")
+    p.add_argument("--block", choices=tables.BLOCKS, help="print only this table")
+    p.set_defaults(handler=cmd_tables)
+
+    parser.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root holding records/ (default: this checkout)")
     return parser
+
+
+def _date(text: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a date; use YYYY-MM-DD") from None
+
+
+def _records_root(args: argparse.Namespace) -> Path:
+    return args.root / "records"
 
 
 def cmd_parse(args: argparse.Namespace) -> int:
@@ -72,6 +127,79 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(render_stats_text(report))
         if md_path is not None:
             print(f"wrote {md_path}")
+    return 0
+
+
+def _load_side(paths: list[Path], args: argparse.Namespace) -> RunSet:
+    if len(paths) == 1 and (paths[0] / RESULTS_JSON).is_file():
+        return folders.load_folder_runset(paths[0], args.allow_incomplete, args.allow_mixed)
+    return load_runset(paths, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    baseline, candidate = _load_side(args.baseline, args), _load_side(args.candidate, args)
+    result = compare.compare_runsets(baseline, candidate, args.track, paired=args.paired)
+    print(json.dumps(result, indent=1, ensure_ascii=False) if args.json else compare.render_compare_text(result))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    new = diff.side_from_logs("new", args.logs, args.allow_incomplete, args.allow_mixed)
+    track = args.track or (3 if any(r.run is not None and r.run.era.endswith("track3") for r in new.runset.runs) else 1)
+    against = diff.resolve_against(_records_root(args), track, args.against)
+    old = diff.load_against(against, args.allow_incomplete, args.allow_mixed)
+    print(diff.render_diff(old, new))
+    if args.plot is not None:
+        if args.plot.exists():
+            raise RecordsError(f"{args.plot}: already exists; pass another --plot path")
+        diff.plot_val_curves(old, new, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_new(args: argparse.Namespace) -> int:
+    records_root = _records_root(args)
+    folder = folders.create_record(records_root, args.track, args.name, args.logs, date=args.date, hardware=args.hardware,
+                                   note=args.note, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed)
+    print(f"created {folder}")
+    for path in sorted(folder.iterdir()):
+        print(f"  {path.name}")
+    for readme in tables.write_tables(args.root, records_root):
+        print(f"updated tables in {readme}")
+    return 0
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    for path in extract.extract_sources(args.log, args.output):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    problems = check.check_all(args.root, _records_root(args))
+    for problem in problems:
+        print(problem)
+    counted = sum(len(folders.list_folders(_records_root(args), t)) for t in folders.TRACK_DIRS)
+    readmes = len(tables.find_marked_readmes(args.root))
+    print(f"check: {counted} record folder(s), {readmes} README(s) with tables: "
+          + (f"{len(problems)} problem(s)" if problems else "ok"))
+    return 1 if problems else 0
+
+
+def cmd_tables(args: argparse.Namespace) -> int:
+    records_root = _records_root(args)
+    if args.write:
+        changed = tables.write_tables(args.root, records_root)
+        for readme in changed:
+            print(f"updated {readme}")
+        if not tables.find_marked_readmes(args.root):
+            raise RecordsError(f"{args.root}: no README.md holds records:* markers; add e.g. {tables.start_marker('track1')} / {tables.end_marker('track1')}")
+        if not changed:
+            print("tables already up to date")
+        return 0
+    for block in [args.block] if args.block else list(tables.BLOCKS):
+        print(tables.render_block(block, records_root, args.root / "records"))
+        print()
     return 0
 
 

@@ -70,6 +70,8 @@ def facts_from_published(entry: dict[str, Any], index: int, where: Path) -> RunF
     try:
         val_losses = {int(step): float(loss) for step, loss in (entry.get("val_losses") or {}).items()}
         final_step = entry.get("final_step")
+        if final_step is not None:
+            val_losses.setdefault(int(final_step), float(entry["val_loss"]))
         return RunFacts(
             label=str(entry.get("label") or f"published run {index}"),
             source="published",
@@ -106,12 +108,16 @@ def load_runset(paths: list[Path], allow_incomplete: bool = False, allow_mixed: 
 def _published_only_folder(paths: list[Path]) -> RunSet | None:
     if len(paths) != 1 or not (paths[0] / RESULTS_JSON).is_file():
         return None
-    results = read_results(paths[0] / RESULTS_JSON)
+    return published_runset(paths[0], read_results(paths[0] / RESULTS_JSON))
+
+
+def published_runset(folder: Path, results: dict[str, Any]) -> RunSet | None:
+    """The published runs of a record folder whose results.json lists no logs; None otherwise."""
     entries = results.get("runs") or []
     if not entries or any(entry.get("log") is not None for entry in entries):
         return None
-    facts = [facts_from_published(entry, i, paths[0]) for i, entry in enumerate(entries, start=1)]
-    return RunSet(facts, [f"{paths[0]}: published figures from results.json (no logs in this folder)"])
+    facts = [facts_from_published(entry, i, folder) for i, entry in enumerate(entries, start=1)]
+    return RunSet(facts, ["published figures from results.json (the logs are not in this repository)"])
 
 
 def read_results(path: Path) -> dict[str, Any]:
