@@ -100,7 +100,7 @@ def _date(text: str) -> dt.date:
 
 
 def _records_root(args: argparse.Namespace) -> Path:
-    return args.root / "records"
+    return Path(args.root) / "records"
 
 
 def cmd_parse(args: argparse.Namespace) -> int:
@@ -116,8 +116,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     runset = load_runset(args.logs, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed)
     report = track_report(runset, args.track, args.step)
     md_path = args.md
-    if md_path is None and len(args.logs) == 1 and args.logs[0].is_dir():
-        md_path = args.logs[0] / "statistics.md"
+    folder = args.logs[0] if len(args.logs) == 1 and args.logs[0].is_dir() else None
+    if md_path is None and folder is not None and not (folder / RESULTS_JSON).is_file():
+        md_path = folder / "statistics.md"  # a record folder's statistics.md belongs to `new` and `check`
     if md_path is not None:
         title = args.title or (args.logs[0].resolve().name if args.logs[0].is_dir() else "runs")
         _write_new_or_same(md_path, render_statistics_md(report, title))

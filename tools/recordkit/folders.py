@@ -99,7 +99,7 @@ def summary_of(report: dict[str, Any]) -> dict[str, Any]:
 
 def results_from_logs(track: int, date: dt.date, name: str, runset: RunSet, report: dict[str, Any], folder: Path,
                       hardware: str | None, note: str | None, flags: dict[str, bool]) -> dict[str, Any]:
-    runs = []
+    runs: list[dict[str, Any]] = []
     for fact in runset.runs:
         run = fact.run
         assert run is not None  # runs from logs always carry the parsed run

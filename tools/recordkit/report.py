@@ -63,10 +63,14 @@ def _base(runs: list[RunFacts], track: int, step: int | None, losses: list[float
                 "hardware": r.hardware,
                 "code_hash": r.code_hash,
             }
-            for r, loss, t in zip(runs, losses, times or [None] * len(runs))
+            for r, loss, t in zip(runs, losses, _optional(times, len(runs)))
         ],
         "notes": list(notes),
     }
+
+
+def _optional(values: list[float] | None, n: int) -> list[float | None]:
+    return list(values) if values is not None else [None] * n
 
 
 def _ttest_report(runs: list[RunFacts], track: int, step: int | None, notes: list[str]) -> dict[str, Any]:

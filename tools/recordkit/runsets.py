@@ -182,15 +182,20 @@ def _flag_same_trajectories(facts: list[RunFacts], notes: list[str]) -> None:
         by_losses.setdefault(key, fact.label)
 
 
+def _config_keys(fact: RunFacts) -> dict[str, Any]:
+    """What must agree between runs of one claim (None: unknown, e.g. a console capture has no source)."""
+    return {
+        "code hash": fact.code_hash[:12] if fact.code_hash else None,
+        "total steps": fact.total_steps,
+        "GPU count": fact.gpu_count,
+    }
+
+
 def _refuse_mixed(facts: list[RunFacts]) -> None:
-    for what, value in (
-        ("code hash", lambda f: f.code_hash[:12] if f.code_hash else None),
-        ("total steps", lambda f: f.total_steps),
-        ("GPU count", lambda f: f.gpu_count),
-    ):
+    for what in ("code hash", "total steps", "GPU count"):
         groups: dict[Any, list[str]] = {}
         for fact in facts:
-            groups.setdefault(value(fact), []).append(fact.label)
+            groups.setdefault(_config_keys(fact)[what], []).append(fact.label)
         known = {k: v for k, v in groups.items() if k is not None}
         if len(known) > 1:
             detail = "; ".join(f"{k}: {', '.join(v[:3])}{' …' if len(v) > 3 else ''}" for k, v in known.items())

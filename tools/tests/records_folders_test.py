@@ -145,3 +145,29 @@ def test_cli_new_then_check(root: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("records: error: ") and err.count("\n") == 1 and "already exists" in err
+
+
+def test_check_reports_misnamed_folder_and_missing_files(root: Path) -> None:
+    (root / "records" / "track_1_short" / "my-run").mkdir()
+    broken = root / "records" / "track_1_short" / "2026-01-01_Broken"
+    broken.mkdir()
+    (broken / "README.md").write_text("# broken\n")
+    problems = check_all(root, root / "records")
+    assert any("my-run: folder name does not follow the Track 1 convention" in p for p in problems)
+    assert any(p.startswith(str(broken / "results.json")) and "missing" in p for p in problems)
+
+
+def test_stats_on_record_folder_leaves_its_statistics_alone(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = root / "records" / "track_3_optimization" / "results" / "20260513_shampoo_1_4_power"
+    before = (folder / "statistics.md").read_text()
+    assert main(["stats", str(folder), "--track", "3", "--step", "4150"]) == 0
+    out = capsys.readouterr().out
+    assert "first passing step over shared steps: 4100" in out and "margin (3.28-mean)*sqrt(n) = 0.00698" in out
+    assert (folder / "statistics.md").read_text() == before
+
+
+def test_tables_cli_prints_linked_rows(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--root", str(root), "tables", "--block", "track3"]) == 0
+    out = capsys.readouterr().out
+    assert "| 21 | 4100 | 3.2776 (n=4)✓ |" in out and "(track_3_optimization/results/20260513_shampoo_1_4_power/)" in out
+    assert out.count("](") == 1  # only the row we have a folder for is linked
