@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,14 +65,22 @@ class Environment:
     def hardware(self) -> str | None:
         """A short description such as `8× NVIDIA H100 80GB HBM3`, or None if the log is silent."""
         model = _most_common(self.gpu_models)
+        count = self.gpu_count
         if model is None and self.device and self.device.lower() != "cpu":
-            model = self.device
+            model, logged_count = _split_device(self.device)
+            count = count or logged_count
         if model is not None:
-            count = self.gpu_count
-            return f"{count}× {model}" if count and model[0].isalpha() else model
-        if self.device:
-            return self.device
-        return None
+            return f"{count}× {model}" if count else model
+        return self.device
+
+
+def _split_device(device: str) -> tuple[str, int | None]:
+    """`8x NVIDIA H200` or `NVIDIA H200 x 8` (our scripts' `device:` lines) -> model and count."""
+    if m := re.fullmatch(r"(\d+)\s*[x×]\s*(.+)", device):
+        return m.group(2), int(m.group(1))
+    if m := re.fullmatch(r"(.+?)\s+[x×]\s*(\d+)", device):
+        return m.group(1), int(m.group(2))
+    return device, None
 
 
 def _most_common(items: list[str]) -> str | None:

@@ -12,7 +12,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import RecordsError
 from .model import Environment, PeakMemory, Run, TrainPoint, ValPoint
@@ -65,7 +65,7 @@ def parse_text(text: str, path: Path, file_sha256: str = "") -> list[Run]:
     layout = split_layout(text.splitlines())
     sources = split_sources(layout.code)
     code_hash = hash_sources(sources) if sources else None
-    env = parse_environment(layout.env_lines + layout.step_lines)
+    env = parse_environment(layout.env_lines, layout.step_lines)
     trials = split_trials(layout.step_lines)
     if not any(trial.val_points for trial in trials):
         raise RecordsError(
@@ -186,16 +186,18 @@ def hash_sources(sources: dict[str, str]) -> str:
 # ----- environment -----
 
 
-def parse_environment(lines: list[str]) -> Environment:
+def parse_environment(env_lines: Sequence[str], step_lines: Sequence[str] = ()) -> Environment:
+    """Environment blocks in full; among step lines (console captures) only the `Running ...` lines."""
     env = Environment()
-    for line in lines:
-        if VAL_LINE.match(line) or TRAIN_LINE.match(line):
-            continue
-        _apply_env_line(env, line)
+    for line in env_lines:
+        if not _apply_running_line(env, line):
+            _apply_env_line(env, line)
+    for line in step_lines:
+        _apply_running_line(env, line)
     return env
 
 
-def _apply_env_line(env: Environment, line: str) -> None:
+def _apply_running_line(env: Environment, line: str) -> bool:
     if m := PYTHON_LINE.match(line):
         env.python = m.group(1)
     elif m := TORCH_LINE.match(line):
@@ -206,7 +208,13 @@ def _apply_env_line(env: Environment, line: str) -> None:
         env.triton = m.group(1)
     elif m := DEVICE_NAME_LINE.match(line):
         env.device, env.world_size = m.group(1).strip(), int(m.group(2))
-    elif m := USING_LINE.match(line):
+    else:
+        return False
+    return True
+
+
+def _apply_env_line(env: Environment, line: str) -> None:
+    if m := USING_LINE.match(line):
         env.settings[m.group(1)] = m.group(2)
     elif m := GPU_ROW.match(line):
         env.gpu_models.append(m.group(2).strip())

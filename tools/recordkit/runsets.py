@@ -144,10 +144,8 @@ def select_runs(runs: list[Run], allow_incomplete: bool, allow_mixed: bool) -> R
         else:
             kept.append(run)
     if not kept:
-        raise RecordsError(
-            f"{', '.join(sorted({str(r.path) for r in runs}))}: no complete run left "
-            "(see the notes above); pass --allow-incomplete to use truncated runs"
-        )
+        reasons = "; ".join(note.removesuffix(" (pass --allow-incomplete to include it)") for note in notes)
+        raise RecordsError(f"no complete run left ({reasons}); pass --allow-incomplete to use truncated runs")
     facts = [facts_from_run(run) for run in kept]
     _flag_same_trajectories(facts, notes)
     if not allow_mixed:

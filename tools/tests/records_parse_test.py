@@ -121,6 +121,8 @@ def test_harness_log_with_shampoo_package_and_key_values() -> None:
     assert run.env.settings["attention_backend"] == "flex"
     assert run.env.hardware == "8× NVIDIA H200"
     assert run.warmup_time_s == 412.3
+    assert "warmup_time" not in run.env.settings  # key: value lines count only before the last separator
+    assert run.env.settings["train_files"] == "8 files, 800000000 tokens"
 
 
 def test_harness_cpu_log_without_nvidia_smi() -> None:
