@@ -189,7 +189,28 @@ def _config_keys(fact: RunFacts) -> dict[str, Any]:
     }
 
 
+# Hyperparameters that differ between the runs of one configuration by design.
+PER_RUN_HYPERPARAMETERS = frozenset({"run_id", "seed", "log_dir", "save_checkpoint"})
+
+
+def _hyperparameter_conflicts(facts: list[RunFacts]) -> list[str]:
+    """`name: a vs b` for every hyperparameter (from our logs' `hyperparameters:` line) that differs."""
+    logged = [f.run.env.hyperparameters for f in facts if f.run is not None and f.run.env.hyperparameters is not None]
+    if len(logged) < 2:
+        return []
+    keys = sorted(set().union(*logged) - PER_RUN_HYPERPARAMETERS)
+    conflicts = []
+    for key in keys:
+        values = list(dict.fromkeys(repr(h.get(key, "<missing>")) for h in logged))
+        if len(values) > 1:
+            conflicts.append(f"{key}: {' vs '.join(values[:3])}")
+    return conflicts
+
+
 def _refuse_mixed(facts: list[RunFacts]) -> None:
+    conflicts = _hyperparameter_conflicts(facts)
+    if conflicts:
+        raise RecordsError(f"mixed configurations (hyperparameters differ: {'; '.join(conflicts)}); split the logs or pass --allow-mixed")
     for what in ("code hash", "total steps", "GPU count"):
         groups: dict[Any, list[str]] = {}
         for fact in facts:

@@ -161,3 +161,12 @@ def test_missing_step_is_named(tmp_path: Path) -> None:
     F.write(tmp_path / "a.txt", F.track1_2025())
     with pytest.raises(RecordsError, match=r"step 17: no val line in a\.txt"):
         track_report(load_runset([tmp_path]), track=1, step=17)
+
+
+def test_different_hyperparameter_lines_are_mixed(tmp_path: Path) -> None:
+    F.write(tmp_path / "a.txt", F.harness(final_loss=3.279))
+    F.write(tmp_path / "b.txt", F.harness(final_loss=3.278).replace("'seed': 0", "'seed': 1"))  # seeds may differ
+    assert len(load_runset([tmp_path]).runs) == 2
+    F.write(tmp_path / "c.txt", F.harness(final_loss=3.277).replace("'learning_rate': 0.05", "'learning_rate': 0.04"))
+    with pytest.raises(RecordsError, match=r"hyperparameters differ: learning_rate: 0\.05 vs 0\.04"):
+        load_runset([tmp_path])
