@@ -7,7 +7,7 @@ import datetime as dt
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from . import check, compare, diff, extract, folders, tables
 from .errors import RecordsError
@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def _add_selection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-incomplete", action="store_true", help="include truncated runs (last val before the last step)")
-    parser.add_argument("--allow-mixed", action="store_true", help="accept runs whose code hash, step count or GPU count differ")
+    parser.add_argument("--allow-mixed", action="store_true", help="accept runs whose code hash, step count, GPU count or logged hyperparameters differ")
 
 
 def _track(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -225,6 +225,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"records: error: {exc}", file=sys.stderr)
         return 2
 
-
-def run_cli(argv: list[str] | None = None) -> Any:
-    return main(argv)
