@@ -10,6 +10,7 @@ import datetime as dt
 import hashlib
 import json
 import re
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,9 @@ def results_from_logs(track: int, date: dt.date, name: str, runset: RunSet, repo
             "train_time_s": fact.train_time_s,
             "step_avg_ms": fact.step_avg_ms,
             "hardware": fact.hardware,
+            "gpu_count": fact.gpu_count,
             "torch": run.env.torch,
+            "overrides": run.env.overrides,
             "status": fact.status,
         })
     logged_hardware = sorted({r["hardware"] for r in runs if r["hardware"]})
@@ -195,6 +198,8 @@ def readme_skeleton(results: dict[str, Any], report: dict[str, Any], folder: Pat
     track, summary = results["track"], results["summary"]
     loss, time = summary["val_loss"], summary["train_time_s"]
     first_log = results["runs"][0]["log"]
+    processes = results["runs"][0].get("gpu_count") or 8
+    arguments = "".join(f" {shlex.quote(f'--{key}={_cli_value(value)}')}" for key, value in (results["runs"][0].get("overrides") or {}).items())
     lines = [
         f"# {results['name']} (Track {track}, {results['date']})",
         "",
@@ -228,8 +233,8 @@ def readme_skeleton(results: dict[str, Any], report: dict[str, Any], folder: Pat
         "## Reproduce",
         "",
         "```",
-        f"python tools/records.py extract {folder.as_posix()}/{first_log} -o /tmp/repro/train_gpt.py",
-        "torchrun --standalone --nproc_per_node=8 /tmp/repro/train_gpt.py",
+        f"python tools/records.py extract {folder.as_posix()}/{first_log} -o /tmp/repro/train.py",
+        f"torchrun --standalone --nproc_per_node={processes} /tmp/repro/train.py{arguments}",
         "```",
         "",
         "## Draft table row",
@@ -238,6 +243,10 @@ def readme_skeleton(results: dict[str, Any], report: dict[str, Any], folder: Pat
         "",
     ]
     return "\n".join(lines)
+
+
+def _cli_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def draft_table_row(results: dict[str, Any]) -> str:
