@@ -125,7 +125,7 @@ def test_track3_report_multi_trial_log(tmp_path: Path) -> None:
     assert report["n"] == 4 and report["first_passing_step"] == 4100 and report["step"] == 4100
     assert report["val_loss"]["mean"] == pytest.approx(3.2775925)
     assert report["passes"] is True
-    assert [row["step"] for row in report["steps"]] == [0, 4075, 4100, 4125, 4150]
+    assert [row["step"] for row in report["steps"]] == [4075, 4100, 4125, 4150]
 
 
 def test_truncated_run_excluded_unless_allowed(tmp_path: Path) -> None:
