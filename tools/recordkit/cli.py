@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("logs", nargs="+", type=Path, metavar="LOG|DIR")
     _track(p, required=True)
     p.add_argument("--step", type=int, help="use the val loss at this step (default: final; Track 3: first passing step)")
+    p.add_argument("--metric", default="val_loss", help="val-line column to use, e.g. val_ema_loss (default: val_loss)")
     p.add_argument("--json", action="store_true", help="print the statistics as a JSON object")
     p.add_argument("--md", type=Path, metavar="FILE", help="statistics.md path (default: statistics.md in the folder given, if one)")
     p.add_argument("--title", default=None, help="title of statistics.md")
@@ -113,8 +114,10 @@ def cmd_parse(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    runset = load_runset(args.logs, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed)
+    runset = load_runset(args.logs, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed, metric=args.metric)
     report = track_report(runset, args.track, args.step)
+    if args.metric != "val_loss":
+        report["metric"] = args.metric
     md_path = args.md
     folder = args.logs[0] if len(args.logs) == 1 and args.logs[0].is_dir() else None
     if md_path is None and folder is not None and not (folder / RESULTS_JSON).is_file():

@@ -43,19 +43,37 @@ class RunFacts:
         return self.val_loss if step is None else self.val_losses.get(step)
 
 
-def facts_from_run(run: Run) -> RunFacts:
+def metric_losses(run: Run, metric: str) -> dict[int, float]:
+    """step -> loss from the val lines; `metric` picks an extra column such as `val_ema_loss` (Track 3)."""
+    if metric == "val_loss":
+        return {p.step: p.val_loss for p in run.val_points}
+    losses = {}
+    for point in run.val_points:
+        value = dict(point.extras).get(metric)
+        if value is not None:
+            try:
+                losses[point.step] = float(value)
+            except ValueError:
+                raise RecordsError(f"{run.label}: {metric}:{value} at step {point.step} is not a number; pick another --metric") from None
+    if not losses:
+        raise RecordsError(f"{run.label}: no val line has a {metric}: column; use --metric val_loss or a column the log has")
+    return losses
+
+
+def facts_from_run(run: Run, metric: str = "val_loss") -> RunFacts:
     final = run.final
     if final is None:
         raise RecordsError(f"{run.label}: truncated before its first val line; nothing to use")
+    losses = metric_losses(run, metric)
     return RunFacts(
         label=run.label,
         source="log",
         final_step=final.step,
         total_steps=run.total_steps,
-        val_loss=final.val_loss,
+        val_loss=losses[max(losses)],
         train_time_s=final.train_time_s,
         step_avg_ms=final.step_avg_ms,
-        val_losses={p.step: p.val_loss for p in run.val_points},
+        val_losses=losses,
         complete=run.complete,
         status=run.status,
         code_hash=run.code_hash,
@@ -96,13 +114,13 @@ class RunSet:
     notes: list[str] = field(default_factory=list)  # one-line reports (excluded runs, duplicates)
 
 
-def load_runset(paths: list[Path], allow_incomplete: bool = False, allow_mixed: bool = False) -> RunSet:
+def load_runset(paths: list[Path], allow_incomplete: bool = False, allow_mixed: bool = False, metric: str = "val_loss") -> RunSet:
     """Runs from log files/folders; a record folder without logs yields its published runs."""
     published = _published_only_folder(paths)
     if published is not None:
         return published
     runs = [run for log in find_logs(paths) for run in parse_log(log)]
-    return select_runs(runs, allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
+    return select_runs(runs, allow_incomplete=allow_incomplete, allow_mixed=allow_mixed, metric=metric)
 
 
 def _published_only_folder(paths: list[Path]) -> RunSet | None:
@@ -132,7 +150,7 @@ def read_results(path: Path) -> dict[str, Any]:
     return data
 
 
-def select_runs(runs: list[Run], allow_incomplete: bool, allow_mixed: bool) -> RunSet:
+def select_runs(runs: list[Run], allow_incomplete: bool, allow_mixed: bool, metric: str = "val_loss") -> RunSet:
     notes: list[str] = []
     runs = _drop_duplicates(runs, notes)
     kept: list[Run] = []
@@ -146,7 +164,7 @@ def select_runs(runs: list[Run], allow_incomplete: bool, allow_mixed: bool) -> R
     if not kept:
         reasons = "; ".join(note.removesuffix(" (pass --allow-incomplete to include it)") for note in notes)
         raise RecordsError(f"no complete run left ({reasons}); pass --allow-incomplete to use truncated runs")
-    facts = [facts_from_run(run) for run in kept]
+    facts = [facts_from_run(run, metric) for run in kept]
     _flag_same_trajectories(facts, notes)
     if not allow_mixed:
         _refuse_mixed(facts)

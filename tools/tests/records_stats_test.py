@@ -170,3 +170,12 @@ def test_different_hyperparameter_lines_are_mixed(tmp_path: Path) -> None:
     F.write(tmp_path / "c.txt", F.harness(final_loss=3.277).replace("'learning_rate': 0.05", "'learning_rate': 0.04"))
     with pytest.raises(RecordsError, match=r"hyperparameters differ: learning_rate: 0\.05 vs 0\.04"):
         load_runset([tmp_path])
+
+
+def test_track3_claim_on_an_extra_column(tmp_path: Path) -> None:
+    F.write(tmp_path / "ema.txt", F.track3_trials(F.SHAMPOO_TRIALS, extra_columns=True))  # val_ema_loss = val_loss − 0.001
+    report = track_report(load_runset([tmp_path], metric="val_ema_loss"), track=3)
+    assert report["first_passing_step"] == 4075
+    assert report["val_loss"]["mean"] == pytest.approx(13.11446 / 4 - 0.001)
+    with pytest.raises(RecordsError, match="no val line has a val_avg_loss: column"):
+        load_runset([tmp_path], metric="val_avg_loss")
