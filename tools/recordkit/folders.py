@@ -98,7 +98,7 @@ def summary_of(report: dict[str, Any]) -> dict[str, Any]:
     return {key: report[key] for key in SUMMARY_KEYS if key in report}
 
 
-def results_from_logs(track: int, date: dt.date, name: str, runset: RunSet, report: dict[str, Any], folder: Path,
+def results_from_logs(track: int, date: dt.date, name: str, runset: RunSet, report: dict[str, Any],
                       hardware: str | None, note: str | None, flags: dict[str, bool]) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     for fact in runset.runs:
@@ -153,32 +153,40 @@ def create_record(records_root: Path, track: int, name: str, logs: list[Path], d
     target = track_dir(records_root, track) / folder_name(track, date, name)
     if target.exists():
         raise RecordsError(f"{target}: already exists; records are never overwritten; choose another --name or --date")
-    _refuse_name_clash(logs)
     runset = load_runset(logs, allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
     used_logs = sorted({fact.run.path for fact in runset.runs if fact.run is not None})
-    report = track_report(runset, track)
+    _refuse_name_clash(used_logs)
+    track_report(runset, track)  # any statistics error surfaces before the folder exists
     target.parent.mkdir(parents=True, exist_ok=True)
     target.mkdir()  # fails if someone created it meanwhile: never merge into an existing folder
-    for log in used_logs:
+    try:
+        _fill_folder(target, records_root, track, date, name, used_logs, hardware, note, allow_incomplete, allow_mixed)
+    except BaseException:
+        shutil.rmtree(target)  # only our own half-written folder, created just above
+        raise
+    return target
+
+
+def _fill_folder(target: Path, records_root: Path, track: int, date: dt.date, name: str, logs: list[Path],
+                 hardware: str | None, note: str | None, allow_incomplete: bool, allow_mixed: bool) -> None:
+    for log in logs:
         _copy_exact(log, target / log.name)
-    # Re-read from the copies so results.json describes exactly the files in the folder.
-    copied = load_runset([target / log.name for log in used_logs], allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
+    # Re-read the copies so results.json describes exactly the files in the folder.
+    copied = load_runset([target / log.name for log in logs], allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
     report = track_report(copied, track)
     flags = {"allow_incomplete": allow_incomplete, "allow_mixed": allow_mixed}
-    results = results_from_logs(track, date, name, copied, report, target, hardware, note, flags)
+    results = results_from_logs(track, date, name, copied, report, hardware, note, flags)
     _write_new(target / RESULTS_JSON, json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     _write_new(target / "statistics.md", render_statistics_md(report, target.name))
     _write_new(target / "README.md", readme_skeleton(results, report, target.relative_to(records_root.parent)))
-    return target
 
 
 def _refuse_name_clash(logs: list[Path]) -> None:
     seen: dict[str, Path] = {}
     for log in logs:
-        if log.is_file():
-            if log.name in seen and seen[log.name].resolve() != log.resolve():
-                raise RecordsError(f"{log}: same file name as {seen[log.name]}; rename one copy before `new` (files are copied by name)")
-            seen[log.name] = log
+        if log.name in seen:
+            raise RecordsError(f"{log}: same file name as {seen[log.name]}; rename one copy before `new` (logs are copied by name)")
+        seen[log.name] = log
 
 
 def _copy_exact(source: Path, destination: Path) -> None:

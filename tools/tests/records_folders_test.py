@@ -171,3 +171,11 @@ def test_tables_cli_prints_linked_rows(root: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "| 21 | 4100 | 3.2776 (n=4)✓ |" in out and "(track_3_optimization/results/20260513_shampoo_1_4_power/)" in out
     assert out.count("](") == 1  # only the row we have a folder for is linked
+
+
+def test_new_refuses_two_logs_with_one_name(root: Path, tmp_path: Path) -> None:
+    harness_logs(tmp_path / "a", [3.2790])
+    harness_logs(tmp_path / "b", [3.2785])
+    with pytest.raises(RecordsError, match="same file name as"):
+        create_record(root / "records", 1, "Twins", [tmp_path / "a", tmp_path / "b"], date=F_DATE)
+    assert not (root / "records" / "track_1_short" / "2026-11-30_Twins").exists()
