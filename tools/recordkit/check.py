@@ -39,7 +39,7 @@ def check_track_dir(records_root: Path, track: int) -> list[str]:
     return [
         f"{path}: folder name does not follow the Track {track} convention; rename it (see records/README.md)"
         for path in sorted(base.iterdir())
-        if path.is_dir() and parse_folder_name(track, path.name) is None and not (track == 3 and path.name == "results")
+        if path.is_dir() and parse_folder_name(track, path.name) is None
     ]
 
 
@@ -51,8 +51,8 @@ def check_folder(folder: RecordFolder) -> list[str]:
         results = read_results(folder.results_path)
         problems = _check_header(folder, results)
         runs = results.get("runs")
-        if not isinstance(runs, list) or not runs:
-            return problems + [f"{folder.results_path}: no runs listed; regenerate it with `records new`"]
+        if not isinstance(runs, list) or not runs or not all(isinstance(run, dict) for run in runs):
+            return problems + [f"{folder.results_path}: `runs` must be a non-empty list of objects; regenerate it with `records new`"]
         published = [run for run in runs if run.get("log") is None]
         if published and len(published) != len(runs):
             return problems + [f"{folder.results_path}: mixes published runs and logs; keep one kind per folder"]
