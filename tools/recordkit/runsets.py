@@ -182,8 +182,9 @@ def _drop_duplicates(runs: list[Run], notes: list[str]) -> list[Run]:
             seen[key] = run
             kept.append(run)
             continue
-        notes.append(f"{run.label}: same val lines (losses and times) as {twin.label}; counted once")
-        if twin.code_hash is None and run.code_hash is not None:  # prefer the copy that holds the source
+        keep, drop = (run, twin) if twin.code_hash is None and run.code_hash is not None else (twin, run)
+        notes.append(f"{drop.label}: same val lines (losses and times) as {keep.label}; counted once, as {keep.label}")
+        if keep is run:  # prefer the copy that embeds the source
             kept[kept.index(twin)] = run
             seen[key] = run
     return kept
