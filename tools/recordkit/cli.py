@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="candidate vs baseline: time (Welch, paired), loss, matched steps, Track 3 pairwise rule")
     p.add_argument("--baseline", nargs="+", type=Path, required=True, metavar="LOG|DIR", help="logs, a folder of logs, or a record folder")
     p.add_argument("--candidate", nargs="+", type=Path, required=True, metavar="LOG|DIR")
-    p.add_argument("--track", type=int, choices=(1, 2, 3), default=1)
+    p.add_argument("--track", type=int, choices=(1, 2, 3), help="default: 3 for logs timed in seconds, else 1")
     p.add_argument("--paired", action="store_true", help="runs were interleaved: pair the i-th baseline with the i-th candidate (pass files in run order)")
     p.add_argument("--json", action="store_true")
     _add_selection_flags(p)
@@ -140,16 +140,22 @@ def _load_side(paths: list[Path], args: argparse.Namespace) -> RunSet:
     return load_runset(paths, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed)
 
 
+def _infer_track(runset: RunSet) -> int:
+    """Track 3 logs time in seconds (era `track3`); everything else is read as Track 1."""
+    return 3 if any(r.run is not None and r.run.era.endswith("track3") for r in runset.runs) else 1
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     baseline, candidate = _load_side(args.baseline, args), _load_side(args.candidate, args)
-    result = compare.compare_runsets(baseline, candidate, args.track, paired=args.paired)
+    track = args.track or _infer_track(candidate)
+    result = compare.compare_runsets(baseline, candidate, track, paired=args.paired)
     print(json.dumps(result, indent=1, ensure_ascii=False) if args.json else compare.render_compare_text(result))
     return 0
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     new = diff.side_from_logs("new", args.logs, args.allow_incomplete, args.allow_mixed)
-    track = args.track or (3 if any(r.run is not None and r.run.era.endswith("track3") for r in new.runset.runs) else 1)
+    track = args.track or _infer_track(new.runset)
     against = diff.resolve_against(_records_root(args), track, args.against)
     old = diff.load_against(against, args.allow_incomplete, args.allow_mixed)
     print(diff.render_diff(old, new))

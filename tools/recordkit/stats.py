@@ -9,6 +9,9 @@ Track 3: (3.28 − mean)·√n ≥ 0.004, a one-sided z-test with assumed σ = 0
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +23,15 @@ TRACK3_MARGIN = 0.004
 TRACK3_SIGMA = 0.0013
 TRACK3_LOSS_PER_100_STEPS = 0.0045  # Track 3 README: #12 cut by 200 steps lost 0.0091
 _EPS = 1e-12  # margins are compared after float arithmetic on 4-5 decimal losses
+
+
+@contextmanager
+def _quiet_precision_warnings() -> Iterator[None]:
+    # scipy warns about "catastrophic cancellation" when two arms are (nearly) identical; the p-value
+    # it returns is still right (≈ 1), and a warning on stderr would only clutter the CLI output.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Precision loss occurred", category=RuntimeWarning)
+        yield
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,8 @@ def one_sample_less(values: list[float], target: float = TARGET_LOSS) -> TTest:
         return TTest(None, None, None, f"undefined: n={len(values)} < 2")
     if float(np.std(values)) == 0.0:
         return TTest(None, len(values) - 1, None, "undefined: all values are equal (sd = 0)")
-    result = sps.ttest_1samp(values, target, alternative="less")
+    with _quiet_precision_warnings():
+        result = sps.ttest_1samp(values, target, alternative="less")
     return TTest(float(result.statistic), float(len(values) - 1), float(result.pvalue))
 
 
@@ -68,7 +81,8 @@ def welch_less(candidate: list[float], baseline: list[float]) -> TTest:
         return TTest(None, None, None, f"undefined: n={len(candidate)} and {len(baseline)} (need ≥ 2 each)")
     if float(np.std(candidate)) == 0.0 and float(np.std(baseline)) == 0.0:
         return TTest(None, None, None, "undefined: both arms have sd = 0")
-    result = sps.ttest_ind(candidate, baseline, equal_var=False, alternative="less")
+    with _quiet_precision_warnings():
+        result = sps.ttest_ind(candidate, baseline, equal_var=False, alternative="less")
     return TTest(float(result.statistic), float(result.df), float(result.pvalue))
 
 
@@ -77,7 +91,8 @@ def welch_two_sided(a: list[float], b: list[float]) -> TTest:
         return TTest(None, None, None, f"undefined: n={len(a)} and {len(b)} (need ≥ 2 each)")
     if float(np.std(a)) == 0.0 and float(np.std(b)) == 0.0:
         return TTest(None, None, None, "undefined: both arms have sd = 0")
-    result = sps.ttest_ind(a, b, equal_var=False)
+    with _quiet_precision_warnings():
+        result = sps.ttest_ind(a, b, equal_var=False)
     return TTest(float(result.statistic), float(result.df), float(result.pvalue))
 
 
@@ -101,7 +116,8 @@ def paired_less(candidate: list[float], baseline: list[float]) -> PairedRatio:
         return PairedRatio(n, TTest(None, None, None, f"undefined: n={n} < 2"), geometric, None)
     if float(log_ratios.std()) == 0.0:
         return PairedRatio(n, TTest(None, n - 1, None, "undefined: all differences equal"), geometric, None)
-    result = sps.ttest_rel(candidate, baseline, alternative="less")
+    with _quiet_precision_warnings():
+        result = sps.ttest_rel(candidate, baseline, alternative="less")
     half = float(sps.t.ppf(0.975, n - 1) * log_ratios.std(ddof=1) / math.sqrt(n))
     ci = (float(np.exp(log_ratios.mean() - half)), float(np.exp(log_ratios.mean() + half)))
     return PairedRatio(n, TTest(float(result.statistic), float(n - 1), float(result.pvalue)), geometric, ci)
