@@ -1,0 +1,207 @@
+"""`check`: record folders against their logs, history.csv against the folders, READMEs against the tables.
+
+Every problem is one line naming the file and what to do. Published folders (runs with `"log": null`,
+`"source": "published"`) are checked for consistency of their figures only; nothing is parsed for them.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from .errors import RecordsError
+from .folders import (SUMMARY_KEYS, TRACK_DIRS, RecordFolder, list_folders, load_folder_runset, parse_folder_name,
+                      sha256_of, summary_of, track_dir)
+from .parse import LOG_SUFFIXES, parse_log
+from .report import render_statistics_md, track_report
+from .runsets import RESULTS_JSON, read_results
+from .tables import find_marked_readmes, load_history, replace_blocks
+
+PUBLISHED_README_PHRASE = "not included"
+
+
+def check_all(repo_root: Path, records_root: Path) -> list[str]:
+    problems: list[str] = []
+    for track in TRACK_DIRS:
+        problems += check_track_dir(records_root, track)
+        for folder in list_folders(records_root, track):
+            problems += check_folder(folder)
+    problems += check_history(records_root)
+    problems += check_readmes(repo_root, records_root)
+    return problems
+
+
+def check_track_dir(records_root: Path, track: int) -> list[str]:
+    base = track_dir(records_root, track)
+    if not base.is_dir():
+        return []
+    return [
+        f"{path}: folder name does not follow the Track {track} convention; rename it (see records/README.md)"
+        for path in sorted(base.iterdir())
+        if path.is_dir() and parse_folder_name(track, path.name) is None
+    ]
+
+
+def check_folder(folder: RecordFolder) -> list[str]:
+    for required in ("README.md", RESULTS_JSON, "statistics.md"):
+        if not (folder.path / required).is_file():
+            return [f"{folder.path / required}: missing; recreate the folder with `records new` or add the file"]
+    try:
+        results = read_results(folder.results_path)
+        problems = _check_header(folder, results)
+        runs = results.get("runs")
+        if not isinstance(runs, list) or not runs or not all(isinstance(run, dict) for run in runs):
+            return problems + [f"{folder.results_path}: `runs` must be a non-empty list of objects; regenerate it with `records new`"]
+        published = [run for run in runs if run.get("log") is None]
+        if published and len(published) != len(runs):
+            return problems + [f"{folder.results_path}: mixes published runs and logs; keep one kind per folder"]
+        if published:
+            problems += _check_published(folder, results)
+        else:
+            problems += _check_logged(folder, results)
+        problems += _check_summary(folder, results)
+    except RecordsError as exc:
+        return [str(exc)]
+    return problems
+
+
+def _check_header(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
+    where = folder.results_path
+    problems = []
+    if results.get("track") != folder.track:
+        problems.append(f"{where}: track {results.get('track')!r} but the folder is under Track {folder.track}; fix `track`")
+    if results.get("date") != folder.date.isoformat():
+        problems.append(f"{where}: date {results.get('date')!r} differs from the folder name ({folder.date}); fix one of them")
+    if results.get("name") != folder.name:
+        problems.append(f"{where}: name {results.get('name')!r} differs from the folder name ({folder.name}); fix one of them")
+    if results.get("kind") not in ("published", "ours"):
+        problems.append(f"{where}: kind must be 'published' or 'ours'; fix it")
+    return problems
+
+
+def _check_published(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
+    problems = []
+    for index, run in enumerate(results["runs"], start=1):
+        if run.get("source") != "published":
+            problems.append(f"{folder.results_path}: run {index} has no log but source {run.get('source')!r}; mark it \"published\" or add its log")
+    if results.get("kind") != "published":
+        problems.append(f"{folder.results_path}: runs without logs need kind 'published'; fix it")
+    readme = (folder.path / "README.md").read_text(encoding="utf-8")
+    if PUBLISHED_README_PHRASE not in readme:
+        problems.append(f"{folder.path / 'README.md'}: a folder of published figures must say its logs are {PUBLISHED_README_PHRASE}; add that sentence")
+    stray = [p.name for p in folder.path.iterdir() if p.suffix in LOG_SUFFIXES]
+    if stray:
+        problems.append(f"{folder.path}: logs {', '.join(stray)} are not listed in results.json; add them with `records new` in a new folder")
+    return problems
+
+
+def _check_logged(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
+    problems = []
+    listed = set()
+    for index, entry in enumerate(results["runs"], start=1):
+        log = folder.path / str(entry.get("log"))
+        listed.add(log.name)
+        if not log.is_file():
+            problems.append(f"{log}: listed in results.json but missing; restore the log")
+            continue
+        if entry.get("source") != "log":
+            problems.append(f"{folder.results_path}: run {index} has a log but source {entry.get('source')!r}; set it to \"log\"")
+        if sha256_of(log) != entry.get("sha256"):
+            problems.append(f"{log}: sha256 differs from results.json; the log was edited: restore the original")
+            continue
+        problems += _check_run_values(folder, log, entry)
+    stray = sorted(p.name for p in folder.path.iterdir() if p.suffix in LOG_SUFFIXES and p.name not in listed)
+    if stray:
+        problems.append(f"{folder.path}: logs {', '.join(stray)} are not listed in results.json; remove them or recreate the folder")
+    if results.get("kind") != "ours":
+        problems.append(f"{folder.results_path}: a folder with logs needs kind 'ours'; fix it")
+    return problems
+
+
+def _check_run_values(folder: RecordFolder, log: Path, entry: dict[str, Any]) -> list[str]:
+    runs = {run.trial: run for run in parse_log(log)}
+    run = runs.get(entry.get("trial", 1))
+    if run is None or run.final is None:
+        return [f"{log}: trial {entry.get('trial')} not found in the log; regenerate results.json"]
+    parsed = {"val_loss": run.final.val_loss, "train_time_s": run.final.train_time_s, "final_step": run.final.step,
+              "total_steps": run.total_steps, "code_hash": run.code_hash}
+    return [
+        f"{folder.results_path}: {run.label} {key} is {entry.get(key)!r} but the log says {value!r}; regenerate results.json"
+        for key, value in parsed.items()
+        if not _same(entry.get(key), value)
+    ]
+
+
+def _check_summary(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
+    runset = load_folder_runset(folder.path)
+    report = track_report(runset, folder.track)
+    expected = summary_of(report)
+    stored = results.get("summary") or {}
+    problems = [
+        f"{folder.results_path}: summary {key} is {stored.get(key)!r} but the runs give {expected.get(key)!r}; regenerate it"
+        for key in SUMMARY_KEYS
+        if key in expected and not _same(stored.get(key), expected.get(key))
+    ]
+    statistics = (folder.path / "statistics.md").read_text(encoding="utf-8")
+    if statistics != render_statistics_md(report, folder.path.name):
+        problems.append(f"{folder.path / 'statistics.md'}: differs from the statistics of the runs; regenerate it with `records stats {folder.path}`")
+    return problems
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return bool(a == b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return bool(a == b)
+
+
+def check_history(records_root: Path) -> list[str]:
+    problems = []
+    for track in (1, 3):
+        for row in load_history(records_root, track):
+            if not row.folder:
+                continue
+            path = track_dir(records_root, track) / row.folder
+            parsed = parse_folder_name(track, row.folder)
+            if parsed is None or not (path / RESULTS_JSON).is_file():
+                problems.append(f"{records_root}: history row #{row.number} (Track {track}) links {row.folder}, which is not a record folder; fix the folder column")
+                continue
+            summary = read_results(path / RESULTS_JSON).get("summary") or {}
+            problems += _row_against_summary(track, row.number, row.result, row.evidence, summary, path)
+    return problems
+
+
+def _row_against_summary(track: int, number: str, result: str, evidence: str, summary: dict[str, Any], path: Path) -> list[str]:
+    if track == 1:
+        minutes = result.split()[0]
+        decimals = len(minutes.partition(".")[2])
+        time = (summary.get("train_time_s") or {}).get("mean")
+        if time is None or f"{time / 60:.{decimals}f}" != minutes:
+            return [f"{path}: Track 1 history row #{number} says {result} but results.json gives a mean of {time} s; fix one of them"]
+        return []
+    steps = result.replace("(!)", "")
+    mean = (summary.get("val_loss") or {}).get("mean")
+    mark = "✓" if summary.get("passes") else "Ⓧ"
+    expected = f"{mean:.4f} (n={summary.get('n')}){mark}" if mean is not None else "?"
+    problems = []
+    if str(summary.get("step")) != steps:
+        problems.append(f"{path}: Track 3 history row #{number} claims {steps} steps but results.json is at step {summary.get('step')}; fix one of them")
+    if evidence != expected:
+        problems.append(f"{path}: Track 3 history row #{number} evidence {evidence!r} but results.json gives {expected!r}; fix one of them")
+    return problems
+
+
+def check_readmes(repo_root: Path, records_root: Path) -> list[str]:
+    problems = []
+    for readme in find_marked_readmes(repo_root):
+        text = readme.read_text(encoding="utf-8")
+        try:
+            if replace_blocks(text, readme, records_root) != text:
+                problems.append(f"{readme}: tables differ from history.csv and the record folders; run `python tools/records.py tables --write`")
+        except RecordsError as exc:
+            problems.append(str(exc))
+    return problems

@@ -1,0 +1,152 @@
+"""Plain data types shared by the parser, the statistics and the record-folder code."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ValPoint:
+    """One validation line: `step:S/T val_loss:V ... train_time:X step_avg:Yms`."""
+
+    step: int
+    total_steps: int | None
+    val_loss: float
+    train_time_s: float | None
+    step_avg_ms: float | None
+    extras: tuple[tuple[str, str], ...] = ()  # extra key:value columns (Track 3 variants)
+    time_unit: str | None = None  # "ms" (Tracks 1/2) or "s" (Track 3) as written in the log
+
+
+@dataclass(frozen=True)
+class TrainPoint:
+    """One training line (train_loss only in 2024 and llm.c logs)."""
+
+    step: int
+    total_steps: int | None
+    train_time_s: float | None
+    step_avg_ms: float | None
+    train_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    allocated_mib: int
+    reserved_mib: int | None  # None for the 2024 "peak memory consumption" line
+
+
+@dataclass
+class Environment:
+    """What the log says about the machine and the software (every field optional)."""
+
+    python: str | None = None
+    torch: str | None = None
+    cuda: str | None = None
+    triton: str | None = None
+    driver: str | None = None
+    gpu_models: list[str] = field(default_factory=list)  # one entry per nvidia-smi GPU row
+    world_size: int | None = None
+    device: str | None = None  # the `device:` line our scripts write, or a Track 3 GPU name
+    hyperparameters: dict[str, Any] | None = None  # our scripts' `hyperparameters: {...}` line
+    overrides: dict[str, Any] | None = None
+    settings: dict[str, str] = field(default_factory=dict)  # other `key: value` / `Using k=v` lines
+
+    @property
+    def gpu_count(self) -> int | None:
+        """GPUs the run used: world_size when logged, else the nvidia-smi rows."""
+        if self.world_size is not None:
+            return self.world_size
+        return len(self.gpu_models) or None
+
+    @property
+    def hardware(self) -> str | None:
+        """A short description such as `8× NVIDIA H100 80GB HBM3`, or None if the log is silent."""
+        model = _most_common(self.gpu_models)
+        count = self.gpu_count
+        if model is None and self.device and self.device.lower() != "cpu":
+            model, logged_count = _split_device(self.device)
+            count = count or logged_count
+        if model is not None:
+            return f"{count}× {model}" if count else model
+        return self.device
+
+
+def _split_device(device: str) -> tuple[str, int | None]:
+    """`8x NVIDIA H200` or `NVIDIA H200 x 8` (our scripts' `device:` lines) -> model and count."""
+    if m := re.fullmatch(r"(\d+)\s*[x×]\s*(.+)", device):
+        return m.group(2), int(m.group(1))
+    if m := re.fullmatch(r"(.+?)\s+[x×]\s*(\d+)", device):
+        return m.group(1), int(m.group(2))
+    return device, None
+
+
+def _most_common(items: list[str]) -> str | None:
+    return max(set(items), key=items.count) if items else None
+
+
+@dataclass
+class Run:
+    """One training run (one trial of a multi-trial log)."""
+
+    path: Path
+    file_sha256: str
+    trial: int  # 1-based
+    trial_count: int
+    era: str
+    sources: dict[str, str]  # file name -> text; the script itself is first
+    code_hash: str | None
+    env: Environment
+    val_points: list[ValPoint]
+    train_points: list[TrainPoint]
+    peak_memory: PeakMemory | None
+    warmup_time_s: float | None
+    notes: list[str] = field(default_factory=list)  # repeated lines collapsed, etc.
+
+    @property
+    def label(self) -> str:
+        return self.path.name if self.trial_count == 1 else f"{self.path.name}#trial{self.trial}"
+
+    @property
+    def final(self) -> ValPoint | None:
+        return self.val_points[-1] if self.val_points else None
+
+    @property
+    def total_steps(self) -> int | None:
+        for point in reversed(self.val_points):
+            if point.total_steps is not None:
+                return point.total_steps
+        for train in reversed(self.train_points):
+            if train.total_steps is not None:
+                return train.total_steps
+        return None
+
+    @property
+    def complete(self) -> bool:
+        """True when the last val line is at the last step (llm.c logs carry no total: trusted)."""
+        final = self.final
+        if final is None:
+            return False
+        total = self.total_steps
+        return total is None or final.step >= total
+
+    @property
+    def status(self) -> str:
+        final = self.final
+        if final is None:
+            return "truncated: no val line"
+        if not self.complete:
+            return f"truncated: last val {final.step}/{self.total_steps}"
+        return "complete"
+
+    def val_at(self, step: int) -> ValPoint | None:
+        for point in self.val_points:
+            if point.step == step:
+                return point
+        return None
+
+    @property
+    def val_steps(self) -> list[int]:
+        return [point.step for point in self.val_points]

@@ -1,0 +1,165 @@
+"""README tables generated from records/<track>/history.csv and the record folders.
+
+Blocks live between marker comments, e.g. `<!-- records:track1:start -->` … `<!-- records:track1:end -->`,
+in any README.md of the repository; `tables --write` fills them and `check` compares them.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import RecordsError
+from .folders import list_folders, track_dir
+from .runsets import RESULTS_JSON, read_results
+
+HISTORY_CSV = "history.csv"
+TRACK1_DIR = Path("track_1_short")
+TRACK3_DIR = Path("track_3_optimization")
+BLOCKS = ("track1", "track3", "folders")
+SKIP_DIRS = {".git", "logs", "checkpoints", "node_modules", "__pycache__", ".proxy", ".whl", "data"}
+
+
+def start_marker(block: str) -> str:
+    return f"<!-- records:{block}:start -->"
+
+
+def end_marker(block: str) -> str:
+    return f"<!-- records:{block}:end -->"
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """One row of a history.csv: published facts, our description, and our folder if we have one."""
+
+    number: str
+    result: str  # Track 1: "2.495 minutes"; Track 3: "4100" or "3600(!)"
+    evidence: str  # Track 3 only: "3.2776 (n=4)✓"
+    date: str  # as published: MM/DD/YY (Track 1), YYYY/MM/DD (Track 3)
+    description: str
+    folder: str  # folder name inside the track's record directory, or ""
+
+
+def history_path(records_root: Path, track: int) -> Path:
+    return records_root / (TRACK1_DIR if track == 1 else TRACK3_DIR) / HISTORY_CSV
+
+
+def load_history(records_root: Path, track: int) -> list[HistoryRow]:
+    path = history_path(records_root, track)
+    if not path.is_file():
+        return []
+    with path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        try:
+            if track == 1:
+                return [HistoryRow(r["record"], r["time"], "", r["date"], r["description"], r["folder"]) for r in reader]
+            return [HistoryRow(r["result"], r["steps"], r["evidence"], r["date"], r["description"], r["folder"]) for r in reader]
+        except KeyError as exc:
+            raise RecordsError(f"{path}: missing column {exc}; restore the header line") from None
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _folder_link(records_root: Path, track: int, folder: str, readme_dir: Path) -> str:
+    if not folder:
+        return ""
+    target = track_dir(records_root, track) / folder
+    relative = Path(os.path.relpath(target, readme_dir)).as_posix()
+    return f"[{folder}]({relative}/)"
+
+
+def render_track1(records_root: Path, readme_dir: Path) -> str:
+    lines = ["| # | Record time | Description | Date | Folder here |", "|---|---|---|---|---|"]
+    for row in load_history(records_root, 1):
+        link = _folder_link(records_root, 1, row.folder, readme_dir)
+        lines.append(f"| {row.number} | {row.result} | {_cell(row.description)} | {row.date} | {link} |")
+    return "\n".join(lines)
+
+
+def render_track3(records_root: Path, readme_dir: Path) -> str:
+    lines = ["| # | Steps to 3.28 | Evidence | Description | Date | Folder here |", "|---|---|---|---|---|---|"]
+    for row in load_history(records_root, 3):
+        link = _folder_link(records_root, 3, row.folder, readme_dir)
+        lines.append(f"| {row.number} | {row.result} | {row.evidence} | {_cell(row.description)} | {row.date} | {link} |")
+    return "\n".join(lines)
+
+
+def render_folders(records_root: Path, readme_dir: Path) -> str:
+    lines = [
+        "| Track | Folder | Runs from | n | Mean val loss | Mean train time (s) | Hardware |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for track in (1, 2, 3):
+        for folder in list_folders(records_root, track):
+            if not (folder.path / RESULTS_JSON).is_file():
+                continue  # check reports it
+            results = read_results(folder.path / RESULTS_JSON)
+            summary = results.get("summary") or {}
+            loss = (summary.get("val_loss") or {}).get("mean")
+            time = (summary.get("train_time_s") or {}).get("mean")
+            origin = "published figures (logs not included)" if results.get("kind") == "published" else "our logs"
+            step = f" at step {summary['step']}" if summary.get("step") is not None else ""
+            link = _folder_link(records_root, track, folder.path.name, readme_dir)
+            lines.append(
+                f"| {track} | {link} | {origin} | {summary.get('n', '?')} | "
+                f"{'—' if loss is None else f'{loss:.4f}'}{step} | {'—' if time is None else f'{time:.3f}'} | "
+                f"{_cell(str(results.get('hardware', '?')))} |"
+            )
+    return "\n".join(lines)
+
+
+def render_block(block: str, records_root: Path, readme_dir: Path) -> str:
+    if block == "track1":
+        return render_track1(records_root, readme_dir)
+    if block == "track3":
+        return render_track3(records_root, readme_dir)
+    return render_folders(records_root, readme_dir)
+
+
+def marked_blocks(text: str) -> list[str]:
+    return [block for block in BLOCKS if start_marker(block) in text]
+
+
+def replace_blocks(text: str, readme: Path, records_root: Path) -> str:
+    """The README text with every marked block regenerated (text outside the markers untouched)."""
+    for block in marked_blocks(text):
+        start, end = start_marker(block), end_marker(block)
+        head, _, rest = text.partition(start)
+        if end not in rest:
+            raise RecordsError(f"{readme}: {start} has no matching {end}; add the end marker")
+        _, _, tail = rest.partition(end)
+        body = render_block(block, records_root, readme.parent)
+        text = f"{head}{start}\n{body}\n{end}{tail}"
+    return text
+
+
+def find_marked_readmes(repo_root: Path) -> list[Path]:
+    found = []
+    for directory, subdirs, files in os.walk(repo_root):
+        subdirs[:] = sorted(d for d in subdirs if d not in SKIP_DIRS and not d.startswith("."))
+        if "README.md" in files:
+            path = Path(directory) / "README.md"
+            if marked_blocks(path.read_text(encoding="utf-8")):
+                found.append(path)
+    return sorted(found)
+
+
+def write_tables(repo_root: Path, records_root: Path) -> list[Path]:
+    """Regenerate the marked blocks of every README; return the files that changed."""
+    changed = []
+    for readme in find_marked_readmes(repo_root):
+        old = readme.read_text(encoding="utf-8")
+        new = replace_blocks(old, readme, records_root)
+        if new != old:
+            readme.write_text(new, encoding="utf-8")
+            changed.append(readme)
+    return changed
+
+
+def stale_readmes(repo_root: Path, records_root: Path) -> list[Path]:
+    return [r for r in find_marked_readmes(repo_root) if replace_blocks(r.read_text(encoding="utf-8"), r, records_root) != r.read_text(encoding="utf-8")]
+

@@ -1,0 +1,133 @@
+"""`diff`, `compare`, `extract` and the CLI's error line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.image as mpimg  # noqa: E402
+import pytest  # noqa: E402
+import records_fixtures as F  # noqa: E402
+
+from recordkit import compare, diff  # noqa: E402
+from recordkit.cli import main  # noqa: E402
+from recordkit.errors import RecordsError  # noqa: E402
+from recordkit.extract import extract_sources  # noqa: E402
+from recordkit.runsets import load_runset  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_diff_two_logs_differing_in_one_hyperparameter(tmp_path: Path) -> None:
+    old = diff.load_against(F.write(tmp_path / "old.txt", F.track1_2025(lr=0.05, final_ms=150000)), False, False)
+    new = diff.side_from_logs("new", [F.write(tmp_path / "new.txt", F.track1_2025(lr=0.06, final_ms=149000))], False, False)
+    text = diff.render_diff(old, new)
+    source = diff.source_diff(old.example, new.example)
+    assert [line for line in source if line.startswith(("+ ", "- ", "+\t", "-\t")) or (line[:1] in "+-" and not line.startswith(("+++", "---")))] == [
+        "-    learning_rate: float = 0.05",
+        "+    learning_rate: float = 0.06",
+    ]
+    assert diff.hyperparameter_diff(old.example, new.example) == ["(record values from its source, new values from its source)",
+                                                                   "~ learning_rate: 0.05 -> 0.06"]
+    assert "== environment\n(no differences)" in text
+    assert "total train time: record 150.000 s  new 149.000 s  delta -1.000 s (-0.67%)" in text
+
+
+def test_hyperparameters_from_source_keeps_non_literals_as_text() -> None:
+    values = diff.hyperparameters_from_source(F.SCRIPT.format(steps=10, lr=0.1))
+    assert values == {"num_iterations": 10, "learning_rate": 0.1, "batch_size": "8 * 64 * 1024", "val_loss_every": 125}
+
+
+def test_environment_diff_of_harness_logs(tmp_path: Path) -> None:
+    old = diff.load_against(F.write(tmp_path / "a.txt", F.harness()), False, False)
+    new = diff.side_from_logs("new", [F.write(tmp_path / "b.txt", F.harness(smi=False, device="cpu"))], False, False)
+    lines = diff.environment_diff(old, new)
+    assert "~ hardware: '8× NVIDIA H200' -> 'cpu'" in lines
+    assert "~ world_size: 8 -> 1" in lines
+
+
+def test_diff_auto_uses_newest_linked_record_and_plots_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logs = [F.write(tmp_path / f"r{i}.txt", F.harness(final_loss=3.279 + i / 1e4, lr=0.06)) for i in range(2)]
+    plot = tmp_path / "curves.png"
+    assert main(["--root", str(REPO), "diff", *map(str, logs), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "vs record: 2025-09-23_MuonCustomSizing (4 run(s), published figures)" in out
+    assert "(the prior record has no log with embedded source here: no code diff)" in out
+    assert "  1680    3.27960    3.27905   -0.00055" in out
+    data = plot.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    image = mpimg.imread(plot)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    assert main(["--root", str(REPO), "diff", *map(str, logs), "--plot", str(plot)]) == 2  # never overwritten
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_compare_welch_and_paired(tmp_path: Path) -> None:
+    base = [F.write(tmp_path / "b" / f"{i}.txt", F.track1_2025(final_ms=ms, seed=i)) for i, ms in enumerate([150200, 150500, 150400])]
+    cand = [F.write(tmp_path / "c" / f"{i}.txt", F.track1_2025(final_ms=ms, seed=i, lr=0.06)) for i, ms in enumerate([149600, 149800, 149700])]
+    result = compare.compare_runsets(load_runset(base), load_runset(cand), track=1, paired=True)
+    time = result["time"]
+    assert time["delta_s"] == pytest.approx(149.7 - 150.366666, abs=1e-6)
+    assert time["speed_ratio"] == pytest.approx(150.3666666 / 149.7)
+    assert time["welch_less"]["p_value"] < 0.01
+    assert time["paired"]["geometric_ratio"] == pytest.approx(((149.6 / 150.2) * (149.8 / 150.5) * (149.7 / 150.4)) ** (1 / 3))
+    assert [row["step"] for row in result["matched_steps"]][-1] == 1680
+    text = compare.render_compare_text(result)
+    assert "speed ratio 1.0045x" in text and "paired (n=3)" in text
+
+
+def test_compare_track3_pairwise(tmp_path: Path) -> None:
+    old = load_runset([F.write(tmp_path / "old.txt", F.track3_trials(F.SHAMPOO_TRIALS))])
+    shifted = [{step: loss - 0.002 for step, loss in trial.items()} for trial in F.SHAMPOO_TRIALS]
+    new = load_runset([F.write(tmp_path / "new.txt", F.track3_trials(shifted, markers=True))])
+    result = compare.compare_runsets(old, new, track=3)["track3"]
+    assert result["baseline"]["step"] == 4100 and result["candidate"]["step"] == 4075
+    # old 3.2775925 @ 4100, new 3.276615 @ 4075: (0.0009775 + 25 steps saved · 0.0045/100) / √(1/4 + 1/4)
+    assert result["value"] == pytest.approx((3.2775925 - 3.276615 + 0.001125) / 0.5**0.5)
+    assert result["passes"] is False
+
+
+def test_extract_rebuilds_shampoo_package_and_runs(tmp_path: Path) -> None:
+    log = F.write(tmp_path / "log.txt", F.harness(shampoo=True))
+    out = tmp_path / "repro" / "train_gpt_shampoo.py"
+    written = extract_sources(log, out)
+    assert written == [out, tmp_path / "repro" / "distributed_shampoo" / "__init__.py", tmp_path / "repro" / "distributed_shampoo" / "shampoo.py"]
+    assert out.read_text() == F.SCRIPT.format(steps=1680, lr=0.05)
+    result = subprocess.run([sys.executable, str(out)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "Hyperparameters(num_iterations=1680" in result.stdout
+    with pytest.raises(RecordsError, match="already exists; extract into an empty folder"):
+        extract_sources(log, out)
+
+
+def test_extract_appended_kernels_and_refuses_console_capture(tmp_path: Path) -> None:
+    log = F.write(tmp_path / "log.txt", F.track1_2025())
+    written = extract_sources(log, tmp_path / "x" / "train_gpt.py")
+    assert (tmp_path / "x" / "triton_kernels.py").read_text() == F.KERNELS and len(written) == 2
+    console = F.write(tmp_path / "c.stdout", F.track3_trials(F.SHAMPOO_TRIALS, source=False))
+    with pytest.raises(RecordsError, match="no embedded source"):
+        extract_sources(console, tmp_path / "y.py")
+
+
+def test_cli_error_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = F.write(tmp_path / "notes.txt", "just some text\n")
+    assert main(["stats", str(bad), "--track", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"records: error: {bad}: no parseable val line (expected 'step:N/T val_loss:X train_time:...' or 's:N tel:X'); " \
+                  "pass a training log, not a console fragment or another file\n"
+
+
+def test_cli_stats_json_and_statistics_md(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    for i, loss in enumerate([3.2770, 3.2775, 3.2780, 3.2772]):
+        F.write(tmp_path / "runs" / f"{i}.txt", F.track1_2025(final_loss=loss, seed=i))
+    assert main(["stats", str(tmp_path / "runs"), "--track", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["n"] == 4 and report["passes"] is True and 0 < report["p_value"] < 0.01
+    assert set(report["val_loss"]) >= {"mean", "std", "min", "max"} and set(report["train_time_s"]) >= {"mean", "std"}
+    assert (tmp_path / "runs" / "statistics.md").read_text().startswith("# Statistics: runs")

@@ -1,0 +1,274 @@
+"""Synthetic logs of every era, written by us to the formats in the records spec (§2).
+
+Each builder returns the text of one log file. The numbers are made up; tests pass their own.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+TOOLS_DIR = Path(__file__).resolve().parents[1]
+if str(TOOLS_DIR) not in sys.path:
+    sys.path.insert(0, str(TOOLS_DIR))
+
+SEP = "=" * 100
+
+# A small stand-in for a training script, with a Hyperparameters dataclass that `diff` can read.
+SCRIPT = '''import os
+from dataclasses import dataclass
+
+
+@dataclass
+class Hyperparameters:
+    num_iterations: int = {steps}
+    learning_rate: float = {lr}
+    batch_size: int = 8 * 64 * 1024
+    val_loss_every: int = 125
+
+
+def main():
+    args = Hyperparameters()
+    print(args)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+KERNELS = '''import triton
+
+
+def kernel_grid(n):
+    return (n + 127) // 128,
+'''
+
+
+def nvidia_smi(gpus: int = 8, model: str = "NVIDIA H100 80GB HBM3") -> str:
+    """An nvidia-smi table with its own `|===|` rows (which must not count as separators)."""
+    bar = "+-----------------------------------------+------------------------+----------------------+"
+    rows = [
+        "Tue Sep 23 10:11:12 2025",
+        "+-----------------------------------------------------------------------------------------+",
+        "| NVIDIA-SMI 570.148.08             Driver Version: 570.148.08     CUDA Version: 12.8     |",
+        bar,
+        "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |",
+        "| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |",
+        "|=========================================+========================+======================|",
+    ]
+    for index in range(gpus):
+        rows += [
+            f"|   {index}  {model:<30}On  |   00000000:{index:02X}:00.0 Off |                    0 |",
+            "| N/A   33C    P0            118W /  700W |    1234MiB /  81559MiB |      0%      Default |",
+            bar,
+        ]
+    rows += [
+        "",
+        "+-----------------------------------------------------------------------------------------+",
+        "| Processes:                                                                              |",
+        "|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |",
+        "|=========================================================================================|",
+        "|    0   N/A  N/A           12345      C   /usr/bin/python3                         1224MiB |",
+        "+-----------------------------------------------------------------------------------------+",
+        "",
+    ]
+    return "\n".join(rows)
+
+
+def _ms_val(step: int, total: int, loss: float, ms: int, decimals: int = 4) -> str:
+    avg = ms / max(step, 1)
+    return f"step:{step}/{total} val_loss:{loss:.{decimals}f} train_time:{ms}ms step_avg:{avg:.2f}ms"
+
+
+def track1_2025(
+    final_loss: float = 3.2792,
+    final_ms: int = 149775,
+    steps: int = 1680,
+    lr: float = 0.05,
+    with_final: bool = True,
+    repeat_final: int = 1,
+    kernels: bool = True,
+    gpus: int = 8,
+    seed: int = 0,
+) -> str:
+    """Era C (2025-01 onward): code (+ appended kernels), separator, env, separator, steps."""
+    code = SCRIPT.format(steps=steps, lr=lr)
+    if kernels:
+        code += "\n" + "-" * 40 + "\n# triton_kernels.py\n" + "-" * 40 + "\n" + KERNELS
+    lines = [
+        code,
+        SEP,
+        "Running Python 3.12.7 | packaged by conda-forge | (main, Oct  4 2024, 16:05:46) [GCC 13.3.0]",
+        "Running PyTorch 2.9.0.dev20250726+cu126 compiled for CUDA 12.6",
+        "Running Triton version 3.4.0",
+        nvidia_smi(gpus),
+        SEP,
+        "Compiling model and warming up kernels (~7 minutes on first execution)",
+        "Resetting Model",
+    ]
+    checkpoints = list(range(0, steps, 125))
+    for step in checkpoints:
+        ms = int(final_ms * step / steps)
+        loss = 10.8258 if step == 0 else final_loss + 2.0 * (1 - step / steps) ** 2 + 0.0001 * seed
+        lines.append(_ms_val(step, steps, loss, ms))
+        lines.append(f"step:{step + 1}/{steps} train_time:{ms + 89}ms step_avg:{(ms + 89) / (step + 1):.2f}ms")
+    if with_final:
+        for _ in range(repeat_final):
+            lines.append(_ms_val(steps, steps, final_loss, final_ms))
+        lines.append("peak memory allocated: 30760 MiB reserved: 45554 MiB")
+    return "\n".join(lines) + "\n"
+
+
+def track1_2024_leading(final_loss: float = 3.2785, final_ms: int = 264000, steps: int = 3000) -> str:
+    """Era A (2024-11): leading separator, code, env (lower-case labels), DataLoader block, steps with train_loss."""
+    lines = [
+        SEP,
+        SCRIPT.format(steps=steps, lr=0.0036),
+        SEP,
+        "Running pytorch 2.5.1+cu124 compiled for CUDA 12.4",
+        "nvidia-smi:",
+        nvidia_smi(8),
+        SEP,
+        "Training DataLoader: total number of tokens: 1000000000 across 10 files",
+        "Validation DataLoader: total number of tokens: 100000000 across 1 files",
+        SEP,
+        "step:0/3000 val_loss:10.8258 train_time:0ms step_avg:nanms",
+        "step:1/3000 train_loss:10.8259 train_time:25000ms step_avg:nanms",
+        "step:11/3000 train_loss:8.1234 train_time:0ms step_avg:nanms",
+        "step:13/3000 train_loss:7.9000 train_time:180ms step_avg:90.00ms",
+        f"step:1500/3000 val_loss:3.6000 train_time:{final_ms // 2}ms step_avg:88.00ms",
+        f"step:3000/3000 val_loss:{final_loss:.4f} train_time:{final_ms}ms step_avg:88.00ms",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def track1_2024_12(final_loss: float = 3.2791, final_ms: int = 228000, steps: int = 1530) -> str:
+    """Era B (2024-12): code first, `Running python`, DataLoader block, no train_loss, old memory line."""
+    lines = [
+        SCRIPT.format(steps=steps, lr=0.05),
+        SEP,
+        "Running python 3.12.7 (main, Oct  4 2024, 16:05:46) [GCC 13.3.0]",
+        "Running pytorch 2.6.0.dev20241203+cu124 compiled for CUDA 12.4",
+        "nvidia-smi:",
+        nvidia_smi(8),
+        SEP,
+        "Training DataLoader: total number of tokens: 900000000 across 9 files",
+        "Validation DataLoader: total number of tokens: 10485760 across 1 files",
+        SEP,
+        "step:0/1530 val_loss:10.8258 train_time:0ms step_avg:nanms",
+        "step:1/1530 train_time:30000ms step_avg:nanms",
+        "Parameter containing:",
+        "tensor([1., 2.], device='cuda:0')",
+        f"step:1530/1530 val_loss:{final_loss:.4f} train_time:{final_ms}ms step_avg:149.02ms",
+        "peak memory consumption: 37001 MiB",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def llmc(final_loss: float = 3.2847) -> str:
+    """llm.c baseline: no code, no environment, `s:` lines only."""
+    lines = []
+    for step in range(0, 101, 25):
+        lines.append(f"s:{step} trl:{11.0 - step / 20:.4f} lr:0.0006 norm:1.2345")
+        lines.append(f"s:{step} tel:{(final_loss if step == 100 else 11.0 - step / 20):.4f}")
+    return "\n".join(lines) + "\n"
+
+
+T3_ENV = "Running PyTorch 2.11.0+cu128 compiled for CUDA 12.8 on NVIDIA H100 80GB HBM3 with world_size 8"
+
+
+def _t3_val(step: int, total: int, loss: float, seconds: float, extra_pre: str = "", extra_post: str = "") -> str:
+    avg = "nan" if step == 0 else f"{seconds * 1000 / step:.2f}"
+    return f"step:{step}/{total} val_loss:{loss:.5f}{extra_pre} train_time:{seconds:.3f}s step_avg:{avg}ms{extra_post}"
+
+
+def track3_trials(
+    trials: list[dict[int, float]],
+    total: int = 4150,
+    markers: bool = False,
+    extra_columns: bool = False,
+    source: bool = True,
+    console_train_lines: bool = False,
+) -> str:
+    """Track 3: seconds, 5-decimal losses, one log holding several trials (reset to step:0, or markers)."""
+    lines: list[str] = []
+    if source:
+        lines += [SCRIPT.format(steps=total, lr=0.0015), SEP, T3_ENV, SEP]
+    for index, losses in enumerate(trials):
+        if markers:
+            lines.append(f"trial:{index + 1}/{len(trials)} seed:{index}")
+        lines.append(_t3_val(0, total, 10.82584, 0.0))
+        for step in sorted(losses):
+            seconds = step * 0.2185
+            if console_train_lines:
+                lines.append(f"step:{step - 1}/{total} train_time:{seconds - 0.2:.3f}s step_avg:218.50ms")
+            pre = f" val_ema_loss:{losses[step] - 0.001:.5f}" if extra_columns else ""
+            post = " ema_beta:0.9 ref_step:2375" if extra_columns else ""
+            lines.append(_t3_val(step, total, losses[step], seconds, pre, post))
+    return "\n".join(lines) + "\n"
+
+
+# The Shampoo record's published per-trial val losses (track3_recipe §11).
+SHAMPOO_TRIALS = [
+    {4075: 3.27819, 4100: 3.27717, 4125: 3.27642, 4150: 3.27611},
+    {4075: 3.27896, 4100: 3.27792, 4125: 3.27720, 4150: 3.27686},
+    {4075: 3.27606, 4100: 3.27503, 4125: 3.27426, 4150: 3.27392},
+    {4075: 3.28125, 4100: 3.28025, 4125: 3.27949, 4150: 3.27915},
+]
+
+SHAMPOO_FILE = '''import torch
+
+
+class DistributedShampoo(torch.optim.Optimizer):
+    pass
+'''
+
+
+def harness(
+    final_loss: float = 3.2795,
+    final_ms: int = 150100,
+    steps: int = 1680,
+    lr: float = 0.05,
+    device: str = "8x NVIDIA H200",
+    shampoo: bool = False,
+    smi: bool = True,
+) -> str:
+    """Our train_gpt.py / train_gpt_shampoo.py (script_conventions.md): key: value environment lines."""
+    code = SCRIPT.format(steps=steps, lr=lr)
+    if shampoo:
+        code += "\n# ===== distributed_shampoo/__init__.py =====\nfrom .shampoo import DistributedShampoo\n"
+        code += "\n# ===== distributed_shampoo/shampoo.py =====\n" + SHAMPOO_FILE
+    hyper = {"num_iterations": steps, "learning_rate": lr, "seed": 0, "run_name": "x"}
+    lines = [
+        code,
+        SEP,
+        "Running Python 3.11.9 (main, Apr  2 2024, 08:25:04) [GCC 12.2.0]",
+        "Running PyTorch 2.11.0+cu128 compiled for CUDA 12.8",
+        "Running Triton version 3.6.0",
+        nvidia_smi(8, "NVIDIA H200") if smi else "nvidia-smi: not available",
+        f"device: {device}",
+        "world_size: 8" if smi else "world_size: 1",
+        "grad_accum_steps: 1" if smi else "grad_accum_steps: 8",
+        "attention_backend: flex",
+        "fp8_head: on",
+        "git_commit: 0123456789abcdef",
+        "overrides: {}",
+        f"hyperparameters: {hyper!r}",
+        "train_files: 8 files, 800000000 tokens",
+        "val_files: 1 files, 100000000 tokens",
+        "muon groups: 4 (attn 3x768x768, mlp 768x3072)",
+        SEP,
+        "warmup_time: 412.3s",
+        _ms_val(0, steps, 10.8258, 0),
+        f"step:1/{steps} train_time:155ms step_avg:154.61ms",
+        _ms_val(steps // 2, steps, 3.7, final_ms // 2),
+        _ms_val(steps, steps, final_loss, final_ms),
+        "peak memory allocated: 30761 MiB reserved: 45600 MiB",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

@@ -1,0 +1,181 @@
+"""`new`, `check` and the README tables, in a throw-away repository root."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import records_fixtures as F
+
+from recordkit.check import check_all
+from recordkit.cli import main
+from recordkit.errors import RecordsError
+from recordkit.folders import create_record, list_folders
+from recordkit.tables import end_marker, start_marker, write_tables
+
+REPO = Path(__file__).resolve().parents[2]
+
+README = "\n\n".join(
+    ["# Records", start_marker("track1"), end_marker("track1"), start_marker("track3"), end_marker("track3"),
+     start_marker("folders"), end_marker("folders"), ""]
+)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A repository root whose records/ holds the two published seed folders and a README with markers."""
+    records = tmp_path / "repo" / "records"
+    shutil.copytree(REPO / "records" / "track_1_short", records / "track_1_short")
+    shutil.copytree(REPO / "records" / "track_3_optimization", records / "track_3_optimization")
+    (records / "README.md").write_text(README)
+    write_tables(tmp_path / "repo", records)
+    return tmp_path / "repo"
+
+
+def harness_logs(directory: Path, losses: list[float]) -> list[Path]:
+    return [F.write(directory / f"run{i}.txt", F.harness(final_loss=loss, final_ms=150000 + 100 * i)) for i, loss in enumerate(losses)]
+
+
+def test_repository_records_pass_check() -> None:
+    assert check_all(REPO, REPO / "records") == []
+
+
+def test_new_creates_folder_with_exact_copies(root: Path, tmp_path: Path) -> None:
+    logs = harness_logs(tmp_path / "logs", [3.2790, 3.2785, 3.2788])
+    folder = create_record(root / "records", 1, "H200Repro", logs, date=F_DATE, hardware=None, note="test runs")
+    assert folder == root / "records" / "track_1_short" / "2026-11-30_H200Repro"
+    for log in logs:
+        assert (folder / log.name).read_bytes() == log.read_bytes()
+    results = json.loads((folder / "results.json").read_text())
+    assert results["kind"] == "ours" and results["note"] == "test runs"
+    assert results["hardware"] == "8× NVIDIA H200"  # from the logs' nvidia-smi table
+    assert [r["sha256"] for r in results["runs"]] == [hashlib.sha256(p.read_bytes()).hexdigest() for p in logs]
+    assert results["summary"]["n"] == 3 and results["summary"]["val_loss"]["mean"] == pytest.approx(3.2787666666)
+    assert (folder / "statistics.md").read_text().startswith("# Statistics: 2026-11-30_H200Repro")
+    readme = (folder / "README.md").read_text()
+    # mean time (150.0 + 150.1 + 150.2) / 3 s = 2.5017 minutes
+    assert "the logs in this folder are ours" in readme and "| ? | 2.502 minutes | H200Repro | 11/30/26 | |" in readme
+    write_tables(root, root / "records")
+    assert check_all(root, root / "records") == []
+    assert "2026-11-30_H200Repro" in (root / "records" / "README.md").read_text()
+
+
+F_DATE = __import__("datetime").date(2026, 11, 30)
+
+
+def test_new_refuses_to_overwrite(root: Path, tmp_path: Path) -> None:
+    logs = harness_logs(tmp_path / "logs", [3.2790, 3.2785])
+    folder = create_record(root / "records", 1, "H200Repro", logs, date=F_DATE)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    other = harness_logs(tmp_path / "other", [3.2700, 3.2701])
+    with pytest.raises(RecordsError, match="already exists; records are never overwritten"):
+        create_record(root / "records", 1, "H200Repro", other, date=F_DATE)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_new_hardware_flag_and_cpu_logs(root: Path, tmp_path: Path) -> None:
+    logs = [F.write(tmp_path / f"cpu{i}.txt", F.harness(smi=False, device="cpu", final_loss=3.29 + i / 1000)) for i in range(2)]
+    folder = create_record(root / "records", 1, "CpuSmoke", logs, date=F_DATE, hardware="2-core CI VM", note="CPU smoke run, not a record")
+    results = json.loads((folder / "results.json").read_text())
+    assert results["hardware"] == "2-core CI VM" and results["hardware_from_logs"] == ["cpu"]
+    assert results["summary"]["passes"] is False
+
+
+def test_new_rejects_bad_name_and_truncated_only(root: Path, tmp_path: Path) -> None:
+    logs = harness_logs(tmp_path / "logs", [3.279])
+    with pytest.raises(RecordsError, match="CamelCase"):
+        create_record(root / "records", 1, "bad_name", logs, date=F_DATE)
+    truncated = F.write(tmp_path / "t.txt", F.track1_2025(with_final=False))
+    with pytest.raises(RecordsError, match="no complete run left"):
+        create_record(root / "records", 1, "Trunc", [truncated], date=F_DATE)
+    assert not (root / "records" / "track_1_short" / "2026-11-30_Trunc").exists()
+
+
+def test_new_track3_multi_trial(root: Path, tmp_path: Path) -> None:
+    log = F.write(tmp_path / "shampoo.txt", F.track3_trials(F.SHAMPOO_TRIALS))
+    folder = create_record(root / "records", 3, "shampoo_repro", [log], date=F_DATE)
+    assert folder.name == "20261130_shampoo_repro"
+    results = json.loads((folder / "results.json").read_text())
+    assert [r["trial"] for r in results["runs"]] == [1, 2, 3, 4]
+    assert results["summary"]["step"] == 4100 and results["summary"]["passes"] is True
+    write_tables(root, root / "records")
+    assert check_all(root, root / "records") == []
+
+
+def test_check_finds_edited_log_stale_table_and_bad_published(root: Path, tmp_path: Path) -> None:
+    logs = harness_logs(tmp_path / "logs", [3.2790, 3.2785])
+    folder = create_record(root / "records", 1, "H200Repro", logs, date=F_DATE)
+    # The folder is not in the README table until the tables are rewritten.
+    problems = check_all(root, root / "records")
+    assert len(problems) == 1 and "tables differ" in problems[0] and "tables --write" in problems[0]
+    write_tables(root, root / "records")
+    with (folder / "run0.txt").open("a") as handle:
+        handle.write("tampered\n")
+    published = root / "records" / "track_1_short" / "2025-09-23_MuonCustomSizing"
+    (published / "README.md").write_text("# stripped\n")
+    problems = check_all(root, root / "records")
+    assert any("run0.txt: sha256 differs" in p for p in problems)
+    assert any("must say its logs are not included" in p for p in problems)
+
+
+def test_check_compares_history_row_with_folder(root: Path) -> None:
+    results_path = root / "records" / "track_3_optimization" / "results" / "20260513_shampoo_1_4_power" / "results.json"
+    results = json.loads(results_path.read_text())
+    results["runs"][3]["val_losses"]["4100"] = 3.2790  # the claim would no longer hold at 4100
+    results_path.write_text(json.dumps(results))
+    problems = check_all(root, root / "records")
+    assert any("summary" in p and "regenerate" in p for p in problems)
+
+
+def test_list_folders_oldest_first(root: Path) -> None:
+    assert [f.name for f in list_folders(root / "records", 1)] == ["MuonCustomSizing"]
+    assert [f.name for f in list_folders(root / "records", 3)] == ["shampoo_1_4_power"]
+
+
+def test_cli_new_then_check(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logs = harness_logs(tmp_path / "logs", [3.2790, 3.2785])
+    argv = ["--root", str(root), "new", "--track", "1", "--name", "CliRun", "--date", "2026-11-30", "--logs", *map(str, logs)]
+    assert main(argv) == 0
+    assert "updated tables in" in capsys.readouterr().out
+    assert main(["--root", str(root), "check"]) == 0
+    assert "3 record folder(s), 1 README(s) with tables: ok" in capsys.readouterr().out
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("records: error: ") and err.count("\n") == 1 and "already exists" in err
+
+
+def test_check_reports_misnamed_folder_and_missing_files(root: Path) -> None:
+    (root / "records" / "track_1_short" / "my-run").mkdir()
+    broken = root / "records" / "track_1_short" / "2026-01-01_Broken"
+    broken.mkdir()
+    (broken / "README.md").write_text("# broken\n")
+    problems = check_all(root, root / "records")
+    assert any("my-run: folder name does not follow the Track 1 convention" in p for p in problems)
+    assert any(p.startswith(str(broken / "results.json")) and "missing" in p for p in problems)
+
+
+def test_stats_on_record_folder_leaves_its_statistics_alone(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = root / "records" / "track_3_optimization" / "results" / "20260513_shampoo_1_4_power"
+    before = (folder / "statistics.md").read_text()
+    assert main(["stats", str(folder), "--track", "3", "--step", "4150"]) == 0
+    out = capsys.readouterr().out
+    assert "first passing step over shared steps: 4100" in out and "margin (3.28-mean)*sqrt(n) = 0.00698" in out
+    assert (folder / "statistics.md").read_text() == before
+
+
+def test_tables_cli_prints_linked_rows(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--root", str(root), "tables", "--block", "track3"]) == 0
+    out = capsys.readouterr().out
+    assert "| 21 | 4100 | 3.2776 (n=4)✓ |" in out and "(track_3_optimization/results/20260513_shampoo_1_4_power/)" in out
+    assert out.count("](") == 1  # only the row we have a folder for is linked
+
+
+def test_new_refuses_two_logs_with_one_name(root: Path, tmp_path: Path) -> None:
+    harness_logs(tmp_path / "a", [3.2790])
+    harness_logs(tmp_path / "b", [3.2785])
+    with pytest.raises(RecordsError, match="same file name as"):
+        create_record(root / "records", 1, "Twins", [tmp_path / "a", tmp_path / "b"], date=F_DATE)
+    assert not (root / "records" / "track_1_short" / "2026-11-30_Twins").exists()
