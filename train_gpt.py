@@ -503,8 +503,8 @@ def fp8_head_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s:
     grad_f8 = grad.div(grad_s).to(torch.float8_e5m2)
     column_major = lambda t: t.T.contiguous().T  # _scaled_mm wants its second operand column-major
     grad_x = torch._scaled_mm(grad_f8, column_major(w_f8), scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), out_dtype=torch.bfloat16, use_fast_accum=False)
-    grad_w = torch._scaled_mm(x_f8.T.contiguous(), column_major(grad_f8), scale_a=_scale(x_s, grad), scale_b=_scale(grad_s, grad), out_dtype=torch.float32, use_fast_accum=False).T
-    return grad_x, grad_w
+    grad_w = torch._scaled_mm(x_f8.T.contiguous(), column_major(grad_f8), scale_a=_scale(x_s, grad), scale_b=_scale(grad_s, grad), out_dtype=torch.float32, use_fast_accum=False)
+    return grad_x, grad_w.T.contiguous()  # custom-op outputs must match the fake's (contiguous) layout
 
 
 @fp8_head_backward.register_fake
