@@ -169,3 +169,14 @@ def test_warnings_for_misuse(caplog: pytest.LogCaptureFixture) -> None:
 
     with pytest.raises(AssertionError, match="quantize_"):
         quantized_list.compress((True, True))
+
+
+def test_works_with_the_package_block_info() -> None:
+    from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
+
+    block_info = BlockInfo(param=torch.zeros(3), composable_block_ids=(0, "block_0"))
+    quantized = QuantizedTensor.init_from_dequantized_tensor(torch.tensor(SOURCE), torch.bfloat16, block_info)
+    quantized_list = QuantizedTensorList([quantized], torch.bfloat16)
+    with DequantizeQuantizedTensorListContext(quantized_list):
+        quantized_list.dequantized_value[0].mul_(2.0)  # type: ignore[index]
+    assert quantized.quantized_values.tolist() == [2.0, 5.0, 0.66796875]
