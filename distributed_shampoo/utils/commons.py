@@ -5,7 +5,6 @@ from itertools import islice
 from typing import TypeVar
 
 T = TypeVar("T")
-ClassT = TypeVar("ClassT", bound=type)
 
 
 def batched(iterable: Iterable[T], n: int) -> Iterator[tuple[T, ...]]:
@@ -21,13 +20,13 @@ def batched(iterable: Iterable[T], n: int) -> Iterator[tuple[T, ...]]:
         yield batch
 
 
-def get_all_non_abstract_subclasses(cls: ClassT) -> Iterator[ClassT]:
+def get_all_non_abstract_subclasses(cls: type[T]) -> Iterator[type[T]]:
     """Yield `cls` and all its transitive subclasses that have no abstract methods left.
 
     Each class appears once even when it is reachable through several bases (diamonds).
     """
 
-    def walk(current: ClassT) -> Iterator[ClassT]:
+    def walk(current: type[T]) -> Iterator[type[T]]:
         yield current
         for subclass in current.__subclasses__():
             yield from walk(subclass)

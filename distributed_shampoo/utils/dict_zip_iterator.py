@@ -1,6 +1,6 @@
 """Zip several iterables that are keyed by name, insisting that they all have the same length."""
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TypeVar
 
 V = TypeVar("V")
@@ -14,7 +14,7 @@ class DictZipIterator(Iterator[dict[str, V]]):
     `zip` does) would hide a bookkeeping bug. An empty mapping yields `{}` forever.
     """
 
-    def __init__(self, data: dict[str, Iterable[V]]) -> None:
+    def __init__(self, data: Mapping[str, Iterable[V]]) -> None:
         self._iterators: dict[str, Iterator[V]] = {key: iter(values) for key, values in data.items()}
 
     def __iter__(self) -> "DictZipIterator[V]":

@@ -31,7 +31,7 @@ class PolynomialComputationalCostModel(CostModel):
     min_cost: float = 0
 
     def cost(self, tensor: Tensor) -> float:
-        return float(sum(max(self.min_cost, polynomial.polyval(dim, self.coefficients)) for dim in tensor.shape))
+        return float(sum(max(self.min_cost, float(polynomial.polyval(dim, self.coefficients))) for dim in tensor.shape))
 
 
 @dataclass

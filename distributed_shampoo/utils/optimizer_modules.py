@@ -6,7 +6,7 @@ the existing tensors so that references held elsewhere (views, distributed buffe
 """
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Mapping
 from copy import deepcopy
 from typing import Any
 
@@ -42,7 +42,7 @@ class OptimizerModule:
                 destination[name] = entry
         return destination
 
-    def load_state_dict(self, state_dict: dict[Hashable, Any], store_non_tensors: bool = False) -> None:
+    def load_state_dict(self, state_dict: Mapping[Any, Any], store_non_tensors: bool = False) -> None:
         """Merge `state_dict` into this object, copying tensors in place.
 
         Only attributes present in both are loaded. String position keys ("0", "1", …, as produced

@@ -153,7 +153,9 @@ class QuantizedTensorList:
     def quantize_(self) -> None:
         """Write the values stored by `dequantize_()` back (if dtypes differ) and forget them."""
         if self._dequantized_values is None:
-            logger.warning("No dequantized values are stored, so there is nothing to quantize; call dequantize_() first.")
+            logger.warning(
+                "No dequantized values are stored, so there is nothing to quantize; call dequantize_() first."
+            )
             return
         if self.quantized_dtype != self.computation_dtype:
             self.quantize(self._dequantized_values)

@@ -1,7 +1,7 @@
 """Convert per-parameter optimizer state to plain nested dicts and load such dicts back in place."""
 
 import logging
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from copy import deepcopy
 from typing import Any
 
@@ -13,7 +13,7 @@ from distributed_shampoo.utils.optimizer_modules import OptimizerModule
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-def extract_state_dict_content(input_dict: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+def extract_state_dict_content(input_dict: Mapping[Any, Any]) -> dict[Any, Any]:
     """Copy `input_dict` recursively, replacing every `OptimizerModule` by its `state_dict()`.
 
     Other values (tensors, ints, …) are kept as they are, so the result shares tensors with the
@@ -31,8 +31,8 @@ def _extract_value(value: Any) -> Any:
 
 
 def update_param_state_dict_object(
-    current_param_state_dict: dict[Hashable, Any],
-    param_state_dict_to_load: Mapping[Hashable, Any],
+    current_param_state_dict: dict[Any, Any],
+    param_state_dict_to_load: Mapping[Any, Any],
     enable_missing_key_check: bool = True,
 ) -> None:
     """Load `param_state_dict_to_load` into `current_param_state_dict`, keeping existing tensors.

@@ -66,6 +66,6 @@ class _Leaf(_Abstract):
     ],
 )
 def test_get_all_non_abstract_subclasses(cls: type, expected: set[type]) -> None:
-    found = list(get_all_non_abstract_subclasses(cls))
+    found: list[type] = list(get_all_non_abstract_subclasses(cls))
     assert len(found) == len(set(found)), "each class must appear once"
     assert set(found) == expected

@@ -4,7 +4,7 @@ from distributed_shampoo.utils.dict_zip_iterator import DictZipIterator
 
 
 def test_equal_lengths_yield_dicts_then_stop() -> None:
-    iterator = DictZipIterator({"a": [1, 2, 3], "b": "xyz", "c": [True, False, True]})
+    iterator: DictZipIterator[object] = DictZipIterator({"a": [1, 2, 3], "b": "xyz", "c": [True, False, True]})
     assert list(iterator) == [
         {"a": 1, "b": "x", "c": True},
         {"a": 2, "b": "y", "c": False},
@@ -15,7 +15,7 @@ def test_equal_lengths_yield_dicts_then_stop() -> None:
 
 
 def test_unequal_lengths_name_exhausted_and_active_keys() -> None:
-    iterator = DictZipIterator({"a": [1, 2, 3], "b": ["x", "y", "z"], "c": [True, False]})
+    iterator: DictZipIterator[object] = DictZipIterator({"a": [1, 2, 3], "b": ["x", "y", "z"], "c": [True, False]})
     assert next(iterator) == {"a": 1, "b": "x", "c": True}
     assert next(iterator) == {"a": 2, "b": "y", "c": False}
     with pytest.raises(ValueError) as error:
@@ -28,7 +28,7 @@ def test_unequal_lengths_name_exhausted_and_active_keys() -> None:
 
 def test_empty_iterators_stop_at_once() -> None:
     with pytest.raises(StopIteration):
-        next(DictZipIterator({"a": [], "b": []}))
+        next(DictZipIterator[int]({"a": [], "b": []}))
 
 
 def test_one_empty_iterator_among_non_empty_ones() -> None:
@@ -41,5 +41,5 @@ def test_single_element() -> None:
 
 
 def test_empty_mapping_yields_empty_dicts_without_end() -> None:
-    iterator = DictZipIterator({})
+    iterator: DictZipIterator[object] = DictZipIterator({})
     assert [next(iterator) for _ in range(3)] == [{}, {}, {}]

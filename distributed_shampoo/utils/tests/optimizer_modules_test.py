@@ -1,4 +1,5 @@
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -9,11 +10,11 @@ from distributed_shampoo.utils.optimizer_modules import OptimizerModule
 class _Module(OptimizerModule):
     def __init__(
         self,
-        attribute: object = None,
-        list_of_values: object = None,
-        tuple_of_values: object = None,
-        dictionary_of_values: object = None,
-        other_module: object = None,
+        attribute: Any = None,
+        list_of_values: Any = None,
+        tuple_of_values: Any = None,
+        dictionary_of_values: Any = None,
+        other_module: Any = None,
     ) -> None:
         self.attribute = attribute
         self.list_of_values = list_of_values

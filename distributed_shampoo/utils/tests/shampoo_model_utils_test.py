@@ -30,7 +30,9 @@ def test_init_forward_and_backward_match_nn_linear(in_features: int, out_feature
     torch.testing.assert_close(combined(x), linear(x))
     combined(x).square().sum().backward()
     linear(x).square().sum().backward()
-    expected_grad = torch.cat([linear.weight.grad, linear.bias.grad[:, None]], dim=1) if bias else linear.weight.grad
+    weight_grad, bias_grad = linear.weight.grad, linear.bias.grad if bias else None
+    assert weight_grad is not None
+    expected_grad = weight_grad if bias_grad is None else torch.cat([weight_grad, bias_grad[:, None]], dim=1)
     torch.testing.assert_close(combined.combined_weight.grad, expected_grad)
 
 

@@ -1,9 +1,9 @@
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
+
+from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
 from distributed_shampoo.utils.shampoo_quantization import (
     _FLOAT_DTYPES,
     DequantizeQuantizedTensorListContext,
@@ -14,19 +14,8 @@ from distributed_shampoo.utils.shampoo_quantization import (
 SOURCE = (1.0, 2.5, 1 / 3)
 
 
-@dataclass
-class _LocalBlockInfo:
-    """The two members of the package's BlockInfo that quantization uses, for a plain (non-DTensor) block."""
-
-    allocate_zeros_tensor: Callable[..., torch.Tensor] = torch.zeros
-
-    @staticmethod
-    def get_tensor(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-
-def _block_info() -> _LocalBlockInfo:
-    return _LocalBlockInfo()
+def _block_info() -> BlockInfo:
+    return BlockInfo(param=torch.zeros(3), composable_block_ids=(0, "block_0"))
 
 
 def _fp16_tensor() -> QuantizedTensor:
@@ -73,6 +62,7 @@ def test_integer_storage_is_not_supported() -> None:
     with pytest.raises(NotImplementedError, match=r"torch\.int64 is not yet supported"):
         QuantizedTensor.init_from_dequantized_tensor(torch.tensor(SOURCE), torch.int64, _block_info())
     integer = QuantizedTensor(torch.zeros(3, dtype=torch.int64), _block_info())
+    assert integer.min_value is not None and integer.max_value is not None
     assert torch.equal(integer.min_value, torch.zeros(1)) and torch.equal(integer.max_value, torch.zeros(1))
     with pytest.raises(NotImplementedError, match="not yet supported"):
         integer.dequantize(torch.float32)
@@ -97,7 +87,7 @@ def test_list_from_quantized_tensors_uses_their_storage() -> None:
 
 def test_list_rejects_other_element_types() -> None:
     with pytest.raises(TypeError, match="QuantizedTensor or of \\(values, min_value, max_value\\) tuples"):
-        QuantizedTensorList([torch.zeros(2)], torch.float32)  # type: ignore[list-item]
+        QuantizedTensorList([torch.zeros(2)], torch.float32)  # type: ignore[arg-type]
 
 
 def test_list_rejects_non_float_computation_dtype() -> None:
@@ -171,11 +161,8 @@ def test_warnings_for_misuse(caplog: pytest.LogCaptureFixture) -> None:
         quantized_list.compress((True, True))
 
 
-def test_works_with_the_package_block_info() -> None:
-    from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
-
-    block_info = BlockInfo(param=torch.zeros(3), composable_block_ids=(0, "block_0"))
-    quantized = QuantizedTensor.init_from_dequantized_tensor(torch.tensor(SOURCE), torch.bfloat16, block_info)
+def test_context_writes_back_into_a_quantized_tensor() -> None:
+    quantized = QuantizedTensor.init_from_dequantized_tensor(torch.tensor(SOURCE), torch.bfloat16, _block_info())
     quantized_list = QuantizedTensorList([quantized], torch.bfloat16)
     with DequantizeQuantizedTensorListContext(quantized_list):
         quantized_list.dequantized_value[0].mul_(2.0)  # type: ignore[index]

@@ -1,4 +1,5 @@
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -45,8 +46,8 @@ def test_extract_state_dict_content_keeps_plain_values() -> None:
 def test_update_param_state_dict_object_loads_in_place() -> None:
     a, c, m_a = torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)
     module = _Pair(m_a, (torch.tensor(0.0), torch.tensor(0.0)))
-    current = {"a": a, "b": {"c": c}, "m": module, "o": [1]}
-    to_load = {
+    current: dict[str, Any] = {"a": a, "b": {"c": c}, "m": module, "o": [1]}
+    to_load: dict[str, Any] = {
         "a": torch.tensor(10.0),
         "b": {"c": torch.tensor(20.0)},
         "m": {"a": torch.tensor(5.0), "b": {0: torch.tensor(6.0), 1: torch.tensor(7.0)}},
