@@ -3,7 +3,7 @@
 import heapq
 import math
 from collections.abc import Callable, Iterator, Sequence
-from functools import cache
+from functools import lru_cache
 from itertools import accumulate, pairwise
 from types import TracebackType
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -38,7 +38,7 @@ def merge_small_dims(
     return _merge_small_dims(tuple(tensor_shape), threshold, target_tensor_dimensionality)
 
 
-@cache
+@lru_cache(maxsize=None, typed=True)  # typed: 1.0 must not hit the cache entry of 1
 def _merge_small_dims(
     tensor_shape: tuple[int, ...], threshold: int | float, target_tensor_dimensionality: int | float
 ) -> tuple[int, ...]:
@@ -146,6 +146,8 @@ def distribute_buffer_sizes(
     bytes (the default cost model), because it sizes the all-gather buffer, whatever the
     balancing criterion. Only the blocks' shapes and dtypes are read, so meta tensors work.
     """
+    if group_size < 1:
+        raise ValueError(f"{group_size=} must be at least 1.")
     buffer_sizes = [int(DefaultCostModel.cost(block)) for block in blocked_params]
     costs = [load_balancing_config.cost_model.cost(block) for block in blocked_params]
     ranks = _assign_greedily(costs, group_size)

@@ -64,6 +64,9 @@ def test_merge_small_dims_accepts_torch_size_and_lists() -> None:
 def test_merge_small_dims_rejects_finite_float_target() -> None:
     with pytest.raises(AssertionError):
         merge_small_dims((2, 3), 10, 1.5)
+    merge_small_dims((2, 3), 10, 1)  # cached; the float 1.0 below must still be rejected
+    with pytest.raises(AssertionError):
+        merge_small_dims((2, 3), 10, 1.0)
 
 
 def _pieces(tensor: torch.Tensor, split_size: float) -> list[list[object]]:
@@ -224,6 +227,11 @@ def test_distribute_buffer_sizes_polynomial_cost_model(
     # Buffer sizes stay the aligned byte counts whatever cost model picks the ranks.
     assert tuple(size for size, _ in assignment) == tuple(-(-size // 64) * 64 for size in sizes)
     assert tuple(rank for _, rank in assignment) == expected_ranks
+
+
+def test_distribute_buffer_sizes_rejects_empty_group() -> None:
+    with pytest.raises(ValueError, match="group_size=0 must be at least 1"):
+        distribute_buffer_sizes(_meta((10,)), 0, LoadBalancingConfig())
 
 
 def test_distribute_buffer_sizes_gpt_like_blocks_on_three_ranks() -> None:
