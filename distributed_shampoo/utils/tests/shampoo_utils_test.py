@@ -244,6 +244,18 @@ def test_distribute_buffer_sizes_gpt_like_blocks_on_three_ranks() -> None:
     )
 
 
+def test_distribute_buffer_sizes_record_blocks_on_eight_ranks() -> None:
+    """The Track 3 record: 12 layers of q, k, v, attn proj (768x768), MLP fc (3072x768) and proj (768x3072)."""
+    layer = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
+    blocks = [torch.empty(shape, device="meta") for _ in range(12) for shape in layer]
+    assignment = distribute_buffer_sizes(blocks, 8, LoadBalancingConfig())
+    assert [rank for _, rank in assignment[:6]] == [0, 1, 2, 3, 0, 1]
+    for rank in range(8):
+        owned = [size for size, owner in assignment if owner == rank]
+        assert sorted(owned) == [2359296] * 6 + [9437184] * 3
+        assert sum(owned) == 42_467_328
+
+
 def test_prepare_update_param_buffers_pads_to_group_multiple() -> None:
     params = (torch.ones(100), torch.ones(20, 10), torch.ones(300))
     buffers = prepare_update_param_buffers(params, 4)
