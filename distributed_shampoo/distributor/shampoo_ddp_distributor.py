@@ -20,6 +20,9 @@ from distributed_shampoo.utils.shampoo_utils import compress_list, distribute_bu
 
 logger: logging.Logger = logging.getLogger(__name__)
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; torch 2.11 has only the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def resolve_group_size(num_trainers_per_group: int, world_size: int) -> int:
     """Ranks that share one copy of the optimizer state (-1: the whole world)."""
@@ -154,7 +157,7 @@ class DDPDistributor(DistributorInterface):
             else:
                 torch._foreach_copy_(local_views, blocked_search_directions)
         # Every rank joins the collective, even with nothing local to send.
-        dist.all_gather_into_tensor(self._global_buffer, self._local_buffer, group=self._group)
+        _all_gather_single(self._global_buffer, self._local_buffer, group=self._group)
         if global_params:
             if self._communicate_params:
                 torch._foreach_copy_(global_params, global_views)

@@ -315,6 +315,19 @@ def matrix_inverse_root(
     raise NotImplementedError(f"Root inverse config is not implemented! {root_inv_config=}")
 
 
+def batched_eigen_inverse_root(A: Tensor, root: Fraction, root_inv_config: EigenConfig, epsilon: float) -> Tensor:
+    """`matrix_inverse_root` with an `EigenConfig` for a stack of matrices (leading batch dim), in one `eigh`.
+
+    Same arithmetic per matrix as the unbatched path; no float64 retry and no offloading: on any failure the
+    caller falls back to `matrix_inverse_root` per matrix, which has both.
+    """
+    stability = root_inv_config.rank_deficient_stability_config
+    if isinstance(stability, PerturbationConfig) and stability.perturb_before_computation:
+        A = _matrix_perturbation(A, epsilon)
+    L, Q = torch.linalg.eigh(A)
+    return matrix_inverse_root_from_eigendecomposition(L, Q, Fraction(root), epsilon, stability)
+
+
 # ---------------------------------------------------------------------------------------- orthogonalization
 
 

@@ -27,10 +27,12 @@ from torch import Tensor
 
 from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
 from distributed_shampoo.preconditioner.matrix_functions import (
+    batched_eigen_inverse_root,
     matrix_eigendecomposition,
     matrix_inverse_root,
     matrix_inverse_root_from_eigendecomposition,
 )
+from distributed_shampoo.preconditioner.matrix_functions_types import EigenConfig
 from distributed_shampoo.preconditioner.preconditioner_list import PreconditionerList, bias_correction, profile_decorator
 from distributed_shampoo.shampoo_types import (
     BaseShampooPreconditionerConfig,
@@ -46,6 +48,23 @@ from distributed_shampoo.utils.shampoo_utils import compress_list, get_dtype_siz
 logger: logging.Logger = logging.getLogger(__name__)
 
 SHAMPOO = "shampoo"
+
+# Upper bound on the stacked matrices of one batched eigh (the eigenvectors double it).
+_MAX_BATCH_BYTES = 1 << 30
+
+
+def _chunks_within_bytes(items: list[Any], max_bytes: int) -> list[list[Any]]:
+    """Consecutive chunks of (block, j, A) items whose matrices A total at most max_bytes (at least one each)."""
+    chunks: list[list[Any]] = []
+    size = 0
+    for item in items:
+        nbytes = item[2].numel() * item[2].element_size()
+        if not chunks or size + nbytes > max_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(item)
+        size += nbytes
+    return chunks
 
 
 # ------------------------------------------------------------------------------------------ checkpointed state
@@ -289,20 +308,7 @@ class BaseShampooPreconditionerList(PreconditionerList):
             [A for _, _, A in work], [block.factor_matrix_indices[j] for block, j, _ in work], "factor"
         )
 
-        results: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]] = []
-        last_exception: dict[int, Exception] = {}
-        for block, j, A in work:
-            try:
-                results.append((block, j, self._amortized_result(A, block, j)))
-            except Exception as exception:
-                index = block.factor_matrix_indices[j]
-                _save_debug_matrix(A, index)
-                logger.warning(
-                    f"Matrix computation failed for factor matrix {index} with {exception=}. "
-                    "Using previous computed value instead. To mitigate, increase epsilon or use a more "
-                    "robust amortized computation config."
-                )
-                last_exception[id(block)] = exception
+        results, last_exception = self._amortized_results(work)
 
         checked = [(tensor, block.factor_matrix_indices[j]) for block, j, result in results for tensor in self._result_tensors(result)]
         _raise_if_non_finite([t for t, _ in checked], [i for _, i in checked], "quantity")
@@ -321,6 +327,26 @@ class BaseShampooPreconditionerList(PreconditionerList):
                     f"Exceeded tolerance ({tolerance}) for number of failed amortized computations for factor "
                     f"matrices {block.factor_matrix_indices}. Last exception: {exception!r}"
                 ) from exception
+
+    def _amortized_results(
+        self, work: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Tensor]]
+    ) -> tuple[list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]], dict[int, Exception]]:
+        """Results of the computations that succeeded, and the last exception of each block that had a failure."""
+        results: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]] = []
+        last_exception: dict[int, Exception] = {}
+        for block, j, A in work:
+            try:
+                results.append((block, j, self._amortized_result(A, block, j)))
+            except Exception as exception:
+                index = block.factor_matrix_indices[j]
+                _save_debug_matrix(A, index)
+                logger.warning(
+                    f"Matrix computation failed for factor matrix {index} with {exception=}. "
+                    "Using previous computed value instead. To mitigate, increase epsilon or use a more "
+                    "robust amortized computation config."
+                )
+                last_exception[id(block)] = exception
+        return results, last_exception
 
     @profile_decorator
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -386,6 +412,32 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
             roots=roots,
             inv_factor_matrices=tuple(map(block_info.get_tensor, block_state.inv_factor_matrices)),
         )
+
+    def _amortized_results(
+        self, work: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Tensor]]
+    ) -> tuple[list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]], dict[int, Exception]]:
+        """With an EigenConfig, factors of equal size and root share one batched eigh (fewer, larger kernels);
+        a batch that fails is redone matrix by matrix, with the per-factor failure policy."""
+        config = self._preconditioner_config.amortized_computation_config
+        if not isinstance(config, EigenConfig) or config.eigendecomposition_offload_device:
+            return super()._amortized_results(work)
+        batches: dict[tuple[Any, ...], list[tuple[ShampooKroneckerFactorsUnwrapped, int, Tensor]]] = {}
+        for item in work:
+            block, j, A = item
+            batches.setdefault((A.shape, A.dtype, block.roots[j]), []).append(item)
+        results: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]] = []
+        last_exception: dict[int, Exception] = {}
+        for (_, _, root), items in batches.items():
+            for chunk in _chunks_within_bytes(items, _MAX_BATCH_BYTES):
+                try:
+                    stacked = torch.stack([A for _, _, A in chunk])
+                    roots = batched_eigen_inverse_root(stacked, root, config, self._epsilon).unbind()
+                    results.extend((block, j, result) for (block, j, _), result in zip(chunk, roots, strict=True))
+                except Exception:
+                    chunk_results, chunk_exceptions = super()._amortized_results(chunk)
+                    results.extend(chunk_results)
+                    last_exception.update(chunk_exceptions)
+        return results, last_exception
 
     def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Tensor:
         return matrix_inverse_root(
