@@ -166,6 +166,10 @@ def matrix_eigendecomposition(
     eigenvectors_estimate: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Eigenvalues (ascending) and eigenvectors of the symmetric matrix A (+ epsilon·I when perturbing first)."""
+    if not isinstance(eigendecomposition_config, (EighEigendecompositionConfig, QREigendecompositionConfig)):
+        raise NotImplementedError(
+            f"Eigendecomposition config {type(eigendecomposition_config).__name__} is not implemented."
+        )
     stability = eigendecomposition_config.rank_deficient_stability_config
     if isinstance(stability, PseudoInverseConfig) and epsilon != 0.0:
         raise ValueError(f"{epsilon=} must be 0.0 when using PseudoInverseConfig.")
@@ -188,12 +192,8 @@ def matrix_eigendecomposition(
             eigendecomposition_config.retry_double_precision,
             eigendecomposition_config.eigendecomposition_offload_device,
         )
-    if isinstance(eigendecomposition_config, QREigendecompositionConfig):
-        assert eigenvectors_estimate is not None, "QR iterations need an eigenvectors_estimate."
-        return _qr_iterations(A, eigenvectors_estimate, tolerance, eigendecomposition_config.max_iterations)
-    raise NotImplementedError(
-        f"Eigendecomposition config {type(eigendecomposition_config).__name__} is not implemented."
-    )
+    assert eigenvectors_estimate is not None, "QR iterations need an eigenvectors_estimate."
+    return _qr_iterations(A, eigenvectors_estimate, tolerance, eigendecomposition_config.max_iterations)
 
 
 # --------------------------------------------------------------------------------------------- inverse roots
@@ -315,17 +315,24 @@ def matrix_inverse_root(
     raise NotImplementedError(f"Root inverse config is not implemented! {root_inv_config=}")
 
 
-def batched_eigen_inverse_root(A: Tensor, root: Fraction, root_inv_config: EigenConfig, epsilon: float) -> Tensor:
+def batched_eigen_inverse_root(
+    A: Tensor, root: Fraction, root_inv_config: EigenConfig, epsilon: float
+) -> tuple[Tensor, ...]:
     """`matrix_inverse_root` with an `EigenConfig` for a stack of matrices (leading batch dim), in one `eigh`.
 
-    Same arithmetic per matrix as the unbatched path; no float64 retry and no offloading: on any failure the
-    caller falls back to `matrix_inverse_root` per matrix, which has both.
+    Only the eigendecomposition is batched: the products Q·diag(f(L))·Qᵀ are formed matrix by matrix because a
+    batched matmul rounds differently from a single one, and each result must not depend on its batch (DDP ranks
+    batch different subsets and must agree bitwise with one process). No float64 retry and no offloading: on any
+    failure the caller falls back to `matrix_inverse_root` per matrix, which has both.
     """
     stability = root_inv_config.rank_deficient_stability_config
     if isinstance(stability, PerturbationConfig) and stability.perturb_before_computation:
         A = _matrix_perturbation(A, epsilon)
     L, Q = torch.linalg.eigh(A)
-    return matrix_inverse_root_from_eigendecomposition(L, Q, Fraction(root), epsilon, stability)
+    return tuple(
+        matrix_inverse_root_from_eigendecomposition(eigenvalues, eigenvectors, Fraction(root), epsilon, stability)
+        for eigenvalues, eigenvectors in zip(L.unbind(), Q.unbind(), strict=True)
+    )
 
 
 # ---------------------------------------------------------------------------------------- orthogonalization
@@ -349,6 +356,8 @@ def matrix_orthogonalization(
     A: Tensor, orthogonalization_config: OrthogonalizationConfig = DefaultNewtonSchulzOrthogonalizationConfig
 ) -> Tensor:
     """The orthogonal factor U·Vᵀ of A (exactly by SVD, or approximately by Newton–Schulz), scaled."""
+    if not isinstance(orthogonalization_config, (SVDOrthogonalizationConfig, NewtonSchulzOrthogonalizationConfig)):
+        raise NotImplementedError(f"Orthogonalization config is not implemented! {orthogonalization_config=}")
     scaling = orthogonalization_config.scale_by_dims_fn(d_in=A.shape[1], d_out=A.shape[0])
     if isinstance(orthogonalization_config, SVDOrthogonalizationConfig):
         U, S, Vh = torch.linalg.svd(A, full_matrices=False)
@@ -356,8 +365,4 @@ def matrix_orthogonalization(
         if orthogonalization_config.scale_by_nuclear_norm:
             result = result * S.sum()
         return result * scaling
-    if isinstance(orthogonalization_config, NewtonSchulzOrthogonalizationConfig):
-        return _newton_schulz(
-            A, **_assign_function_args_from_config(_newton_schulz, orthogonalization_config)
-        ) * scaling
-    raise NotImplementedError(f"Orthogonalization config is not implemented! {orthogonalization_config=}")
+    return _newton_schulz(A, **_assign_function_args_from_config(_newton_schulz, orthogonalization_config)) * scaling

@@ -51,6 +51,10 @@ SHAMPOO = "shampoo"
 
 # Upper bound on the stacked matrices of one batched eigh (the eigenvectors double it).
 _MAX_BATCH_BYTES = 1 << 30
+# Factors at most this size are decomposed one by one: for batches of small matrices torch switches to an
+# iterative (Jacobi) CUDA solver whose rounding differs from the single-matrix one, and DDP ranks batch different
+# subsets, so batching them would break the bitwise DDP == single-device property. Small factors are cheap anyway.
+_MIN_BATCHED_EIGH_SIZE = 32
 
 
 def _chunks_within_bytes(items: list[Any], max_bytes: int) -> list[list[Any]]:
@@ -422,16 +426,19 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
         if not isinstance(config, EigenConfig) or config.eigendecomposition_offload_device:
             return super()._amortized_results(work)
         batches: dict[tuple[Any, ...], list[tuple[ShampooKroneckerFactorsUnwrapped, int, Tensor]]] = {}
+        unbatched = []
         for item in work:
             block, j, A = item
-            batches.setdefault((A.shape, A.dtype, block.roots[j]), []).append(item)
-        results: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]] = []
-        last_exception: dict[int, Exception] = {}
+            if A.shape[0] <= _MIN_BATCHED_EIGH_SIZE:
+                unbatched.append(item)
+            else:
+                batches.setdefault((A.shape, A.dtype, block.roots[j]), []).append(item)
+        results, last_exception = super()._amortized_results(unbatched)
         for (_, _, root), items in batches.items():
             for chunk in _chunks_within_bytes(items, _MAX_BATCH_BYTES):
                 try:
                     stacked = torch.stack([A for _, _, A in chunk])
-                    roots = batched_eigen_inverse_root(stacked, root, config, self._epsilon).unbind()
+                    roots = batched_eigen_inverse_root(stacked, root, config, self._epsilon)
                     results.extend((block, j, result) for (block, j, _), result in zip(chunk, roots, strict=True))
                 except Exception:
                     chunk_results, chunk_exceptions = super()._amortized_results(chunk)
