@@ -480,3 +480,91 @@ def test_checkpoint_round_trip_equals_uninterrupted_run(preconditioner_config: P
 def test_single_device_config_is_the_default() -> None:
     optimizer = DistributedShampoo([torch.nn.Parameter(torch.zeros(2))], distributed_config=SingleDeviceDistributedConfig())
     assert isinstance(optimizer.param_groups[0]["distributed_config"], SingleDeviceDistributedConfig)
+
+
+# ----------------------------------------------------------------------------------- variants and special cases
+
+
+def test_eigenvalue_corrected_shampoo_before_start_is_adamw() -> None:
+    config = dict(
+        lr=0.01,
+        betas=(0.9, 0.999),
+        epsilon=1e-8,
+        weight_decay=0.1,
+        start_preconditioning_step=math.inf,
+        preconditioner_config=EigenvalueCorrectedShampooPreconditionerConfig(),
+    )
+    adamw = lambda params: torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)  # noqa: E731
+    _compare_with_torch_optimizer(config, adamw, num_steps=5, atol=1e-5)
+
+
+def test_compiled_step_matches_eager_and_warns_when_the_gradient_selection_changes(caplog: pytest.LogCaptureFixture) -> None:
+    from distributed_shampoo import ShampooPT2CompileConfig
+
+    def run(compile_config: Any) -> list[Tensor]:
+        params = [torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(5))]
+        optimizer = DistributedShampoo(params, **record_config(lr=0.1, max_preconditioner_dim=4, precondition_frequency=2), shampoo_pt2_compile_config=compile_config)
+        for step in range(4):
+            generator = torch.Generator().manual_seed(step)
+            params[0].grad = torch.randn(4, 3, generator=generator)
+            params[1].grad = None if step == 1 else torch.randn(5, generator=generator)
+            optimizer.step()
+        return [p.detach().clone() for p in params]
+
+    eager = run(None)
+    with caplog.at_level(logging.WARNING, logger="distributed_shampoo.distributed_shampoo"):
+        compiled = run(ShampooPT2CompileConfig(backend="eager"))
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b)
+    warnings = [r.getMessage() for r in caplog.records if "PT2 will recompile" in r.getMessage()]
+    # The (4, 3) weight is one block (12 > 4 elements: not merged, and no dim exceeds 4); the (5,) param is two.
+    assert len(warnings) == 2 and warnings[0].endswith("[1, 2]")
+
+
+def test_function_valued_configs_warn_about_pickling(caplog: pytest.LogCaptureFixture) -> None:
+    from distributed_shampoo import SignDescentPreconditionerConfig
+
+    optimizer = DistributedShampoo([torch.nn.Parameter(torch.zeros(2))], preconditioner_config=SignDescentPreconditionerConfig(scale_fn=lambda g: 2.0))
+    with caplog.at_level(logging.WARNING, logger="distributed_shampoo.distributed_shampoo"):
+        optimizer.state_dict()
+    assert "lambdas cannot be pickled" in caplog.text and "preconditioner_config" in caplog.text
+
+
+@pytest.mark.parametrize("save_in_eval", [False, True])
+@pytest.mark.parametrize("load_in_eval", [False, True])
+def test_loading_keeps_the_callers_train_or_eval_mode(save_in_eval: bool, load_in_eval: bool) -> None:
+    def make() -> tuple[torch.nn.Parameter, DistributedShampoo]:
+        weight = torch.nn.Parameter(torch.ones(3))
+        averaging = GeneralizedPrimalAveragingConfig(eval_interp_coeff=0.5, train_interp_coeff=0.5)
+        return weight, DistributedShampoo([weight], lr=0.1, iterate_averaging_config=averaging)
+
+    weight, optimizer = make()
+    for value in (1.0, 2.0):
+        weight.grad = torch.full((3,), value)
+        optimizer.step()
+    if save_in_eval:
+        optimizer.eval()
+    state_dict = optimizer.state_dict()
+    assert sum("train_mode" in entry for entry in state_dict["state"].values()) == 1
+    assert sorted(state_dict["state"][0]["block_0"]) == ["filtered_grad", "shampoo", "weight_buffer"]
+
+    _, fresh = make()
+    if load_in_eval:
+        fresh.eval()
+    fresh.load_state_dict(state_dict)
+    assert bool(fresh.state_dict()["state"][0]["train_mode"]) is (not load_in_eval)
+
+
+def test_train_and_eval_are_no_ops_without_averaging() -> None:
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = DistributedShampoo([weight])
+    optimizer.eval()
+    optimizer.train()
+    assert torch.equal(weight.detach(), torch.ones(3))
+
+
+def test_add_param_group_is_not_supported() -> None:
+    optimizer = DistributedShampoo([torch.nn.Parameter(torch.zeros(2))])
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError):
+        optimizer.step()

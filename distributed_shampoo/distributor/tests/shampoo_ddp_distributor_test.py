@@ -113,7 +113,7 @@ def ddp_results() -> dict[int, dict[str, Any]]:
             _worker,
             args=(os.path.join(directory, "init"), os.path.join(directory, "checkpoint"), results),
             nprocs=WORLD_SIZE,
-            start_method="spawn",
+            start_method="fork",  # the parent has imported torch already; spawning would re-import it twice
         )
         return dict(results)
 
