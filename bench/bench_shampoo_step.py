@@ -198,7 +198,7 @@ def main() -> None:
         ("DistributedShampoo", shampoo_mean, mean(root_ms), mean(other_ms), shampoo_state, shampoo_mean / adamw_mean),
         ("AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)", adamw_mean, math.nan, math.nan, adamw_state, 1.0),
     ]
-    per_rank = [None] * world_size
+    per_rank: list[Any] = [None] * world_size
     if distributed:
         dist.all_gather_object(per_rank, rows)
     else:

@@ -249,6 +249,7 @@ def _make_preconditioner_list(
         return SpectralDescentPreconditionerList(blocks, config)
     for config_class, list_class in _SHAMPOO_LIST_CLASSES:
         if isinstance(config, config_class):
+            assert isinstance(config, BaseShampooPreconditionerConfig)
             beta2 = group[BETAS][1]
             weighting_factor = 1.0 if (config.drop_weighting_factor_on_gsquare or beta2 == 1.0) else 1.0 - beta2
             return list_class(
@@ -363,6 +364,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._shampoo_pt2_compile_config = shampoo_pt2_compile_config
         self._runtime_config = shampoo_runtime_config
+        self._mode_before_load: bool | None = None  # train/eval mode to restore after load_state_dict
 
         self.register_state_dict_post_hook(DistributedShampoo._post_state_dict_hook)
         self.register_load_state_dict_pre_hook(DistributedShampoo._pre_load_state_dict_hook)
@@ -554,7 +556,7 @@ class DistributedShampoo(torch.optim.Optimizer):
     # ---- checkpointing
 
     @staticmethod
-    def _post_state_dict_hook(optimizer: "DistributedShampoo", state_dict: dict[str, Any]) -> dict[str, Any]:
+    def _post_state_dict_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         state = state_dict["state"]
         for index, param_state in state.items():
             state[index] = extract_state_dict_content(param_state)
@@ -570,14 +572,16 @@ class DistributedShampoo(torch.optim.Optimizer):
         return state_dict
 
     @staticmethod
-    def _pre_load_state_dict_hook(optimizer: "DistributedShampoo", state_dict: dict[str, Any]) -> None:
+    def _pre_load_state_dict_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        assert isinstance(optimizer, DistributedShampoo)
         modes = {bool(runtime.train_mode) for runtime in optimizer._group_runtimes if runtime.train_mode is not None}
         assert len(modes) <= 1, "All iterate-averaging param groups must be in the same train/eval mode."
         optimizer._mode_before_load = modes.pop() if modes else None
 
     @staticmethod
-    def _post_load_state_dict_hook(optimizer: "DistributedShampoo") -> None:
-        mode = getattr(optimizer, "_mode_before_load", None)
+    def _post_load_state_dict_hook(optimizer: torch.optim.Optimizer) -> None:
+        assert isinstance(optimizer, DistributedShampoo)
+        mode = optimizer._mode_before_load
         if mode is None:
             return
         modes = {bool(runtime.train_mode) for runtime in optimizer._group_runtimes if runtime.train_mode is not None}

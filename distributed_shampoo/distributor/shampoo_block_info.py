@@ -2,10 +2,11 @@
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 
 def _identity(tensor: Tensor) -> Tensor:
@@ -34,16 +35,16 @@ class DTensorBlockInfo(BlockInfo):
     """Block whose state tensors are DTensors: ones/eye are built by filling the local part of a zeros DTensor."""
 
     def __post_init__(self) -> None:
-        self.get_tensor = lambda tensor: tensor.to_local()
+        self.get_tensor = lambda tensor: cast(DTensor, tensor).to_local()
 
         def allocate_ones(*args: Any, **kwargs: Any) -> Tensor:
             tensor = self.allocate_zeros_tensor(*args, **kwargs)
-            tensor.to_local().fill_(1.0)
+            cast(DTensor, tensor).to_local().fill_(1.0)
             return tensor
 
         def allocate_eye(n: int, *args: Any, **kwargs: Any) -> Tensor:
             tensor = self.allocate_zeros_tensor((n, n), *args, **kwargs)
-            tensor.to_local().fill_diagonal_(1.0)
+            cast(DTensor, tensor).to_local().fill_diagonal_(1.0)
             return tensor
 
         self.allocate_ones_tensor = allocate_ones

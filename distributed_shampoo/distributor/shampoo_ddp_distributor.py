@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
+from distributed_shampoo.distributor.shampoo_dist_utils import shampoo_comm_profiler
 from distributed_shampoo.distributor.shampoo_distributor import DistributorInterface
 from distributed_shampoo.shampoo_types import DDPDistributedConfig, ShampooRuntimeConfig
 from distributed_shampoo.utils.shampoo_utils import compress_list, distribute_buffer_sizes
@@ -137,7 +138,7 @@ class DDPDistributor(DistributorInterface):
         blocked_grads, selector = self._blocked_grads_and_selector()
         if selector != self._global_grad_selector:
             self._apply_selector(selector)
-        return compress_list(compress_list(blocked_grads, self._is_local), self._local_grad_selector)  # type: ignore[return-value]
+        return compress_list(compress_list(blocked_grads, self._is_local), self._local_grad_selector)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:
@@ -157,7 +158,8 @@ class DDPDistributor(DistributorInterface):
             else:
                 torch._foreach_copy_(local_views, blocked_search_directions)
         # Every rank joins the collective, even with nothing local to send.
-        _all_gather_single(self._global_buffer, self._local_buffer, group=self._group)
+        with shampoo_comm_profiler("## DDPDistributor:all_gather ##"):
+            _all_gather_single(self._global_buffer, self._local_buffer, group=self._group)
         if global_params:
             if self._communicate_params:
                 torch._foreach_copy_(global_params, global_views)

@@ -138,7 +138,7 @@ class Distributor(DistributorInterface):
         if selector != self._global_grad_selector:
             self._global_grad_selector = selector
             self._local_masked_blocked_params = compress_list(self._global_blocked_params, selector)
-        return compress_list(blocked_grads, selector)  # type: ignore[return-value]
+        return compress_list(blocked_grads, selector)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:

@@ -5,8 +5,8 @@ keyword arguments (see `matrix_functions._assign_function_args_from_config`). `D
 module-level instances.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from distributed_shampoo.utils.abstract_dataclass import AbstractDataclass
 
@@ -119,6 +119,12 @@ class CoupledHigherOrderConfig(RootInvConfig):
     disable_tf32: bool = True
 
 
+class ScaleByDimsFn(Protocol):
+    """Scale of an orthogonalised (d_out × d_in) update; called with keyword arguments."""
+
+    def __call__(self, d_in: int, d_out: int) -> float: ...
+
+
 def _unit_scale(d_in: int, d_out: int) -> float:
     return 1.0
 
@@ -127,7 +133,7 @@ def _unit_scale(d_in: int, d_out: int) -> float:
 class OrthogonalizationConfig(MatrixFunctionConfig):
     """Base of the orthogonalization methods; the result is multiplied by scale_by_dims_fn(d_in, d_out)."""
 
-    scale_by_dims_fn: Callable[[int, int], float] = _unit_scale
+    scale_by_dims_fn: ScaleByDimsFn = _unit_scale
 
 
 @dataclass(kw_only=True)

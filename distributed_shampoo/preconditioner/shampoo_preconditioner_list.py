@@ -599,11 +599,12 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
         return _precondition_grad(tensor, block.preconditioned_dims_selector, bases)
 
     def _after_factor_update(self, masked_grad_list: tuple[Tensor, ...]) -> None:
-        corrected = [block.corrected_eigenvalues for block in self._masked_blocks]
+        corrected: list[Tensor] = []
         rotated_squares = []
         for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True):
-            rotated = self._rotate(grad.to(block.corrected_eigenvalues.dtype), block)
-            rotated_squares.append(rotated.square())
+            assert block.corrected_eigenvalues is not None
+            corrected.append(block.corrected_eigenvalues)
+            rotated_squares.append(self._rotate(grad.to(block.corrected_eigenvalues.dtype), block).square())
         if not corrected:
             return
         if self._beta2 != 1.0:

@@ -18,6 +18,7 @@ from distributed_shampoo import (
     SingleDeviceDistributedConfig,
     WeightDecayType,
 )
+from distributed_shampoo.distributor.shampoo_dist_utils import get_device_mesh
 
 WORLD_SIZE = 2
 # (6,4), (4,), (3,3), (8,2), (2,) with max_preconditioner_dim 3 give 4+2+1+3+1 = 11 blocks: odd, so the
@@ -85,6 +86,27 @@ def _worker(rank: int, init_file: str, checkpoint_dir: str, results: Any) -> Non
                 (index, key) for index, entry in state.items() for key in entry if key.startswith("block_")
             )
 
+        # One trainer per group: every rank computes every block itself.
+        params = make_params()
+        run_steps(make_optimizer(params, DDPDistributedConfig(num_trainers_per_group=1)), params, range(NUM_STEPS))
+        outcome["params_one_trainer_per_group"] = [param.detach().clone() for param in params]
+
+        # bfloat16 communication of the search directions only perturbs the update.
+        params = make_params()
+        run_steps(make_optimizer(params, DDPDistributedConfig(communication_dtype=torch.bfloat16)), params, range(NUM_STEPS))
+        outcome["params_bf16"] = [param.detach().clone() for param in params]
+
+        # A single one-block parameter leaves rank 1 without blocks; it still joins every all-gather.
+        lone = [torch.nn.Parameter(torch.ones(2, 2))]
+        lone_optimizer = DistributedShampoo(lone, lr=0.1, distributed_config=DDPDistributedConfig())
+        for step in range(3):
+            lone[0].grad = torch.full((2, 2), float(step + 1))
+            lone_optimizer.step()
+        outcome["lone"] = lone[0].detach().clone()
+
+        mesh = get_device_mesh("cpu", ((0, 1),), ("replicate", "shard"))
+        outcome["mesh"] = (tuple(mesh.mesh.shape), mesh is get_device_mesh("cpu", ((0, 1),), ("replicate", "shard")))
+
         # Checkpoint after 4 steps with torch.distributed.checkpoint, resume in a fresh optimizer.
         config = DDPDistributedConfig(communicate_params=True)
         params = make_params()
@@ -146,3 +168,23 @@ def test_ddp_checkpoint_round_trip_through_torch_distributed_checkpoint(ddp_resu
     for rank in range(WORLD_SIZE):
         for got, want in zip(ddp_results[rank]["resumed_params"], expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_ddp_variants(ddp_results: dict[int, dict[str, Any]]) -> None:
+    expected = single_device_params(NUM_STEPS)
+    lone = torch.nn.Parameter(torch.ones(2, 2))
+    lone_optimizer = DistributedShampoo([lone], lr=0.1)
+    for step in range(3):
+        lone.grad = torch.full((2, 2), float(step + 1))
+        lone_optimizer.step()
+    for rank in range(WORLD_SIZE):
+        for got, want in zip(ddp_results[rank]["params_one_trainer_per_group"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for got, want in zip(ddp_results[rank]["params_bf16"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=2 * 1.6e-2, atol=2 * 1e-5)
+        torch.testing.assert_close(ddp_results[rank]["lone"], lone.detach(), rtol=0, atol=0)
+        assert ddp_results[rank]["mesh"] == ((1, 2), True)
+    assert not all(
+        torch.equal(got, want) for got, want in zip(ddp_results[0]["params_bf16"], expected, strict=True)
+    ), "bf16 communication should round the directions"
