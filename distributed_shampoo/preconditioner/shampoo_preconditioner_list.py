@@ -283,12 +283,20 @@ class BaseShampooPreconditionerList(PreconditionerList):
 
     @profile_decorator
     def _update_factor_matrices(self, masked_grad_list: tuple[Tensor, ...]) -> None:
+        """F_k ← beta2·F_k + weighting_factor·(outer product of the gradient over every dim but k)."""
         factors: list[Tensor] = []
         outer_products: list[Tensor] = []
         for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True):
             dims = [d for d, selected in enumerate(block.preconditioned_dims_selector) if selected]
-            factors.extend(block.factor_matrices)
-            outer_products.extend(_outer_product(self._factor_update_grad(grad, block, d), d) for d in dims)
+            for dim, factor in zip(dims, block.factor_matrices, strict=True):
+                source = self._factor_update_grad(grad, block, dim)
+                if source.dim() == 2 and source.dtype == factor.dtype:
+                    # Matrix blocks (the common case): one fused kernel, F ← beta2·F + w·X·Xᵀ.
+                    rows = source if dim == 0 else source.T
+                    factor.addmm_(rows, rows.T, beta=self._beta2, alpha=self._weighting_factor)
+                else:
+                    factors.append(factor)
+                    outer_products.append(_outer_product(source, dim))
         if not factors:
             return
         if self._beta2 != 1.0:
