@@ -129,6 +129,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         val_every_late=2,
         seed=1234,
         compile=False,
+        # as in the record, every matrix stays one 2-D block (64 x 64 = 4096 <= 8192 would be merged to a vector)
+        shampoo_max_preconditioner_dim=1024,
     ),
 }
 
