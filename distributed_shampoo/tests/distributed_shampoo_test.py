@@ -568,3 +568,24 @@ def test_add_param_group_is_not_supported() -> None:
     optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     with pytest.raises(ValueError):
         optimizer.step()
+
+
+@pytest.mark.parametrize("use_bias_correction", [True, False])
+def test_beta3_lookahead_of_the_first_moment(use_bias_correction: bool) -> None:
+    """M̄ = beta3·M_old + (1 - beta3)·G, corrected by 1 - beta3·beta1^(t-1); M itself keeps beta1."""
+    generator = torch.Generator().manual_seed(5)
+    grads = [torch.randn(4, dtype=torch.float64, generator=generator) for _ in range(4)]
+    weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    optimizer = DistributedShampoo(
+        [weight], lr=0.1, betas=(0.9, 1.0), beta3=0.5, use_bias_correction=use_bias_correction, preconditioner_config=SGDPreconditionerConfig()
+    )
+    expected, moment = torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+    for t, grad in enumerate(grads, start=1):
+        weight.grad = grad.clone()
+        optimizer.step()
+        lookahead = 0.5 * moment + 0.5 * grad
+        moment = 0.9 * moment + 0.1 * grad
+        if use_bias_correction:
+            lookahead = lookahead / (1 - 0.5 * 0.9 ** (t - 1))
+        expected -= 0.1 * lookahead
+        torch.testing.assert_close(weight.detach(), expected, rtol=1e-6, atol=1e-8)

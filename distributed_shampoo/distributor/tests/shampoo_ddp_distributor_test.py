@@ -2,7 +2,6 @@
 
 import os
 import tempfile
-from collections.abc import Callable
 from typing import Any
 
 import pytest
