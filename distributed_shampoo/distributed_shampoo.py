@@ -167,9 +167,10 @@ def _validate_and_resolve_param_group(group: dict[str, Any]) -> None:
         if distributed_config.target_parameter_dimensionality != 2:
             logger.warning(
                 f"{distributed_config.target_parameter_dimensionality=} is not 2 while spectral descent needs "
-                "2-D blocks. Setting target_parameter_dimensionality to 2 (the config object is modified)..."
+                "2-D blocks. Setting target_parameter_dimensionality to 2 for this group..."
             )
-            distributed_config.target_parameter_dimensionality = 2
+            # A modified copy: the caller's object may be the shared default, used by other optimizers too.
+            group[DISTRIBUTED_CONFIG] = dataclasses.replace(distributed_config, target_parameter_dimensionality=2)
 
     if group[START_PRECONDITIONING_STEP] == -1:
         group[START_PRECONDITIONING_STEP] = group[PRECONDITION_FREQUENCY]

@@ -589,3 +589,49 @@ def test_beta3_lookahead_of_the_first_moment(use_bias_correction: bool) -> None:
             lookahead = lookahead / (1 - 0.5 * 0.9 ** (t - 1))
         expected -= 0.1 * lookahead
         torch.testing.assert_close(weight.detach(), expected, rtol=1e-6, atol=1e-8)
+
+
+def test_eigendecomposed_shampoo_equals_root_inverse_shampoo() -> None:
+    from distributed_shampoo import EigendecomposedShampooPreconditionerConfig
+
+    f64 = torch.float64
+
+    def run(preconditioner_config: PreconditionerConfig) -> list[Tensor]:
+        initial, grads = random_problem(7, f64)
+        params = [torch.nn.Parameter(value.clone()) for value in initial]
+        optimizer = DistributedShampoo(params, **record_config(lr=0.05, epsilon=1e-6, max_preconditioner_dim=4, precondition_frequency=2, preconditioner_config=preconditioner_config))
+        for step_grads in grads:
+            for param, grad in zip(params, step_grads, strict=True):
+                param.grad = grad.clone()
+            optimizer.step()
+        return [p.detach() for p in params]
+
+    root_inverse = run(RootInvShampooPreconditionerConfig(factor_matrix_dtype=f64, inv_factor_matrix_dtype=f64))
+    eigendecomposed = run(
+        EigendecomposedShampooPreconditionerConfig(factor_matrix_dtype=f64, factor_matrix_eigenvectors_dtype=f64, factor_matrix_eigenvalues_dtype=f64)
+    )
+    for a, b in zip(root_inverse, eigendecomposed, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_sign_and_spectral_descent_warn_about_unused_settings(caplog: pytest.LogCaptureFixture) -> None:
+    from distributed_shampoo import DefaultSingleDeviceDistributedConfig, SignDescentPreconditionerConfig, SpectralDescentPreconditionerConfig
+
+    with caplog.at_level(logging.WARNING, logger="distributed_shampoo.distributed_shampoo"):
+        sign = DistributedShampoo([torch.nn.Parameter(torch.zeros(3))], precondition_frequency=4, preconditioner_config=SignDescentPreconditionerConfig())
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("does not have any effect" in m for m in messages) == 3
+    assert sign.param_groups[0]["precondition_frequency"] == 1
+
+    caplog.clear()
+    weight = torch.nn.Parameter(torch.ones(6, 4))
+    with caplog.at_level(logging.WARNING, logger="distributed_shampoo.distributed_shampoo"):
+        spectral = DistributedShampoo([weight], lr=0.1, betas=(0.0, 1.0), preconditioner_config=SpectralDescentPreconditionerConfig())
+    assert "Setting target_parameter_dimensionality to 2" in caplog.text
+    assert spectral.param_groups[0]["distributed_config"].target_parameter_dimensionality == 2
+    assert DefaultSingleDeviceDistributedConfig.target_parameter_dimensionality == 1  # the shared default is untouched
+    weight.grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    spectral.step()
+    step = (torch.ones(6, 4) - weight.detach()) / 0.1
+    singular_values = torch.linalg.svdvals(step)
+    assert ((singular_values > 0.6) & (singular_values < 1.25)).all()  # Newton–Schulz: approximately orthogonal
