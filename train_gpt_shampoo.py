@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -46,16 +46,17 @@ try:
         WeightDecayType,
     )
 
+    SHAMPOO_PACKAGE_DIR: Path | None = Path(distributed_shampoo.__file__).resolve().parent
     SHAMPOO_IMPORT_ERROR: ImportError | None = None
 except ImportError as error:  # reported when --matrix_optimizer=shampoo is asked for
-    distributed_shampoo = None
+    SHAMPOO_PACKAGE_DIR = None
     SHAMPOO_IMPORT_ERROR = error
 
 DOWNLOAD_HINT = "python data/cached_fineweb10B.py 9"
 
 
-class ConfigError(Exception):
-    """A user error (bad option, missing or malformed file, unusable checkpoint): one line, exit status 2."""
+class UserError(Exception):
+    """A problem with the command line, the environment, the data or a checkpoint: one line, exit status 2."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,8 +140,8 @@ RUN_MANAGEMENT_FIELDS = frozenset({"num_trials", "compile", "log_dir", "checkpoi
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, no usage dump
-        raise ConfigError(message)
+    def error(self, message: str) -> Any:  # one line instead of usage + message
+        raise UserError(f"{message} (see --help)")
 
 
 def _parse_bool(text: str) -> bool:
@@ -150,16 +151,20 @@ def _parse_bool(text: str) -> bool:
     return value
 
 
+VALUE_PARSERS: dict[Any, Callable[[str], Any]] = {bool: _parse_bool, int: int, float: float, str: str}
+
+
 def parse_args(argv: Sequence[str]) -> tuple[Hyperparameters, dict[str, Any]]:
     """--name=value overrides of the Hyperparameters fields, after the optional --preset's."""
-    parser = _Parser(prog="train_gpt_shampoo.py", allow_abbrev=False, add_help=False)
+    parser = _Parser(prog="train_gpt_shampoo.py", description=__doc__, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS)
     for field in dataclasses.fields(Hyperparameters):
-        kind = {bool: _parse_bool, int: int, float: float, str: str}[field.type]
-        parser.add_argument(f"--{field.name}", type=kind, default=argparse.SUPPRESS)
+        parser.add_argument(f"--{field.name}", type=VALUE_PARSERS[field.type], default=argparse.SUPPRESS,
+                            metavar=getattr(field.type, "__name__", "VALUE"))
     namespace, unknown = parser.parse_known_args(list(argv))
     if unknown:
-        raise ConfigError(f"unknown argument {unknown[0]!r} (options are --name=value for the Hyperparameters fields)")
+        raise UserError(f"unknown argument {unknown[0]!r} (options are --name=value for the Hyperparameters fields)")
     explicit = vars(namespace)
     preset = PRESETS[explicit["preset"]] if "preset" in explicit else {}
     fields = {k: v for k, v in explicit.items() if k != "preset"}
@@ -171,7 +176,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Hyperparameters, dict[str, Any]]:
 def validate_hyperparameters(hp: Hyperparameters) -> None:
     def require(ok: bool, message: str) -> None:
         if not ok:
-            raise ConfigError(message)
+            raise UserError(message)
 
     require(hp.matrix_optimizer in ("shampoo", "adamw"), f"--matrix_optimizer={hp.matrix_optimizer!r}: use shampoo or adamw")
     for name in ("seq_len", "micro_batch_seqs", "vocab_size", "num_layers", "model_dim", "head_dim", "val_tokens",
@@ -197,11 +202,11 @@ def read_shard_header(path: Path) -> int:
     """The shard's token count, after checking its magic, version and byte size."""
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     if len(header) < HEADER_INTS or header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
-        raise ConfigError(f"{path}: not a token shard (expected header magic {SHARD_MAGIC}, version {SHARD_VERSION})")
+        raise UserError(f"{path}: not a token shard (expected header magic {SHARD_MAGIC}, version {SHARD_VERSION})")
     num_tokens = int(header[2])
     expected_bytes = 4 * HEADER_INTS + 2 * num_tokens
     if path.stat().st_size != expected_bytes:
-        raise ConfigError(f"{path}: {path.stat().st_size} bytes, header promises {expected_bytes}; re-download it")
+        raise UserError(f"{path}: {path.stat().st_size} bytes, header promises {expected_bytes}; re-download it")
     return num_tokens
 
 
@@ -209,7 +214,7 @@ def load_shard(path: Path, vocab_size: int, pin: bool) -> Tensor:
     num_tokens = read_shard_header(path)
     tokens = np.fromfile(path, dtype="<u2", offset=4 * HEADER_INTS, count=num_tokens)
     if num_tokens and int(tokens.max()) >= vocab_size:
-        raise ConfigError(f"{path}: token id {int(tokens.max())} >= vocab_size {vocab_size}")
+        raise UserError(f"{path}: token id {int(tokens.max())} >= vocab_size {vocab_size}")
     tensor = torch.from_numpy(tokens.astype(np.uint16, copy=False))
     return tensor.pin_memory() if pin else tensor
 
@@ -218,7 +223,7 @@ def resolve_files(pattern: str) -> list[Path]:
     full_pattern = os.path.join(os.environ.get("DATA_PATH", ""), pattern)
     files = sorted(Path(p) for p in glob.glob(full_pattern))
     if not files:
-        raise ConfigError(f"no files match {full_pattern!r}; download the data with `{DOWNLOAD_HINT}`")
+        raise UserError(f"no files match {full_pattern!r}; download the data with `{DOWNLOAD_HINT}`")
     return files
 
 
@@ -238,14 +243,14 @@ class TokenLoader:
     def _load(self, index: int) -> Tensor:
         tokens = load_shard(self.files[index], self.vocab_size, pin=self.device.type == "cuda")
         if len(tokens) < self.batch_tokens + 2:
-            raise ConfigError(f"{self.files[index]}: {len(tokens)} tokens, fewer than one batch of {self.batch_tokens} + 2")
+            raise UserError(f"{self.files[index]}: {len(tokens)} tokens, fewer than one batch of {self.batch_tokens} + 2")
         return tokens
 
     def _advance_shard(self) -> None:
         next_index = self.file_index + 1
         if next_index == len(self.files):
             if not self.cycle:
-                raise ConfigError(f"out of training data after {len(self.files)} files; add shards "
+                raise UserError(f"out of training data after {len(self.files)} files; add shards "
                                   f"(`{DOWNLOAD_HINT}`) or pass --cycle_train_files=true for a proxy dataset")
             next_index, self.passes = 0, self.passes + 1
         self.file_index, self.position = next_index, 0
@@ -322,6 +327,8 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """Half-truncated RoPE: head_dim/4 frequencies from 1 down to 1/1024, then head_dim/4 zeros."""
+
+    frequencies: Tensor
 
     def __init__(self, head_dim: int):
         super().__init__()
@@ -420,8 +427,8 @@ def init_parameters(model: nn.Module) -> None:
 # Optimizers: AdamW for embedding, head and 1-D parameters; DistributedShampoo for the block matrices
 
 
-def split_parameters(model: GPT) -> dict[str, list[nn.Parameter]]:
-    groups = {
+def split_parameters(model: GPT) -> dict[str, list[Tensor]]:
+    groups: dict[str, list[Tensor]] = {
         "embed": [model.embed.weight],
         "head": [model.proj.weight],
         "scalars": [p for p in model.parameters() if p.ndim < 2],
@@ -464,10 +471,11 @@ def build_optimizers(model: GPT, hp: Hyperparameters, world_size: int, device: t
     return optimizers
 
 
-def build_shampoo(matrices: list[nn.Parameter], hp: Hyperparameters, world_size: int) -> torch.optim.Optimizer:
+def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) -> torch.optim.Optimizer:
     if SHAMPOO_IMPORT_ERROR is not None:
-        raise ConfigError(f"--matrix_optimizer=shampoo needs the distributed_shampoo package next to this script "
+        raise UserError(f"--matrix_optimizer=shampoo needs the distributed_shampoo package next to this script "
                           f"({SHAMPOO_IMPORT_ERROR}); or pass --matrix_optimizer=adamw")
+    distributed_config: SingleDeviceDistributedConfig | DDPDistributedConfig
     if world_size == 1:
         distributed_config = SingleDeviceDistributedConfig()
     else:  # each rank preconditions its share of the matrices; updated matrices are all-gathered in fp32
@@ -520,7 +528,7 @@ def _free_port() -> int:
 def read_world_size() -> int:
     text = os.environ.get("WORLD_SIZE", "1")
     if not text.isdigit() or int(text) not in (1, 2, 4, 8):
-        raise ConfigError(f"WORLD_SIZE={text}: must divide 8 (1, 2, 4 or 8 processes)")
+        raise UserError(f"WORLD_SIZE={text}: must divide 8 (1, 2, 4 or 8 processes)")
     return int(text)
 
 
@@ -554,21 +562,20 @@ SEPARATOR = "=" * 100
 
 def shampoo_source_files() -> list[Path]:
     """Every file of the distributed_shampoo package imported so far, sorted by path."""
-    if distributed_shampoo is None:
+    if SHAMPOO_PACKAGE_DIR is None:
         return []
-    package_dir = Path(distributed_shampoo.__file__).resolve().parent
-    files = {Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
-    return sorted(f for f in files if f.is_relative_to(package_dir) and f.suffix == ".py")
+    files = {Path(str(m.__file__)).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+    return sorted(f for f in files if f.is_relative_to(SHAMPOO_PACKAGE_DIR) and f.suffix == ".py")
 
 
 def program_source() -> str:
     """This script's source, then each imported package file behind a banner naming it: the log alone
     rebuilds the program (tools/records.py extract)."""
     parts = [Path(__file__).read_text(encoding="utf-8")]
-    root = Path(distributed_shampoo.__file__).resolve().parent.parent if distributed_shampoo else None
     for path in shampoo_source_files():
+        assert SHAMPOO_PACKAGE_DIR is not None
         text = path.read_text(encoding="utf-8")
-        parts.append(PACKAGE_BANNER.format(path.relative_to(root).as_posix()) + "\n")
+        parts.append(PACKAGE_BANNER.format(path.relative_to(SHAMPOO_PACKAGE_DIR.parent).as_posix()) + "\n")
         parts.append(text if text.endswith("\n") or not text else text + "\n")
     if not parts[0].endswith("\n"):
         parts[0] += "\n"
@@ -588,18 +595,20 @@ def create_log_file(log_dir: Path) -> tuple[Path, str]:
             continue
 
 
-def make_print0(rank: int, log_path: Path | None) -> Callable[..., None]:
-    def print0(s: str, console: bool = False, logfile: bool = True) -> None:
-        """Rank 0 only: append a line to the log (flushed at once) and optionally echo it."""
-        if rank != 0:
-            return
-        if console:
-            print(s, flush=True)
-        if logfile and log_path is not None:
-            with open(log_path, "a", encoding="utf-8") as f:
-                print(s, file=f)
+_log_path: Path | None = None
+_is_master = True
 
-    return print0
+
+def print0(s: str, console: bool = False, logfile: bool = True) -> None:
+    """Rank 0 appends s to the run log (flushed at once) and, with console=True, prints it;
+    logfile=False is for the console-only train-step lines of the record's format."""
+    if not _is_master:
+        return
+    if console:
+        print(s, flush=True)
+    if logfile and _log_path is not None:
+        with open(_log_path, "a", encoding="utf-8") as f:
+            f.write(s + "\n")
 
 
 def _command_output(command: list[str]) -> str | None:
@@ -624,7 +633,7 @@ def environment_lines(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distr
         f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
         f"Running Triton version {triton_version}",
         _command_output(["nvidia-smi"]) or "nvidia-smi: not available",
-        f"device: {torch.cuda.get_device_name(ddp.device)} x {ddp.world_size}" if ddp.device.type == "cuda" else "device: cpu",
+        f"device: {ddp.world_size}x {torch.cuda.get_device_name(ddp.device)}" if ddp.device.type == "cuda" else "device: cpu",
         f"world_size: {ddp.world_size}",
         f"grad_accum_steps: {ddp.grad_accum_steps}",
         f"git_commit: {_command_output(['git', 'rev-parse', 'HEAD']) or 'unknown'}",
@@ -652,6 +661,17 @@ def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
 CHECKPOINT_FORMAT = "train_gpt_shampoo/1"
 
 
+@dataclass
+class Progress:
+    """Where a trial stands; checkpointed so that a resumed run continues its clock and step_avg intervals."""
+
+    trial: int
+    step: int = 0
+    training_time: float = 0.0  # seconds, validation and checkpoints excluded
+    last_val_step: int = 0
+    last_val_time: float = 0.0
+
+
 def checkpoint_name(trial: int, step: int, num_trials: int) -> str:
     return f"step{step:06d}" if num_trials == 1 else f"trial{trial}_step{step:06d}"
 
@@ -660,7 +680,7 @@ def check_checkpoints_are_new(directory: Path, hp: Hyperparameters) -> None:
     for trial in range(hp.num_trials):
         for step in range(hp.checkpoint_every, hp.train_steps, hp.checkpoint_every):
             if (directory / checkpoint_name(trial, step, hp.num_trials)).exists():
-                raise ConfigError(f"checkpoint {directory / checkpoint_name(trial, step, hp.num_trials)} already "
+                raise UserError(f"checkpoint {directory / checkpoint_name(trial, step, hp.num_trials)} already "
                                   f"exists; pick another --checkpoint_dir (checkpoints are never overwritten)")
 
 
@@ -695,7 +715,7 @@ def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
 
 
 def save_checkpoint(target: Path, run_id: str, ddp: Distributed, hp: Hyperparameters, model: GPT,
-                    optimizers: list[torch.optim.Optimizer], loader: TokenLoader, progress: dict[str, Any]) -> None:
+                    optimizers: list[torch.optim.Optimizer], loader: TokenLoader, progress: Progress) -> None:
     staging = target.with_name(f".{target.name}.partial-{run_id}")
     if ddp.rank == 0:
         staging.mkdir(parents=True)
@@ -704,12 +724,13 @@ def save_checkpoint(target: Path, run_id: str, ddp: Distributed, hp: Hyperparame
     atomic_torch_save(rank_state, staging / f"rank{ddp.rank}.pt")
     if ddp.rank == 0:
         shared = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": ddp.world_size,
-                  "hyperparameters": dataclasses.asdict(hp), "progress": progress, "loader": loader.state_dict(),
+                  "hyperparameters": dataclasses.asdict(hp), "progress": dataclasses.asdict(progress), "loader": loader.state_dict(),
                   "model": model.state_dict(), "adamw": optimizers[0].state_dict()}
         atomic_torch_save(shared, staging / "shared.pt")
     dist.barrier()
     if ddp.rank == 0:
-        manifest = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": ddp.world_size, **progress}
+        manifest = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": ddp.world_size,
+                    **dataclasses.asdict(progress)}
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
         fsync_directory(staging)
         if target.exists():  # never replace an existing checkpoint
@@ -738,29 +759,29 @@ def open_checkpoint(path_text: str, hp: Hyperparameters, world_size: int) -> Res
     path = Path(path_text)
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
-        raise ConfigError(f"--resume={path_text}: no complete checkpoint there (missing {manifest_path})")
+        raise UserError(f"--resume={path_text}: no complete checkpoint there (missing {manifest_path})")
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(f"--resume={path_text}: format {manifest.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
+        raise UserError(f"--resume={path_text}: format {manifest.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
     if manifest["world_size"] != world_size:
-        raise ConfigError(f"--resume={path_text}: written by {manifest['world_size']} processes; "
+        raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; "
                           f"resume with the same number (this run has {world_size})")
     missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
     if missing:
-        raise ConfigError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
+        raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
     saved = torch.load(path / "shared.pt", map_location="cpu", weights_only=False)["hyperparameters"]
     current = dataclasses.asdict(hp)
     differing = [f"{k}={saved.get(k)!r} there, {v!r} here" for k, v in current.items()
                  if k not in RUN_MANAGEMENT_FIELDS and saved.get(k) != v]
     if differing:
-        raise ConfigError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
+        raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
     if manifest["trial"] >= hp.num_trials:
-        raise ConfigError(f"--resume={path_text}: checkpoint of trial {manifest['trial']}, but --num_trials={hp.num_trials}")
+        raise UserError(f"--resume={path_text}: checkpoint of trial {manifest['trial']}, but --num_trials={hp.num_trials}")
     return ResumePoint(path, manifest)
 
 
 def load_checkpoint(point: ResumePoint, ddp: Distributed, model: GPT, optimizers: list[torch.optim.Optimizer],
-                    loader: TokenLoader) -> dict[str, Any]:
+                    loader: TokenLoader) -> Progress:
     shared = torch.load(point.path / "shared.pt", map_location=ddp.device, weights_only=False)
     rank_state = torch.load(point.path / f"rank{ddp.rank}.pt", map_location=ddp.device, weights_only=False)
     model.load_state_dict(shared["model"])
@@ -768,7 +789,7 @@ def load_checkpoint(point: ResumePoint, ddp: Distributed, model: GPT, optimizers
     optimizers[1].load_state_dict(rank_state["matrix_optimizer"])
     loader.load_state_dict(shared["loader"])
     set_rng_state(rank_state["rng"], ddp.device)
-    return shared["progress"]
+    return Progress(**shared["progress"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -827,59 +848,75 @@ def train_step(model: GPT, forward: nn.Module, optimizers: list[torch.optim.Opti
 
 
 @dataclass
+class Session:
+    """What every trial of one launch shares."""
+
+    hp: Hyperparameters
+    ddp: Distributed
+    run_id: str
+    checkpoint_dir: Path
+    model: GPT  # parameters, state dicts
+    forward: nn.Module  # the model, compiled unless --compile=false
+    val_inputs: Tensor
+    val_targets: Tensor
+    train_files: list[Path]
+
+
+def log_validation(progress: Progress, val_loss: float, train_steps: int) -> None:
+    """The record's line; step_avg averages the interval since the previous validation."""
+    interval = progress.step - progress.last_val_step
+    step_avg = 1000 * (progress.training_time - progress.last_val_time) / interval if interval else math.nan
+    print0(f"step:{progress.step}/{train_steps} val_loss:{val_loss:.5f} train_time:{progress.training_time:.3f}s "
+           f"step_avg:{step_avg:.2f}ms", console=True)
+    progress.last_val_step, progress.last_val_time = progress.step, progress.training_time
+
+
+@dataclass
 class TrialResult:
     val_losses: dict[int, float]
 
 
-def run_trial(trial: int, hp: Hyperparameters, ddp: Distributed, run_id: str, checkpoint_dir: Path, model: GPT,
-              forward: nn.Module, val_inputs: Tensor, val_targets: Tensor, train_files: list[Path],
-              print0: Callable[..., None], resume: ResumePoint | None) -> TrialResult:
+def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> TrialResult:
+    """Fresh init, optimizers and loader (or a checkpoint's), then train with the clock stopped for
+    validation and checkpoints."""
+    hp, ddp, model = session.hp, session.ddp, session.model
     init_parameters(model)
     optimizers = build_optimizers(model, hp, ddp.world_size, ddp.device)
     base_lrs = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
-    loader = TokenLoader(train_files, 8 * hp.micro_batch_seqs * hp.seq_len, hp.seq_len, ddp.rank, ddp.world_size,
-                         hp.vocab_size, ddp.device, hp.cycle_train_files)
+    loader = TokenLoader(session.train_files, 8 * hp.micro_batch_seqs * hp.seq_len, hp.seq_len, ddp.rank,
+                         ddp.world_size, hp.vocab_size, ddp.device, hp.cycle_train_files)
     for param in model.parameters():
         dist.broadcast(param.detach(), 0)
-    progress = {"trial": trial, "step": 0, "training_time": 0.0, "last_val_step": 0, "last_val_time": 0.0}
-    if resume is not None:
-        progress = load_checkpoint(resume, ddp, model, optimizers, loader)
+    progress = load_checkpoint(resume, ddp, model, optimizers, loader) if resume else Progress(trial)
 
     val_losses: dict[int, float] = {}
-    training_time = progress["training_time"]
-    last_val_step, last_val_time = progress["last_val_step"], progress["last_val_time"]
-    start_step = progress["step"]
+    start_step = progress.step
     synchronize(ddp.device)
     t0 = time.perf_counter()
     for step in range(start_step, hp.train_steps + 1):
+        progress.step = step
         last_step = step == hp.train_steps
         validate = is_validation_step(step, hp)
         checkpoint = hp.checkpoint_every > 0 and step % hp.checkpoint_every == 0 and step != start_step and not last_step
-        if validate or checkpoint:  # the clock stops for validation and checkpoints
+        if validate or checkpoint:
             synchronize(ddp.device)
-            training_time += time.perf_counter() - t0
+            progress.training_time += time.perf_counter() - t0
             if validate:
-                val_loss = evaluate(forward, val_inputs, val_targets, hp.micro_batch_seqs, hp.val_tokens)
-                val_losses[step] = val_loss
-                interval = step - last_val_step
-                step_avg = 1000 * (training_time - last_val_time) / interval if interval else math.nan
-                print0(f"step:{step}/{hp.train_steps} val_loss:{val_loss:.5f} train_time:{training_time:.3f}s "
-                       f"step_avg:{step_avg:.2f}ms", console=True)
-                last_val_step, last_val_time = step, training_time
+                val_losses[step] = evaluate(session.forward, session.val_inputs, session.val_targets,
+                                            hp.micro_batch_seqs, hp.val_tokens)
+                log_validation(progress, val_losses[step], hp.train_steps)
             if checkpoint:
-                target = checkpoint_dir / checkpoint_name(trial, step, hp.num_trials)
-                state = {"trial": trial, "step": step, "training_time": training_time,
-                         "last_val_step": last_val_step, "last_val_time": last_val_time}
-                save_checkpoint(target, run_id, ddp, hp, model, optimizers, loader, state)
+                target = session.checkpoint_dir / checkpoint_name(trial, step, hp.num_trials)
+                save_checkpoint(target, session.run_id, ddp, hp, model, optimizers, loader, progress)
                 print0(f"checkpoint: {target}", console=True)
             synchronize(ddp.device)
             t0 = time.perf_counter()
         if last_step:
             break
         inputs, targets = loader.next_batch()
-        train_step(model, forward, optimizers, base_lrs, inputs, targets, lr_multiplier(step, hp),
+        train_step(model, session.forward, optimizers, base_lrs, inputs, targets, lr_multiplier(step, hp),
                    hp.micro_batch_seqs, ddp.world_size)
-        approx_time = training_time + time.perf_counter() - t0
+        approx_time = progress.training_time + time.perf_counter() - t0
         print0(f"step:{step + 1}/{hp.train_steps} train_time:{approx_time:.3f}s "
                f"step_avg:{1000 * approx_time / (step + 1):.2f}ms", console=True, logfile=False)
     return TrialResult(val_losses)
@@ -896,7 +933,7 @@ def check_batch_geometry(hp: Hyperparameters, world_size: int) -> None:
     for name, tokens in [("the train batch (8 micro-batches)", 8 * hp.micro_batch_seqs * hp.seq_len),
                          ("--val_tokens", hp.val_tokens)]:
         if tokens % (world_size * hp.micro_batch_seqs * hp.seq_len):
-            raise ConfigError(f"{name} = {tokens} tokens must split into {world_size} ranks x micro-batches of "
+            raise UserError(f"{name} = {tokens} tokens must split into {world_size} ranks x micro-batches of "
                               f"{hp.micro_batch_seqs} x {hp.seq_len} tokens")
 
 
@@ -905,8 +942,8 @@ def load_validation_data(val_files: list[Path], hp: Hyperparameters, ddp: Distri
     try:
         loader = TokenLoader(val_files, hp.val_tokens, hp.seq_len, ddp.rank, ddp.world_size, hp.vocab_size, ddp.device)
         return loader.next_batch()
-    except ConfigError as error:
-        raise ConfigError(f"validation data ({hp.val_files}): {error}; lower --val_tokens") from None
+    except UserError as error:
+        raise UserError(f"validation data ({hp.val_files}): {error}; lower --val_tokens") from None
 
 
 def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
@@ -922,39 +959,39 @@ def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
     if hp.checkpoint_every and hp.checkpoint_dir:  # the default directory is new: named by the run id
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp)
 
+    global _log_path
     ddp = setup_distributed()
     try:
         return _train(hp, overrides, ddp, train_files, val_files, resume)
     finally:
+        _log_path = None
         dist.destroy_process_group()
 
 
 def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, train_files: list[Path],
            val_files: list[Path], resume: ResumePoint | None) -> RunResult:
+    global _log_path, _is_master
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     model = GPT(hp.vocab_size, hp.num_layers, hp.model_dim, hp.head_dim).to(ddp.device)
-    forward = torch.compile(model, dynamic=False) if hp.compile else model
+    forward = cast(nn.Module, torch.compile(model, dynamic=False)) if hp.compile else model
     val_inputs, val_targets = load_validation_data(val_files, hp, ddp)
 
-    log_path, run_id = None, ""
-    if ddp.rank == 0:
-        log_path, run_id = create_log_file(Path(hp.log_dir))
-        print(f"log: {log_path}", flush=True)
-    shared_id = [run_id]
-    dist.broadcast_object_list(shared_id, 0)
-    run_id = shared_id[0]
-    checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id}")
-    print0 = make_print0(ddp.rank, log_path)
+    _is_master = ddp.rank == 0
+    run_id = [""]
+    if _is_master:
+        _log_path, run_id[0] = create_log_file(Path(hp.log_dir))
+        print(f"log: {_log_path}", flush=True)
+    dist.broadcast_object_list(run_id, 0)
+    checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id[0]}")
+    session = Session(hp, ddp, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
 
     embedded_files = shampoo_source_files()
-    if ddp.rank == 0:
-        with open(log_path, "a", encoding="utf-8") as f:
+    if _log_path is not None:
+        with open(_log_path, "a", encoding="utf-8") as f:
             f.write(program_source())
     print0(SEPARATOR)
-    for line in environment_lines(hp, overrides, ddp, train_files, val_files):
-        print0(line)
-    for line in parameter_split_lines(model, hp):
+    for line in environment_lines(hp, overrides, ddp, train_files, val_files) + parameter_split_lines(model, hp):
         print0(line)
     if resume is not None:
         print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at trial {resume.trial} step {resume.step}")
@@ -966,12 +1003,9 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
     synchronize(ddp.device)
     print0(f"warmup_time: {time.perf_counter() - t_warmup:.1f}s", console=True)
 
-    trials = []
     first_trial = resume.trial if resume is not None else 0
-    for trial in range(first_trial, hp.num_trials):
-        trial_resume = resume if resume is not None and trial == resume.trial else None
-        trials.append(run_trial(trial, hp, ddp, run_id, checkpoint_dir, model, forward, val_inputs, val_targets,
-                                train_files, print0, trial_resume))
+    trials = [run_trial(session, trial, resume if resume is not None and trial == resume.trial else None)
+              for trial in range(first_trial, hp.num_trials)]
 
     late_imports = sorted(set(shampoo_source_files()) - set(embedded_files))
     if late_imports:  # imported after the log header was written: the log cannot rebuild them
@@ -979,18 +1013,18 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
     if ddp.device.type == "cuda":
         allocated, reserved = torch.cuda.max_memory_allocated(ddp.device), torch.cuda.max_memory_reserved(ddp.device)
     else:
-        allocated = reserved = 0
+        allocated = reserved = 0  # no allocator statistics on CPU
     print0(f"peak memory allocated: {allocated // 2**20} MiB reserved: {reserved // 2**20} MiB", console=True)
-    return RunResult(log_path, model, trials)
+    return RunResult(_log_path, model, trials)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     try:
         hp, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         train(hp, overrides)
-    except ConfigError as error:
+    except UserError as error:
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            print(f"train_gpt_shampoo.py: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 

@@ -85,7 +85,7 @@ def test_overrides_preset_and_explicit_values_win() -> None:
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv: list[str], message: str) -> None:
-    with pytest.raises(tgs.ConfigError, match=re.escape(message)) as error:
+    with pytest.raises(tgs.UserError, match=re.escape(message)) as error:
         tgs.parse_args(argv)
     assert "\n" not in str(error.value)
 
@@ -223,7 +223,7 @@ def test_loader_slices_ranks_drops_tails_and_resumes(tmp_path: Path) -> None:
     fresh = tgs.TokenLoader(files, batch_tokens=8, seq_len=2, rank=1, world_size=2, vocab_size=200, device=cpu)
     fresh.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(fresh.next_batch(), expected))
-    with pytest.raises(tgs.ConfigError, match="out of training data.*--cycle_train_files"):
+    with pytest.raises(tgs.UserError, match="out of training data.*--cycle_train_files"):
         rank1.next_batch()
     cycling = tgs.TokenLoader(files, 8, 2, 0, 2, 200, cpu, cycle=True)
     first = cycling.next_batch()[0]
@@ -235,18 +235,18 @@ def test_loader_slices_ranks_drops_tails_and_resumes(tmp_path: Path) -> None:
 def test_shard_errors_name_the_file(tmp_path: Path) -> None:
     bad_magic = tmp_path / "magic.bin"
     bad_magic.write_bytes(np.zeros(256 + 10, dtype="<i4").tobytes())
-    with pytest.raises(tgs.ConfigError, match="magic.bin: not a token shard"):
+    with pytest.raises(tgs.UserError, match="magic.bin: not a token shard"):
         tgs.read_shard_header(bad_magic)
     truncated = tmp_path / "short.bin"
     write_shard(truncated, range(50))
     truncated.write_bytes(truncated.read_bytes()[:-2])
-    with pytest.raises(tgs.ConfigError, match="short.bin: 1122 bytes, header promises 1124"):
+    with pytest.raises(tgs.UserError, match="short.bin: 1122 bytes, header promises 1124"):
         tgs.read_shard_header(truncated)
     big = tmp_path / "big.bin"
     write_shard(big, [1, 2, 500])
-    with pytest.raises(tgs.ConfigError, match="big.bin: token id 500 >= vocab_size 100"):
+    with pytest.raises(tgs.UserError, match="big.bin: token id 500 >= vocab_size 100"):
         tgs.load_shard(big, vocab_size=100, pin=False)
-    with pytest.raises(tgs.ConfigError, match=r"no files match .*nothing_\*\.bin.*cached_fineweb10B\.py 9"):
+    with pytest.raises(tgs.UserError, match=r"no files match .*nothing_\*\.bin.*cached_fineweb10B\.py 9"):
         tgs.resolve_files(str(tmp_path / "nothing_*.bin"))
 
 
@@ -356,16 +356,16 @@ def test_checkpointing_does_not_change_the_run(workdir: Path) -> None:
 def test_bad_resume_paths_and_settings_are_refused(workdir: Path) -> None:
     smoke_run("--matrix_optimizer=adamw", "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt")
     good = workdir / "ckpt" / "step000002"
-    with pytest.raises(tgs.ConfigError, match="missing .*manifest.json"):
+    with pytest.raises(tgs.UserError, match="missing .*manifest.json"):
         smoke_run("--matrix_optimizer=adamw", "--train_steps=4", f"--resume={workdir / 'nowhere'}")
-    with pytest.raises(tgs.ConfigError, match="train_steps=4 there, 5 here"):
+    with pytest.raises(tgs.UserError, match="train_steps=4 there, 5 here"):
         smoke_run("--matrix_optimizer=adamw", "--train_steps=5", f"--resume={good}")
-    with pytest.raises(tgs.ConfigError, match="written by 1 processes"):
+    with pytest.raises(tgs.UserError, match="written by 1 processes"):
         tgs.open_checkpoint(str(good), _smoke_hp(train_steps=4), world_size=2)
     interrupted = workdir / "ckpt" / "step000003"  # a save killed before its rename leaves no manifest
     interrupted.mkdir()
     (interrupted / "shared.pt").write_bytes(b"partial")
-    with pytest.raises(tgs.ConfigError, match="no complete checkpoint"):
+    with pytest.raises(tgs.UserError, match="no complete checkpoint"):
         smoke_run("--matrix_optimizer=adamw", "--train_steps=4", f"--resume={interrupted}")
 
 
@@ -379,7 +379,7 @@ def test_existing_checkpoints_are_never_overwritten(workdir: Path) -> None:
     taken = workdir / "ckpt" / "step000002"
     taken.mkdir(parents=True)
     (taken / "keep.txt").write_text("mine")
-    with pytest.raises(tgs.ConfigError, match="step000002 already exists"):
+    with pytest.raises(tgs.UserError, match="step000002 already exists"):
         smoke_run("--matrix_optimizer=adamw", "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt")
     assert (taken / "keep.txt").read_text() == "mine"
 
@@ -406,7 +406,7 @@ def test_main_reports_user_errors_in_one_line(workdir: Path, monkeypatch: pytest
         tgs.main(args)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and err.startswith("train_gpt_shampoo.py: error: ") and message in err, err
 
 
 # ----- two processes -----
@@ -418,15 +418,34 @@ def test_two_gloo_processes_match_one(workdir: Path, matrix_optimizer: str) -> N
     args = ["--preset=smoke", f"--matrix_optimizer={matrix_optimizer}", "--train_steps=6", "--val_every=3",
             "--shampoo_precondition_frequency=2"]
     one = tgs.train(*tgs.parse_args(args))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                          str(SCRIPT), *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, two.stderr[-3000:]
-    two_log = workdir / re.search(r"log: (\S+)", two.stdout).group(1)
-    assert "world_size: 2" in two_log.read_text() and "grad_accum_steps: 4" in two_log.read_text()
+    two_log, two_text = torchrun(args, workdir)
+    assert "world_size: 2" in two_text and "grad_accum_steps: 4" in two_text
     losses_one = [float(VAL_LINE.match(line).group(3)) for line in val_lines(one.log_path)]
     losses_two = [float(VAL_LINE.match(line).group(3)) for line in val_lines(two_log)]
     assert len(losses_one) == len(losses_two) == 3
     assert losses_two == pytest.approx(losses_one, abs=2e-4)  # same math, another reduction order
     assert losses_one[-1] < losses_one[0] - 0.3
+
+
+def torchrun(args: list[str], cwd: Path) -> tuple[Path, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                           str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = cwd / re.search(r"log: (\S+)", done.stdout).group(1)
+    return log, log.read_text()
+
+
+@pytest.mark.slow
+def test_two_process_shampoo_resume_is_exact(tmp_path: Path) -> None:
+    """Under DDP each rank checkpoints its own share of the Shampoo state."""
+    args = ["--preset=smoke", "--train_steps=6", "--val_every=3", "--shampoo_precondition_frequency=2"]
+    _, straight = torchrun(args + ["--checkpoint_every=4", "--checkpoint_dir=ckpt"], tmp_path)
+    checkpoint = tmp_path / "ckpt" / "step000004"
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["manifest.json", "rank0.pt", "rank1.pt", "shared.pt"]
+    _, resumed = torchrun(args + [f"--resume={checkpoint}"], tmp_path)
+    assert "resumed_from: " in resumed and "world_size: 2" in resumed
+    last = [line for line in straight.splitlines() if line.startswith("step:6/6 val_loss:")][0]
+    resumed_last = [line for line in resumed.splitlines() if line.startswith("step:6/6 val_loss:")][0]
+    assert resumed_last.split(" train_time")[0] == last.split(" train_time")[0]
