@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from distributed_shampoo import (
     AdamPreconditionerConfig,
@@ -120,9 +121,46 @@ def _worker(rank: int, init_file: str, checkpoint_dir: str, results: Any) -> Non
         resumed.load_state_dict(to_load["optimizer"])
         run_steps(resumed, resumed_params, range(4, NUM_STEPS))
         outcome["resumed_params"] = [param.detach().clone() for param in resumed_params]
+        outcome["dcp_state_dict_api"] = {
+            flatten: _round_trip_with_state_dict_api(os.path.join(checkpoint_dir, f"api_{flatten}"), flatten)
+            for flatten in (False, True)
+        }
         results[rank] = outcome
     finally:
         dist.destroy_process_group()
+
+
+def _make_model_and_optimizer(seed: int) -> tuple[torch.nn.Module, DistributedShampoo]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    return model, make_optimizer(list(model.parameters()), DDPDistributedConfig(communicate_params=True))
+
+
+def _train_model(model: torch.nn.Module, optimizer: DistributedShampoo, steps: range) -> None:
+    for step in steps:
+        inputs = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 + step))
+        model.zero_grad()
+        model(inputs).square().sum().backward()
+        optimizer.step()
+
+
+def _round_trip_with_state_dict_api(checkpoint_dir: str, flatten: bool) -> bool:
+    """get/set_optimizer_state_dict (optionally flattened) + dcp.save/load after 3 of 6 steps == 6 steps straight."""
+    model, optimizer = _make_model_and_optimizer(0)
+    _train_model(model, optimizer, range(6))
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model, optimizer = _make_model_and_optimizer(0)
+    _train_model(model, optimizer, range(3))
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optimizer, options=options)}, checkpoint_id=checkpoint_dir)
+    resumed_model, resumed = _make_model_and_optimizer(1)
+    to_load = {"model": resumed_model.state_dict(), "optim": get_optimizer_state_dict(resumed_model, resumed, options=options)}
+    dcp.load(to_load, checkpoint_id=checkpoint_dir)
+    resumed_model.load_state_dict(to_load["model"])
+    set_optimizer_state_dict(resumed_model, resumed, to_load["optim"], options=options)
+    _train_model(resumed_model, resumed, range(3, 6))
+    return all(torch.equal(a, b) for a, b in zip(expected, resumed_model.parameters(), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +225,9 @@ def test_ddp_variants(ddp_results: dict[int, dict[str, Any]]) -> None:
     assert not all(
         torch.equal(got, want) for got, want in zip(ddp_results[0]["params_bf16"], expected, strict=True)
     ), "bf16 communication should round the directions"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flatten", [False, True])
+def test_ddp_round_trip_through_get_and_set_optimizer_state_dict(ddp_results: dict[int, dict[str, Any]], flatten: bool) -> None:
+    assert all(ddp_results[rank]["dcp_state_dict_api"][flatten] for rank in range(WORLD_SIZE))
