@@ -84,3 +84,15 @@ def test_non_contiguous_parameter_is_rejected() -> None:
     weight = nn.Parameter(torch.ones(3, 4).T)
     with pytest.raises(ValueError, match="not contiguous"):
         Distributor({"params": [weight], "max_preconditioner_dim": DIM, "distributed_config": SingleDeviceDistributedConfig()})
+
+
+def test_ddp_configuration_errors() -> None:
+    from distributed_shampoo import DDPDistributedConfig, DistributedShampoo
+    from distributed_shampoo.distributor.shampoo_ddp_distributor import resolve_group_size
+
+    with pytest.raises(RuntimeError, match="needs an initialized torch.distributed process group"):
+        DistributedShampoo([nn.Parameter(torch.zeros(2))], distributed_config=DDPDistributedConfig())
+    assert resolve_group_size(-1, 8) == 8 and resolve_group_size(2, 8) == 2
+    for bad in (0, 3, 16, -2):
+        with pytest.raises(ValueError, match=f"Invalid num_trainers_per_group={bad} for world size 8"):
+            resolve_group_size(bad, 8)
