@@ -1,0 +1,224 @@
+"""Time `DistributedShampoo.step()` on the Track 3 parameter set and compare it with a fused AdamW step.
+
+The parameters are the 72 matrices Shampoo trains in the Track 3 record (12 layers × q, k, v, attention
+projection 768×768, MLP fc 3072×768, MLP projection 768×3072; fp32) with the record's optimizer settings.
+Gradients are fixed random tensors (identical on every rank), so only the optimizer is measured.
+
+    python bench/bench_shampoo_step.py                               # one GPU, single-device distributor
+    torchrun --standalone --nproc_per_node=2 bench/bench_shampoo_step.py   # DDP distributor on 2 GPUs
+    python bench/bench_shampoo_step.py --tiny --device cpu           # small sizes, to check the script
+
+Prints one table: mean ms per step over the measured steps, split into steps that recompute the inverse roots
+(every `--precondition-frequency` steps) and the others, the optimizer state per rank, and the mean step as a
+multiple of the AdamW step.
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from distributed_shampoo import (  # noqa: E402
+    AdamPreconditionerConfig,
+    DDPDistributedConfig,
+    DistributedShampoo,
+    SingleDeviceDistributedConfig,
+    WeightDecayType,
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where parameters live")
+    parser.add_argument("--tiny", action="store_true", help="model dim 128, 2 layers (for a CPU check)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--steps", type=int, default=50, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=10, help="unmeasured steps first (include one root step)")
+    parser.add_argument("--precondition-frequency", type=int, default=5)
+    parser.add_argument(
+        "--linalg-library",
+        default="default",
+        choices=["default", "cusolver", "magma"],
+        help="torch.backends.cuda.preferred_linalg_library for eigh",
+    )
+    args = parser.parse_args()
+    if args.tiny:
+        # dim·dim must exceed max_preconditioner_dim (8192), or merge_small_dims flattens the matrices.
+        args.layers, args.dim = 2, 128
+    for name in ("steps", "layers", "dim", "precondition_frequency"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def track3_shapes(layers: int, dim: int) -> list[tuple[int, int]]:
+    """Per layer: q, k, v, attention projection (dim×dim), MLP fc (4·dim×dim), MLP projection (dim×4·dim)."""
+    return [shape for _ in range(layers) for shape in [(dim, dim)] * 4 + [(4 * dim, dim), (dim, 4 * dim)]]
+
+
+def make_params(shapes: list[tuple[int, int]], device: torch.device) -> tuple[list[torch.nn.Parameter], list[Tensor]]:
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    params = [torch.nn.Parameter((0.02 * torch.randn(s, generator=generator)).to(device)) for s in shapes]
+    grads = [(1e-3 * torch.randn(s, generator=generator)).to(device) for s in shapes]
+    return params, grads
+
+
+def make_shampoo(params: list[torch.nn.Parameter], precondition_frequency: int, world_size: int) -> DistributedShampoo:
+    """The Track 3 record configuration (spec §8), with the frequency made configurable."""
+    distributed_config = (
+        SingleDeviceDistributedConfig()
+        if world_size == 1
+        else DDPDistributedConfig(communication_dtype=torch.float32, num_trainers_per_group=world_size, communicate_params=True)
+    )
+    return DistributedShampoo(
+        params,
+        lr=0.0015,
+        betas=(0.9, 0.95),
+        weight_decay=0.2,
+        weight_decay_type=WeightDecayType.DECOUPLED,
+        max_preconditioner_dim=8192,
+        precondition_frequency=precondition_frequency,
+        start_preconditioning_step=-1,
+        grafting_config=AdamPreconditionerConfig(beta2=0.95, epsilon=1e-10),
+        distributed_config=distributed_config,
+    )
+
+
+def make_adamw(params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.AdamW:
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(params, lr=0.0015, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.2, fused=fused, foreach=not fused)
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of distinct tensors in this rank's optimizer state (the CPU step counters included)."""
+    seen: dict[int, int] = {}
+    for tensor in _tensors(optimizer.state_dict()["state"]):
+        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class StepTimer:
+    """Wall time of one call in ms, measured with CUDA events on GPU (synchronising only after the call)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        begin = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - begin)
+
+
+def time_optimizer(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    grads: list[Tensor],
+    timer: StepTimer,
+    warmup: int,
+    steps: int,
+) -> list[tuple[int, float]]:
+    """(optimizer step number, ms) for each measured step."""
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+    timings = []
+    for step in range(1, warmup + steps + 1):
+        elapsed = timer(optimizer.step)
+        if step > warmup:
+            timings.append((step, elapsed))
+    return timings
+
+
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else math.nan
+
+
+def main() -> None:
+    args = parse_args()
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if distributed:
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        dist.init_process_group(backend)
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_shampoo_step.py: no CUDA device; pass --device cpu (with --tiny) to run on the CPU.")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if args.linalg_library != "default":
+            torch.backends.cuda.preferred_linalg_library(args.linalg_library)
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    timer = StepTimer(device)
+    shapes = track3_shapes(args.layers, args.dim)
+
+    params, grads = make_params(shapes, device)
+    shampoo = make_shampoo(params, args.precondition_frequency, world_size)
+    shampoo_timings = time_optimizer(shampoo, params, grads, timer, args.warmup, args.steps)
+    shampoo_state = state_bytes(shampoo)
+    del shampoo
+
+    params, grads = make_params(shapes, device)
+    adamw = make_adamw(params, device)
+    adamw_timings = time_optimizer(adamw, params, grads, timer, args.warmup, args.steps)
+    adamw_state = state_bytes(adamw)
+
+    frequency = args.precondition_frequency
+    root_ms = [ms for step, ms in shampoo_timings if step % frequency == 0]
+    other_ms = [ms for step, ms in shampoo_timings if step % frequency != 0]
+    shampoo_mean, adamw_mean = mean([ms for _, ms in shampoo_timings]), mean([ms for _, ms in adamw_timings])
+
+    rows = [
+        ("DistributedShampoo", shampoo_mean, mean(root_ms), mean(other_ms), shampoo_state, shampoo_mean / adamw_mean),
+        ("AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)", adamw_mean, math.nan, math.nan, adamw_state, 1.0),
+    ]
+    per_rank: list[Any] = [None] * world_size
+    if distributed:
+        dist.all_gather_object(per_rank, rows)
+    else:
+        per_rank = [rows]
+    if rank == 0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(
+            f"{len(shapes)} fp32 matrices ({args.layers} layers, dim {args.dim}), {world_size} × {name}, "
+            f"torch {torch.__version__}, precondition_frequency={frequency}, {args.steps} measured steps after "
+            f"{args.warmup} warm-up steps, linalg={args.linalg_library}"
+        )
+        header = f"{'rank':>4}  {'optimizer':<20}{'mean ms/step':>13}{'root steps':>12}{'other steps':>13}{'state MiB':>11}{'× AdamW':>9}"
+        print(header)
+        print("-" * len(header))
+        for index, rank_rows in enumerate(per_rank):
+            for label, all_ms, roots, others, nbytes, ratio in rank_rows:
+                print(f"{index:>4}  {label:<20}{all_ms:>13.2f}{roots:>12.2f}{others:>13.2f}{nbytes / 2**20:>11.1f}{ratio:>9.2f}")
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

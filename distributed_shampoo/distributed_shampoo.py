@@ -1,0 +1,660 @@
+"""`DistributedShampoo`: Shampoo with grafting, momentum, weight decay and block distribution.
+
+Per param group and step (spec §3.2): block the gradients; update the Shampoo factor matrices and the grafting
+statistics from the raw gradient; every `precondition_frequency` steps recompute the inverse roots; form the
+bias-corrected first moment M̄; precondition it with Shampoo and rescale each block to the Frobenius norm of the
+grafting direction (before `start_preconditioning_step`, use the grafting direction alone); add weight decay;
+apply `W ← W - lr·P` through the distributor (which may all-gather across ranks).
+
+Nothing in `step()` reads device values on the host except the amortized computations (NaN/Inf checks and
+`eigh`), which happen once every `precondition_frequency` steps.
+"""
+
+import dataclasses
+import logging
+import math
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from distributed_shampoo.distributor.shampoo_ddp_distributor import DDPDistributor
+from distributed_shampoo.distributor.shampoo_distributor import Distributor, DistributorInterface
+from distributed_shampoo.preconditioner.adagrad_preconditioner_list import AdagradPreconditionerList
+from distributed_shampoo.preconditioner.preconditioner_list import PreconditionerList, bias_correction
+from distributed_shampoo.preconditioner.sgd_preconditioner_list import SGDPreconditionerList
+from distributed_shampoo.preconditioner.shampoo_preconditioner_list import (
+    EigendecomposedKLShampooPreconditionerList,
+    EigendecomposedShampooPreconditionerList,
+    EigenvalueCorrectedShampooPreconditionerList,
+    RootInvKLShampooPreconditionerList,
+    RootInvShampooPreconditionerList,
+)
+from distributed_shampoo.preconditioner.sign_descent_preconditioner_list import SignDescentPreconditionerList
+from distributed_shampoo.preconditioner.spectral_descent_preconditioner_list import SpectralDescentPreconditionerList
+from distributed_shampoo.preconditioner.matrix_functions_types import (
+    EigendecompositionConfig,
+    PseudoInverseConfig,
+)
+from distributed_shampoo.shampoo_types import (
+    BETA3,
+    BETAS,
+    DISTRIBUTED_CONFIG,
+    EPSILON,
+    FILTERED_GRAD,
+    GRAFTING_CONFIG,
+    ITERATE_AVERAGING_CONFIG,
+    LR,
+    LR_SUM,
+    MAX_PRECONDITIONER_DIM,
+    PARAMS,
+    PEAK_LR,
+    PRECONDITION_FREQUENCY,
+    PRECONDITIONER_CONFIG,
+    START_PRECONDITIONING_STEP,
+    STEP,
+    TRAIN_MODE,
+    USE_BIAS_CORRECTION,
+    USE_PIN_MEMORY,
+    WEIGHT_BUFFER,
+    WEIGHT_DECAY,
+    WEIGHT_DECAY_TYPE,
+    AdaGradPreconditionerConfig,
+    AdamPreconditionerConfig,
+    BaseShampooPreconditionerConfig,
+    DDPDistributedConfig,
+    DefaultShampooConfig,
+    DefaultShampooRuntimeConfig,
+    DefaultSingleDeviceDistributedConfig,
+    DistributedConfig,
+    EigendecomposedKLShampooPreconditionerConfig,
+    EigendecomposedShampooPreconditionerConfig,
+    EigenvalueCorrectedShampooPreconditionerConfig,
+    FSDPDistributedConfig,
+    FullyShardDistributedConfig,
+    GeneralizedPrimalAveragingConfig,
+    HSDPDistributedConfig,
+    HybridShardDistributedConfig,
+    IterateAveragingConfig,
+    PreconditionerConfig,
+    RMSpropPreconditionerConfig,
+    RootInvKLShampooPreconditionerConfig,
+    RootInvShampooPreconditionerConfig,
+    ScheduleFreeConfig,
+    SGDPreconditionerConfig,
+    ShampooPT2CompileConfig,
+    ShampooRuntimeConfig,
+    SignDescentPreconditionerConfig,
+    SingleDeviceDistributedConfig,
+    SpectralDescentPreconditionerConfig,
+    WeightDecayType,
+)
+from distributed_shampoo.utils.shampoo_state_dict_utils import (
+    extract_state_dict_content,
+    update_param_state_dict_object,
+)
+from distributed_shampoo.utils.shampoo_utils import compress_list
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+# Guards the grafting rescale against an all-zero Shampoo direction.
+_GRAFTING_NORM_GUARD = 1e-16
+
+
+# --------------------------------------------------------------------------------------------------- validation
+
+
+def _invalid(key: str, value: Any, constraint: str) -> ValueError:
+    return ValueError(f"Invalid param_group[{key}]={value}. Must be {constraint}.")
+
+
+def _uses_pseudo_inverse(preconditioner_config: PreconditionerConfig) -> bool:
+    if not isinstance(preconditioner_config, BaseShampooPreconditionerConfig):
+        return False
+    amortized = preconditioner_config.amortized_computation_config
+    return isinstance(amortized, EigendecompositionConfig) and isinstance(
+        amortized.rank_deficient_stability_config, PseudoInverseConfig
+    )
+
+
+def _validate_and_resolve_param_group(group: dict[str, Any]) -> None:
+    """Check a param group's hyperparameters (spec §2, in order) and resolve beta3 and the start step."""
+    if not group[LR] >= 0.0:
+        raise _invalid("LR", group[LR], ">= 0.0")
+    betas = group[BETAS]
+    if not 0.0 <= betas[0] < 1.0:
+        raise _invalid("BETAS][0", betas[0], "in [0.0, 1.0)")
+    if not 0.0 <= betas[1] <= 1.0:
+        raise _invalid("BETAS][1", betas[1], "in [0.0, 1.0]")
+    if group[BETA3] == -1.0:
+        group[BETA3] = betas[0]
+    elif not 0.0 <= group[BETA3] < 1.0:
+        raise _invalid("BETA3", group[BETA3], "in [0.0, 1.0)")
+    preconditioner_config = group[PRECONDITIONER_CONFIG]
+    if _uses_pseudo_inverse(preconditioner_config):
+        if group[EPSILON] != 0.0:
+            raise _invalid("EPSILON", group[EPSILON], "0.0 when using PseudoInverseConfig")
+    elif not group[EPSILON] > 0.0:
+        raise _invalid("EPSILON", group[EPSILON], "> 0.0")
+    if not group[WEIGHT_DECAY] >= 0.0:
+        raise _invalid("WEIGHT_DECAY", group[WEIGHT_DECAY], ">= 0.0")
+    if group[WEIGHT_DECAY_TYPE] in (WeightDecayType.CORRECTED, WeightDecayType.INDEPENDENT) and not group[PEAK_LR] > 0.0:
+        raise _invalid("PEAK_LR", group[PEAK_LR], "> 0.0 with WeightDecayType.CORRECTED or WeightDecayType.INDEPENDENT")
+    max_dim = group[MAX_PRECONDITIONER_DIM]
+    if isinstance(max_dim, float) and max_dim != math.inf:
+        raise _invalid("MAX_PRECONDITIONER_DIM", max_dim, "an integer or math.inf")
+    if not max_dim >= 1:
+        raise _invalid("MAX_PRECONDITIONER_DIM", max_dim, ">= 1")
+    if not group[PRECONDITION_FREQUENCY] >= 1:
+        raise _invalid("PRECONDITION_FREQUENCY", group[PRECONDITION_FREQUENCY], ">= 1")
+    if not group[START_PRECONDITIONING_STEP] >= -1:
+        raise _invalid("START_PRECONDITIONING_STEP", group[START_PRECONDITIONING_STEP], ">= -1")
+
+    if isinstance(preconditioner_config, (SignDescentPreconditionerConfig, SpectralDescentPreconditionerConfig)):
+        name = type(preconditioner_config).__name__
+        logger.warning(f"{BETAS}[1]={betas[1]} does not have any effect when {name} is used.")
+        logger.warning(f"{EPSILON}={group[EPSILON]} does not have any effect when {name} is used.")
+        logger.warning(
+            f"{PRECONDITION_FREQUENCY}={group[PRECONDITION_FREQUENCY]} does not have any effect when {name} is "
+            "used. Setting precondition_frequency to 1..."
+        )
+        group[PRECONDITION_FREQUENCY] = 1
+    if isinstance(preconditioner_config, SpectralDescentPreconditionerConfig):
+        distributed_config = group[DISTRIBUTED_CONFIG]
+        if distributed_config.target_parameter_dimensionality != 2:
+            logger.warning(
+                f"{distributed_config.target_parameter_dimensionality=} is not 2 while spectral descent needs "
+                "2-D blocks. Setting target_parameter_dimensionality to 2 for this group..."
+            )
+            # A modified copy: the caller's object may be the shared default, used by other optimizers too.
+            group[DISTRIBUTED_CONFIG] = dataclasses.replace(distributed_config, target_parameter_dimensionality=2)
+
+    if group[START_PRECONDITIONING_STEP] == -1:
+        group[START_PRECONDITIONING_STEP] = group[PRECONDITION_FREQUENCY]
+        logger.warning(
+            "start_preconditioning_step set to -1. Setting start_preconditioning_step equal to "
+            f"precondition frequency {group[PRECONDITION_FREQUENCY]} by default."
+        )
+    if group[START_PRECONDITIONING_STEP] < group[PRECONDITION_FREQUENCY]:
+        raise ValueError(
+            f"Invalid start_preconditioning_step value: {group[START_PRECONDITIONING_STEP]}. Must be >= "
+            f"precondition_frequency={group[PRECONDITION_FREQUENCY]}."
+        )
+
+
+def _contains_function(value: Any) -> bool:
+    """True for a Python function, or a dataclass (recursively) holding one."""
+    if isinstance(value, (types.FunctionType, types.LambdaType)):
+        return True
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_contains_function(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
+
+
+# -------------------------------------------------------------------------------------------- component factory
+
+
+def _make_distributor(group: dict[str, Any], runtime_config: ShampooRuntimeConfig) -> DistributorInterface:
+    config: DistributedConfig = group[DISTRIBUTED_CONFIG]
+    if isinstance(config, SingleDeviceDistributedConfig):
+        return Distributor(group, runtime_config)
+    sharded = (HSDPDistributedConfig, HybridShardDistributedConfig, FSDPDistributedConfig, FullyShardDistributedConfig)
+    if isinstance(config, sharded):
+        raise NotImplementedError(
+            f"{type(config).__name__} is not supported by this distributed_shampoo. Keep parameters replicated "
+            "and use DDPDistributedConfig (or SingleDeviceDistributedConfig for one process)."
+        )
+    if isinstance(config, DDPDistributedConfig):
+        return DDPDistributor(group, config, runtime_config)
+    raise NotImplementedError(f"{config=} not supported!")
+
+
+_SHAMPOO_LIST_CLASSES: tuple[tuple[type, type], ...] = (
+    # Subclasses first: the first isinstance match wins.
+    (RootInvKLShampooPreconditionerConfig, RootInvKLShampooPreconditionerList),
+    (EigendecomposedKLShampooPreconditionerConfig, EigendecomposedKLShampooPreconditionerList),
+    (RootInvShampooPreconditionerConfig, RootInvShampooPreconditionerList),
+    (EigendecomposedShampooPreconditionerConfig, EigendecomposedShampooPreconditionerList),
+    (EigenvalueCorrectedShampooPreconditionerConfig, EigenvalueCorrectedShampooPreconditionerList),
+)
+
+
+def _make_preconditioner_list(
+    config: PreconditionerConfig,
+    group: dict[str, Any],
+    distributor: DistributorInterface,
+    state: dict[Tensor, Any],
+) -> PreconditionerList:
+    """The preconditioner list a config names, over the distributor's local blocks (also used for grafting)."""
+    blocks = distributor.local_blocked_params
+    block_infos = distributor.local_block_info_list
+    if isinstance(config, SGDPreconditionerConfig):
+        return SGDPreconditionerList(blocks)
+    if isinstance(config, AdaGradPreconditionerConfig):
+        if isinstance(config, RMSpropPreconditionerConfig):
+            weighting_factor = 1.0 if config.drop_weighting_factor_on_gsquare else 1.0 - config.beta2
+            use_bias_correction = isinstance(config, AdamPreconditionerConfig) and not config.drop_weighting_factor_on_gsquare
+            beta2 = config.beta2
+        else:
+            beta2, weighting_factor, use_bias_correction = 1.0, 1.0, False
+        return AdagradPreconditionerList(
+            blocks, state, block_infos, beta2, weighting_factor, config.epsilon, use_bias_correction
+        )
+    if isinstance(config, SignDescentPreconditionerConfig):
+        return SignDescentPreconditionerList(blocks, config)
+    if isinstance(config, SpectralDescentPreconditionerConfig):
+        assert group[DISTRIBUTED_CONFIG].target_parameter_dimensionality == 2
+        return SpectralDescentPreconditionerList(blocks, config)
+    for config_class, list_class in _SHAMPOO_LIST_CLASSES:
+        if isinstance(config, config_class):
+            assert isinstance(config, BaseShampooPreconditionerConfig)
+            beta2 = group[BETAS][1]
+            weighting_factor = 1.0 if (config.drop_weighting_factor_on_gsquare or beta2 == 1.0) else 1.0 - beta2
+            return list_class(
+                blocks,
+                state,
+                block_infos,
+                config,
+                beta2=beta2,
+                weighting_factor=weighting_factor,
+                epsilon=group[EPSILON],
+                use_bias_correction=group[USE_BIAS_CORRECTION],
+            )
+    raise NotImplementedError(f"{config=} not supported!")
+
+
+# ----------------------------------------------------------------------------------------------- group runtime
+
+
+@dataclass
+class _GroupRuntime:
+    """Per-group objects and per-block lists that live outside the checkpointed state.
+
+    `masked_*` lists hold the blocks that received a gradient this step (see `DistributorInterface`).
+    """
+
+    distributor: DistributorInterface
+    shampoo: PreconditionerList
+    grafting: PreconditionerList | None
+    step: Tensor
+    filtered_grads: tuple[Tensor, ...]
+    weight_buffers: tuple[Tensor, ...]
+    lr_sum: Tensor | None
+    train_mode: Tensor | None
+    previous_grad_selector: tuple[bool, ...]
+    masked_filtered_grads: tuple[Tensor, ...] = field(default=())
+    masked_weight_buffers: tuple[Tensor, ...] = field(default=())
+
+    def apply_selector(self, selector: tuple[bool, ...]) -> None:
+        self.previous_grad_selector = selector
+        self.shampoo.compress_preconditioner_list(selector)
+        if self.grafting is not None:
+            self.grafting.compress_preconditioner_list(selector)
+        self.masked_filtered_grads = compress_list(self.filtered_grads, selector) if self.filtered_grads else ()
+        self.masked_weight_buffers = compress_list(self.weight_buffers, selector) if self.weight_buffers else ()
+
+
+# ------------------------------------------------------------------------------------------------- optimizer
+
+
+class DistributedShampoo(torch.optim.Optimizer):
+    """Shampoo (Gupta, Koren & Singer 2018) as in Distributed Shampoo (Shi et al. 2023); see the package README.
+
+    Args (defaults in the signature; every one except the last two can be overridden per param group):
+        params: parameters or param-group dicts.
+        lr: learning rate (also stored as the group's `peak_lr` unless the group sets one).
+        betas: (beta1 for the first moment, beta2 for the factor-matrix EMA; 1.0 means a running sum).
+        beta3: EMA coefficient of the preconditioned first moment (-1: equal to beta1).
+        epsilon: damping added to the factor matrices before taking roots.
+        weight_decay, weight_decay_type: L2 (added to the gradient) or DECOUPLED/CORRECTED/INDEPENDENT.
+        max_preconditioner_dim: block size; dims are merged up to and split at this size.
+        precondition_frequency: steps between root recomputations.
+        start_preconditioning_step: first step using Shampoo (-1: precondition_frequency); grafting before.
+        use_bias_correction: bias-correct the first moment and the factor matrices.
+        iterate_averaging_config: GeneralizedPrimalAveragingConfig or ScheduleFreeConfig.
+        grafting_config: per-block norm source (SGD/AdaGrad/RMSprop/Adam preconditioner config) or None.
+        use_pin_memory: accepted for compatibility (lr is passed as a Python number here).
+        shampoo_pt2_compile_config: compile the elementwise part of the step with torch.compile.
+        distributed_config: SingleDeviceDistributedConfig or DDPDistributedConfig.
+        preconditioner_config: Shampoo variant (or SGD/AdaGrad-family/sign/spectral descent).
+        shampoo_runtime_config: ShampooRuntimeConfig(eager_nan_check=...).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-2,
+        betas: tuple[float, float] = (0.9, 1.0),
+        beta3: float = -1.0,
+        epsilon: float = 1e-12,
+        weight_decay: float = 0.0,
+        weight_decay_type: WeightDecayType = WeightDecayType.DECOUPLED,
+        max_preconditioner_dim: int | float = 1024,
+        precondition_frequency: int = 1,
+        start_preconditioning_step: int | float = -1,
+        use_bias_correction: bool = True,
+        iterate_averaging_config: IterateAveragingConfig | None = None,
+        grafting_config: PreconditionerConfig | None = None,
+        use_pin_memory: bool = False,
+        shampoo_pt2_compile_config: ShampooPT2CompileConfig | None = None,
+        distributed_config: DistributedConfig = DefaultSingleDeviceDistributedConfig,
+        preconditioner_config: PreconditionerConfig = DefaultShampooConfig,
+        shampoo_runtime_config: ShampooRuntimeConfig = DefaultShampooRuntimeConfig,
+    ) -> None:
+        defaults = {
+            LR: lr,
+            PEAK_LR: lr,
+            BETAS: betas,
+            BETA3: beta3,
+            EPSILON: epsilon,
+            WEIGHT_DECAY: weight_decay,
+            WEIGHT_DECAY_TYPE: weight_decay_type,
+            MAX_PRECONDITIONER_DIM: max_preconditioner_dim,
+            PRECONDITION_FREQUENCY: precondition_frequency,
+            START_PRECONDITIONING_STEP: start_preconditioning_step,
+            USE_BIAS_CORRECTION: use_bias_correction,
+            ITERATE_AVERAGING_CONFIG: iterate_averaging_config,
+            GRAFTING_CONFIG: grafting_config,
+            USE_PIN_MEMORY: use_pin_memory,
+            DISTRIBUTED_CONFIG: distributed_config,
+            PRECONDITIONER_CONFIG: preconditioner_config,
+        }
+        super().__init__(params, defaults)
+        self._shampoo_pt2_compile_config = shampoo_pt2_compile_config
+        self._runtime_config = shampoo_runtime_config
+        self._mode_before_load: bool | None = None  # train/eval mode to restore after load_state_dict
+
+        self.register_state_dict_post_hook(DistributedShampoo._post_state_dict_hook)
+        self.register_load_state_dict_pre_hook(DistributedShampoo._pre_load_state_dict_hook)
+        self.register_load_state_dict_post_hook(DistributedShampoo._post_load_state_dict_hook)
+
+        for index, group in enumerate(self.param_groups):
+            logger.info(f"Checking param_group {index}")
+            _validate_and_resolve_param_group(group)
+        self._group_runtimes: list[_GroupRuntime] = [self._build_group_runtime(group) for group in self.param_groups]
+        self._compiled_direction: Callable[..., tuple[Tensor, ...]] | None = None
+        if shampoo_pt2_compile_config is not None:
+            self._compiled_direction = torch.compile(
+                _first_moment_and_direction, **dataclasses.asdict(shampoo_pt2_compile_config)
+            )
+
+    # ---- construction
+
+    def _build_group_runtime(self, group: dict[str, Any]) -> _GroupRuntime:
+        params: list[Tensor] = group[PARAMS]
+        if not params:
+            raise ValueError("A param group has no parameters; remove the empty group.")
+        distributor = _make_distributor(group, self._runtime_config)
+        for block_info in distributor.local_block_info_list:
+            self.state[block_info.param][block_info.composable_block_ids[1]] = {}
+        shampoo = _make_preconditioner_list(group[PRECONDITIONER_CONFIG], group, distributor, self.state)
+        grafting = (
+            None
+            if group[GRAFTING_CONFIG] is None
+            else _make_preconditioner_list(group[GRAFTING_CONFIG], group, distributor, self.state)
+        )
+
+        step = torch.tensor(0, dtype=torch.int64)
+        self.state[params[0]][STEP] = step
+
+        def per_block_state(key: str, make: Callable[[Tensor, Any], Tensor]) -> tuple[Tensor, ...]:
+            tensors = []
+            for block, block_info in zip(distributor.local_blocked_params, distributor.local_block_info_list, strict=True):
+                block_state = self.state[block_info.param][block_info.composable_block_ids[1]]
+                block_state[key] = make(block, block_info)
+                tensors.append(block_info.get_tensor(block_state[key]))
+            return tuple(tensors)
+
+        filtered_grads: tuple[Tensor, ...] = ()
+        if group[BETAS][0] != 0.0:
+            filtered_grads = per_block_state(
+                FILTERED_GRAD,
+                lambda block, info: info.allocate_zeros_tensor(size=block.size(), dtype=block.dtype, device=block.device),
+            )
+        weight_buffers: tuple[Tensor, ...] = ()
+        lr_sum = train_mode = None
+        if group[ITERATE_AVERAGING_CONFIG] is not None:
+            weight_buffers = per_block_state(
+                WEIGHT_BUFFER,
+                lambda block, info: info.allocate_zeros_tensor(size=block.size(), dtype=block.dtype, device=block.device).copy_(block),
+            )
+            lr_sum = torch.zeros((), dtype=torch.float32, device=params[0].device)
+            train_mode = torch.tensor(True)
+            self.state[params[0]][LR_SUM] = lr_sum
+            self.state[params[0]][TRAIN_MODE] = train_mode
+
+        runtime = _GroupRuntime(
+            distributor=distributor,
+            shampoo=shampoo,
+            grafting=grafting,
+            step=step,
+            filtered_grads=filtered_grads,
+            weight_buffers=weight_buffers,
+            lr_sum=lr_sum,
+            train_mode=train_mode,
+            previous_grad_selector=distributor.local_grad_selector,
+        )
+        runtime.apply_selector(distributor.local_grad_selector)
+        return runtime
+
+    # ---- step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, runtime in zip(self.param_groups, self._group_runtimes, strict=True):
+            self._step_group(group, runtime)
+        return loss
+
+    def _step_group(self, group: dict[str, Any], runtime: _GroupRuntime) -> None:
+        distributor = runtime.distributor
+        masked_grads = distributor.merge_and_block_gradients()
+        if distributor.local_grad_selector != runtime.previous_grad_selector:
+            if self._compiled_direction is not None and int(runtime.step) > 0:
+                changed = [
+                    i
+                    for i, (old, new) in enumerate(zip(runtime.previous_grad_selector, distributor.local_grad_selector))
+                    if old != new
+                ]
+                logger.warning(
+                    f"PT2 will recompile because the gradient selection of model parameters have changed from the "
+                    f"previous step. Changed selector indices: {changed}"
+                )
+            runtime.apply_selector(distributor.local_grad_selector)
+        if runtime.train_mode is not None and not bool(runtime.train_mode):
+            raise RuntimeError("The optimizer is in eval mode: call optimizer.train() before optimizer.step().")
+
+        runtime.step.add_(1)
+        step = int(runtime.step)
+        frequency, start = group[PRECONDITION_FREQUENCY], group[START_PRECONDITIONING_STEP]
+        perform_amortized_computation = (step % frequency == 0 and step > start) or step == start
+        use_grafting_method = step < start and runtime.grafting is not None
+
+        if not masked_grads:
+            distributor.update_params(())
+            return
+        masked_params = distributor.local_masked_blocked_params
+        weight_decay, weight_decay_type = group[WEIGHT_DECAY], group[WEIGHT_DECAY_TYPE]
+        if weight_decay != 0.0 and weight_decay_type == WeightDecayType.L2:
+            torch._foreach_add_(masked_grads, masked_params, alpha=weight_decay)
+
+        runtime.shampoo.update_preconditioners(masked_grads, step, perform_amortized_computation)
+        if runtime.grafting is not None:
+            runtime.grafting.update_preconditioners(masked_grads, step, False)
+
+        direction_fn = self._compiled_direction or _first_moment_and_direction
+        search_directions = direction_fn(
+            masked_grads,
+            masked_params,
+            runtime.masked_filtered_grads,
+            runtime.shampoo,
+            runtime.grafting,
+            use_grafting_method,
+            step,
+            group[BETAS][0],
+            group[BETA3],
+            group[USE_BIAS_CORRECTION],
+            _decoupled_weight_decay_coefficient(group),
+            group[LR],
+        )
+        if group[ITERATE_AVERAGING_CONFIG] is not None:
+            search_directions = self._average_iterates(group, runtime, masked_params, search_directions)
+        distributor.update_params(search_directions)
+
+    @staticmethod
+    def _average_iterates(
+        group: dict[str, Any], runtime: _GroupRuntime, masked_params: tuple[Tensor, ...], search_directions: tuple[Tensor, ...]
+    ) -> tuple[Tensor, ...]:
+        """Parameters hold y, the weight buffer z; turn z's step P into y's step (spec §3.6)."""
+        config = group[ITERATE_AVERAGING_CONFIG]
+        mu_y = config.train_interp_coeff
+        if isinstance(config, ScheduleFreeConfig):
+            assert runtime.lr_sum is not None
+            lr_power = group[LR] ** config.eval_coeff_lr_power
+            runtime.lr_sum.add_(lr_power)
+            mu_x: float | Tensor = 1.0 - lr_power / runtime.lr_sum
+        else:
+            assert isinstance(config, GeneralizedPrimalAveragingConfig)
+            mu_x = config.eval_interp_coeff
+        z = runtime.masked_weight_buffers
+        z_minus_y = torch._foreach_sub(z, masked_params)
+        torch._foreach_add_(z, search_directions)
+        directions = torch._foreach_mul(search_directions, 1.0 - mu_x * mu_y)
+        torch._foreach_mul_(z_minus_y, 1.0 - mu_x)
+        torch._foreach_add_(directions, z_minus_y)
+        return tuple(directions)
+
+    # ---- iterate-averaging modes
+
+    @torch.no_grad()
+    def _interpolate_towards_weight_buffer(self, coefficient_of: Callable[[float], float], train_mode: bool) -> None:
+        for group, runtime in zip(self.param_groups, self._group_runtimes, strict=True):
+            if group[ITERATE_AVERAGING_CONFIG] is None or runtime.train_mode is None:
+                continue
+            if bool(runtime.train_mode) == train_mode:
+                continue
+            coefficient = coefficient_of(group[ITERATE_AVERAGING_CONFIG].train_interp_coeff)
+            params = runtime.distributor.local_blocked_params
+            directions = torch._foreach_sub(runtime.weight_buffers, params)
+            torch._foreach_mul_(directions, coefficient)
+            runtime.distributor.update_params(tuple(directions), use_masked_tensors=False)
+            runtime.train_mode.fill_(train_mode)
+
+    def eval(self) -> None:
+        """Move the parameters of averaging groups from y (where gradients are taken) to the averaged x."""
+        self._interpolate_towards_weight_buffer(lambda mu_y: 1.0 - 1.0 / mu_y, train_mode=False)
+
+    def train(self) -> None:
+        """Move the parameters of averaging groups back from x to y."""
+        self._interpolate_towards_weight_buffer(lambda mu_y: 1.0 - mu_y, train_mode=True)
+
+    # ---- checkpointing
+
+    @staticmethod
+    def _post_state_dict_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state = state_dict["state"]
+        for index, param_state in state.items():
+            state[index] = extract_state_dict_content(param_state)
+        for group in state_dict["param_groups"]:
+            for index in group[PARAMS]:
+                state.setdefault(index, {})
+            for key, value in group.items():
+                if _contains_function(value):
+                    logger.warning(
+                        f"Param group key {key} holds {value}, which contains a function: lambdas cannot be "
+                        "pickled, so torch.save of this state dict may fail."
+                    )
+        return state_dict
+
+    @staticmethod
+    def _pre_load_state_dict_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        assert isinstance(optimizer, DistributedShampoo)
+        modes = {bool(runtime.train_mode) for runtime in optimizer._group_runtimes if runtime.train_mode is not None}
+        assert len(modes) <= 1, "All iterate-averaging param groups must be in the same train/eval mode."
+        optimizer._mode_before_load = modes.pop() if modes else None
+
+    @staticmethod
+    def _post_load_state_dict_hook(optimizer: torch.optim.Optimizer) -> None:
+        assert isinstance(optimizer, DistributedShampoo)
+        mode = optimizer._mode_before_load
+        if mode is None:
+            return
+        modes = {bool(runtime.train_mode) for runtime in optimizer._group_runtimes if runtime.train_mode is not None}
+        assert len(modes) <= 1, "All iterate-averaging param groups of the checkpoint must share a train/eval mode."
+        # The loaded train_mode describes the checkpoint's parameters; flip to the mode the caller was in.
+        if mode:
+            optimizer.train()
+        else:
+            optimizer.eval()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        incoming = state.pop("state", {})
+        for param, param_state in incoming.items():
+            if param in self.state:
+                update_param_state_dict_object(self.state[param], param_state, enable_missing_key_check=False)
+            elif param_state:
+                logger.warning(f"Loading state for a parameter of shape {tuple(param.shape)} that had no state here.")
+                self.state[param] = param_state
+        super().__setstate__(state)
+
+
+def _decoupled_weight_decay_coefficient(group: dict[str, Any]) -> float:
+    """Coefficient c of the `P ← P + c·W` term (0 for L2, which acts on the gradient instead)."""
+    weight_decay, weight_decay_type = group[WEIGHT_DECAY], group[WEIGHT_DECAY_TYPE]
+    if weight_decay == 0.0 or weight_decay_type == WeightDecayType.L2:
+        return 0.0
+    if weight_decay_type == WeightDecayType.CORRECTED:
+        return weight_decay * group[LR] / group[PEAK_LR]
+    if weight_decay_type == WeightDecayType.INDEPENDENT:
+        return weight_decay / group[PEAK_LR]
+    return weight_decay
+
+
+def _first_moment_and_direction(
+    grads: tuple[Tensor, ...],
+    params: tuple[Tensor, ...],
+    filtered_grads: tuple[Tensor, ...],
+    shampoo: PreconditionerList,
+    grafting: PreconditionerList | None,
+    use_grafting_method: bool,
+    step: int,
+    beta1: float,
+    beta3: float,
+    use_bias_correction: bool,
+    weight_decay_coefficient: float,
+    lr: float,
+) -> tuple[Tensor, ...]:
+    """-lr·(direction + c·W) per block, the direction computed from the bias-corrected first moment M̄."""
+    if beta1 != 0.0:
+        filtered_bar = torch._foreach_lerp(filtered_grads, grads, 1.0 - beta3) if beta3 != beta1 else None
+        torch._foreach_lerp_(filtered_grads, grads, 1.0 - beta1)
+        moment: tuple[Tensor, ...] = tuple(filtered_bar) if filtered_bar is not None else filtered_grads
+        if use_bias_correction:
+            moment = tuple(torch._foreach_div(moment, bias_correction(beta1, step - 1, scale=beta3)))
+    else:
+        moment = grads
+
+    if use_grafting_method:
+        assert grafting is not None
+        direction = grafting.precondition(moment)
+    else:
+        direction = shampoo.precondition(moment)
+        if grafting is not None:
+            graft_norms = torch._foreach_norm(grafting.precondition(moment))
+            shampoo_norms = torch._foreach_norm(direction)
+            torch._foreach_add_(shampoo_norms, _GRAFTING_NORM_GUARD)
+            direction = tuple(torch._foreach_mul(direction, torch._foreach_div(graft_norms, shampoo_norms)))
+
+    # The direction may alias the state (identity preconditioners), so the first write is out of place.
+    if weight_decay_coefficient != 0.0:
+        result = torch._foreach_add(direction, params, alpha=weight_decay_coefficient)
+        torch._foreach_mul_(result, -lr)
+    else:
+        result = torch._foreach_mul(direction, -lr)
+    return tuple(result)

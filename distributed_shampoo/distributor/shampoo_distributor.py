@@ -1,0 +1,150 @@
+"""Blocking of a param group and the single-device distributor.
+
+A distributor owns the mapping between a param group's parameters and the blocks the preconditioners work on:
+it merges small dims and splits at `max_preconditioner_dim` once for the params (§3.1 of the spec), blocks the
+gradients identically each step, tracks which blocks received a gradient, and applies the search directions.
+"""
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
+from distributed_shampoo.shampoo_types import (
+    DISTRIBUTED_CONFIG,
+    MAX_PRECONDITIONER_DIM,
+    PARAMS,
+    DefaultShampooRuntimeConfig,
+    ShampooRuntimeConfig,
+)
+from distributed_shampoo.utils.shampoo_utils import compress_list, merge_small_dims, multi_dim_split
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+def block_tensor(tensor: Tensor, max_preconditioner_dim: int | float, target_dimensionality: int | float) -> tuple[Tensor, ...]:
+    """Views of `tensor` reshaped by `merge_small_dims` and cut by `multi_dim_split`."""
+    merged_shape = merge_small_dims(tensor.size(), max_preconditioner_dim, target_dimensionality)
+    return multi_dim_split(tensor.view(merged_shape), max_preconditioner_dim)
+
+
+class DistributorInterface(ABC):
+    """Blocks of one param group; which of them this process computes; how updates reach the parameters."""
+
+    def __init__(self, param_group: dict[str, Any], runtime_config: ShampooRuntimeConfig | None = None) -> None:
+        self._param_group = param_group
+        self._runtime_config = runtime_config or DefaultShampooRuntimeConfig
+        self._max_preconditioner_dim = param_group[MAX_PRECONDITIONER_DIM]
+        self._target_dimensionality = param_group[DISTRIBUTED_CONFIG].target_parameter_dimensionality
+
+        params: list[Tensor] = param_group[PARAMS]
+        for index, param in enumerate(params):
+            if not param.is_contiguous():
+                raise ValueError(
+                    f"Parameter {index} of the group is not contiguous ({param.shape=}, {param.stride()=}); "
+                    "Shampoo blocks parameters through views. Make it contiguous before building the optimizer."
+                )
+        blocked_per_param = [self._block(param.detach()) for param in params]
+        self._global_num_blocks_per_param: tuple[int, ...] = tuple(len(blocks) for blocks in blocked_per_param)
+        self._global_blocked_params: tuple[Tensor, ...] = tuple(b for blocks in blocked_per_param for b in blocks)
+        self._global_block_ids: tuple[tuple[int, str], ...] = tuple(
+            (param_index, f"block_{k}")
+            for param_index, blocks in enumerate(blocked_per_param)
+            for k in range(len(blocks))
+        )
+        self._global_block_params: tuple[Tensor, ...] = tuple(
+            params[param_index] for param_index, _ in self._global_block_ids
+        )
+        self._global_grad_selector: tuple[bool, ...] = (True,) * len(self._global_blocked_params)
+
+    def _block(self, tensor: Tensor) -> tuple[Tensor, ...]:
+        return block_tensor(tensor, self._max_preconditioner_dim, self._target_dimensionality)
+
+    # ---- what subclasses define
+
+    @property
+    @abstractmethod
+    def local_block_info_list(self) -> tuple[BlockInfo, ...]: ...
+
+    @property
+    @abstractmethod
+    def local_blocked_params(self) -> tuple[Tensor, ...]: ...
+
+    @property
+    @abstractmethod
+    def local_grad_selector(self) -> tuple[bool, ...]: ...
+
+    @property
+    @abstractmethod
+    def local_masked_blocked_params(self) -> tuple[Tensor, ...]: ...
+
+    @abstractmethod
+    def merge_and_block_gradients(self) -> tuple[Tensor, ...]:
+        """The local blocks' gradients, for the blocks that received one this step."""
+
+    @abstractmethod
+    def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:
+        """W ← W + P for the local (masked, or all with `use_masked_tensors=False`) blocks, plus communication."""
+
+    # ---- shared gradient blocking
+
+    def _blocked_grads_and_selector(self) -> tuple[tuple[Tensor | None, ...], tuple[bool, ...]]:
+        """Every block's gradient (None where the param has no usable gradient) and the global selector."""
+        blocked: list[Tensor | None] = []
+        selector: list[bool] = []
+        for param, num_blocks in zip(self._param_group[PARAMS], self._global_num_blocks_per_param, strict=True):
+            grad = param.grad
+            present = grad is not None and grad.numel() > 0
+            if present and self._runtime_config.eager_nan_check:
+                assert torch.isfinite(grad).all(), f"Encountered nan/inf in the gradient of a {tuple(param.shape)} parameter."
+            blocks = self._block(grad) if present else (None,) * num_blocks
+            blocked.extend(blocks)
+            selector.extend((present,) * num_blocks)
+        return tuple(blocked), tuple(selector)
+
+
+class Distributor(DistributorInterface):
+    """Single process: every block is local and there is no communication."""
+
+    def __init__(self, param_group: dict[str, Any], runtime_config: ShampooRuntimeConfig | None = None) -> None:
+        super().__init__(param_group, runtime_config)
+        self._local_block_info_list = tuple(
+            BlockInfo(param=param, composable_block_ids=block_id)
+            for param, block_id in zip(self._global_block_params, self._global_block_ids, strict=True)
+        )
+        self._local_masked_blocked_params = self._global_blocked_params
+
+    @property
+    def local_block_info_list(self) -> tuple[BlockInfo, ...]:
+        return self._local_block_info_list
+
+    @property
+    def local_blocked_params(self) -> tuple[Tensor, ...]:
+        return self._global_blocked_params
+
+    @property
+    def local_grad_selector(self) -> tuple[bool, ...]:
+        return self._global_grad_selector
+
+    @property
+    def local_masked_blocked_params(self) -> tuple[Tensor, ...]:
+        return self._local_masked_blocked_params
+
+    def merge_and_block_gradients(self) -> tuple[Tensor, ...]:
+        blocked_grads, selector = self._blocked_grads_and_selector()
+        if selector != self._global_grad_selector:
+            self._global_grad_selector = selector
+            self._local_masked_blocked_params = compress_list(self._global_blocked_params, selector)
+        return compress_list(blocked_grads, selector)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:
+        params = self._local_masked_blocked_params if use_masked_tensors else self._global_blocked_params
+        assert len(params) == len(blocked_search_directions), (
+            f"{len(params)=} blocks but {len(blocked_search_directions)=} search directions."
+        )
+        if params:
+            torch._foreach_add_(params, blocked_search_directions)

@@ -1,0 +1,89 @@
+"""CUDA checks (not collected by CI): the record configuration on a GPU equals the CPU run, and the DDP
+distributor over NCCL equals one process bitwise.
+
+    python -m pytest -q distributed_shampoo/gpu_tests            # needs 1 GPU (2 for the NCCL test)
+"""
+
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distributed_shampoo import (
+    AdamPreconditionerConfig,
+    DDPDistributedConfig,
+    DistributedShampoo,
+    SingleDeviceDistributedConfig,
+    WeightDecayType,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# 96·96 > 8192: the matrices stay 2-D, one block each. Every factor is full rank by the first root step (5 grads
+# of rank 96 ≥ 256): with the record's epsilon 1e-12 a rank-deficient factor's null space would turn solver
+# round-off into O(1) differences between cuSOLVER and LAPACK.
+SHAPES = [(96, 96), (256, 96), (96, 256)]
+NUM_STEPS = 12
+
+
+def record_optimizer(params: list[torch.nn.Parameter], distributed_config: Any) -> DistributedShampoo:
+    return DistributedShampoo(
+        params,
+        lr=0.0015,
+        betas=(0.9, 0.95),
+        weight_decay=0.2,
+        weight_decay_type=WeightDecayType.DECOUPLED,
+        max_preconditioner_dim=8192,
+        precondition_frequency=5,
+        start_preconditioning_step=-1,
+        grafting_config=AdamPreconditionerConfig(beta2=0.95, epsilon=1e-10),
+        distributed_config=distributed_config,
+    )
+
+
+def run(device: str, distributed_config: Any = None) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in SHAPES]
+    optimizer = record_optimizer(params, distributed_config or SingleDeviceDistributedConfig())
+    for _ in range(NUM_STEPS):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).to(device)
+        optimizer.step()
+    return [param.detach().cpu() for param in params]
+
+
+def test_cuda_equals_cpu() -> None:
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # compare fp32 against fp32
+    try:
+        cuda = run("cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    for got, want in zip(cuda, run("cpu"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _nccl_worker(rank: int, init_file: str, communicate_params: bool, results: Any) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        config = DDPDistributedConfig(communication_dtype=torch.float32, num_trainers_per_group=2, communicate_params=communicate_params)
+        results[rank] = run(f"cuda:{rank}", config)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("communicate_params", [True, False])
+def test_ddp_over_nccl_equals_one_process(communicate_params: bool) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        results = mp.Manager().dict()
+        mp.start_processes(_nccl_worker, args=(os.path.join(directory, "init"), communicate_params, results), nprocs=2, start_method="spawn")
+        expected = run("cuda:0")
+        for rank in range(2):
+            for got, want in zip(results[rank], expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)

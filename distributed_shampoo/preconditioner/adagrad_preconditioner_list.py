@@ -1,0 +1,76 @@
+"""Diagonal AdaGrad-family preconditioner: AdaGrad, RMSprop and Adam (used mostly for grafting)."""
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
+from distributed_shampoo.preconditioner.preconditioner_list import PreconditionerList, bias_correction, profile_decorator
+from distributed_shampoo.utils.shampoo_utils import compress_list
+
+ADAGRAD = "adagrad"
+
+
+class AdagradPreconditionerList(PreconditionerList):
+    """V ← beta2·V + weighting_factor·G²; direction X / (sqrt(V / (1 - beta2^t)) + epsilon).
+
+    Adam is (beta2, 1 - beta2, bias correction), RMSprop (beta2, 1 - beta2, none), AdaGrad (1, 1, none). The
+    state `V` lives under `state[param][block_id]["adagrad"]` in the parameter's dtype.
+    """
+
+    def __init__(
+        self,
+        block_list: tuple[Tensor, ...],
+        state: dict[Tensor, Any],
+        block_info_list: tuple[BlockInfo, ...],
+        beta2: float = 1.0,
+        weighting_factor: float = 1.0,
+        epsilon: float = 1e-10,
+        use_bias_correction: bool = True,
+    ) -> None:
+        super().__init__(block_list)
+        self._beta2 = beta2
+        self._weighting_factor = weighting_factor
+        self._epsilon = epsilon
+        self._use_bias_correction = use_bias_correction
+        self._bias_correction2 = 1.0
+
+        preconditioners = []
+        for block, block_info in zip(block_list, block_info_list, strict=True):
+            block_state = state[block_info.param][block_info.composable_block_ids[1]]
+            block_state[ADAGRAD] = block_info.allocate_zeros_tensor(
+                size=block.size(), dtype=block.dtype, device=block.device
+            )
+            preconditioners.append(block_info.get_tensor(block_state[ADAGRAD]))
+        self._local_preconditioner_list: tuple[Tensor, ...] = tuple(preconditioners)
+        self._masked_preconditioner_list = self._local_preconditioner_list
+
+        self._numel_list = tuple(p.numel() for p in preconditioners)
+        self._num_bytes_list = tuple(p.numel() * p.element_size() for p in preconditioners)
+
+    @profile_decorator
+    def update_preconditioners(
+        self, masked_grad_list: tuple[Tensor, ...], step: Tensor | int, perform_amortized_computation: bool = False
+    ) -> None:
+        if not masked_grad_list:
+            return
+        if self._beta2 != 1.0:
+            torch._foreach_mul_(self._masked_preconditioner_list, self._beta2)
+        torch._foreach_addcmul_(
+            self._masked_preconditioner_list, masked_grad_list, masked_grad_list, value=self._weighting_factor
+        )
+        if self._use_bias_correction and self._beta2 < 1.0:
+            self._bias_correction2 = bias_correction(self._beta2, int(step))
+
+    @profile_decorator
+    def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        if not masked_grad_list:
+            return ()
+        denominator = torch._foreach_div(self._masked_preconditioner_list, self._bias_correction2)
+        torch._foreach_sqrt_(denominator)
+        torch._foreach_add_(denominator, self._epsilon)
+        return tuple(torch._foreach_div(masked_grad_list, denominator))
+
+    def compress_preconditioner_list(self, local_grad_selector: tuple[bool, ...]) -> None:
+        self._masked_preconditioner_list = compress_list(self._local_preconditioner_list, local_grad_selector)

@@ -1,0 +1,73 @@
+"""Common interface of the per-block preconditioners (Shampoo, AdaGrad-family, SGD, sign and spectral descent)."""
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+FuncT = TypeVar("FuncT", bound=Callable[..., Any])
+
+
+def profile_decorator(method: FuncT) -> FuncT:
+    """Wrap a method in a profiler record named "## {Class}:{method} ##"."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(f"## {type(self).__name__}:{method.__name__} ##"):
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class PreconditionerList(ABC):
+    """Preconditioners of a list of blocks.
+
+    The `masked_*` arguments hold only the blocks that received a gradient this step; the list keeps a matching
+    masked view of its own state, refreshed by `compress_preconditioner_list(local_grad_selector)`.
+    """
+
+    def __init__(self, block_list: tuple[Tensor, ...]) -> None:
+        self._numel_list: tuple[int, ...] = (0,) * len(block_list)
+        self._dims_list: tuple[torch.Size, ...] = tuple(block.size() for block in block_list)
+        self._num_bytes_list: tuple[int, ...] = (0,) * len(block_list)
+
+    @abstractmethod
+    def update_preconditioners(
+        self, masked_grad_list: tuple[Tensor, ...], step: Tensor | int, perform_amortized_computation: bool
+    ) -> None: ...
+
+    @abstractmethod
+    def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]: ...
+
+    @abstractmethod
+    def compress_preconditioner_list(self, local_grad_selector: tuple[bool, ...]) -> None: ...
+
+    @property
+    def numel_list(self) -> tuple[int, ...]:
+        return self._numel_list
+
+    @property
+    def dims_list(self) -> tuple[torch.Size, ...]:
+        return self._dims_list
+
+    @property
+    def num_bytes_list(self) -> tuple[int, ...]:
+        return self._num_bytes_list
+
+    def numel(self) -> int:
+        return sum(self._numel_list)
+
+    def num_bytes(self) -> int:
+        return sum(self._num_bytes_list)
+
+
+def bias_correction(beta: float, step: int, scale: float = 1.0) -> float:
+    """1 - scale·beta^step, evaluated in float32 on the CPU like the reference implementation.
+
+    Matching its rounding keeps trajectories comparable digit for digit even where Shampoo amplifies tiny
+    differences (nearly singular factors). Returns a Python number, so device kernels need no host sync.
+    """
+    return float(1.0 - scale * beta ** torch.tensor(step, dtype=torch.int64))

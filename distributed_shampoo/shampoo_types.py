@@ -1,0 +1,453 @@
+"""Configuration dataclasses, enums and string constants of Distributed Shampoo.
+
+The string constants are param-group and state keys: their spelling is part of the checkpoint format.
+"""
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from distributed_shampoo.preconditioner.matrix_functions_types import (
+    DefaultEigenConfig,
+    DefaultEigendecompositionConfig,
+    DefaultNewtonSchulzOrthogonalizationConfig,
+    EigendecompositionConfig,
+    OrthogonalizationConfig,
+    PerturbationConfig,
+    QREigendecompositionConfig,
+    RootInvConfig,
+)
+from distributed_shampoo.utils.abstract_dataclass import AbstractDataclass
+from distributed_shampoo.utils.load_balancing_utils import CostModel, DefaultCostModel
+
+# Optimizer state keys.
+FILTERED_GRAD = "filtered_grad"
+LR_SUM = "lr_sum"
+STEP = "step"
+TRAIN_MODE = "train_mode"
+WEIGHT_BUFFER = "weight_buffer"
+
+# Param-group keys.
+LR = "lr"
+BETAS = "betas"
+BETA3 = "beta3"
+EPSILON = "epsilon"
+WEIGHT_DECAY = "weight_decay"
+PEAK_LR = "peak_lr"
+WEIGHT_DECAY_TYPE = "weight_decay_type"
+MAX_PRECONDITIONER_DIM = "max_preconditioner_dim"
+PRECONDITION_FREQUENCY = "precondition_frequency"
+START_PRECONDITIONING_STEP = "start_preconditioning_step"
+USE_BIAS_CORRECTION = "use_bias_correction"
+ITERATE_AVERAGING_CONFIG = "iterate_averaging_config"
+GRAFTING_CONFIG = "grafting_config"
+USE_PIN_MEMORY = "use_pin_memory"
+DISTRIBUTED_CONFIG = "distributed_config"
+PRECONDITIONER_CONFIG = "preconditioner_config"
+PARAMS = "params"
+EVAL_INTERP_COEFF = "eval_interp_coeff"
+TRAIN_INTERP_COEFF = "train_interp_coeff"
+
+# Per-group runtime lists (never checkpointed).
+DISTRIBUTOR = "distributor"
+FILTERED_GRAD_LIST = "filtered_grad_list"
+GRAFTING_PRECONDITIONER_LIST = "grafting_preconditioner_list"
+LR_CPU_PINNED = "lr_cpu_pinned"
+LR_TENSOR = "lr_tensor"
+MASKED_BLOCKED_GRADS = "masked_blocked_grads"
+MASKED_BLOCKED_PARAMS = "masked_blocked_params"
+MASKED_FILTERED_GRAD_LIST = "masked_filtered_grad_list"
+MASKED_WEIGHT_BUFFER_LIST = "masked_weight_buffer_list"
+PREVIOUS_GRAD_SELECTOR = "previous_grad_selector"
+SHAMPOO_PRECONDITIONER_LIST = "shampoo_preconditioner_list"
+WEIGHT_BUFFER_LIST = "weight_buffer_list"
+
+
+class PreconditionerValueError(ValueError):
+    """NaN or Inf found in a factor matrix or in a computed root/eigendecomposition."""
+
+
+# ---------------------------------------------------------------------------------------------- preconditioners
+
+
+@dataclass(init=False)
+class PreconditionerConfig(AbstractDataclass):
+    """Base of every preconditioner (and grafting) configuration."""
+
+
+@dataclass
+class SGDPreconditionerConfig(PreconditionerConfig):
+    """Identity preconditioner: the direction is the (filtered) gradient."""
+
+
+@dataclass(kw_only=True)
+class AdaGradPreconditionerConfig(PreconditionerConfig):
+    """Diagonal AdaGrad: X / (sqrt(Σ g²) + epsilon)."""
+
+    epsilon: float = 1e-10
+
+    def __post_init__(self) -> None:
+        if not self.epsilon > 0.0:
+            raise ValueError(f"Invalid epsilon value: {self.epsilon}. Must be > 0.0.")
+
+
+@dataclass(kw_only=True)
+class RMSpropPreconditionerConfig(AdaGradPreconditionerConfig):
+    """Diagonal RMSprop: EMA of g² with weight (1 - beta2), no bias correction."""
+
+    beta2: float = 0.99
+    drop_weighting_factor_on_gsquare: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.beta2 <= 1.0:
+            raise ValueError(f"Invalid grafting beta2 parameter: {self.beta2}. Must be in (0.0, 1.0].")
+
+
+@dataclass(kw_only=True)
+class AdamPreconditionerConfig(RMSpropPreconditionerConfig):
+    """Diagonal Adam: RMSprop with bias correction 1 - beta2^t (the record's grafting)."""
+
+    beta2: float = 0.999
+
+
+@dataclass(init=False, kw_only=True)
+class BaseShampooPreconditionerConfig(PreconditionerConfig):
+    """Settings shared by every Shampoo variant.
+
+    `amortized_computation_config` is the matrix function run every `precondition_frequency` steps; a failure
+    keeps the previous result, and more than `num_tolerated_failed_amortized_computations` consecutive failures
+    of one block raise.
+    """
+
+    amortized_computation_config: Any = field(repr=False, default=None)
+    num_tolerated_failed_amortized_computations: int = 3
+    factor_matrix_dtype: torch.dtype = torch.float32
+    use_trace_scaling: bool = False
+    drop_weighting_factor_on_gsquare: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_tolerated_failed_amortized_computations < 0:
+            raise ValueError(
+                "Invalid num_tolerated_failed_amortized_computations value: "
+                f"{self.num_tolerated_failed_amortized_computations}. Must be >= 0."
+            )
+
+
+def _check_inverse_exponent_override(override: dict[int, dict[int, float] | float]) -> None:
+    """Classic Shampoo exponent overrides: orders >= 0, dims within the order, exponents >= 0."""
+    if bad_orders := [order for order in override if order < 0]:
+        raise ValueError(f"Invalid orders in {override=}: {bad_orders}. All orders must be >= 0.")
+    for order, entry in override.items():
+        if isinstance(entry, dict):
+            if bad_dims := [d for d in entry if not 0 <= d <= max(order - 1, 0)]:
+                raise ValueError(
+                    f"Invalid dimensions in override[{order}]={entry}: {bad_dims}. "
+                    f"All dimensions must be within [0, {max(order - 1, 0)}]."
+                )
+            if bad_values := [v for v in entry.values() if v < 0]:
+                raise ValueError(
+                    f"Invalid exponent values in override[{order}]={entry}: {bad_values}. All values must be >= 0."
+                )
+        else:
+            assert isinstance(entry, float), f"override[{order}]={entry!r} must be a float or a dict."
+            if entry < 0:
+                raise ValueError(f"Invalid exponent in override[{order}]={entry}. Must be >= 0.")
+
+
+@dataclass(init=False, kw_only=True)
+class ClassicShampooPreconditionerConfig(BaseShampooPreconditionerConfig):
+    """Kronecker-factored Shampoo with per-dimension exponents.
+
+    `inverse_exponent_override[order]` is a float (all dims of blocks of that order) or a {dim: exponent} dict;
+    exponent 0 leaves that dim unpreconditioned. Default exponent is 1/(2·order): -1/4 per side for matrices.
+    """
+
+    inverse_exponent_override: dict[int, dict[int, float] | float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_inverse_exponent_override(self.inverse_exponent_override)
+
+
+@dataclass(kw_only=True)
+class RootInvShampooPreconditionerConfig(ClassicShampooPreconditionerConfig):
+    """Stores the inverse roots of the factor matrices (the record's variant)."""
+
+    amortized_computation_config: RootInvConfig = field(repr=False, default_factory=lambda: DefaultEigenConfig)
+    inv_factor_matrix_dtype: torch.dtype = torch.float32
+
+
+DefaultShampooConfig = RootInvShampooPreconditionerConfig()
+
+
+@dataclass(kw_only=True)
+class EigendecomposedShampooPreconditionerConfig(ClassicShampooPreconditionerConfig):
+    """Stores eigenvalues and eigenvectors; the root is formed at every preconditioning."""
+
+    amortized_computation_config: EigendecompositionConfig = field(
+        repr=False, default_factory=lambda: DefaultEigendecompositionConfig
+    )
+    factor_matrix_eigenvectors_dtype: torch.dtype = torch.float32
+    factor_matrix_eigenvalues_dtype: torch.dtype = torch.float32
+
+
+@dataclass(kw_only=True)
+class RootInvKLShampooPreconditionerConfig(RootInvShampooPreconditionerConfig):
+    """KL-Shampoo: each factor is updated from the gradient preconditioned along the other dims."""
+
+
+@dataclass(kw_only=True)
+class EigendecomposedKLShampooPreconditionerConfig(EigendecomposedShampooPreconditionerConfig):
+    """KL-Shampoo with eigendecomposed factors."""
+
+
+@dataclass(kw_only=True)
+class EigenvalueCorrectedShampooPreconditionerConfig(BaseShampooPreconditionerConfig):
+    """Adam/AdaGrad in the factor matrices' eigenbasis (SOAP with a QR eigendecomposition).
+
+    `ignored_basis_change_dims[order]` lists dims kept in the standard basis; `inverse_exponent_override[order]`
+    is the single exponent applied to the corrected eigenvalues (default 1/2).
+    """
+
+    amortized_computation_config: EigendecompositionConfig = field(
+        repr=False, default_factory=lambda: DefaultEigendecompositionConfig
+    )
+    ignored_basis_change_dims: dict[int, list[int]] = field(default_factory=dict)
+    inverse_exponent_override: dict[int, float] = field(default_factory=dict)
+    factor_matrix_eigenvectors_dtype: torch.dtype = torch.float32
+    corrected_eigenvalues_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        stability = self.amortized_computation_config.rank_deficient_stability_config
+        if not isinstance(stability, PerturbationConfig):
+            raise ValueError(
+                f"{type(stability).__name__} is not supported by {type(self).__name__}: "
+                "use PerturbationConfig as rank_deficient_stability_config."
+            )
+        ignored = self.ignored_basis_change_dims
+        if bad_orders := [order for order in ignored if order < 0]:
+            raise ValueError(f"Invalid orders in {ignored=}: {bad_orders}. All orders must be >= 0.")
+        for order, dims in ignored.items():
+            if bad_dims := [d for d in dims if not 0 <= d <= max(order - 1, 0)]:
+                raise ValueError(
+                    f"Invalid dimensions in ignored_basis_change_dims[{order}]={dims}: {bad_dims}. "
+                    f"All dimensions must be within [0, {max(order - 1, 0)}]."
+                )
+            if len(set(dims)) != len(dims):
+                raise ValueError(f"Duplicate dimensions in ignored_basis_change_dims[{order}]={dims}.")
+        override = self.inverse_exponent_override
+        if bad_orders := [order for order in override if order < 0]:
+            raise ValueError(f"Invalid orders in {override=}: {bad_orders}. All orders must be >= 0.")
+        if bad_values := [v for v in override.values() if v <= 0]:
+            raise ValueError(f"Invalid exponent values in {override=}: {bad_values}. All values must be > 0.")
+
+
+DefaultEigenvalueCorrectedShampooConfig = EigenvalueCorrectedShampooPreconditionerConfig()
+DefaultSOAPConfig = EigenvalueCorrectedShampooPreconditionerConfig(
+    amortized_computation_config=QREigendecompositionConfig()
+)
+
+
+@dataclass(kw_only=True)
+class SpectralDescentPreconditionerConfig(PreconditionerConfig):
+    """Orthogonalised direction (Muon-like); every block must be 2-D."""
+
+    orthogonalization_config: OrthogonalizationConfig = field(
+        default_factory=lambda: DefaultNewtonSchulzOrthogonalizationConfig
+    )
+
+
+DefaultSpectralDescentPreconditionerConfig = SpectralDescentPreconditionerConfig()
+
+
+def _unit_scale(grad: Tensor) -> float:
+    return 1.0
+
+
+@dataclass(kw_only=True)
+class SignDescentPreconditionerConfig(PreconditionerConfig):
+    """Direction sign(X)·scale_fn(X) per block."""
+
+    scale_fn: Callable[[Tensor], float | Tensor] = _unit_scale
+
+
+DefaultSignDescentPreconditionerConfig = SignDescentPreconditionerConfig()
+
+
+# ------------------------------------------------------------------------------------------ iterate averaging
+
+
+@dataclass(init=False)
+class IterateAveragingConfig(AbstractDataclass):
+    """Base of the iterate-averaging schemes (parameters hold y, state holds z)."""
+
+
+@dataclass(kw_only=True)
+class GeneralizedPrimalAveragingConfig(IterateAveragingConfig):
+    """Generalized primal averaging with constant interpolation coefficients."""
+
+    eval_interp_coeff: float = 0.9
+    train_interp_coeff: float = 0.8
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eval_interp_coeff < 1.0:
+            raise ValueError(f"Invalid eval_interp_coeff={self.eval_interp_coeff}. Must be in [0.0, 1.0).")
+        if not 0.0 < self.train_interp_coeff <= 1.0:
+            raise ValueError(f"Invalid train_interp_coeff={self.train_interp_coeff}. Must be in (0.0, 1.0].")
+
+
+@dataclass(kw_only=True)
+class ScheduleFreeConfig(IterateAveragingConfig):
+    """Schedule-Free: eval coefficient 1 - lr^p / Σ lr^p."""
+
+    train_interp_coeff: float = 0.8
+    eval_coeff_lr_power: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.train_interp_coeff <= 1.0:
+            raise ValueError(f"Invalid train_interp_coeff={self.train_interp_coeff}. Must be in (0.0, 1.0].")
+
+
+# ------------------------------------------------------------------------------------------------ weight decay
+
+
+@enum.unique
+class WeightDecayType(enum.Enum):
+    """L2 adds wd·W to the gradient; the others add it to the direction (AdamW style)."""
+
+    L2 = "L2"
+    DECOUPLED = "DECOUPLED"  # P + wd·W
+    CORRECTED = "CORRECTED"  # P + wd·(lr/peak_lr)·W
+    INDEPENDENT = "INDEPENDENT"  # P + (wd/peak_lr)·W
+
+
+# ----------------------------------------------------------------------------------------------- distribution
+
+
+@dataclass
+class FSDPParameterMetadata:
+    """Where an original parameter lives inside an FSDP1 flat parameter."""
+
+    fqn: str
+    shape: torch.Size
+    numel: int
+    start_idx: int
+    end_idx: int
+    sharding_strategy: Any
+
+
+@enum.unique
+class FSDPParamAssignmentStrategy(enum.Enum):
+    DEFAULT = enum.auto()
+    REPLICATE = enum.auto()
+    ROUND_ROBIN = enum.auto()
+
+
+@dataclass(kw_only=True)
+class LoadBalancingConfig:
+    """Cost model used to assign blocks to ranks."""
+
+    cost_model: CostModel = field(default_factory=lambda: DefaultCostModel)
+
+
+@dataclass(init=False)
+class DistributedConfig(AbstractDataclass):
+    """Base of the distributed configurations.
+
+    `target_parameter_dimensionality` is the dimensionality small dims are merged down to (1 = merge as much as
+    `max_preconditioner_dim` allows; math.inf = never merge).
+    """
+
+    target_parameter_dimensionality: int | float = 1
+
+    def __post_init__(self) -> None:
+        target = self.target_parameter_dimensionality
+        if isinstance(target, float) and target != math.inf:
+            raise ValueError(
+                f"Invalid {self.target_parameter_dimensionality=}. Must be an integer or math.inf."
+            )
+        if target < 1:
+            raise ValueError(f"Invalid {self.target_parameter_dimensionality=}. Must be >= 1.")
+
+
+@dataclass
+class SingleDeviceDistributedConfig(DistributedConfig):
+    """Every block lives on this process; no communication."""
+
+
+DefaultSingleDeviceDistributedConfig = SingleDeviceDistributedConfig()
+
+
+@dataclass(kw_only=True)
+class DDPDistributedConfig(DistributedConfig):
+    """Replicated parameters: blocks are spread over the ranks of each group and results all-gathered.
+
+    `num_trainers_per_group=-1` uses the whole world; `communicate_params=True` all-gathers the updated
+    parameters instead of the search directions.
+    """
+
+    communication_dtype: torch.dtype = torch.float32
+    num_trainers_per_group: int = -1
+    communicate_params: bool = False
+    load_balancing_config: LoadBalancingConfig = field(default_factory=LoadBalancingConfig)
+
+
+@dataclass(kw_only=True)
+class FSDPDistributedConfig(DistributedConfig):
+    """FSDP1 (`use_orig_params=True`); metadata from `compile_fsdp_parameter_metadata(model)`. Not supported here."""
+
+    param_to_metadata: dict[Parameter, FSDPParameterMetadata]
+
+
+@dataclass(kw_only=True)
+class HSDPDistributedConfig(FSDPDistributedConfig, DDPDistributedConfig):
+    """FSDP1 HYBRID_SHARD over a 2-D (replicate, shard) mesh. Not supported here."""
+
+    device_mesh: Any
+
+
+@dataclass(kw_only=True)
+class FullyShardDistributedConfig(DistributedConfig):
+    """FSDP2 `fully_shard`. Not supported here."""
+
+    param_assignment_strategy: FSDPParamAssignmentStrategy = FSDPParamAssignmentStrategy.DEFAULT
+
+
+@dataclass(kw_only=True)
+class HybridShardDistributedConfig(FullyShardDistributedConfig, DDPDistributedConfig):
+    """FSDP2 over a 2-D mesh. Not supported here."""
+
+    device_mesh: Any
+
+
+# -------------------------------------------------------------------------------------------------- runtime
+
+
+@dataclass(kw_only=True)
+class ShampooPT2CompileConfig:
+    """Arguments splatted into `torch.compile` for the per-group step body (same defaults as torch.compile)."""
+
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    backend: str | Callable = "inductor"
+    mode: str | None = None
+    options: dict[str, Any] | None = None
+    disable: bool = False
+
+
+@dataclass(kw_only=True)
+class ShampooRuntimeConfig:
+    """`eager_nan_check=True` asserts every present gradient is finite (one host sync per gradient)."""
+
+    eager_nan_check: bool = False
+
+
+DefaultShampooRuntimeConfig = ShampooRuntimeConfig()

@@ -1,0 +1,1032 @@
+"""Track 3 Shampoo record: GPT-2 small (fixed Track 3 architecture) on FineWeb, DistributedShampoo on the
+72 block matrices and AdamW on everything else; the fewest optimizer steps to 3.28 validation loss.
+
+    torchrun --standalone --nproc_per_node=8 train_gpt_shampoo.py      # the record (1, 2, 4 or 8 GPUs)
+    python train_gpt_shampoo.py --preset=smoke                         # a tiny run on CPU, < 1 minute
+    python train_gpt_shampoo.py --matrix_optimizer=adamw               # ablation: AdamW on the matrices
+
+Recipe: record #21 of the Track 3 optimization benchmark (modded-nanogpt, @kellerjordan0, 2026-05-13).
+"""
+
+# ------------------------------------------------------------------------------------------------
+# Imports and setup helpers
+
+import argparse
+import dataclasses
+import glob
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, cast
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# The package is imported here, not where it is used, so that every run's log embeds its source.
+# The AdamW ablation must still run without it, hence the guard.
+try:
+    import distributed_shampoo
+    from distributed_shampoo import (
+        AdamPreconditionerConfig,
+        DDPDistributedConfig,
+        DistributedShampoo,
+        SingleDeviceDistributedConfig,
+        WeightDecayType,
+    )
+
+    SHAMPOO_PACKAGE_DIR: Path | None = Path(distributed_shampoo.__file__).resolve().parent
+    SHAMPOO_IMPORT_ERROR: ImportError | None = None
+except ImportError as error:  # reported when --matrix_optimizer=shampoo is asked for
+    SHAMPOO_PACKAGE_DIR = None
+    SHAMPOO_IMPORT_ERROR = error
+
+DOWNLOAD_HINT = "python data/cached_fineweb10B.py 9"
+
+
+class UserError(Exception):
+    """A problem with the command line, the environment, the data or a checkpoint: one line, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Hyperparameters
+
+
+@dataclass
+class Hyperparameters:
+    # data (glob patterns; DATA_PATH, when set, is prefixed)
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = 10_485_760  # 20 x 524,288: the first val tokens, loaded once
+    cycle_train_files: bool = False  # only for small proxy datasets: a record never repeats data
+    # batch: 8 micro-batches of micro_batch_seqs x seq_len tokens per step (8 x 64 x 1024 = 524,288)
+    seq_len: int = 1024
+    micro_batch_seqs: int = 64
+    # architecture (fixed by the Track 3 rules)
+    vocab_size: int = 50304
+    num_layers: int = 12
+    model_dim: int = 768
+    head_dim: int = 128
+    # schedule: constant lr, then linear decay to 0 over the last cooldown_frac of the steps
+    train_steps: int = 4150
+    cooldown_frac: float = 0.7
+    val_every: int = 125
+    val_every_late: int = 25  # from late_frac of the run on (the record's claim is at step 4100)
+    late_frac: float = 0.9
+    # AdamW: embedding, head and every 1-D parameter
+    adam_embed_lr: float = 0.3
+    adam_head_lr: float = 1 / 320
+    adam_scalar_lr: float = 0.01
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-10
+    adam_weight_decay: float = 0.0
+    # the 72 block matrices: "shampoo" (the record) or "adamw" (ablation: Shampoo's grafting Adam alone,
+    # i.e. AdamW with lr=matrix_lr, betas=(matrix_beta1, shampoo_grafting_beta2),
+    # eps=shampoo_grafting_epsilon, weight_decay=matrix_weight_decay: equal to Shampoo's steps 1-4)
+    matrix_optimizer: str = "shampoo"
+    matrix_lr: float = 0.0015
+    matrix_beta1: float = 0.9
+    matrix_beta2: float = 0.95  # Shampoo's factor-matrix EMA
+    matrix_weight_decay: float = 0.2  # decoupled
+    shampoo_max_preconditioner_dim: int = 8192
+    shampoo_precondition_frequency: int = 5
+    shampoo_start_preconditioning_step: int = -1  # -1: the precondition frequency
+    shampoo_grafting_beta2: float = 0.95
+    shampoo_grafting_epsilon: float = 1e-10
+    # run
+    num_trials: int = 1  # trials in one launch share the compiled model and the log
+    seed: int = -1  # -1: no seed, as the record
+    compile: bool = True
+    log_dir: str = "logs"
+    checkpoint_every: int = 0  # 0: never (a record run does not pay for it)
+    checkpoint_dir: str = ""  # "": checkpoints/<run id>
+    resume: str = ""  # a checkpoint directory written by --checkpoint_every
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Same architecture family, tiny widths; shards are generated when no files are given.
+    "smoke": dict(
+        seq_len=64,
+        micro_batch_seqs=4,
+        vocab_size=512,
+        num_layers=2,
+        model_dim=64,
+        head_dim=16,
+        val_tokens=4096,
+        train_steps=20,
+        val_every=5,
+        val_every_late=2,
+        seed=1234,
+        compile=False,
+        # as in the record, every matrix stays one 2-D block (64 x 64 = 4096 <= 8192 would be merged to a vector)
+        shampoo_max_preconditioner_dim=1024,
+    ),
+}
+
+# Fields that may differ between a checkpointed run and its resumption without changing the trajectory.
+RUN_MANAGEMENT_FIELDS = frozenset({"num_trials", "compile", "log_dir", "checkpoint_every", "checkpoint_dir", "resume"})
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line instead of usage + message
+        raise UserError(f"{message} (see --help)")
+
+
+def _parse_bool(text: str) -> bool:
+    value = {"true": True, "1": True, "false": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true/false/1/0, got {text!r}")
+    return value
+
+
+VALUE_PARSERS: dict[Any, Callable[[str], Any]] = {bool: _parse_bool, int: int, float: float, str: str}
+
+
+def parse_args(argv: Sequence[str]) -> tuple[Hyperparameters, dict[str, Any]]:
+    """--name=value overrides of the Hyperparameters fields, after the optional --preset's."""
+    parser = _Parser(prog="train_gpt_shampoo.py", description=__doc__, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS)
+    for field in dataclasses.fields(Hyperparameters):
+        parser.add_argument(f"--{field.name}", type=VALUE_PARSERS[field.type], default=argparse.SUPPRESS,
+                            metavar=getattr(field.type, "__name__", "VALUE"))
+    namespace, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        raise UserError(f"unknown argument {unknown[0]!r} (options are --name=value for the Hyperparameters fields)")
+    explicit = vars(namespace)
+    preset = PRESETS[explicit["preset"]] if "preset" in explicit else {}
+    fields = {k: v for k, v in explicit.items() if k != "preset"}
+    hp = dataclasses.replace(Hyperparameters(), **{**preset, **fields})
+    validate_hyperparameters(hp)
+    return hp, explicit
+
+
+def validate_hyperparameters(hp: Hyperparameters) -> None:
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise UserError(message)
+
+    require(hp.matrix_optimizer in ("shampoo", "adamw"), f"--matrix_optimizer={hp.matrix_optimizer!r}: use shampoo or adamw")
+    for name in ("seq_len", "micro_batch_seqs", "vocab_size", "num_layers", "model_dim", "head_dim", "val_tokens",
+                 "train_steps", "val_every", "val_every_late", "num_trials"):
+        require(getattr(hp, name) >= 1, f"--{name}={getattr(hp, name)}: must be >= 1")
+    require(hp.model_dim % hp.head_dim == 0, f"--model_dim={hp.model_dim} must be a multiple of --head_dim={hp.head_dim}")
+    require(hp.head_dim % 4 == 0, f"--head_dim={hp.head_dim} must be a multiple of 4 (half-truncated rotary)")
+    require(0.0 <= hp.cooldown_frac <= 1.0, f"--cooldown_frac={hp.cooldown_frac}: must be in [0, 1]")
+    require(0.0 <= hp.late_frac <= 1.0, f"--late_frac={hp.late_frac}: must be in [0, 1]")
+    require(hp.checkpoint_every >= 0, f"--checkpoint_every={hp.checkpoint_every}: must be >= 0 (0 = off)")
+    require(hp.seed >= -1, f"--seed={hp.seed}: must be >= 0, or -1 for no seed")
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: shards of 256 int32 header + uint16 GPT-2 tokens, read by the record's unaligned loader
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+
+
+def read_shard_header(path: Path) -> int:
+    """The shard's token count, after checking its magic, version and byte size."""
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if len(header) < HEADER_INTS or header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
+        raise UserError(f"{path}: not a token shard (expected header magic {SHARD_MAGIC}, version {SHARD_VERSION})")
+    num_tokens = int(header[2])
+    expected_bytes = 4 * HEADER_INTS + 2 * num_tokens
+    if path.stat().st_size != expected_bytes:
+        raise UserError(f"{path}: {path.stat().st_size} bytes, header promises {expected_bytes}; re-download it")
+    return num_tokens
+
+
+def load_shard(path: Path, vocab_size: int, pin: bool) -> Tensor:
+    num_tokens = read_shard_header(path)
+    tokens = np.fromfile(path, dtype="<u2", offset=4 * HEADER_INTS, count=num_tokens)
+    if num_tokens and int(tokens.max()) >= vocab_size:
+        raise UserError(f"{path}: token id {int(tokens.max())} >= vocab_size {vocab_size}")
+    tensor = torch.from_numpy(tokens.astype(np.uint16, copy=False))
+    return tensor.pin_memory() if pin else tensor
+
+
+def resolve_files(pattern: str) -> list[Path]:
+    full_pattern = os.path.join(os.environ.get("DATA_PATH", ""), pattern)
+    files = sorted(Path(p) for p in glob.glob(full_pattern))
+    if not files:
+        raise UserError(f"no files match {full_pattern!r}; download the data with `{DOWNLOAD_HINT}`")
+    return files
+
+
+class TokenLoader:
+    """The record's unaligned loader: each step takes the next batch_tokens (+1 for the shifted targets)
+    consecutive tokens of the current shard, rank r the r-th slice; a shard's tail shorter than a batch
+    is dropped. Documents are neither aligned nor masked. The position is checkpointable."""
+
+    def __init__(self, files: list[Path], batch_tokens: int, seq_len: int, rank: int, world_size: int,
+                 vocab_size: int, device: torch.device, cycle: bool = False):
+        self.files, self.batch_tokens, self.seq_len = files, batch_tokens, seq_len
+        self.rank, self.local_tokens = rank, batch_tokens // world_size
+        self.vocab_size, self.device, self.cycle = vocab_size, device, cycle
+        self.file_index, self.position, self.passes = 0, 0, 0
+        self.tokens = self._load(0)
+
+    def _load(self, index: int) -> Tensor:
+        tokens = load_shard(self.files[index], self.vocab_size, pin=self.device.type == "cuda")
+        if len(tokens) < self.batch_tokens + 2:
+            raise UserError(f"{self.files[index]}: {len(tokens)} tokens, fewer than one batch of {self.batch_tokens} + 2")
+        return tokens
+
+    def _advance_shard(self) -> None:
+        next_index = self.file_index + 1
+        if next_index == len(self.files):
+            if not self.cycle:
+                raise UserError(f"out of training data after {len(self.files)} files; add shards "
+                                  f"(`{DOWNLOAD_HINT}`) or pass --cycle_train_files=true for a proxy dataset")
+            next_index, self.passes = 0, self.passes + 1
+        self.file_index, self.position = next_index, 0
+        self.tokens = self._load(next_index)
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        if self.position + self.batch_tokens + 1 >= len(self.tokens):
+            self._advance_shard()
+        start = self.position + self.rank * self.local_tokens
+        window = self.tokens[start : start + self.local_tokens + 1]
+        inputs = window[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True)
+        targets = window[1:].to(device=self.device, dtype=torch.int64, non_blocking=True)
+        self.position += self.batch_tokens
+        return inputs.view(-1, self.seq_len), targets.view(-1, self.seq_len)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"file_index": self.file_index, "position": self.position, "passes": self.passes}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.file_index, self.position, self.passes = state["file_index"], state["position"], state["passes"]
+        self.tokens = self._load(self.file_index)
+
+
+def count_tokens(files: list[Path]) -> int:
+    return sum(read_shard_header(path) for path in files)
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+    temporary = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(temporary, "wb") as f:
+        f.write(header.tobytes() + tokens.astype("<u2").tobytes())
+    os.replace(temporary, path)  # every rank may write the same bytes; none sees a partial file
+
+
+def generate_smoke_shards(vocab_size: int, relative_dir: str = "data/smoke") -> tuple[str, str]:
+    """Small deterministic shards with learnable structure (each token has a few likely successors);
+    returns their patterns, which resolve_files prefixes with DATA_PATH like any other."""
+    directory = Path(os.environ.get("DATA_PATH", ""), relative_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    successors = rng.integers(0, vocab_size, size=(vocab_size, 4))
+    for name, num_tokens in [("smoke_train_000001.bin", 32768), ("smoke_train_000002.bin", 32768),
+                             ("smoke_val_000000.bin", 8192)]:
+        tokens = np.empty(num_tokens, dtype=np.int64)
+        tokens[0] = 0
+        choices = rng.integers(0, 4, size=num_tokens)
+        for i in range(1, num_tokens):
+            tokens[i] = successors[tokens[i - 1], choices[i]]
+        write_shard(directory / name, tokens)
+    return f"{relative_dir}/smoke_train_*.bin", f"{relative_dir}/smoke_val_*.bin"
+
+
+# ------------------------------------------------------------------------------------------------
+# Model: the fixed Track 3 architecture
+
+
+class Linear(nn.Linear):
+    """fp32 master weights and bias, cast to the activation dtype (bf16) at use."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight.type_as(x), self.bias.type_as(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gains = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.size(-1),), weight=self.gains.type_as(x))
+
+
+class Rotary(nn.Module):
+    """Half-truncated RoPE: head_dim/4 frequencies from 1 down to 1/1024, then head_dim/4 zeros."""
+
+    frequencies: Tensor
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        quarter = head_dim // 4
+        frequencies = (1 / 1024) ** torch.linspace(0, 1, quarter, dtype=torch.float32)
+        self.register_buffer("frequencies", torch.cat([frequencies, frequencies.new_zeros(quarter)]), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, T, heads, head_dim)
+        positions = torch.arange(x.size(1), device=x.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.frequencies)[None, :, None, :]
+        cos, sin = angles.cos(), angles.sin()
+        x1, x2 = x.float().chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
+        return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    SCALE = 0.12  # not 1/sqrt(head_dim); QK-norm sets the logits' size
+
+    def __init__(self, dim: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.k, self.v, self.proj = (Linear(dim, dim) for _ in range(4))
+        self.rotary = Rotary(head_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, dim = x.shape
+        q, k, v = (layer(x).view(B, T, -1, self.head_dim) for layer in (self.q, self.k, self.v))
+        q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))  # QK-norm without gains
+        q, k = self.rotary(q), self.rotary(k)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, scale=self.SCALE)
+        return self.proj(y.transpose(1, 2).reshape(B, T, dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc, self.proj = Linear(dim, 4 * dim), Linear(4 * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.relu(self.fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, head_dim: int):
+        super().__init__()
+        self.attn, self.mlp = Attention(dim, head_dim), MLP(dim)
+        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    SOFTCAP = 15.0
+
+    def __init__(self, vocab_size: int, num_layers: int, dim: int, head_dim: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim).bfloat16()  # bf16 embedding => bf16 activations
+        self.blocks = nn.ModuleList(Block(dim, head_dim) for _ in range(num_layers))
+        self.proj = Linear(dim, vocab_size)  # the head, untied
+        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+
+    def forward(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """The summed (not averaged) cross-entropy over all tokens."""
+        x = self.norm1(self.embed(inputs))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.proj(self.norm2(x)).float()
+        logits = self.SOFTCAP * logits / torch.sqrt(logits.square() + self.SOFTCAP**2)  # algebraic soft-cap
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module) -> None:
+    """Track 3 init: every weight named *proj* (both projections and the head) zero, embedding N(0, 1),
+    other weights N(0, 0.33/fan_in), biases zero, gains one."""
+    for name, param in model.named_parameters():
+        if name.endswith("weight") and "proj" in name:
+            param.zero_()
+        elif name.endswith("weight") and "embed" in name:
+            param.normal_(0.0, 1.0)
+        elif name.endswith("weight"):
+            param.normal_(0.0, math.sqrt(0.33) / math.sqrt(param.size(-1)))
+        elif name.endswith("bias"):
+            param.zero_()
+        elif name.endswith("gains"):
+            param.fill_(1.0)
+        else:
+            raise RuntimeError(f"no init rule for parameter {name}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizers: AdamW for embedding, head and 1-D parameters; DistributedShampoo for the block matrices
+
+
+def split_parameters(model: GPT) -> dict[str, list[Tensor]]:
+    groups: dict[str, list[Tensor]] = {
+        "embed": [model.embed.weight],
+        "head": [model.proj.weight],
+        "scalars": [p for p in model.parameters() if p.ndim < 2],
+        "matrices": [p for p in model.blocks.parameters() if p.ndim >= 2],
+    }
+    check_parameter_coverage(model, groups.values())
+    return groups
+
+
+def check_parameter_coverage(model: nn.Module, param_lists: Iterable[Iterable[Tensor]]) -> None:
+    """Every model parameter must be optimized exactly once."""
+    counts = Counter(id(p) for params in param_lists for p in params)
+    named = list(model.named_parameters(remove_duplicate=False))
+    missing = [name for name, p in named if counts[id(p)] == 0]
+    repeated = [name for name, p in named if counts[id(p)] > 1]
+    foreign = len(set(counts) - {id(p) for _, p in named})
+    if missing or repeated or foreign:
+        raise RuntimeError(f"the optimizers must cover every parameter exactly once: missing {missing}, "
+                           f"in more than one group {repeated}, {foreign} not in the model")
+
+
+def build_optimizers(model: GPT, hp: Hyperparameters, world_size: int, device: torch.device) -> list[torch.optim.Optimizer]:
+    """[AdamW, the matrix optimizer], stepped in this order; both cover every parameter exactly once."""
+    groups = split_parameters(model)
+    adamw = torch.optim.AdamW(
+        [dict(params=groups["embed"], lr=hp.adam_embed_lr), dict(params=groups["head"], lr=hp.adam_head_lr),
+         dict(params=groups["scalars"], lr=hp.adam_scalar_lr)],
+        betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps, weight_decay=hp.adam_weight_decay,
+        fused=device.type == "cuda",
+    )
+    if hp.matrix_optimizer == "shampoo":
+        matrix_optimizer = build_shampoo(groups["matrices"], hp, world_size)
+    else:
+        matrix_optimizer = torch.optim.AdamW(
+            groups["matrices"], lr=hp.matrix_lr, betas=(hp.matrix_beta1, hp.shampoo_grafting_beta2),
+            eps=hp.shampoo_grafting_epsilon, weight_decay=hp.matrix_weight_decay, fused=device.type == "cuda",
+        )
+    optimizers = [adamw, matrix_optimizer]
+    check_parameter_coverage(model, [group["params"] for opt in optimizers for group in opt.param_groups])
+    return optimizers
+
+
+def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) -> torch.optim.Optimizer:
+    if SHAMPOO_IMPORT_ERROR is not None:
+        raise UserError(f"--matrix_optimizer=shampoo needs the distributed_shampoo package next to this script "
+                          f"({SHAMPOO_IMPORT_ERROR}); or pass --matrix_optimizer=adamw")
+    distributed_config: SingleDeviceDistributedConfig | DDPDistributedConfig
+    if world_size == 1:
+        distributed_config = SingleDeviceDistributedConfig()
+    else:  # each rank preconditions its share of the matrices; updated matrices are all-gathered in fp32
+        distributed_config = DDPDistributedConfig(communication_dtype=torch.float32,
+                                                  num_trainers_per_group=world_size, communicate_params=True)
+    return DistributedShampoo(
+        matrices,
+        lr=hp.matrix_lr,
+        betas=(hp.matrix_beta1, hp.matrix_beta2),
+        weight_decay=hp.matrix_weight_decay,
+        weight_decay_type=WeightDecayType.DECOUPLED,
+        max_preconditioner_dim=hp.shampoo_max_preconditioner_dim,
+        precondition_frequency=hp.shampoo_precondition_frequency,
+        start_preconditioning_step=hp.shampoo_start_preconditioning_step,
+        grafting_config=AdamPreconditionerConfig(beta2=hp.shampoo_grafting_beta2, epsilon=hp.shampoo_grafting_epsilon),
+        distributed_config=distributed_config,
+    )
+
+
+def lr_multiplier(step: int, hp: Hyperparameters) -> float:
+    """1 for the first (1 - cooldown_frac) of the run, then linear to 0 at train_steps (no floor)."""
+    progress = step / hp.train_steps
+    if progress < 1 - hp.cooldown_frac:
+        return 1.0
+    return (1 - progress) / hp.cooldown_frac
+
+
+# ------------------------------------------------------------------------------------------------
+# Distributed setup and logging
+
+
+@dataclass
+class Distributed:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return 8 // self.world_size
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_world_size() -> int:
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) not in (1, 2, 4, 8):
+        raise UserError(f"WORLD_SIZE={text}: must divide 8 (1, 2, 4 or 8 processes)")
+    return int(text)
+
+
+def setup_distributed() -> Distributed:
+    """torchrun's environment, or a single process; NCCL with one GPU per rank, else gloo on CPU."""
+    world_size = read_world_size()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return Distributed(rank, local_rank, world_size, device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+PACKAGE_BANNER = "# ===== {} ====="
+SEPARATOR = "=" * 100
+
+
+def shampoo_source_files() -> list[Path]:
+    """Every file of the distributed_shampoo package imported so far, sorted by path."""
+    if SHAMPOO_PACKAGE_DIR is None:
+        return []
+    files = {Path(str(m.__file__)).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+    return sorted(f for f in files if f.is_relative_to(SHAMPOO_PACKAGE_DIR) and f.suffix == ".py")
+
+
+def program_source() -> str:
+    """This script's source, then each imported package file behind a banner naming it: the log alone
+    rebuilds the program (tools/records.py extract)."""
+    parts = [Path(__file__).read_text(encoding="utf-8")]
+    for path in shampoo_source_files():
+        assert SHAMPOO_PACKAGE_DIR is not None
+        text = path.read_text(encoding="utf-8")
+        parts.append(PACKAGE_BANNER.format(path.relative_to(SHAMPOO_PACKAGE_DIR.parent).as_posix()) + "\n")
+        parts.append(text if text.endswith("\n") or not text else text + "\n")
+    if not parts[0].endswith("\n"):
+        parts[0] += "\n"
+    return "".join(parts)
+
+
+def create_log_file(log_dir: Path) -> tuple[Path, str]:
+    """A new logs/<uuid4>.txt; an existing file is never reused."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    while True:
+        run_id = str(uuid.uuid4())
+        path = log_dir / f"{run_id}.txt"
+        try:
+            with open(path, "x", encoding="utf-8"):
+                return path, run_id
+        except FileExistsError:
+            continue
+
+
+_log_path: Path | None = None
+_is_master = True
+
+
+def print0(s: str, console: bool = False, logfile: bool = True) -> None:
+    """Rank 0 appends s to the run log (flushed at once) and, with console=True, prints it;
+    logfile=False is for the console-only train-step lines of the record's format."""
+    if not _is_master:
+        return
+    if console:
+        print(s, flush=True)
+    if logfile and _log_path is not None:
+        with open(_log_path, "a", encoding="utf-8") as f:
+            f.write(s + "\n")
+
+
+def _command_output(command: list[str]) -> str | None:
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=30,
+                                cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def environment_lines(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed,
+                      train_files: list[Path], val_files: list[Path]) -> list[str]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    lines = [
+        f"Running Python {sys.version}",
+        f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
+        f"Running Triton version {triton_version}",
+        _command_output(["nvidia-smi"]) or "nvidia-smi: not available",
+        f"device: {ddp.world_size}x {torch.cuda.get_device_name(ddp.device)}" if ddp.device.type == "cuda" else "device: cpu",
+        f"world_size: {ddp.world_size}",
+        f"grad_accum_steps: {ddp.grad_accum_steps}",
+        f"git_commit: {_command_output(['git', 'rev-parse', 'HEAD']) or 'unknown'}",
+        f"overrides: {overrides!r}",
+        f"hyperparameters: {dataclasses.asdict(hp)!r}",
+        f"train_files: {len(train_files)} files, {count_tokens(train_files)} tokens",
+        f"val_files: {len(val_files)} files, {count_tokens(val_files)} tokens",
+    ]
+    return lines
+
+
+def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    optimizer_of = {"embed": "AdamW", "head": "AdamW", "scalars": "AdamW",
+                    "matrices": "DistributedShampoo" if hp.matrix_optimizer == "shampoo" else "AdamW (ablation)"}
+    return [f"param_group {group}: {optimizer_of[group]}, {len(params)} tensors, "
+            f"{sum(p.numel() for p in params):,} parameters, first {names[id(params[0])]}"
+            for group, params in split_parameters(model).items()]
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints: a directory per save; each rank writes its own file into a temporary directory that
+# rank 0 renames into place after a barrier, so a save is all-or-nothing and never touches another.
+
+CHECKPOINT_FORMAT = "train_gpt_shampoo/1"
+
+
+@dataclass
+class Progress:
+    """Where a trial stands; checkpointed so that a resumed run continues its clock and step_avg intervals."""
+
+    trial: int
+    step: int = 0
+    training_time: float = 0.0  # seconds, validation and checkpoints excluded
+    last_val_step: int = 0
+    last_val_time: float = 0.0
+
+
+def checkpoint_name(trial: int, step: int, num_trials: int) -> str:
+    return f"step{step:06d}" if num_trials == 1 else f"trial{trial}_step{step:06d}"
+
+
+def check_checkpoints_are_new(directory: Path, hp: Hyperparameters) -> None:
+    for trial in range(hp.num_trials):
+        for step in range(hp.checkpoint_every, hp.train_steps, hp.checkpoint_every):
+            if (directory / checkpoint_name(trial, step, hp.num_trials)).exists():
+                raise UserError(f"checkpoint {directory / checkpoint_name(trial, step, hp.num_trials)} already "
+                                  f"exists; pick another --checkpoint_dir (checkpoints are never overwritten)")
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    temporary = path.with_name(f"{path.name}.tmp")
+    with open(temporary, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def save_checkpoint(target: Path, run_id: str, ddp: Distributed, hp: Hyperparameters, model: GPT,
+                    optimizers: list[torch.optim.Optimizer], loader: TokenLoader, progress: Progress) -> None:
+    staging = target.with_name(f".{target.name}.partial-{run_id}")
+    if ddp.rank == 0:
+        staging.mkdir(parents=True)
+    dist.barrier()
+    rank_state = {"matrix_optimizer": optimizers[1].state_dict(), "rng": rng_state(ddp.device)}
+    atomic_torch_save(rank_state, staging / f"rank{ddp.rank}.pt")
+    if ddp.rank == 0:
+        shared = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": ddp.world_size,
+                  "hyperparameters": dataclasses.asdict(hp), "progress": dataclasses.asdict(progress), "loader": loader.state_dict(),
+                  "model": model.state_dict(), "adamw": optimizers[0].state_dict()}
+        atomic_torch_save(shared, staging / "shared.pt")
+    dist.barrier()
+    if ddp.rank == 0:
+        manifest = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": ddp.world_size,
+                    **dataclasses.asdict(progress)}
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        fsync_directory(staging)
+        if target.exists():  # never replace an existing checkpoint
+            raise RuntimeError(f"checkpoint {target} appeared during the save; this one stays in {staging}")
+        os.rename(staging, target)
+        fsync_directory(target.parent)
+    dist.barrier()
+
+
+@dataclass
+class ResumePoint:
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def trial(self) -> int:
+        return self.manifest["trial"]
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+
+def open_checkpoint(path_text: str, hp: Hyperparameters, world_size: int) -> ResumePoint:
+    """Checks, before anything runs, that the checkpoint is complete and continues this configuration."""
+    path = Path(path_text)
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise UserError(f"--resume={path_text}: no complete checkpoint there (missing {manifest_path})")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"--resume={path_text}: format {manifest.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
+    if manifest["world_size"] != world_size:
+        raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; "
+                          f"resume with the same number (this run has {world_size})")
+    missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
+    if missing:
+        raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
+    saved = torch.load(path / "shared.pt", map_location="cpu", weights_only=False)["hyperparameters"]
+    current = dataclasses.asdict(hp)
+    differing = [f"{k}={saved.get(k)!r} there, {v!r} here" for k, v in current.items()
+                 if k not in RUN_MANAGEMENT_FIELDS and saved.get(k) != v]
+    if differing:
+        raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
+    if manifest["trial"] >= hp.num_trials:
+        raise UserError(f"--resume={path_text}: checkpoint of trial {manifest['trial']}, but --num_trials={hp.num_trials}")
+    return ResumePoint(path, manifest)
+
+
+def load_checkpoint(point: ResumePoint, ddp: Distributed, model: GPT, optimizers: list[torch.optim.Optimizer],
+                    loader: TokenLoader) -> Progress:
+    shared = torch.load(point.path / "shared.pt", map_location=ddp.device, weights_only=False)
+    rank_state = torch.load(point.path / f"rank{ddp.rank}.pt", map_location=ddp.device, weights_only=False)
+    model.load_state_dict(shared["model"])
+    optimizers[0].load_state_dict(shared["adamw"])
+    optimizers[1].load_state_dict(rank_state["matrix_optimizer"])
+    loader.load_state_dict(shared["loader"])
+    set_rng_state(rank_state["rng"], ddp.device)
+    return Progress(**shared["progress"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Warmup: compile and run the kernels once, untimed, without touching parameters or optimizer state
+
+
+def warm_up(model: nn.Module, val_inputs: Tensor, val_targets: Tensor, micro_batch_seqs: int) -> None:
+    inputs, targets = val_inputs[:micro_batch_seqs], val_targets[:micro_batch_seqs]
+    model(inputs, targets).backward()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad():
+        model(inputs, targets)
+    model.train()
+
+
+# ------------------------------------------------------------------------------------------------
+# Train and validate
+
+
+def is_validation_step(step: int, hp: Hyperparameters) -> bool:
+    """Step 0, every val_every steps, every val_every_late steps from late_frac of the run on, the last step."""
+    if step == 0 or step == hp.train_steps:
+        return True
+    every = hp.val_every_late if step / hp.train_steps >= hp.late_frac else hp.val_every
+    return step % every == 0
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val_inputs: Tensor, val_targets: Tensor, micro_batch_seqs: int, val_tokens: int) -> float:
+    model.eval()
+    total = torch.zeros((), device=val_inputs.device, dtype=torch.float32)
+    for start in range(0, len(val_inputs), micro_batch_seqs):
+        end = start + micro_batch_seqs
+        total += model(val_inputs[start:end], val_targets[start:end])
+    dist.all_reduce(total)
+    model.train()
+    return total.item() / val_tokens
+
+
+def train_step(model: GPT, forward: nn.Module, optimizers: list[torch.optim.Optimizer], base_lrs: list[list[float]],
+               inputs: Tensor, targets: Tensor, lr_scale: float, micro_batch_seqs: int, world_size: int) -> None:
+    for start in range(0, len(inputs), micro_batch_seqs):
+        end = start + micro_batch_seqs
+        forward(inputs[start:end], targets[start:end]).backward()
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            raise RuntimeError(f"{name} got no gradient")
+        if world_size > 1:
+            dist.all_reduce(param.grad)  # SUM: the gradient of the loss summed over all tokens of the step
+    for optimizer, lrs in zip(optimizers, base_lrs):
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr * lr_scale
+        optimizer.step()
+    model.zero_grad(set_to_none=True)
+
+
+@dataclass
+class Session:
+    """What every trial of one launch shares."""
+
+    hp: Hyperparameters
+    ddp: Distributed
+    run_id: str
+    checkpoint_dir: Path
+    model: GPT  # parameters, state dicts
+    forward: nn.Module  # the model, compiled unless --compile=false
+    val_inputs: Tensor
+    val_targets: Tensor
+    train_files: list[Path]
+
+
+def log_validation(progress: Progress, val_loss: float, train_steps: int) -> None:
+    """The record's line; step_avg averages the interval since the previous validation."""
+    interval = progress.step - progress.last_val_step
+    step_avg = 1000 * (progress.training_time - progress.last_val_time) / interval if interval else math.nan
+    print0(f"step:{progress.step}/{train_steps} val_loss:{val_loss:.5f} train_time:{progress.training_time:.3f}s "
+           f"step_avg:{step_avg:.2f}ms", console=True)
+    progress.last_val_step, progress.last_val_time = progress.step, progress.training_time
+
+
+@dataclass
+class TrialResult:
+    val_losses: dict[int, float]
+
+
+def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> TrialResult:
+    """Fresh init, optimizers and loader (or a checkpoint's), then train with the clock stopped for
+    validation and checkpoints."""
+    hp, ddp, model = session.hp, session.ddp, session.model
+    init_parameters(model)
+    optimizers = build_optimizers(model, hp, ddp.world_size, ddp.device)
+    base_lrs = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
+    loader = TokenLoader(session.train_files, 8 * hp.micro_batch_seqs * hp.seq_len, hp.seq_len, ddp.rank,
+                         ddp.world_size, hp.vocab_size, ddp.device, hp.cycle_train_files)
+    for param in model.parameters():
+        dist.broadcast(param.detach(), 0)
+    progress = load_checkpoint(resume, ddp, model, optimizers, loader) if resume else Progress(trial)
+
+    val_losses: dict[int, float] = {}
+    start_step = progress.step
+    synchronize(ddp.device)
+    t0 = time.perf_counter()
+    for step in range(start_step, hp.train_steps + 1):
+        progress.step = step
+        last_step = step == hp.train_steps
+        validate = is_validation_step(step, hp)
+        checkpoint = hp.checkpoint_every > 0 and step % hp.checkpoint_every == 0 and step != start_step and not last_step
+        if validate or checkpoint:
+            synchronize(ddp.device)
+            progress.training_time += time.perf_counter() - t0
+            if validate:
+                val_losses[step] = evaluate(session.forward, session.val_inputs, session.val_targets,
+                                            hp.micro_batch_seqs, hp.val_tokens)
+                log_validation(progress, val_losses[step], hp.train_steps)
+            if checkpoint:
+                target = session.checkpoint_dir / checkpoint_name(trial, step, hp.num_trials)
+                save_checkpoint(target, session.run_id, ddp, hp, model, optimizers, loader, progress)
+                print0(f"checkpoint: {target}", console=True)
+            synchronize(ddp.device)
+            t0 = time.perf_counter()
+        if last_step:
+            break
+        inputs, targets = loader.next_batch()
+        train_step(model, session.forward, optimizers, base_lrs, inputs, targets, lr_multiplier(step, hp),
+                   hp.micro_batch_seqs, ddp.world_size)
+        approx_time = progress.training_time + time.perf_counter() - t0
+        print0(f"step:{step + 1}/{hp.train_steps} train_time:{approx_time:.3f}s "
+               f"step_avg:{1000 * approx_time / (step + 1):.2f}ms", console=True, logfile=False)
+    return TrialResult(val_losses)
+
+
+@dataclass
+class RunResult:
+    log_path: Path | None
+    model: GPT
+    trials: list[TrialResult]
+
+
+def check_batch_geometry(hp: Hyperparameters, world_size: int) -> None:
+    for name, tokens in [("the train batch (8 micro-batches)", 8 * hp.micro_batch_seqs * hp.seq_len),
+                         ("--val_tokens", hp.val_tokens)]:
+        if tokens % (world_size * hp.micro_batch_seqs * hp.seq_len):
+            raise UserError(f"{name} = {tokens} tokens must split into {world_size} ranks x micro-batches of "
+                              f"{hp.micro_batch_seqs} x {hp.seq_len} tokens")
+
+
+def load_validation_data(val_files: list[Path], hp: Hyperparameters, ddp: Distributed) -> tuple[Tensor, Tensor]:
+    """The first val_tokens tokens (the first batch of a loader with batch size val_tokens), loaded once."""
+    try:
+        loader = TokenLoader(val_files, hp.val_tokens, hp.seq_len, ddp.rank, ddp.world_size, hp.vocab_size, ddp.device)
+        return loader.next_batch()
+    except UserError as error:
+        raise UserError(f"validation data ({hp.val_files}): {error}; lower --val_tokens") from None
+
+
+def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
+    """The whole run: setup, log header, warmup, trials. Returns what tests inspect."""
+    world_size = read_world_size()
+    check_batch_geometry(hp, world_size)
+    if overrides.get("preset") == "smoke" and "train_files" not in overrides and "val_files" not in overrides:
+        hp.train_files, hp.val_files = generate_smoke_shards(hp.vocab_size)
+    train_files, val_files = resolve_files(hp.train_files), resolve_files(hp.val_files)
+    if hp.matrix_optimizer == "shampoo" and SHAMPOO_IMPORT_ERROR is not None:
+        build_shampoo([], hp, world_size)  # raises the one-line error before any work
+    resume = open_checkpoint(hp.resume, hp, world_size) if hp.resume else None
+    if hp.checkpoint_every and hp.checkpoint_dir:  # the default directory is new: named by the run id
+        check_checkpoints_are_new(Path(hp.checkpoint_dir), hp)
+
+    global _log_path
+    ddp = setup_distributed()
+    try:
+        return _train(hp, overrides, ddp, train_files, val_files, resume)
+    finally:
+        _log_path = None
+        dist.destroy_process_group()
+
+
+def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, train_files: list[Path],
+           val_files: list[Path], resume: ResumePoint | None) -> RunResult:
+    global _log_path, _is_master
+    if hp.seed >= 0:
+        torch.manual_seed(hp.seed)
+    model = GPT(hp.vocab_size, hp.num_layers, hp.model_dim, hp.head_dim).to(ddp.device)
+    forward = cast(nn.Module, torch.compile(model, dynamic=False)) if hp.compile else model
+    val_inputs, val_targets = load_validation_data(val_files, hp, ddp)
+
+    _is_master = ddp.rank == 0
+    run_id = [""]
+    if _is_master:
+        _log_path, run_id[0] = create_log_file(Path(hp.log_dir))
+        print(f"log: {_log_path}", flush=True)
+    dist.broadcast_object_list(run_id, 0)
+    checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id[0]}")
+    session = Session(hp, ddp, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
+
+    embedded_files = shampoo_source_files()
+    if _log_path is not None:
+        with open(_log_path, "a", encoding="utf-8") as f:
+            f.write(program_source())
+    print0(SEPARATOR)
+    for line in environment_lines(hp, overrides, ddp, train_files, val_files) + parameter_split_lines(model, hp):
+        print0(line)
+    if resume is not None:
+        print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at trial {resume.trial} step {resume.step}")
+    print0(SEPARATOR)
+
+    synchronize(ddp.device)
+    t_warmup = time.perf_counter()
+    warm_up(forward, val_inputs, val_targets, hp.micro_batch_seqs)
+    synchronize(ddp.device)
+    print0(f"warmup_time: {time.perf_counter() - t_warmup:.1f}s", console=True)
+
+    first_trial = resume.trial if resume is not None else 0
+    trials = [run_trial(session, trial, resume if resume is not None and trial == resume.trial else None)
+              for trial in range(first_trial, hp.num_trials)]
+
+    late_imports = sorted(set(shampoo_source_files()) - set(embedded_files))
+    if late_imports:  # imported after the log header was written: the log cannot rebuild them
+        print0(f"warning: package files imported after the log header: {[str(p) for p in late_imports]}", console=True)
+    if ddp.device.type == "cuda":
+        allocated, reserved = torch.cuda.max_memory_allocated(ddp.device), torch.cuda.max_memory_reserved(ddp.device)
+    else:
+        allocated = reserved = 0  # no allocator statistics on CPU
+    print0(f"peak memory allocated: {allocated // 2**20} MiB reserved: {reserved // 2**20} MiB", console=True)
+    return RunResult(_log_path, model, trials)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        hp, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+        train(hp, overrides)
+    except UserError as error:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train_gpt_shampoo.py: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
