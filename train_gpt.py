@@ -377,12 +377,13 @@ def train_loader(files: list[str], num_tokens_local: int, max_seq_len: int, rank
         yield Batch(_to_device(buffer[:-1], torch.int32, device), _to_device(buffer[1:], torch.int64, device), cu)
 
 
-def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, steps_per_batch: int) -> int:
-    """Counts validation tokens usable by the windowed reader; clear error when too short."""
-    micro_tokens = val_batch_size // steps_per_batch
-    usable = sum((read_shard_header(path) - 1) // micro_tokens * micro_tokens for path in files)
+def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, grad_accum_steps: int) -> int:
+    """Counts the tokens the windowed reader can use (each read takes val_batch_size / grad_accum_steps + 1
+    tokens from one shard); clear error when too short. Returns the total token count."""
+    tokens_per_read = val_batch_size // grad_accum_steps
+    usable = sum((read_shard_header(path) - 1) // tokens_per_read * tokens_per_read for path in files)
     if usable < val_tokens:
-        raise UserError(f"validation data too short: {usable} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens")
+        raise UserError(f"validation data too short: {usable} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens (and --val_batch_size)")
     return sum(read_shard_header(path) for path in files)
 
 
@@ -670,7 +671,7 @@ class Attention:
         if self.backend == "flash3":
             # UNTESTED here (no FlashAttention-3 build on our machines): the record's varlen call.
             y = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=inputs.cu_seqlens, cu_seqlens_k=inputs.cu_seqlens, max_seqlen_q=inputs.max_seqlen, max_seqlen_k=inputs.max_seqlen, softmax_scale=scale, causal=True, window_size=(window_blocks * self.block_size, 0))
-            return y.unsqueeze(0)
+            return (y[0] if isinstance(y, tuple) else y).unsqueeze(0)  # some FA3 builds also return the LSE
         mask = inputs.masks[window_blocks]
         if self.backend == "flex":
             return flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale).transpose(1, 2)
@@ -1384,7 +1385,7 @@ def run(argv: list[str]) -> float:
         hp = dataclasses.replace(hp, train_files=str(folder / "smoke_train_*.bin"), val_files=str(folder / "smoke_val_*.bin"))
     train_files = resolve_files(hp.train_files, "train")
     val_files = resolve_files(hp.val_files, "val")
-    val_token_count = check_val_data(val_files, hp.val_tokens, hp.val_batch_size, rt.grad_accum_steps * rt.world_size)
+    val_token_count = check_val_data(val_files, hp.val_tokens, hp.val_batch_size, rt.grad_accum_steps)
 
     backend = choose_attention_backend(hp.attention_backend, rt.device)
     on_cuda = rt.device.type == "cuda"
