@@ -161,7 +161,12 @@ def parse_args(argv: list[str]) -> tuple[Hyperparameters, dict[str, Any]]:
     parser = _ArgumentParser(prog="train_gpt.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS)
     for f in dataclasses.fields(Hyperparameters):
-        parser.add_argument(f"--{f.name}", type=_value_parser(f.type), default=argparse.SUPPRESS, metavar=f.type.__name__ if isinstance(f.type, type) else "INTS")
+        parser.add_argument(
+            f"--{f.name}",
+            type=_value_parser(f.type),
+            default=argparse.SUPPRESS,
+            metavar=f.type.__name__ if isinstance(f.type, type) else "INTS",
+        )
     explicit = vars(parser.parse_args(argv))
     preset = explicit.pop("preset", None)
     values = dict(PRESETS[preset]) if preset else {}
@@ -179,17 +184,28 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
         if not condition:
             raise UserError(message)
 
-    need(hp.attention_backend in ATTENTION_BACKENDS, f"--attention_backend={hp.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    need(
+        hp.attention_backend in ATTENTION_BACKENDS,
+        f"--attention_backend={hp.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}",
+    )
     need(hp.model_dim % hp.num_heads == 0, f"--model_dim={hp.model_dim} must be a multiple of --num_heads={hp.num_heads}")
-    need((hp.model_dim // hp.num_heads) % 4 == 0, f"head dim {hp.model_dim // hp.num_heads} must be a multiple of 4 (half-truncated rotary)")
+    need(
+        (hp.model_dim // hp.num_heads) % 4 == 0, f"head dim {hp.model_dim // hp.num_heads} must be a multiple of 4 (half-truncated rotary)"
+    )
     need(hp.model_dim >= GATE_INPUT_DIMS, f"--model_dim={hp.model_dim} must be at least {GATE_INPUT_DIMS} (the gates read 12 channels)")
     need(0 <= hp.bos_token < hp.vocab_size, f"--bos_token={hp.bos_token} must lie in [0, vocab_size={hp.vocab_size})")
     need(hp.block_size > 0 and hp.block_size % 16 == 0, f"--block_size={hp.block_size} must be a positive multiple of 16")
     need(len(hp.ws_schedule) > 0 and min(hp.ws_schedule) >= 1, f"--ws_schedule={hp.ws_schedule} needs at least one window of >= 1 block")
     for name in ("train_batch_size", "val_batch_size"):
         tokens = getattr(hp, name)
-        need(tokens > 0 and tokens % (8 * hp.block_size) == 0, f"--{name}={tokens} must be a positive multiple of 8 x block_size = {8 * hp.block_size}")
-    need(hp.val_tokens > 0 and hp.val_tokens % hp.val_batch_size == 0, f"--val_tokens={hp.val_tokens} must be a positive multiple of --val_batch_size={hp.val_batch_size}")
+        need(
+            tokens > 0 and tokens % (8 * hp.block_size) == 0,
+            f"--{name}={tokens} must be a positive multiple of 8 x block_size = {8 * hp.block_size}",
+        )
+    need(
+        hp.val_tokens > 0 and hp.val_tokens % hp.val_batch_size == 0,
+        f"--val_tokens={hp.val_tokens} must be a positive multiple of --val_batch_size={hp.val_batch_size}",
+    )
     need(hp.train_max_seq_len > 0, f"--train_max_seq_len={hp.train_max_seq_len} must be positive")
     need(hp.num_iterations > 0 and hp.iteration_extension >= 0, "--num_iterations must be positive and --iteration_extension >= 0")
     need(0.0 <= hp.cooldown_frac <= 1.0, f"--cooldown_frac={hp.cooldown_frac} must lie in [0, 1]")
@@ -241,7 +257,9 @@ def resolve_files(pattern: str, what: str) -> list[str]:
     full_pattern = os.path.join(os.environ.get("DATA_PATH", "."), pattern) if os.environ.get("DATA_PATH") else pattern
     files = sorted(glob.glob(full_pattern))
     if not files:
-        raise UserError(f"no {what} files match {full_pattern!r}: download FineWeb shards with `{DOWNLOAD_HINT}` or pass --{what}_files=<glob>")
+        raise UserError(
+            f"no {what} files match {full_pattern!r}: download FineWeb shards with `{DOWNLOAD_HINT}` or pass --{what}_files=<glob>"
+        )
     return files
 
 
@@ -255,7 +273,9 @@ def read_shard_header(path: str) -> int:
         raise UserError(f"{path}: not a token shard (magic {header[0]}, version {header[1]}; expected {SHARD_MAGIC}, {SHARD_VERSION})")
     num_tokens = int(header[2])
     if size != 4 * SHARD_HEADER_INTS + 2 * num_tokens:
-        raise UserError(f"{path}: header says {num_tokens} tokens but the file holds {(size - 1024) / 2:g}; the shard is truncated or corrupt")
+        raise UserError(
+            f"{path}: header says {num_tokens} tokens but the file holds {(size - 1024) / 2:g}; the shard is truncated or corrupt"
+        )
     return num_tokens
 
 
@@ -285,13 +305,17 @@ def max_docs_per_batch(num_tokens_local: int) -> int:
 
 def _cu_seqlens(starts: np.ndarray, num_tokens_local: int, max_num_docs: int, where: str) -> np.ndarray:
     if starts.size + 1 > max_num_docs:
-        raise UserError(f"{where}: {starts.size} documents in one {num_tokens_local}-token micro-batch exceed the fixed limit {max_num_docs - 1}; the data has unusually short documents")
+        raise UserError(
+            f"{where}: {starts.size} documents in one {num_tokens_local}-token micro-batch exceed the fixed limit {max_num_docs - 1}; the data has unusually short documents"
+        )
     cu = np.full(max_num_docs, num_tokens_local, dtype=np.int32)
     cu[: starts.size] = starts
     return cu
 
 
-def plan_segments(bos: np.ndarray, shard_len: int, cursor: int, num_tokens_local: int, max_seq_len: int, world_size: int, index_is_complete: bool) -> tuple[list[list[tuple[int, int]]], int] | None:
+def plan_segments(
+    bos: np.ndarray, shard_len: int, cursor: int, num_tokens_local: int, max_seq_len: int, world_size: int, index_is_complete: bool
+) -> tuple[list[list[tuple[int, int]]], int] | None:
     """Cuts the next world_size rows of BOS-aligned segments (each row num_tokens_local + 1 tokens).
 
     Every segment starts at a BOS; a document is cut at max_seq_len and each row's last segment is cut to
@@ -323,7 +347,18 @@ def _shard_paths(files: list[str], cycle: bool) -> Iterator[str]:
             return
 
 
-def train_loader(files: list[str], num_tokens_local: int, max_seq_len: int, rank: int, world_size: int, bos_token: int, vocab_size: int, cycle: bool, device: torch.device, with_cu_seqlens: bool) -> Iterator[Batch]:
+def train_loader(
+    files: list[str],
+    num_tokens_local: int,
+    max_seq_len: int,
+    rank: int,
+    world_size: int,
+    bos_token: int,
+    vocab_size: int,
+    cycle: bool,
+    device: torch.device,
+    with_cu_seqlens: bool,
+) -> Iterator[Batch]:
     """BOS-aligned training batches for this rank; lazy (the first shard is read at the first batch).
 
     The next shard and its BOS index are loaded in a background thread while the current one is used.
@@ -361,7 +396,9 @@ def train_loader(files: list[str], num_tokens_local: int, max_seq_len: int, rank
                 bos, index_complete = full_index.result(), True
                 continue
             if upcoming is None:
-                raise UserError(f"training data exhausted after {served} batches ({len(files)} files from the --train_files pattern); add shards or pass --cycle_train_files=true for small proxy datasets")
+                raise UserError(
+                    f"training data exhausted after {served} batches ({len(files)} files from the --train_files pattern); add shards or pass --cycle_train_files=true for small proxy datasets"
+                )
             path, tokens, bos = upcoming.result()
             upcoming, cursor = preload(), 0
             continue
@@ -372,7 +409,9 @@ def train_loader(files: list[str], num_tokens_local: int, max_seq_len: int, rank
         if with_cu_seqlens:
             lengths = np.array([end - start for start, end in segments], dtype=np.int64)
             lengths[-1] -= 1  # the row's "+1" target token belongs to no input position
-            cu = _to_device(_cu_seqlens(np.concatenate([[0], np.cumsum(lengths)[:-1]]), num_tokens_local, max_num_docs, path), torch.int32, device)
+            cu = _to_device(
+                _cu_seqlens(np.concatenate([[0], np.cumsum(lengths)[:-1]]), num_tokens_local, max_num_docs, path), torch.int32, device
+            )
         served += 1
         yield Batch(_to_device(buffer[:-1], torch.int32, device), _to_device(buffer[1:], torch.int64, device), cu)
 
@@ -383,11 +422,22 @@ def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, grad_
     tokens_per_read = val_batch_size // grad_accum_steps
     usable = sum((read_shard_header(path) - 1) // tokens_per_read * tokens_per_read for path in files)
     if usable < val_tokens:
-        raise UserError(f"validation data too short: {usable} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens (and --val_batch_size)")
+        raise UserError(
+            f"validation data too short: {usable} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens (and --val_batch_size)"
+        )
     return sum(read_shard_header(path) for path in files)
 
 
-def val_loader(files: list[str], num_tokens_local: int, rank: int, world_size: int, bos_token: int, vocab_size: int, device: torch.device, with_cu_seqlens: bool) -> Iterator[Batch]:
+def val_loader(
+    files: list[str],
+    num_tokens_local: int,
+    rank: int,
+    world_size: int,
+    bos_token: int,
+    vocab_size: int,
+    device: torch.device,
+    with_cu_seqlens: bool,
+) -> Iterator[Batch]:
     """Contiguous, unaligned validation windows; every evaluation sees the same first tokens."""
     max_num_docs = max_docs_per_batch(num_tokens_local)
     num_tokens = num_tokens_local * world_size
@@ -437,7 +487,11 @@ def generate_smoke_shards(folder: Path, hp: Hyperparameters) -> tuple[str, str]:
     shards alone holds twice the run's tokens: BOS alignment drops the cut remainders of documents."""
     folder.mkdir(parents=True, exist_ok=True)
     train_tokens = 2 * hp.train_batch_size * (hp.num_iterations + hp.iteration_extension + hp.warmup_steps + 1)
-    for name, size, seed in (("smoke_train_000001.bin", train_tokens, 1), ("smoke_train_000002.bin", train_tokens, 2), ("smoke_val_000000.bin", hp.val_tokens + 1, 3)):
+    for name, size, seed in (
+        ("smoke_train_000001.bin", train_tokens, 1),
+        ("smoke_train_000002.bin", train_tokens, 2),
+        ("smoke_val_000000.bin", hp.val_tokens + 1, 3),
+    ):
         if not (folder / name).exists():
             write_shard(folder / name, synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed))
     return str(folder / "smoke_train_*.bin"), str(folder / "smoke_val_*.bin")
@@ -495,7 +549,11 @@ def fp8_head(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tup
 
 @fp8_head.register_fake
 def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    return x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn)
+    return (
+        x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
+        torch.empty_like(x, dtype=torch.float8_e4m3fn),
+        torch.empty_like(w, dtype=torch.float8_e4m3fn),
+    )
 
 
 @torch.library.custom_op("train_gpt::fp8_head_backward", mutates_args=())
@@ -503,8 +561,17 @@ def fp8_head_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s:
     """grad_x = (g/grad_s)(w/w_s) in bf16, grad_w = ((x/x_s)^T (g/grad_s))^T in fp32; g in e5m2, no fast accumulation."""
     grad_f8 = grad.div(grad_s).to(torch.float8_e5m2)
     column_major = lambda t: t.T.contiguous().T  # _scaled_mm wants its second operand column-major
-    grad_x = torch._scaled_mm(grad_f8, column_major(w_f8), scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), out_dtype=torch.bfloat16, use_fast_accum=False)
-    grad_w = torch._scaled_mm(x_f8.T.contiguous(), column_major(grad_f8), scale_a=_scale(x_s, grad), scale_b=_scale(grad_s, grad), out_dtype=torch.float32, use_fast_accum=False).T
+    grad_x = torch._scaled_mm(
+        grad_f8, column_major(w_f8), scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), out_dtype=torch.bfloat16, use_fast_accum=False
+    )
+    grad_w = torch._scaled_mm(
+        x_f8.T.contiguous(),
+        column_major(grad_f8),
+        scale_a=_scale(x_s, grad),
+        scale_b=_scale(grad_s, grad),
+        out_dtype=torch.float32,
+        use_fast_accum=False,
+    ).T
     return grad_x, grad_w
 
 
@@ -670,7 +737,18 @@ class Attention:
         """q, k, v, result: (1, T, H, d)."""
         if self.backend == "flash3":
             # UNTESTED here (no FlashAttention-3 build on our machines): the record's varlen call.
-            y = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=inputs.cu_seqlens, cu_seqlens_k=inputs.cu_seqlens, max_seqlen_q=inputs.max_seqlen, max_seqlen_k=inputs.max_seqlen, softmax_scale=scale, causal=True, window_size=(window_blocks * self.block_size, 0))
+            y = flash_attn_varlen_func(
+                q[0],
+                k[0],
+                v[0],
+                cu_seqlens_q=inputs.cu_seqlens,
+                cu_seqlens_k=inputs.cu_seqlens,
+                max_seqlen_q=inputs.max_seqlen,
+                max_seqlen_k=inputs.max_seqlen,
+                softmax_scale=scale,
+                causal=True,
+                window_size=(window_blocks * self.block_size, 0),
+            )
             return (y[0] if isinstance(y, tuple) else y).unsqueeze(0)  # some FA3 builds also return the LSE
         mask = inputs.masks[window_blocks]
         if self.backend == "flex":
@@ -680,7 +758,9 @@ class Attention:
 
 def choose_attention_backend(requested: str, device: torch.device) -> str:
     if requested == "flash3" and flash_attn_varlen_func is None:
-        raise UserError("--attention_backend=flash3 but flash_attn_interface (FlashAttention-3) does not import; use auto, flex or reference")
+        raise UserError(
+            "--attention_backend=flash3 but flash_attn_interface (FlashAttention-3) does not import; use auto, flex or reference"
+        )
     if requested != "auto":
         return requested
     if device.type == "cuda":
@@ -698,7 +778,16 @@ class CausalSelfAttention(nn.Module):
         self.attn_gate = CastedLinear(GATE_INPUT_DIMS, num_heads)
         tag(self.attn_gate.weight, "attn_gate")
 
-    def forward(self, x: Tensor, value_embed: Tensor | None, mix: Tensor, rotary: Rotary, attention: Attention, inputs: AttentionInputs, window_blocks: int) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        value_embed: Tensor | None,
+        mix: Tensor,
+        rotary: Rotary,
+        attention: Attention,
+        inputs: AttentionInputs,
+        window_blocks: int,
+    ) -> Tensor:
         T, D = x.size(1), x.size(2)
         weights = self.qkvo_w.view(4, D, D).type_as(x)
         qkv = F.linear(x, weights[:3].flatten(0, 1)).view(1, T, 3 * self.num_heads, self.head_dim)
@@ -728,7 +817,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, dim: int, num_heads: int, max_seq_len: int, block_size: int, world_size: int, attention: Attention, table_dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int,
+        num_heads: int,
+        max_seq_len: int,
+        block_size: int,
+        world_size: int,
+        attention: Attention,
+        table_dtype: torch.dtype = torch.bfloat16,
+    ):
         super().__init__()
         padded_vocab = ceil_to(vocab_size, 128)  # padding rows train normally and are never targets
         self.attention = attention
@@ -740,13 +839,17 @@ class GPT(nn.Module):
         self.lm_head = LMHead(dim, padded_vocab)
         L = NUM_LAYERS
         pad = (-6 * L) % world_size  # DistAdam shards the scalars along dim 0
-        self.scalars = nn.Parameter(torch.cat([
-            torch.full((L,), -1.5),  # 0..L-1: U-net skip gates (sigmoid), 0-4 used
-            torch.tensor([1.0, 0.0]).repeat(L),  # 12..35: block lambdas (a_i, b_i)
-            torch.tensor([0.5, 0.5]).repeat(L),  # 36..59: value mixing (s0, s1)
-            torch.zeros(L),  # 60..71: smear lambda at 60
-            torch.ones(pad),
-        ]))
+        self.scalars = nn.Parameter(
+            torch.cat(
+                [
+                    torch.full((L,), -1.5),  # 0..L-1: U-net skip gates (sigmoid), 0-4 used
+                    torch.tensor([1.0, 0.0]).repeat(L),  # 12..35: block lambdas (a_i, b_i)
+                    torch.tensor([0.5, 0.5]).repeat(L),  # 36..59: value mixing (s0, s1)
+                    torch.zeros(L),  # 60..71: smear lambda at 60
+                    torch.ones(pad),
+                ]
+            )
+        )
         for table in (self.embed, *self.value_embeds):
             tag(table.weight, lr_mul=75.0)
         tag(self.smear_gate.weight, "smear_gate")
@@ -795,7 +898,9 @@ class GPT(nn.Module):
                 ve_index = VALUE_EMBED_FOR_LAYER[layer]
                 window = ws_long if layer in LONG_WINDOW_LAYERS else ws_short
                 mix = s[36 + 2 * layer : 38 + 2 * layer]
-                x = x + block.attn(rms_norm(x), value_embeds[ve_index] if ve_index is not None else None, mix, self.rotary, self.attention, inputs, window)
+                x = x + block.attn(
+                    rms_norm(x), value_embeds[ve_index] if ve_index is not None else None, mix, self.rotary, self.attention, inputs, window
+                )
             x = x + block.mlp(rms_norm(x))
             if layer <= UNET_SKIP_PAIRS:
                 skips.append(x)
@@ -879,7 +984,29 @@ def newton_schulz_reference(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> T
 if triton is not None:
 
     @triton.jit
-    def _symmetric_matmul_kernel(src_ptr, add_ptr, out_ptr, M, K: tl.constexpr, stride_sb, stride_sm, stride_sk, stride_ab, stride_am, stride_an, stride_ob, stride_om, stride_on, alpha, beta, HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    def _symmetric_matmul_kernel(
+        src_ptr,
+        add_ptr,
+        out_ptr,
+        M,
+        K: tl.constexpr,
+        stride_sb,
+        stride_sm,
+        stride_sk,
+        stride_ab,
+        stride_am,
+        stride_an,
+        stride_ob,
+        stride_om,
+        stride_on,
+        alpha,
+        beta,
+        HAS_ADD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         """out[b] = S S^T (or alpha S S^T + beta A) for S = src[b] of shape (M, K).
 
         The output is symmetric, so tiles lying wholly above the diagonal exit at once; every computed
@@ -925,14 +1052,21 @@ if triton is not None:
     def _symmetric_matmul_configs() -> list:
         return [
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
-            for bm in (64, 128) for bn in (64, 128, 256) for bk in (64, 128) for stages, warps in ((3, 4), (3, 8), (4, 4))
+            for bm in (64, 128)
+            for bn in (64, 128, 256)
+            for bk in (64, 128)
+            for stages, warps in ((3, 4), (3, 8), (4, 4))
             if max(bm, bn) <= 2 * min(bm, bn)
         ]
 
-    _symmetric_matmul_autotuned = triton.autotune(configs=_symmetric_matmul_configs(), key=["M", "K", "stride_sm", "stride_sk"])(_symmetric_matmul_kernel)
+    _symmetric_matmul_autotuned = triton.autotune(configs=_symmetric_matmul_configs(), key=["M", "K", "stride_sm", "stride_sk"])(
+        _symmetric_matmul_kernel
+    )
 
 
-def symmetric_matmul(src: Tensor, out: Tensor, add: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, config: dict[str, int] | None = None) -> Tensor:
+def symmetric_matmul(
+    src: Tensor, out: Tensor, add: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, config: dict[str, int] | None = None
+) -> Tensor:
     """out = src src^T, or alpha src src^T + beta add (add symmetric, same shape as out); batched (B, M, K).
 
     config=None autotunes (CUDA); an explicit {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M} runs the plain kernel
@@ -1080,7 +1214,9 @@ class DistAdam(torch.optim.Optimizer):
     Moments are bf16; eps is added to the uncorrected sqrt(v) and the bias corrections fold into the step.
     """
 
-    def __init__(self, params: list[nn.Parameter], lr: float, betas: tuple[float, float], eps: float, weight_decay: float, rank: int, world_size: int):
+    def __init__(
+        self, params: list[nn.Parameter], lr: float, betas: tuple[float, float], eps: float, weight_decay: float, rank: int, world_size: int
+    ):
         self.rank, self.world_size = rank, world_size
         shapes = list(dict.fromkeys(tuple(p.shape) for p in params))
         groups = [dict(params=[p for p in params if tuple(p.shape) == shape]) for shape in shapes]
@@ -1123,7 +1259,15 @@ def build_optimizers(model: GPT, hp: Hyperparameters, rank: int, world_size: int
     hidden = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2 and "gate" not in n]
     gates = [p for n, p in model.named_parameters() if "gate" in n]
     embeddings = [table.weight for table in (model.embed, *model.value_embeds)]
-    adam = DistAdam([model.scalars, model.lm_head.weight, *embeddings], hp.adam_lr, (hp.adam_beta1, hp.adam_beta2), hp.adam_eps, hp.weight_decay, rank, world_size)
+    adam = DistAdam(
+        [model.scalars, model.lm_head.weight, *embeddings],
+        hp.adam_lr,
+        (hp.adam_beta1, hp.adam_beta2),
+        hp.adam_eps,
+        hp.weight_decay,
+        rank,
+        world_size,
+    )
     muon = Muon(hidden + gates, hp.muon_lr, hp.muon_momentum, hp.weight_decay, rank, world_size)
     for opt in (adam, muon):
         for group in opt.param_groups:
@@ -1208,7 +1352,16 @@ def _command_output(args: list[str]) -> str | None:
     return result.stdout if result.returncode == 0 else None
 
 
-def log_environment(rt: Runtime, hp: Hyperparameters, overrides: dict, backend: str, fp8: bool, train_files: list[str], val_files: list[str], val_token_count: int) -> None:
+def log_environment(
+    rt: Runtime,
+    hp: Hyperparameters,
+    overrides: dict,
+    backend: str,
+    fp8: bool,
+    train_files: list[str],
+    val_files: list[str],
+    val_token_count: int,
+) -> None:
     print0("=" * 100)
     print0(f"Running Python {sys.version}")
     print0(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")
@@ -1253,7 +1406,9 @@ def set_schedules(step: int, hp: Hyperparameters, adam: DistAdam, muon: Muon) ->
         group["momentum"] = muon_momentum(step, hp)
 
 
-def warmup_kernels(model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hyperparameters, make_train_loader: Callable[[], Iterator[Batch]]) -> None:
+def warmup_kernels(
+    model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hyperparameters, make_train_loader: Callable[[], Iterator[Batch]]
+) -> None:
     """Compiles the graph of every training window (and autotunes the kernels) on real batches."""
     saved = copy.deepcopy(dict(model=raw_model.state_dict(), adam=adam.state_dict(), muon=muon.state_dict()))
     loader = make_train_loader()
@@ -1290,7 +1445,9 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, hp: Hyperparameters, rt: Runtime, make_val_loader: Callable[[], Iterator[Batch]], ws_short: int, ws_long: int) -> Tensor:
+def evaluate(
+    model: nn.Module, hp: Hyperparameters, rt: Runtime, make_val_loader: Callable[[], Iterator[Batch]], ws_short: int, ws_long: int
+) -> Tensor:
     """Mean loss over val_tokens: sum of per-micro-step means / steps, then averaged across ranks."""
     model.eval()
     val_steps = rt.grad_accum_steps * hp.val_tokens // hp.val_batch_size
@@ -1312,11 +1469,26 @@ def save_checkpoint(log_path: Path, run_id: str, step: int, raw_model: GPT, adam
     folder.mkdir(exist_ok=True)
     path = folder / f"state_step{step:06d}.pt"
     with open(path, "xb") as f:  # never overwrite
-        torch.save(dict(step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()]), f)
+        torch.save(
+            dict(
+                step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()]
+            ),
+            f,
+        )
     return path
 
 
-def train(model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hyperparameters, rt: Runtime, make_train_loader: Callable[[], Iterator[Batch]], make_val_loader: Callable[[], Iterator[Batch]], on_final: Callable[[int], None]) -> float:
+def train(
+    model: nn.Module,
+    raw_model: GPT,
+    adam: DistAdam,
+    muon: Muon,
+    hp: Hyperparameters,
+    rt: Runtime,
+    make_train_loader: Callable[[], Iterator[Batch]],
+    make_val_loader: Callable[[], Iterator[Batch]],
+    on_final: Callable[[int], None],
+) -> float:
     """The timed run (spec §18): validation and checkpointing are outside the clock. Returns the final val loss."""
     train_steps = hp.num_iterations + hp.iteration_extension
     loader = make_train_loader()
@@ -1336,7 +1508,10 @@ def train(model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hype
             training_time_ms += 1000 * (time.perf_counter() - t0)
             eval_short, eval_long = (hp.ws_validate // 2, hp.ws_long_validate) if last_step else (ws_short, ws_long)
             final_loss = evaluate(model, hp, rt, make_val_loader, eval_short, eval_long).item()
-            print0(f"step:{step}/{train_steps} val_loss:{final_loss:.4f} train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms", console=True)
+            print0(
+                f"step:{step}/{train_steps} val_loss:{final_loss:.4f} train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms",
+                console=True,
+            )
             synchronize(rt.device)
             t0 = time.perf_counter()
         if last_step:
@@ -1378,7 +1553,10 @@ def run(argv: list[str]) -> float:
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     if "train_files" not in overrides and "val_files" not in overrides and overrides.get("preset") == "smoke":
-        folder = Path(hp.log_dir) / f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.num_iterations + hp.iteration_extension}_w{hp.warmup_steps}_val{hp.val_tokens}"
+        folder = (
+            Path(hp.log_dir)
+            / f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.num_iterations + hp.iteration_extension}_w{hp.warmup_steps}_val{hp.val_tokens}"
+        )
         if rt.rank == 0:
             generate_smoke_shards(folder, hp)
         dist.barrier()
@@ -1393,7 +1571,16 @@ def run(argv: list[str]) -> float:
     train_tokens_local = hp.train_batch_size // (rt.grad_accum_steps * rt.world_size)
     val_tokens_local = hp.val_batch_size // (rt.grad_accum_steps * rt.world_size)
     attention = Attention(backend, hp.block_size, hp.bos_token)
-    raw_model = GPT(hp.vocab_size, hp.model_dim, hp.num_heads, max(train_tokens_local, val_tokens_local), hp.block_size, rt.world_size, attention, torch.bfloat16 if on_cuda else torch.float32).to(rt.device)
+    raw_model = GPT(
+        hp.vocab_size,
+        hp.model_dim,
+        hp.num_heads,
+        max(train_tokens_local, val_tokens_local),
+        hp.block_size,
+        rt.world_size,
+        attention,
+        torch.bfloat16 if on_cuda else torch.float32,
+    ).to(rt.device)
     if on_cuda:  # embeddings and linears (head, gates) in bf16; raw matrices and scalars stay fp32
         for module in raw_model.modules():
             if isinstance(module, (nn.Embedding, nn.Linear)):
@@ -1415,8 +1602,21 @@ def run(argv: list[str]) -> float:
     log_model_and_muon(raw_model, muon, hp, rt, train_steps)
     print0("=" * 100)
 
-    make_train_loader = lambda: train_loader(train_files, train_tokens_local, hp.train_max_seq_len, rt.rank, rt.world_size, hp.bos_token, hp.vocab_size, hp.cycle_train_files, rt.device, backend == "flash3")
-    make_val_loader = lambda: val_loader(val_files, val_tokens_local, rt.rank, rt.world_size, hp.bos_token, hp.vocab_size, rt.device, backend == "flash3")
+    make_train_loader = lambda: train_loader(
+        train_files,
+        train_tokens_local,
+        hp.train_max_seq_len,
+        rt.rank,
+        rt.world_size,
+        hp.bos_token,
+        hp.vocab_size,
+        hp.cycle_train_files,
+        rt.device,
+        backend == "flash3",
+    )
+    make_val_loader = lambda: val_loader(
+        val_files, val_tokens_local, rt.rank, rt.world_size, hp.bos_token, hp.vocab_size, rt.device, backend == "flash3"
+    )
     warmup_start = time.perf_counter()
     warmup_kernels(model, raw_model, adam, muon, hp, make_train_loader)
     synchronize(rt.device)

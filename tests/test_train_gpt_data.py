@@ -1,4 +1,5 @@
 """Shard format, the BOS-aligned training loader and the validation loader of train_gpt.py."""
+
 from pathlib import Path
 
 import numpy as np

@@ -1,4 +1,5 @@
 """Model structure, attention masks, the FP8 head and the optimizers of train_gpt.py."""
+
 import math
 
 import pytest
@@ -28,13 +29,22 @@ def test_record_parameter_inventory():
     model = record_model()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert shapes["embed.weight"] == (50304, 768) and shapes["lm_head.weight"] == (50304, 768) and shapes["scalars"] == (72,)
-    assert shapes["blocks.1.attn.qkvo_w"] == (768, 3072) and shapes["blocks.1.mlp.c_fc"] == (768, 3072) and shapes["blocks.1.attn.attn_gate.weight"] == (6, 12)
+    assert (
+        shapes["blocks.1.attn.qkvo_w"] == (768, 3072)
+        and shapes["blocks.1.mlp.c_fc"] == (768, 3072)
+        and shapes["blocks.1.attn.attn_gate.weight"] == (6, 12)
+    )
     assert not any(n.startswith("blocks.0.") for n in shapes) and "blocks.7.attn.qkvo_w" not in shapes and "blocks.7.mlp.c_fc" in shapes
     count = lambda tag: sum(p.numel() for p in model.parameters() if p.module_tag == tag)
     assert (count("attn"), count("mlp"), count("attn_gate") + count("smear_gate")) == (23_592_960, 51_904_512, 732)
     assert tg.embedding_parameter_count(model) == 154_533_888
     assert tg.matmul_parameter_count(model) == 23_592_960 + 51_904_512 + 38_633_472
-    assert model.embed.weight.lr_mul == 75 and model.value_embeds[2].weight.lr_mul == 75 and model.scalars.lr_mul == 5 and model.lm_head.weight.lr_mul == 1
+    assert (
+        model.embed.weight.lr_mul == 75
+        and model.value_embeds[2].weight.lr_mul == 75
+        and model.scalars.lr_mul == 5
+        and model.lm_head.weight.lr_mul == 1
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
@@ -223,3 +233,24 @@ def test_newton_schulz_reference_orthogonalizes():
     U, _, Vh = torch.linalg.svd(G, full_matrices=False)
     assert torch.nn.functional.cosine_similarity(X.flatten(1), (U @ Vh).flatten(1)).min() > 0.95
     assert tg.newton_schulz_reference(G.mT, torch.float64).shape == (3, 96, 48)  # tall input: transposed inside
+
+
+# ---- the whole model traces as one graph (what torch.compile(fullgraph=True) needs on the GPU) ----
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("backend, training", [("reference", True), ("flex", False)])
+def test_model_traces_without_graph_breaks(backend, training):
+    """Dynamo only (backend="eager"): fullgraph raises on any graph break. The FP8 head is on in training
+    (CPU _scaled_mm); FlexAttention has no CPU backward, so its graph is traced in eval mode."""
+    model = tiny_model(backend).train(training)
+    model.lm_head.use_fp8 = training
+    compiled = torch.compile(model, dynamic=False, fullgraph=True, backend="eager")
+    ids = random_documents(128, num_bos=4, seed=5).to(torch.int32)
+    with torch.set_grad_enabled(training):
+        for short, long in ((1, 3), (3, 7)):
+            if long == 7:
+                model.rotary.apply_yarn(3, 7)
+            loss = compiled(ids, ids.long(), None, short, long, 128)
+            if training:
+                loss.backward()
+            assert torch.isfinite(loss)
