@@ -626,6 +626,9 @@ class Rotary(nn.Module):
         self.register_buffer("freqs", base.clone(), persistent=False)
         self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
         self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
+        # attn_scale as a float (FA3, reference) and as a 0-dim tensor updated in place (FlexAttention's
+        # score_mod), so YaRN updates do not recompile the FlexAttention graph
+        self.register_buffer("attn_scale_tensor", torch.tensor(0.1), persistent=False)
         self.block_size = block_size
         self.attn_scale = 0.1
         self.reset()
@@ -640,6 +643,7 @@ class Rotary(nn.Module):
     def reset(self) -> None:
         self.freqs.copy_(self.base_freqs)
         self.attn_scale = 0.1
+        self.attn_scale_tensor.fill_(self.attn_scale)
         self._refresh_tables()
 
     @torch.no_grad()
@@ -651,6 +655,7 @@ class Rotary(nn.Module):
         self.freqs.mul_(ratio + ramp * (1 - ratio))
         self._refresh_tables()
         self.attn_scale *= 0.2 * math.log(new_window / old_window) + 1
+        self.attn_scale_tensor.fill_(self.attn_scale)
 
     def forward(self, x: Tensor) -> Tensor:  # x: (1, T, H, d)
         cos = self.cos[None, : x.size(1), None, :]
@@ -711,30 +716,52 @@ def flex_window_mask(docs: Tensor, window_blocks: int, block_size: int) -> Block
     return BlockMask.from_kv_blocks(partial_count, partial_index, full_count, full_index, BLOCK_SIZE=block_size, mask_mod=visible)
 
 
+Window = int | Tensor  # in blocks; a 0-dim int32 device tensor on the FlexAttention path (see window_args)
+
+
 class AttentionInputs(NamedTuple):
     """What every attention layer of one forward needs; masks are built once per forward and window."""
 
-    masks: dict[int, Any]  # window in blocks → BlockMask (flex) or dense bool mask (reference)
+    windows: dict[str, Window]  # "short" / "long" → window in blocks
+    masks: dict[str, Any]  # "short" / "long" → BlockMask (flex) or dense bool mask (reference)
     cu_seqlens: Tensor | None
     max_seqlen: int
 
 
 class Attention:
-    """Chooses the attention implementation once per run; the name is written to the log."""
+    """Chooses the attention implementation once per run; the name is written to the log.
+
+    Recompiles: FA3 takes windows and attn_scale as Python numbers, so (as in the record) each
+    (window, attn_scale) pair compiles its own graph: 3 in training, a few more in eval. FlexAttention
+    takes them as device tensors (windows memoized per value, attn_scale a buffer updated in place), so
+    one training graph and one eval graph serve the whole schedule.
+    """
 
     def __init__(self, backend: str, block_size: int, bos_token: int):
         self.backend, self.block_size, self.bos_token = backend, block_size, bos_token
+        self._window_tensors: dict[tuple[int, torch.device], Tensor] = {}
 
-    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: tuple[int, ...], max_seqlen: int) -> AttentionInputs:
+    def window_args(self, ws_short: int, ws_long: int, device: torch.device) -> tuple[Window, Window]:
+        """The forward's window arguments: ints, or memoized 0-dim tensors for FlexAttention."""
+        if self.backend != "flex":
+            return ws_short, ws_long
+        for ws in (ws_short, ws_long):
+            if (ws, device) not in self._window_tensors:
+                self._window_tensors[ws, device] = torch.tensor(ws, dtype=torch.int32, device=device)
+        return self._window_tensors[ws_short, device], self._window_tensors[ws_long, device]
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
         if self.backend == "flash3":
-            return AttentionInputs({}, cu_seqlens, max_seqlen)
+            return AttentionInputs(windows, {}, cu_seqlens, max_seqlen)
         docs = document_ids(ids, self.bos_token)
         if self.backend == "flex":
-            return AttentionInputs({w: flex_window_mask(docs, w, self.block_size) for w in windows}, None, max_seqlen)
-        return AttentionInputs({w: dense_window_mask(docs, w * self.block_size) for w in windows}, None, max_seqlen)
+            masks = {key: flex_window_mask(docs, w, self.block_size) for key, w in windows.items()}
+        else:
+            masks = {key: dense_window_mask(docs, w * self.block_size) for key, w in windows.items()}
+        return AttentionInputs(windows, masks, None, max_seqlen)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window_blocks: int, scale: float) -> Tensor:
-        """q, k, v, result: (1, T, H, d)."""
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, rotary: "Rotary") -> Tensor:
+        """q, k, v, result: (1, T, H, d); window is "short" or "long"."""
         if self.backend == "flash3":
             # UNTESTED here (no FlashAttention-3 build on our machines): the record's varlen call.
             y = flash_attn_varlen_func(
@@ -745,15 +772,21 @@ class Attention:
                 cu_seqlens_k=inputs.cu_seqlens,
                 max_seqlen_q=inputs.max_seqlen,
                 max_seqlen_k=inputs.max_seqlen,
-                softmax_scale=scale,
+                softmax_scale=rotary.attn_scale,
                 causal=True,
-                window_size=(window_blocks * self.block_size, 0),
+                window_size=(inputs.windows[window] * self.block_size, 0),
             )
             return (y[0] if isinstance(y, tuple) else y).unsqueeze(0)  # some FA3 builds also return the LSE
-        mask = inputs.masks[window_blocks]
+        mask = inputs.masks[window]
         if self.backend == "flex":
-            return flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale).transpose(1, 2)
-        return reference_attention(q, k, v, mask, scale)
+            scale = rotary.attn_scale_tensor
+
+            def scaled(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return score * scale  # fp32 inside the kernel, like FA3's softmax_scale
+
+            y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=scaled, block_mask=mask, scale=1.0)
+            return y.transpose(1, 2)
+        return reference_attention(q, k, v, mask, rotary.attn_scale)
 
 
 def choose_attention_backend(requested: str, device: torch.device) -> str:
@@ -786,7 +819,7 @@ class CausalSelfAttention(nn.Module):
         rotary: Rotary,
         attention: Attention,
         inputs: AttentionInputs,
-        window_blocks: int,
+        window: str,
     ) -> Tensor:
         T, D = x.size(1), x.size(2)
         weights = self.qkvo_w.view(4, D, D).type_as(x)
@@ -794,7 +827,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=-2)
         q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
         v = mix[0] * v + mix[1] * value_embed.view_as(v) if value_embed is not None else mix[0] * v
-        y = attention(q, k, v, inputs, window_blocks, rotary.attn_scale)
+        y = attention(q, k, v, inputs, window, rotary)
         y = y * torch.sigmoid(self.attn_gate(x[..., :GATE_INPUT_DIMS])).unsqueeze(-1)  # sparse per-head gate
         return F.linear(y.reshape(1, T, D), weights[3])
 
@@ -877,11 +910,12 @@ class GPT(nn.Module):
                 block.mlp.c_fc.uniform_(-bound, bound)
                 block.mlp.c_proj.zero_()
 
-    def forward(self, ids: Tensor, targets: Tensor, cu_seqlens: Tensor | None, ws_short: int, ws_long: int, max_seqlen: int) -> Tensor:
-        """Sum of token losses in training, mean in eval. ws_* are Python ints: each (window, attn_scale)
-        pair compiles its own graph (3 in training, a few more in eval), as in the record."""
+    def forward(
+        self, ids: Tensor, targets: Tensor, cu_seqlens: Tensor | None, ws_short: Window, ws_long: Window, max_seqlen: int
+    ) -> Tensor:
+        """Sum of token losses in training, mean in eval. Windows in blocks (see Attention.window_args)."""
         s = self.scalars
-        inputs = self.attention.prepare(ids, cu_seqlens, (ws_short, ws_long), max_seqlen)
+        inputs = self.attention.prepare(ids, cu_seqlens, {"short": ws_short, "long": ws_long}, max_seqlen)
         value_embeds = [table(ids)[None] for table in self.value_embeds]
         x = self.embed(ids)
         # smear: mix the previous token's embedding into each position, gated by the current token
@@ -896,7 +930,7 @@ class GPT(nn.Module):
             x = s[12 + 2 * layer] * x + s[13 + 2 * layer] * x0
             if block.attn is not None:
                 ve_index = VALUE_EMBED_FOR_LAYER[layer]
-                window = ws_long if layer in LONG_WINDOW_LAYERS else ws_short
+                window = "long" if layer in LONG_WINDOW_LAYERS else "short"
                 mix = s[36 + 2 * layer : 38 + 2 * layer]
                 x = x + block.attn(
                     rms_norm(x), value_embeds[ve_index] if ve_index is not None else None, mix, self.rotary, self.attention, inputs, window
@@ -1421,7 +1455,8 @@ def warmup_kernels(
             raw_model.rotary.reset()
         current_long = new_long
         batch = next(loader)
-        model(batch.inputs, batch.targets, batch.cu_seqlens, new_long // 2, new_long, hp.train_max_seq_len).backward()
+        windows = raw_model.attention.window_args(new_long // 2, new_long, batch.inputs.device)
+        model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
         for opt in (adam, muon):  # initial LR, momentum hp.muon_momentum (group defaults)
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"]
@@ -1446,7 +1481,7 @@ def synchronize(device: torch.device) -> None:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, hp: Hyperparameters, rt: Runtime, make_val_loader: Callable[[], Iterator[Batch]], ws_short: int, ws_long: int
+    model: nn.Module, hp: Hyperparameters, rt: Runtime, make_val_loader: Callable[[], Iterator[Batch]], windows: tuple[Window, Window]
 ) -> Tensor:
     """Mean loss over val_tokens: sum of per-micro-step means / steps, then averaged across ranks."""
     model.eval()
@@ -1456,7 +1491,7 @@ def evaluate(
     total = torch.zeros((), device=rt.device)
     for _ in range(val_steps):
         batch = next(loader)
-        total += model(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, max_seqlen)
+        total += model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, max_seqlen)
     total /= val_steps
     if rt.world_size > 1:
         dist.all_reduce(total, op=dist.ReduceOp.AVG)
@@ -1507,7 +1542,8 @@ def train(
             synchronize(rt.device)
             training_time_ms += 1000 * (time.perf_counter() - t0)
             eval_short, eval_long = (hp.ws_validate // 2, hp.ws_long_validate) if last_step else (ws_short, ws_long)
-            final_loss = evaluate(model, hp, rt, make_val_loader, eval_short, eval_long).item()
+            eval_windows = raw_model.attention.window_args(eval_short, eval_long, rt.device)
+            final_loss = evaluate(model, hp, rt, make_val_loader, eval_windows).item()
             print0(
                 f"step:{step}/{train_steps} val_loss:{final_loss:.4f} train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms",
                 console=True,
@@ -1517,9 +1553,10 @@ def train(
         if last_step:
             on_final(step)
             break
+        windows = raw_model.attention.window_args(ws_short, ws_long, rt.device)
         for _ in range(rt.grad_accum_steps):
             batch = next(loader)
-            model(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, hp.train_max_seq_len).backward()
+            model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
         set_schedules(step, hp, adam, muon)
         adam.step()
         muon.step()
@@ -1536,7 +1573,7 @@ def configure_torch(device: torch.device) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # *_tensor collectives renamed in 2.13
     dynamo_config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):  # one graph per (window, attn_scale), train and eval
+    for name in ("recompile_limit", "cache_size_limit"):  # FA3: one graph per (window, attn_scale), see Attention
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, 64)
     if device.type == "cuda":

@@ -126,7 +126,7 @@ def test_flex_block_tables_are_token_exact(window_blocks, seed):
     block = 16
     ids = random_documents(192, num_bos=5 + 3 * seed, seed=seed)
     docs = tg.document_ids(ids, TINY_BOS)
-    mask = tg.flex_window_mask(docs, window_blocks, block)
+    mask = tg.flex_window_mask(docs, torch.tensor(window_blocks, dtype=torch.int32), block)
     expected = tg.dense_window_mask(docs, window_blocks * block)
     assert torch.equal(block_mask_as_dense(mask, docs, block), expected)
     assert expected.sum(-1).max() == window_blocks * block + 1 or expected.sum(-1).max() < window_blocks * block + 1
@@ -138,9 +138,13 @@ def test_flex_attention_eager_matches_reference_on_packed_documents():
     docs = tg.document_ids(ids, TINY_BOS)
     q, k, v = (torch.randn(1, 256, 2, 32) for _ in range(3))
     flex, ref = tg.Attention("flex", 32, TINY_BOS), tg.Attention("reference", 32, TINY_BOS)
+    rotary = tg.Rotary(32, 256, 32, torch.float32)
+    rotary.apply_yarn(3, 7)  # a non-default attn_scale, passed to flex as a tensor
     for window in (1, 3, 4):
-        out_flex = flex(q, k, v, flex.prepare(ids, None, (window,), 256), window, 0.12)
-        out_ref = ref(q, k, v, ref.prepare(ids, None, (window,), 256), window, 0.12)
+        flex_window = flex.window_args(window, window, torch.device("cpu"))[0]
+        assert isinstance(flex_window, torch.Tensor)
+        out_flex = flex(q, k, v, flex.prepare(ids, None, {"short": flex_window}, 256), "short", rotary)
+        out_ref = ref(q, k, v, ref.prepare(ids, None, {"short": window}, 256), "short", rotary)
         torch.testing.assert_close(out_flex, out_ref, atol=1e-5, rtol=1e-5)
 
 
@@ -240,17 +244,25 @@ def test_newton_schulz_reference_orthogonalizes():
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("backend, training", [("reference", True), ("flex", False)])
 def test_model_traces_without_graph_breaks(backend, training):
-    """Dynamo only (backend="eager"): fullgraph raises on any graph break. The FP8 head is on in training
-    (CPU _scaled_mm); FlexAttention has no CPU backward, so its graph is traced in eval mode."""
+    """Dynamo only (no code generation): fullgraph raises on any graph break. The FP8 head is on in training
+    (CPU _scaled_mm); FlexAttention has no CPU backward, so its graph is traced in eval mode. FlexAttention
+    takes windows and attn_scale as tensors: a window change plus a YaRN update must not recompile."""
     model = tiny_model(backend).train(training)
     model.lm_head.use_fp8 = training
-    compiled = torch.compile(model, dynamic=False, fullgraph=True, backend="eager")
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(model, dynamic=False, fullgraph=True, backend=counting_backend)
     ids = random_documents(128, num_bos=4, seed=5).to(torch.int32)
     with torch.set_grad_enabled(training):
         for short, long in ((1, 3), (3, 7)):
             if long == 7:
                 model.rotary.apply_yarn(3, 7)
-            loss = compiled(ids, ids.long(), None, short, long, 128)
+            loss = compiled(ids, ids.long(), None, *model.attention.window_args(short, long, ids.device), 128)
             if training:
                 loss.backward()
             assert torch.isfinite(loss)
+    assert len(graphs) == (1 if backend == "flex" else 2)  # ints and a float attn_scale specialize, as in the record
