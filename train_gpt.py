@@ -120,9 +120,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         train_max_seq_len=128,
         val_batch_size=8 * 256,
         val_tokens=8 * 256 * 2,
-        num_iterations=32,
+        num_iterations=28,
         iteration_extension=4,
-        val_loss_every=12,
+        val_loss_every=8,
         warmup_steps=3,
         block_size=16,
         compile=False,
@@ -790,10 +790,10 @@ class Attention:
 
 
 def choose_attention_backend(requested: str, device: torch.device) -> str:
-    if requested == "flash3" and flash_attn_varlen_func is None:
-        raise UserError(
-            "--attention_backend=flash3 but flash_attn_interface (FlashAttention-3) does not import; use auto, flex or reference"
-        )
+    if requested == "flash3" and (flash_attn_varlen_func is None or device.type != "cuda"):
+        raise UserError("--attention_backend=flash3 needs CUDA and flash_attn_interface (FlashAttention-3); use auto, flex or reference")
+    if requested == "flex" and device.type != "cuda":
+        raise UserError("--attention_backend=flex cannot train on CPU (FlexAttention has no CPU backward); use auto or reference")
     if requested != "auto":
         return requested
     if device.type == "cuda":
@@ -1343,6 +1343,8 @@ def setup_distributed() -> Runtime:
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # OpenMP spin-waits badly when ranks oversubscribe the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))))
         dist.init_process_group("gloo")
     dist.barrier()
     return Runtime(rank, world_size, local_rank, device, 8 // world_size)

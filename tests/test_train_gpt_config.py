@@ -135,3 +135,14 @@ def test_open_log_never_overwrites(tmp_path):
     with pytest.raises(tg.UserError, match="already exists"):
         tg.open_log(str(tmp_path), run_id)
     assert path.read_text() == "precious"
+
+
+def test_attention_backend_choice_and_errors():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert tg.choose_attention_backend("auto", cpu) == "reference"
+    assert tg.choose_attention_backend("auto", cuda) == ("flex" if tg.flash_attn_varlen_func is None else "flash3")
+    assert tg.choose_attention_backend("reference", cuda) == "reference"
+    with pytest.raises(tg.UserError, match="flex"):
+        tg.choose_attention_backend("flex", cpu)
+    with pytest.raises(tg.UserError, match="flash3"):
+        tg.choose_attention_backend("flash3", cpu)
