@@ -564,14 +564,16 @@ def fp8_head_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s:
     grad_x = torch._scaled_mm(
         grad_f8, column_major(w_f8), scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), out_dtype=torch.bfloat16, use_fast_accum=False
     )
+    # (g/grad_s)^T (x/x_s) directly in the weight's (V, D) layout: the transpose of the spec's x^T g,
+    # computed so that the gradient comes out contiguous for the optimizer's reduce-scatter
     grad_w = torch._scaled_mm(
-        x_f8.T.contiguous(),
-        column_major(grad_f8),
-        scale_a=_scale(x_s, grad),
-        scale_b=_scale(grad_s, grad),
+        grad_f8.T.contiguous(),
+        column_major(x_f8),
+        scale_a=_scale(grad_s, grad),
+        scale_b=_scale(x_s, grad),
         out_dtype=torch.float32,
         use_fast_accum=False,
-    ).T
+    )
     return grad_x, grad_w
 
 
@@ -1205,13 +1207,20 @@ class Muon(torch.optim.Optimizer):
         super().__init__([dict(params=g.params) for g in self.layout], dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self) -> None:
-        reductions = []
+    def launch_reductions(self) -> None:
+        """Pass 1 (also called early by the training loop, so both optimizers' reductions overlap)."""
+        self._reductions = []
         for group, layout in zip(self.param_groups, self.layout):
             grads = [p.grad for p in layout.params]
             grads += [torch.zeros_like(grads[0])] * (layout.padded - len(grads))
             local = grads[0].new_empty(layout.chunk, *grads[0].shape)
-            reductions.append((group, layout, local, reduce_scatter_avg(local, torch.stack(grads), self.world_size)))
+            self._reductions.append((group, layout, local, reduce_scatter_avg(local, torch.stack(grads), self.world_size)))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if not getattr(self, "_reductions", None):
+            self.launch_reductions()
+        reductions, self._reductions = self._reductions, []
         gathers = []
         for group, layout, grad, work in reductions:
             work.wait()
@@ -1257,12 +1266,19 @@ class DistAdam(torch.optim.Optimizer):
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self) -> None:
-        reductions = []
+    def launch_reductions(self) -> None:
+        """First half of step(); the training loop launches both optimizers' reductions before either updates."""
+        self._reductions = []
         for group in self.param_groups:
             for p in group["params"]:
                 local = p.grad.new_empty(p.size(0) // self.world_size, *p.shape[1:])
-                reductions.append((group, p, local, reduce_scatter_avg(local, p.grad, self.world_size)))
+                self._reductions.append((group, p, local, reduce_scatter_avg(local, p.grad, self.world_size)))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if not getattr(self, "_reductions", None):
+            self.launch_reductions()
+        reductions, self._reductions = self._reductions, []
         gathers = []
         for group, p, grad, work in reductions:
             work.wait()
@@ -1560,6 +1576,8 @@ def train(
             batch = next(loader)
             model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
         set_schedules(step, hp, adam, muon)
+        adam.launch_reductions()
+        muon.launch_reductions()  # in flight while Adam updates
         adam.step()
         muon.step()
         model.zero_grad(set_to_none=True)

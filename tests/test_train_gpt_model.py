@@ -169,7 +169,7 @@ def test_fp8_head_forward_and_backward_track_the_bf16_matmul():
     assert (logits.float() - reference).norm() / reference.norm() < 0.08
     grad = torch.randn_like(reference) * 0.01
     logits.backward(grad.bfloat16())
-    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16 and w.grad.is_contiguous()
     for got, want in ((x.grad, grad @ w.float()), (w.grad, grad.T @ x.float())):
         assert (got.float() - want).norm() / want.norm() < 0.15
 
