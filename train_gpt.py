@@ -27,7 +27,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -110,7 +110,7 @@ ATTENTION_BACKENDS = ("auto", "flash3", "flex", "reference")
 NUM_LAYERS = 12  # block slots 0-11; the topology below is fixed for every preset
 GATE_INPUT_DIMS = 12  # smear and attention gates read the first 12 channels
 
-# Tiny configuration of the same 12-slot topology: the whole pipeline on CPU in well under two minutes.
+# Tiny configuration of the same 12-slot topology: the whole pipeline in under two minutes on two CPU cores.
 # Real GPT-2 vocabulary, so real shards work; per-rank micro-batches of 128 tokens at any world size.
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(

@@ -129,13 +129,12 @@ def test_flex_block_tables_are_token_exact(window_blocks, seed):
     mask = tg.flex_window_mask(docs, torch.tensor(window_blocks, dtype=torch.int32), block)
     expected = tg.dense_window_mask(docs, window_blocks * block)
     assert torch.equal(block_mask_as_dense(mask, docs, block), expected)
-    assert expected.sum(-1).max() == window_blocks * block + 1 or expected.sum(-1).max() < window_blocks * block + 1
+    assert expected.sum(-1).max() <= window_blocks * block + 1  # W + 1 keys at most, itself included
 
 
 def test_flex_attention_eager_matches_reference_on_packed_documents():
     torch.manual_seed(0)
     ids = random_documents(256, num_bos=7, seed=3)
-    docs = tg.document_ids(ids, TINY_BOS)
     q, k, v = (torch.randn(1, 256, 2, 32) for _ in range(3))
     flex, ref = tg.Attention("flex", 32, TINY_BOS), tg.Attention("reference", 32, TINY_BOS)
     rotary = tg.Rotary(32, 256, 32, torch.float32)
