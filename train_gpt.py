@@ -417,10 +417,10 @@ def train_loader(
 
 
 def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, grad_accum_steps: int) -> int:
-    """Counts the tokens the windowed reader can use (each read takes val_batch_size / grad_accum_steps + 1
-    tokens from one shard); clear error when too short. Returns the total token count."""
+    """Counts the tokens the windowed reader can use (a read of R = val_batch_size / grad_accum_steps tokens
+    needs R + 2 left in its shard, see val_loader); clear error when too short. Returns the total token count."""
     tokens_per_read = val_batch_size // grad_accum_steps
-    usable = sum((read_shard_header(path) - 1) // tokens_per_read * tokens_per_read for path in files)
+    usable = sum(max(read_shard_header(path) - 2, 0) // tokens_per_read * tokens_per_read for path in files)
     if usable < val_tokens:
         raise UserError(
             f"validation data too short: {usable} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens (and --val_batch_size)"
@@ -445,7 +445,7 @@ def val_loader(
     path = next(paths)
     tokens, pos = read_shard(path, vocab_size), 0
     while True:
-        if pos + num_tokens + 1 > tokens.size:  # the window needs num_tokens + 1 tokens
+        if pos + num_tokens + 1 >= tokens.size:  # the record's rule (it keeps one token spare)
             path = next(paths, None)
             if path is None:
                 raise UserError("validation data exhausted; add validation shards or lower --val_tokens")
@@ -490,7 +490,7 @@ def generate_smoke_shards(folder: Path, hp: Hyperparameters) -> tuple[str, str]:
     for name, size, seed in (
         ("smoke_train_000001.bin", train_tokens, 1),
         ("smoke_train_000002.bin", train_tokens, 2),
-        ("smoke_val_000000.bin", hp.val_tokens + 1, 3),
+        ("smoke_val_000000.bin", hp.val_tokens + 2, 3),
     ):
         if not (folder / name).exists():
             write_shard(folder / name, synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed))
