@@ -27,7 +27,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -110,7 +110,7 @@ ATTENTION_BACKENDS = ("auto", "flash3", "flex", "reference")
 NUM_LAYERS = 12  # block slots 0-11; the topology below is fixed for every preset
 GATE_INPUT_DIMS = 12  # smear and attention gates read the first 12 channels
 
-# Tiny configuration of the same 12-slot topology: the whole pipeline on CPU in well under two minutes.
+# Tiny configuration of the same 12-slot topology: the whole pipeline in under two minutes on two CPU cores.
 # Real GPT-2 vocabulary, so real shards work; per-rank micro-batches of 128 tokens at any world size.
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(
@@ -120,9 +120,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         train_max_seq_len=128,
         val_batch_size=8 * 256,
         val_tokens=8 * 256 * 2,
-        num_iterations=32,
+        num_iterations=28,
         iteration_extension=4,
-        val_loss_every=12,
+        val_loss_every=8,
         warmup_steps=3,
         block_size=16,
         compile=False,
@@ -161,7 +161,12 @@ def parse_args(argv: list[str]) -> tuple[Hyperparameters, dict[str, Any]]:
     parser = _ArgumentParser(prog="train_gpt.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS)
     for f in dataclasses.fields(Hyperparameters):
-        parser.add_argument(f"--{f.name}", type=_value_parser(f.type), default=argparse.SUPPRESS, metavar=f.type.__name__ if isinstance(f.type, type) else "INTS")
+        parser.add_argument(
+            f"--{f.name}",
+            type=_value_parser(f.type),
+            default=argparse.SUPPRESS,
+            metavar=f.type.__name__ if isinstance(f.type, type) else "INTS",
+        )
     explicit = vars(parser.parse_args(argv))
     preset = explicit.pop("preset", None)
     values = dict(PRESETS[preset]) if preset else {}
@@ -179,17 +184,28 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
         if not condition:
             raise UserError(message)
 
-    need(hp.attention_backend in ATTENTION_BACKENDS, f"--attention_backend={hp.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    need(
+        hp.attention_backend in ATTENTION_BACKENDS,
+        f"--attention_backend={hp.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}",
+    )
     need(hp.model_dim % hp.num_heads == 0, f"--model_dim={hp.model_dim} must be a multiple of --num_heads={hp.num_heads}")
-    need((hp.model_dim // hp.num_heads) % 4 == 0, f"head dim {hp.model_dim // hp.num_heads} must be a multiple of 4 (half-truncated rotary)")
+    need(
+        (hp.model_dim // hp.num_heads) % 4 == 0, f"head dim {hp.model_dim // hp.num_heads} must be a multiple of 4 (half-truncated rotary)"
+    )
     need(hp.model_dim >= GATE_INPUT_DIMS, f"--model_dim={hp.model_dim} must be at least {GATE_INPUT_DIMS} (the gates read 12 channels)")
     need(0 <= hp.bos_token < hp.vocab_size, f"--bos_token={hp.bos_token} must lie in [0, vocab_size={hp.vocab_size})")
     need(hp.block_size > 0 and hp.block_size % 16 == 0, f"--block_size={hp.block_size} must be a positive multiple of 16")
     need(len(hp.ws_schedule) > 0 and min(hp.ws_schedule) >= 1, f"--ws_schedule={hp.ws_schedule} needs at least one window of >= 1 block")
     for name in ("train_batch_size", "val_batch_size"):
         tokens = getattr(hp, name)
-        need(tokens > 0 and tokens % (8 * hp.block_size) == 0, f"--{name}={tokens} must be a positive multiple of 8 x block_size = {8 * hp.block_size}")
-    need(hp.val_tokens > 0 and hp.val_tokens % hp.val_batch_size == 0, f"--val_tokens={hp.val_tokens} must be a positive multiple of --val_batch_size={hp.val_batch_size}")
+        need(
+            tokens > 0 and tokens % (8 * hp.block_size) == 0,
+            f"--{name}={tokens} must be a positive multiple of 8 x block_size = {8 * hp.block_size}",
+        )
+    need(
+        hp.val_tokens > 0 and hp.val_tokens % hp.val_batch_size == 0,
+        f"--val_tokens={hp.val_tokens} must be a positive multiple of --val_batch_size={hp.val_batch_size}",
+    )
     need(hp.train_max_seq_len > 0, f"--train_max_seq_len={hp.train_max_seq_len} must be positive")
     need(hp.num_iterations > 0 and hp.iteration_extension >= 0, "--num_iterations must be positive and --iteration_extension >= 0")
     need(0.0 <= hp.cooldown_frac <= 1.0, f"--cooldown_frac={hp.cooldown_frac} must lie in [0, 1]")
@@ -241,7 +257,9 @@ def resolve_files(pattern: str, what: str) -> list[str]:
     full_pattern = os.path.join(os.environ.get("DATA_PATH", "."), pattern) if os.environ.get("DATA_PATH") else pattern
     files = sorted(glob.glob(full_pattern))
     if not files:
-        raise UserError(f"no {what} files match {full_pattern!r}: download FineWeb shards with `{DOWNLOAD_HINT}` or pass --{what}_files=<glob>")
+        raise UserError(
+            f"no {what} files match {full_pattern!r}: download FineWeb shards with `{DOWNLOAD_HINT}` or pass --{what}_files=<glob>"
+        )
     return files
 
 
@@ -255,7 +273,9 @@ def read_shard_header(path: str) -> int:
         raise UserError(f"{path}: not a token shard (magic {header[0]}, version {header[1]}; expected {SHARD_MAGIC}, {SHARD_VERSION})")
     num_tokens = int(header[2])
     if size != 4 * SHARD_HEADER_INTS + 2 * num_tokens:
-        raise UserError(f"{path}: header says {num_tokens} tokens but the file holds {(size - 1024) / 2:g}; the shard is truncated or corrupt")
+        raise UserError(
+            f"{path}: header says {num_tokens} tokens but the file holds {(size - 1024) / 2:g}; the shard is truncated or corrupt"
+        )
     return num_tokens
 
 
@@ -285,13 +305,17 @@ def max_docs_per_batch(num_tokens_local: int) -> int:
 
 def _cu_seqlens(starts: np.ndarray, num_tokens_local: int, max_num_docs: int, where: str) -> np.ndarray:
     if starts.size + 1 > max_num_docs:
-        raise UserError(f"{where}: {starts.size} documents in one {num_tokens_local}-token micro-batch exceed the fixed limit {max_num_docs - 1}; the data has unusually short documents")
+        raise UserError(
+            f"{where}: {starts.size} documents in one {num_tokens_local}-token micro-batch exceed the fixed limit {max_num_docs - 1}; the data has unusually short documents"
+        )
     cu = np.full(max_num_docs, num_tokens_local, dtype=np.int32)
     cu[: starts.size] = starts
     return cu
 
 
-def plan_segments(bos: np.ndarray, shard_len: int, cursor: int, num_tokens_local: int, max_seq_len: int, world_size: int, index_is_complete: bool) -> tuple[list[list[tuple[int, int]]], int] | None:
+def plan_segments(
+    bos: np.ndarray, shard_len: int, cursor: int, num_tokens_local: int, max_seq_len: int, world_size: int, index_is_complete: bool
+) -> tuple[list[list[tuple[int, int]]], int] | None:
     """Cuts the next world_size rows of BOS-aligned segments (each row num_tokens_local + 1 tokens).
 
     Every segment starts at a BOS; a document is cut at max_seq_len and each row's last segment is cut to
@@ -323,7 +347,18 @@ def _shard_paths(files: list[str], cycle: bool) -> Iterator[str]:
             return
 
 
-def train_loader(files: list[str], num_tokens_local: int, max_seq_len: int, rank: int, world_size: int, bos_token: int, vocab_size: int, cycle: bool, device: torch.device, with_cu_seqlens: bool) -> Iterator[Batch]:
+def train_loader(
+    files: list[str],
+    num_tokens_local: int,
+    max_seq_len: int,
+    rank: int,
+    world_size: int,
+    bos_token: int,
+    vocab_size: int,
+    cycle: bool,
+    device: torch.device,
+    with_cu_seqlens: bool,
+) -> Iterator[Batch]:
     """BOS-aligned training batches for this rank; lazy (the first shard is read at the first batch).
 
     The next shard and its BOS index are loaded in a background thread while the current one is used.
@@ -361,7 +396,9 @@ def train_loader(files: list[str], num_tokens_local: int, max_seq_len: int, rank
                 bos, index_complete = full_index.result(), True
                 continue
             if upcoming is None:
-                raise UserError(f"training data exhausted after {served} batches ({len(files)} files from the --train_files pattern); add shards or pass --cycle_train_files=true for small proxy datasets")
+                raise UserError(
+                    f"training data exhausted after {served} batches ({len(files)} files from the --train_files pattern); add shards or pass --cycle_train_files=true for small proxy datasets"
+                )
             path, tokens, bos = upcoming.result()
             upcoming, cursor = preload(), 0
             continue
@@ -372,21 +409,35 @@ def train_loader(files: list[str], num_tokens_local: int, max_seq_len: int, rank
         if with_cu_seqlens:
             lengths = np.array([end - start for start, end in segments], dtype=np.int64)
             lengths[-1] -= 1  # the row's "+1" target token belongs to no input position
-            cu = _to_device(_cu_seqlens(np.concatenate([[0], np.cumsum(lengths)[:-1]]), num_tokens_local, max_num_docs, path), torch.int32, device)
+            cu = _to_device(
+                _cu_seqlens(np.concatenate([[0], np.cumsum(lengths)[:-1]]), num_tokens_local, max_num_docs, path), torch.int32, device
+            )
         served += 1
         yield Batch(_to_device(buffer[:-1], torch.int32, device), _to_device(buffer[1:], torch.int64, device), cu)
 
 
-def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, steps_per_batch: int) -> int:
-    """Counts validation tokens usable by the windowed reader; clear error when too short."""
-    micro_tokens = val_batch_size // steps_per_batch
-    usable = sum((read_shard_header(path) - 1) // micro_tokens * micro_tokens for path in files)
+def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, grad_accum_steps: int) -> int:
+    """Counts the tokens the windowed reader can use (a read of R = val_batch_size / grad_accum_steps tokens
+    needs R + 2 left in its shard, see val_loader); clear error when too short. Returns the total token count."""
+    tokens_per_read = val_batch_size // grad_accum_steps
+    usable = sum(max(read_shard_header(path) - 2, 0) // tokens_per_read * tokens_per_read for path in files)
     if usable < val_tokens:
-        raise UserError(f"validation data too short: {usable} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens")
+        raise UserError(
+            f"validation data too short: {usable} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens (and --val_batch_size)"
+        )
     return sum(read_shard_header(path) for path in files)
 
 
-def val_loader(files: list[str], num_tokens_local: int, rank: int, world_size: int, bos_token: int, vocab_size: int, device: torch.device, with_cu_seqlens: bool) -> Iterator[Batch]:
+def val_loader(
+    files: list[str],
+    num_tokens_local: int,
+    rank: int,
+    world_size: int,
+    bos_token: int,
+    vocab_size: int,
+    device: torch.device,
+    with_cu_seqlens: bool,
+) -> Iterator[Batch]:
     """Contiguous, unaligned validation windows; every evaluation sees the same first tokens."""
     max_num_docs = max_docs_per_batch(num_tokens_local)
     num_tokens = num_tokens_local * world_size
@@ -394,7 +445,7 @@ def val_loader(files: list[str], num_tokens_local: int, rank: int, world_size: i
     path = next(paths)
     tokens, pos = read_shard(path, vocab_size), 0
     while True:
-        if pos + num_tokens + 1 > tokens.size:  # the window needs num_tokens + 1 tokens
+        if pos + num_tokens + 1 >= tokens.size:  # the record's rule (it keeps one token spare)
             path = next(paths, None)
             if path is None:
                 raise UserError("validation data exhausted; add validation shards or lower --val_tokens")
@@ -436,7 +487,11 @@ def generate_smoke_shards(folder: Path, hp: Hyperparameters) -> tuple[str, str]:
     shards alone holds twice the run's tokens: BOS alignment drops the cut remainders of documents."""
     folder.mkdir(parents=True, exist_ok=True)
     train_tokens = 2 * hp.train_batch_size * (hp.num_iterations + hp.iteration_extension + hp.warmup_steps + 1)
-    for name, size, seed in (("smoke_train_000001.bin", train_tokens, 1), ("smoke_train_000002.bin", train_tokens, 2), ("smoke_val_000000.bin", hp.val_tokens + 1, 3)):
+    for name, size, seed in (
+        ("smoke_train_000001.bin", train_tokens, 1),
+        ("smoke_train_000002.bin", train_tokens, 2),
+        ("smoke_val_000000.bin", hp.val_tokens + 2, 3),
+    ):
         if not (folder / name).exists():
             write_shard(folder / name, synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed))
     return str(folder / "smoke_train_*.bin"), str(folder / "smoke_val_*.bin")
@@ -494,7 +549,11 @@ def fp8_head(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tup
 
 @fp8_head.register_fake
 def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    return x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn)
+    return (
+        x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
+        torch.empty_like(x, dtype=torch.float8_e4m3fn),
+        torch.empty_like(w, dtype=torch.float8_e4m3fn),
+    )
 
 
 @torch.library.custom_op("train_gpt::fp8_head_backward", mutates_args=())
@@ -502,9 +561,20 @@ def fp8_head_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s:
     """grad_x = (g/grad_s)(w/w_s) in bf16, grad_w = ((x/x_s)^T (g/grad_s))^T in fp32; g in e5m2, no fast accumulation."""
     grad_f8 = grad.div(grad_s).to(torch.float8_e5m2)
     column_major = lambda t: t.T.contiguous().T  # _scaled_mm wants its second operand column-major
-    grad_x = torch._scaled_mm(grad_f8, column_major(w_f8), scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), out_dtype=torch.bfloat16, use_fast_accum=False)
-    grad_w = torch._scaled_mm(x_f8.T.contiguous(), column_major(grad_f8), scale_a=_scale(x_s, grad), scale_b=_scale(grad_s, grad), out_dtype=torch.float32, use_fast_accum=False)
-    return grad_x, grad_w.T.contiguous()  # custom-op outputs must match the fake's (contiguous) layout
+    grad_x = torch._scaled_mm(
+        grad_f8, column_major(w_f8), scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), out_dtype=torch.bfloat16, use_fast_accum=False
+    )
+    # (g/grad_s)^T (x/x_s) directly in the weight's (V, D) layout: the transpose of the spec's x^T g,
+    # computed so that the gradient comes out contiguous for the optimizer's reduce-scatter
+    grad_w = torch._scaled_mm(
+        grad_f8.T.contiguous(),
+        column_major(x_f8),
+        scale_a=_scale(grad_s, grad),
+        scale_b=_scale(x_s, grad),
+        out_dtype=torch.float32,
+        use_fast_accum=False,
+    )
+    return grad_x, grad_w
 
 
 @fp8_head_backward.register_fake
@@ -558,6 +628,9 @@ class Rotary(nn.Module):
         self.register_buffer("freqs", base.clone(), persistent=False)
         self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
         self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
+        # attn_scale as a float (FA3, reference) and as a 0-dim tensor updated in place (FlexAttention's
+        # score_mod), so YaRN updates do not recompile the FlexAttention graph
+        self.register_buffer("attn_scale_tensor", torch.tensor(0.1), persistent=False)
         self.block_size = block_size
         self.attn_scale = 0.1
         self.reset()
@@ -572,6 +645,7 @@ class Rotary(nn.Module):
     def reset(self) -> None:
         self.freqs.copy_(self.base_freqs)
         self.attn_scale = 0.1
+        self.attn_scale_tensor.fill_(self.attn_scale)
         self._refresh_tables()
 
     @torch.no_grad()
@@ -583,6 +657,7 @@ class Rotary(nn.Module):
         self.freqs.mul_(ratio + ramp * (1 - ratio))
         self._refresh_tables()
         self.attn_scale *= 0.2 * math.log(new_window / old_window) + 1
+        self.attn_scale_tensor.fill_(self.attn_scale)
 
     def forward(self, x: Tensor) -> Tensor:  # x: (1, T, H, d)
         cos = self.cos[None, : x.size(1), None, :]
@@ -643,43 +718,84 @@ def flex_window_mask(docs: Tensor, window_blocks: int, block_size: int) -> Block
     return BlockMask.from_kv_blocks(partial_count, partial_index, full_count, full_index, BLOCK_SIZE=block_size, mask_mod=visible)
 
 
+Window = int | Tensor  # in blocks; a 0-dim int32 device tensor on the FlexAttention path (see window_args)
+
+
 class AttentionInputs(NamedTuple):
     """What every attention layer of one forward needs; masks are built once per forward and window."""
 
-    masks: dict[int, Any]  # window in blocks → BlockMask (flex) or dense bool mask (reference)
+    windows: dict[str, Window]  # "short" / "long" → window in blocks
+    masks: dict[str, Any]  # "short" / "long" → BlockMask (flex) or dense bool mask (reference)
     cu_seqlens: Tensor | None
     max_seqlen: int
 
 
 class Attention:
-    """Chooses the attention implementation once per run; the name is written to the log."""
+    """Chooses the attention implementation once per run; the name is written to the log.
+
+    Recompiles: FA3 takes windows and attn_scale as Python numbers, so (as in the record) each
+    (window, attn_scale) pair compiles its own graph: 3 in training, a few more in eval. FlexAttention
+    takes them as device tensors (windows memoized per value, attn_scale a buffer updated in place), so
+    one training graph and one eval graph serve the whole schedule.
+    """
 
     def __init__(self, backend: str, block_size: int, bos_token: int):
         self.backend, self.block_size, self.bos_token = backend, block_size, bos_token
+        self._window_tensors: dict[tuple[int, torch.device], Tensor] = {}
 
-    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: tuple[int, ...], max_seqlen: int) -> AttentionInputs:
+    def window_args(self, ws_short: int, ws_long: int, device: torch.device) -> tuple[Window, Window]:
+        """The forward's window arguments: ints, or memoized 0-dim tensors for FlexAttention."""
+        if self.backend != "flex":
+            return ws_short, ws_long
+        for ws in (ws_short, ws_long):
+            if (ws, device) not in self._window_tensors:
+                self._window_tensors[ws, device] = torch.tensor(ws, dtype=torch.int32, device=device)
+        return self._window_tensors[ws_short, device], self._window_tensors[ws_long, device]
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
         if self.backend == "flash3":
-            return AttentionInputs({}, cu_seqlens, max_seqlen)
+            return AttentionInputs(windows, {}, cu_seqlens, max_seqlen)
         docs = document_ids(ids, self.bos_token)
         if self.backend == "flex":
-            return AttentionInputs({w: flex_window_mask(docs, w, self.block_size) for w in windows}, None, max_seqlen)
-        return AttentionInputs({w: dense_window_mask(docs, w * self.block_size) for w in windows}, None, max_seqlen)
+            masks = {key: flex_window_mask(docs, w, self.block_size) for key, w in windows.items()}
+        else:
+            masks = {key: dense_window_mask(docs, w * self.block_size) for key, w in windows.items()}
+        return AttentionInputs(windows, masks, None, max_seqlen)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window_blocks: int, scale: float) -> Tensor:
-        """q, k, v, result: (1, T, H, d)."""
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, rotary: "Rotary") -> Tensor:
+        """q, k, v, result: (1, T, H, d); window is "short" or "long"."""
         if self.backend == "flash3":
             # UNTESTED here (no FlashAttention-3 build on our machines): the record's varlen call.
-            y = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=inputs.cu_seqlens, cu_seqlens_k=inputs.cu_seqlens, max_seqlen_q=inputs.max_seqlen, max_seqlen_k=inputs.max_seqlen, softmax_scale=scale, causal=True, window_size=(window_blocks * self.block_size, 0))
-            return y.unsqueeze(0)
-        mask = inputs.masks[window_blocks]
+            y = flash_attn_varlen_func(
+                q[0],
+                k[0],
+                v[0],
+                cu_seqlens_q=inputs.cu_seqlens,
+                cu_seqlens_k=inputs.cu_seqlens,
+                max_seqlen_q=inputs.max_seqlen,
+                max_seqlen_k=inputs.max_seqlen,
+                softmax_scale=rotary.attn_scale,
+                causal=True,
+                window_size=(inputs.windows[window] * self.block_size, 0),
+            )
+            return (y[0] if isinstance(y, tuple) else y).unsqueeze(0)  # some FA3 builds also return the LSE
+        mask = inputs.masks[window]
         if self.backend == "flex":
-            return flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale).transpose(1, 2)
-        return reference_attention(q, k, v, mask, scale)
+            scale = rotary.attn_scale_tensor
+
+            def scaled(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return score * scale  # fp32 inside the kernel, like FA3's softmax_scale
+
+            y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=scaled, block_mask=mask, scale=1.0)
+            return y.transpose(1, 2)
+        return reference_attention(q, k, v, mask, rotary.attn_scale)
 
 
 def choose_attention_backend(requested: str, device: torch.device) -> str:
-    if requested == "flash3" and flash_attn_varlen_func is None:
-        raise UserError("--attention_backend=flash3 but flash_attn_interface (FlashAttention-3) does not import; use auto, flex or reference")
+    if requested == "flash3" and (flash_attn_varlen_func is None or device.type != "cuda"):
+        raise UserError("--attention_backend=flash3 needs CUDA and flash_attn_interface (FlashAttention-3); use auto, flex or reference")
+    if requested == "flex" and device.type != "cuda":
+        raise UserError("--attention_backend=flex cannot train on CPU (FlexAttention has no CPU backward); use auto or reference")
     if requested != "auto":
         return requested
     if device.type == "cuda":
@@ -697,14 +813,23 @@ class CausalSelfAttention(nn.Module):
         self.attn_gate = CastedLinear(GATE_INPUT_DIMS, num_heads)
         tag(self.attn_gate.weight, "attn_gate")
 
-    def forward(self, x: Tensor, value_embed: Tensor | None, mix: Tensor, rotary: Rotary, attention: Attention, inputs: AttentionInputs, window_blocks: int) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        value_embed: Tensor | None,
+        mix: Tensor,
+        rotary: Rotary,
+        attention: Attention,
+        inputs: AttentionInputs,
+        window: str,
+    ) -> Tensor:
         T, D = x.size(1), x.size(2)
         weights = self.qkvo_w.view(4, D, D).type_as(x)
         qkv = F.linear(x, weights[:3].flatten(0, 1)).view(1, T, 3 * self.num_heads, self.head_dim)
         q, k, v = qkv.chunk(3, dim=-2)
         q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
         v = mix[0] * v + mix[1] * value_embed.view_as(v) if value_embed is not None else mix[0] * v
-        y = attention(q, k, v, inputs, window_blocks, rotary.attn_scale)
+        y = attention(q, k, v, inputs, window, rotary)
         y = y * torch.sigmoid(self.attn_gate(x[..., :GATE_INPUT_DIMS])).unsqueeze(-1)  # sparse per-head gate
         return F.linear(y.reshape(1, T, D), weights[3])
 
@@ -727,7 +852,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, dim: int, num_heads: int, max_seq_len: int, block_size: int, world_size: int, attention: Attention, table_dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int,
+        num_heads: int,
+        max_seq_len: int,
+        block_size: int,
+        world_size: int,
+        attention: Attention,
+        table_dtype: torch.dtype = torch.bfloat16,
+    ):
         super().__init__()
         padded_vocab = ceil_to(vocab_size, 128)  # padding rows train normally and are never targets
         self.attention = attention
@@ -739,13 +874,17 @@ class GPT(nn.Module):
         self.lm_head = LMHead(dim, padded_vocab)
         L = NUM_LAYERS
         pad = (-6 * L) % world_size  # DistAdam shards the scalars along dim 0
-        self.scalars = nn.Parameter(torch.cat([
-            torch.full((L,), -1.5),  # 0..L-1: U-net skip gates (sigmoid), 0-4 used
-            torch.tensor([1.0, 0.0]).repeat(L),  # 12..35: block lambdas (a_i, b_i)
-            torch.tensor([0.5, 0.5]).repeat(L),  # 36..59: value mixing (s0, s1)
-            torch.zeros(L),  # 60..71: smear lambda at 60
-            torch.ones(pad),
-        ]))
+        self.scalars = nn.Parameter(
+            torch.cat(
+                [
+                    torch.full((L,), -1.5),  # 0..L-1: U-net skip gates (sigmoid), 0-4 used
+                    torch.tensor([1.0, 0.0]).repeat(L),  # 12..35: block lambdas (a_i, b_i)
+                    torch.tensor([0.5, 0.5]).repeat(L),  # 36..59: value mixing (s0, s1)
+                    torch.zeros(L),  # 60..71: smear lambda at 60
+                    torch.ones(pad),
+                ]
+            )
+        )
         for table in (self.embed, *self.value_embeds):
             tag(table.weight, lr_mul=75.0)
         tag(self.smear_gate.weight, "smear_gate")
@@ -773,11 +912,12 @@ class GPT(nn.Module):
                 block.mlp.c_fc.uniform_(-bound, bound)
                 block.mlp.c_proj.zero_()
 
-    def forward(self, ids: Tensor, targets: Tensor, cu_seqlens: Tensor | None, ws_short: int, ws_long: int, max_seqlen: int) -> Tensor:
-        """Sum of token losses in training, mean in eval. ws_* are Python ints: each (window, attn_scale)
-        pair compiles its own graph (3 in training, a few more in eval), as in the record."""
+    def forward(
+        self, ids: Tensor, targets: Tensor, cu_seqlens: Tensor | None, ws_short: Window, ws_long: Window, max_seqlen: int
+    ) -> Tensor:
+        """Sum of token losses in training, mean in eval. Windows in blocks (see Attention.window_args)."""
         s = self.scalars
-        inputs = self.attention.prepare(ids, cu_seqlens, (ws_short, ws_long), max_seqlen)
+        inputs = self.attention.prepare(ids, cu_seqlens, {"short": ws_short, "long": ws_long}, max_seqlen)
         value_embeds = [table(ids)[None] for table in self.value_embeds]
         x = self.embed(ids)
         # smear: mix the previous token's embedding into each position, gated by the current token
@@ -792,9 +932,11 @@ class GPT(nn.Module):
             x = s[12 + 2 * layer] * x + s[13 + 2 * layer] * x0
             if block.attn is not None:
                 ve_index = VALUE_EMBED_FOR_LAYER[layer]
-                window = ws_long if layer in LONG_WINDOW_LAYERS else ws_short
+                window = "long" if layer in LONG_WINDOW_LAYERS else "short"
                 mix = s[36 + 2 * layer : 38 + 2 * layer]
-                x = x + block.attn(rms_norm(x), value_embeds[ve_index] if ve_index is not None else None, mix, self.rotary, self.attention, inputs, window)
+                x = x + block.attn(
+                    rms_norm(x), value_embeds[ve_index] if ve_index is not None else None, mix, self.rotary, self.attention, inputs, window
+                )
             x = x + block.mlp(rms_norm(x))
             if layer <= UNET_SKIP_PAIRS:
                 skips.append(x)
@@ -878,7 +1020,29 @@ def newton_schulz_reference(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> T
 if triton is not None:
 
     @triton.jit
-    def _symmetric_matmul_kernel(src_ptr, add_ptr, out_ptr, M, K: tl.constexpr, stride_sb, stride_sm, stride_sk, stride_ab, stride_am, stride_an, stride_ob, stride_om, stride_on, alpha, beta, HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    def _symmetric_matmul_kernel(
+        src_ptr,
+        add_ptr,
+        out_ptr,
+        M,
+        K: tl.constexpr,
+        stride_sb,
+        stride_sm,
+        stride_sk,
+        stride_ab,
+        stride_am,
+        stride_an,
+        stride_ob,
+        stride_om,
+        stride_on,
+        alpha,
+        beta,
+        HAS_ADD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         """out[b] = S S^T (or alpha S S^T + beta A) for S = src[b] of shape (M, K).
 
         The output is symmetric, so tiles lying wholly above the diagonal exit at once; every computed
@@ -924,14 +1088,21 @@ if triton is not None:
     def _symmetric_matmul_configs() -> list:
         return [
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
-            for bm in (64, 128) for bn in (64, 128, 256) for bk in (64, 128) for stages, warps in ((3, 4), (3, 8), (4, 4))
+            for bm in (64, 128)
+            for bn in (64, 128, 256)
+            for bk in (64, 128)
+            for stages, warps in ((3, 4), (3, 8), (4, 4))
             if max(bm, bn) <= 2 * min(bm, bn)
         ]
 
-    _symmetric_matmul_autotuned = triton.autotune(configs=_symmetric_matmul_configs(), key=["M", "K", "stride_sm", "stride_sk"])(_symmetric_matmul_kernel)
+    _symmetric_matmul_autotuned = triton.autotune(configs=_symmetric_matmul_configs(), key=["M", "K", "stride_sm", "stride_sk"])(
+        _symmetric_matmul_kernel
+    )
 
 
-def symmetric_matmul(src: Tensor, out: Tensor, add: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, config: dict[str, int] | None = None) -> Tensor:
+def symmetric_matmul(
+    src: Tensor, out: Tensor, add: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, config: dict[str, int] | None = None
+) -> Tensor:
     """out = src src^T, or alpha src src^T + beta add (add symmetric, same shape as out); batched (B, M, K).
 
     config=None autotunes (CUDA); an explicit {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M} runs the plain kernel
@@ -1036,13 +1207,20 @@ class Muon(torch.optim.Optimizer):
         super().__init__([dict(params=g.params) for g in self.layout], dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self) -> None:
-        reductions = []
+    def launch_reductions(self) -> None:
+        """Pass 1 (also called early by the training loop, so both optimizers' reductions overlap)."""
+        self._reductions = []
         for group, layout in zip(self.param_groups, self.layout):
             grads = [p.grad for p in layout.params]
             grads += [torch.zeros_like(grads[0])] * (layout.padded - len(grads))
             local = grads[0].new_empty(layout.chunk, *grads[0].shape)
-            reductions.append((group, layout, local, reduce_scatter_avg(local, torch.stack(grads), self.world_size)))
+            self._reductions.append((group, layout, local, reduce_scatter_avg(local, torch.stack(grads), self.world_size)))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if not getattr(self, "_reductions", None):
+            self.launch_reductions()
+        reductions, self._reductions = self._reductions, []
         gathers = []
         for group, layout, grad, work in reductions:
             work.wait()
@@ -1079,19 +1257,28 @@ class DistAdam(torch.optim.Optimizer):
     Moments are bf16; eps is added to the uncorrected sqrt(v) and the bias corrections fold into the step.
     """
 
-    def __init__(self, params: list[nn.Parameter], lr: float, betas: tuple[float, float], eps: float, weight_decay: float, rank: int, world_size: int):
+    def __init__(
+        self, params: list[nn.Parameter], lr: float, betas: tuple[float, float], eps: float, weight_decay: float, rank: int, world_size: int
+    ):
         self.rank, self.world_size = rank, world_size
         shapes = list(dict.fromkeys(tuple(p.shape) for p in params))
         groups = [dict(params=[p for p in params if tuple(p.shape) == shape]) for shape in shapes]
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self) -> None:
-        reductions = []
+    def launch_reductions(self) -> None:
+        """First half of step(); the training loop launches both optimizers' reductions before either updates."""
+        self._reductions = []
         for group in self.param_groups:
             for p in group["params"]:
                 local = p.grad.new_empty(p.size(0) // self.world_size, *p.shape[1:])
-                reductions.append((group, p, local, reduce_scatter_avg(local, p.grad, self.world_size)))
+                self._reductions.append((group, p, local, reduce_scatter_avg(local, p.grad, self.world_size)))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if not getattr(self, "_reductions", None):
+            self.launch_reductions()
+        reductions, self._reductions = self._reductions, []
         gathers = []
         for group, p, grad, work in reductions:
             work.wait()
@@ -1122,7 +1309,15 @@ def build_optimizers(model: GPT, hp: Hyperparameters, rank: int, world_size: int
     hidden = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2 and "gate" not in n]
     gates = [p for n, p in model.named_parameters() if "gate" in n]
     embeddings = [table.weight for table in (model.embed, *model.value_embeds)]
-    adam = DistAdam([model.scalars, model.lm_head.weight, *embeddings], hp.adam_lr, (hp.adam_beta1, hp.adam_beta2), hp.adam_eps, hp.weight_decay, rank, world_size)
+    adam = DistAdam(
+        [model.scalars, model.lm_head.weight, *embeddings],
+        hp.adam_lr,
+        (hp.adam_beta1, hp.adam_beta2),
+        hp.adam_eps,
+        hp.weight_decay,
+        rank,
+        world_size,
+    )
     muon = Muon(hidden + gates, hp.muon_lr, hp.muon_momentum, hp.weight_decay, rank, world_size)
     for opt in (adam, muon):
         for group in opt.param_groups:
@@ -1164,6 +1359,8 @@ def setup_distributed() -> Runtime:
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # OpenMP spin-waits badly when ranks oversubscribe the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))))
         dist.init_process_group("gloo")
     dist.barrier()
     return Runtime(rank, world_size, local_rank, device, 8 // world_size)
@@ -1207,7 +1404,16 @@ def _command_output(args: list[str]) -> str | None:
     return result.stdout if result.returncode == 0 else None
 
 
-def log_environment(rt: Runtime, hp: Hyperparameters, overrides: dict, backend: str, fp8: bool, train_files: list[str], val_files: list[str], val_token_count: int) -> None:
+def log_environment(
+    rt: Runtime,
+    hp: Hyperparameters,
+    overrides: dict,
+    backend: str,
+    fp8: bool,
+    train_files: list[str],
+    val_files: list[str],
+    val_token_count: int,
+) -> None:
     print0("=" * 100)
     print0(f"Running Python {sys.version}")
     print0(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")
@@ -1252,7 +1458,9 @@ def set_schedules(step: int, hp: Hyperparameters, adam: DistAdam, muon: Muon) ->
         group["momentum"] = muon_momentum(step, hp)
 
 
-def warmup_kernels(model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hyperparameters, make_train_loader: Callable[[], Iterator[Batch]]) -> None:
+def warmup_kernels(
+    model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hyperparameters, make_train_loader: Callable[[], Iterator[Batch]]
+) -> None:
     """Compiles the graph of every training window (and autotunes the kernels) on real batches."""
     saved = copy.deepcopy(dict(model=raw_model.state_dict(), adam=adam.state_dict(), muon=muon.state_dict()))
     loader = make_train_loader()
@@ -1265,7 +1473,8 @@ def warmup_kernels(model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon,
             raw_model.rotary.reset()
         current_long = new_long
         batch = next(loader)
-        model(batch.inputs, batch.targets, batch.cu_seqlens, new_long // 2, new_long, hp.train_max_seq_len).backward()
+        windows = raw_model.attention.window_args(new_long // 2, new_long, batch.inputs.device)
+        model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
         for opt in (adam, muon):  # initial LR, momentum hp.muon_momentum (group defaults)
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"]
@@ -1289,7 +1498,9 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, hp: Hyperparameters, rt: Runtime, make_val_loader: Callable[[], Iterator[Batch]], ws_short: int, ws_long: int) -> Tensor:
+def evaluate(
+    model: nn.Module, hp: Hyperparameters, rt: Runtime, make_val_loader: Callable[[], Iterator[Batch]], windows: tuple[Window, Window]
+) -> Tensor:
     """Mean loss over val_tokens: sum of per-micro-step means / steps, then averaged across ranks."""
     model.eval()
     val_steps = rt.grad_accum_steps * hp.val_tokens // hp.val_batch_size
@@ -1298,7 +1509,7 @@ def evaluate(model: nn.Module, hp: Hyperparameters, rt: Runtime, make_val_loader
     total = torch.zeros((), device=rt.device)
     for _ in range(val_steps):
         batch = next(loader)
-        total += model(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, max_seqlen)
+        total += model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, max_seqlen)
     total /= val_steps
     if rt.world_size > 1:
         dist.all_reduce(total, op=dist.ReduceOp.AVG)
@@ -1311,11 +1522,26 @@ def save_checkpoint(log_path: Path, run_id: str, step: int, raw_model: GPT, adam
     folder.mkdir(exist_ok=True)
     path = folder / f"state_step{step:06d}.pt"
     with open(path, "xb") as f:  # never overwrite
-        torch.save(dict(step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()]), f)
+        torch.save(
+            dict(
+                step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()]
+            ),
+            f,
+        )
     return path
 
 
-def train(model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hyperparameters, rt: Runtime, make_train_loader: Callable[[], Iterator[Batch]], make_val_loader: Callable[[], Iterator[Batch]], on_final: Callable[[int], None]) -> float:
+def train(
+    model: nn.Module,
+    raw_model: GPT,
+    adam: DistAdam,
+    muon: Muon,
+    hp: Hyperparameters,
+    rt: Runtime,
+    make_train_loader: Callable[[], Iterator[Batch]],
+    make_val_loader: Callable[[], Iterator[Batch]],
+    on_final: Callable[[int], None],
+) -> float:
     """The timed run (spec §18): validation and checkpointing are outside the clock. Returns the final val loss."""
     train_steps = hp.num_iterations + hp.iteration_extension
     loader = make_train_loader()
@@ -1334,17 +1560,24 @@ def train(model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hype
             synchronize(rt.device)
             training_time_ms += 1000 * (time.perf_counter() - t0)
             eval_short, eval_long = (hp.ws_validate // 2, hp.ws_long_validate) if last_step else (ws_short, ws_long)
-            final_loss = evaluate(model, hp, rt, make_val_loader, eval_short, eval_long).item()
-            print0(f"step:{step}/{train_steps} val_loss:{final_loss:.4f} train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms", console=True)
+            eval_windows = raw_model.attention.window_args(eval_short, eval_long, rt.device)
+            final_loss = evaluate(model, hp, rt, make_val_loader, eval_windows).item()
+            print0(
+                f"step:{step}/{train_steps} val_loss:{final_loss:.4f} train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms",
+                console=True,
+            )
             synchronize(rt.device)
             t0 = time.perf_counter()
         if last_step:
             on_final(step)
             break
+        windows = raw_model.attention.window_args(ws_short, ws_long, rt.device)
         for _ in range(rt.grad_accum_steps):
             batch = next(loader)
-            model(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, hp.train_max_seq_len).backward()
+            model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
         set_schedules(step, hp, adam, muon)
+        adam.launch_reductions()
+        muon.launch_reductions()  # in flight while Adam updates
         adam.step()
         muon.step()
         model.zero_grad(set_to_none=True)
@@ -1360,7 +1593,7 @@ def configure_torch(device: torch.device) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # *_tensor collectives renamed in 2.13
     dynamo_config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):  # one graph per (window, attn_scale), train and eval
+    for name in ("recompile_limit", "cache_size_limit"):  # FA3: one graph per (window, attn_scale), see Attention
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, 64)
     if device.type == "cuda":
@@ -1377,14 +1610,17 @@ def run(argv: list[str]) -> float:
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     if "train_files" not in overrides and "val_files" not in overrides and overrides.get("preset") == "smoke":
-        folder = Path(hp.log_dir) / f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.num_iterations + hp.iteration_extension}_w{hp.warmup_steps}_val{hp.val_tokens}"
+        folder = (
+            Path(hp.log_dir)
+            / f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.num_iterations + hp.iteration_extension}_w{hp.warmup_steps}_val{hp.val_tokens}"
+        )
         if rt.rank == 0:
             generate_smoke_shards(folder, hp)
         dist.barrier()
         hp = dataclasses.replace(hp, train_files=str(folder / "smoke_train_*.bin"), val_files=str(folder / "smoke_val_*.bin"))
     train_files = resolve_files(hp.train_files, "train")
     val_files = resolve_files(hp.val_files, "val")
-    val_token_count = check_val_data(val_files, hp.val_tokens, hp.val_batch_size, rt.grad_accum_steps * rt.world_size)
+    val_token_count = check_val_data(val_files, hp.val_tokens, hp.val_batch_size, rt.grad_accum_steps)
 
     backend = choose_attention_backend(hp.attention_backend, rt.device)
     on_cuda = rt.device.type == "cuda"
@@ -1392,7 +1628,16 @@ def run(argv: list[str]) -> float:
     train_tokens_local = hp.train_batch_size // (rt.grad_accum_steps * rt.world_size)
     val_tokens_local = hp.val_batch_size // (rt.grad_accum_steps * rt.world_size)
     attention = Attention(backend, hp.block_size, hp.bos_token)
-    raw_model = GPT(hp.vocab_size, hp.model_dim, hp.num_heads, max(train_tokens_local, val_tokens_local), hp.block_size, rt.world_size, attention, torch.bfloat16 if on_cuda else torch.float32).to(rt.device)
+    raw_model = GPT(
+        hp.vocab_size,
+        hp.model_dim,
+        hp.num_heads,
+        max(train_tokens_local, val_tokens_local),
+        hp.block_size,
+        rt.world_size,
+        attention,
+        torch.bfloat16 if on_cuda else torch.float32,
+    ).to(rt.device)
     if on_cuda:  # embeddings and linears (head, gates) in bf16; raw matrices and scalars stay fp32
         for module in raw_model.modules():
             if isinstance(module, (nn.Embedding, nn.Linear)):
@@ -1414,8 +1659,21 @@ def run(argv: list[str]) -> float:
     log_model_and_muon(raw_model, muon, hp, rt, train_steps)
     print0("=" * 100)
 
-    make_train_loader = lambda: train_loader(train_files, train_tokens_local, hp.train_max_seq_len, rt.rank, rt.world_size, hp.bos_token, hp.vocab_size, hp.cycle_train_files, rt.device, backend == "flash3")
-    make_val_loader = lambda: val_loader(val_files, val_tokens_local, rt.rank, rt.world_size, hp.bos_token, hp.vocab_size, rt.device, backend == "flash3")
+    make_train_loader = lambda: train_loader(
+        train_files,
+        train_tokens_local,
+        hp.train_max_seq_len,
+        rt.rank,
+        rt.world_size,
+        hp.bos_token,
+        hp.vocab_size,
+        hp.cycle_train_files,
+        rt.device,
+        backend == "flash3",
+    )
+    make_val_loader = lambda: val_loader(
+        val_files, val_tokens_local, rt.rank, rt.world_size, hp.bos_token, hp.vocab_size, rt.device, backend == "flash3"
+    )
     warmup_start = time.perf_counter()
     warmup_kernels(model, raw_model, adam, muon, hp, make_train_loader)
     synchronize(rt.device)

@@ -1,8 +1,8 @@
 """Shared helpers for the train_gpt tests: tiny shards and a tiny configuration of the 12-slot model."""
+
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +18,9 @@ TINY_BOS = 511
 def make_shards(folder: Path, train_tokens: int = 60_000, val_tokens: int = 8193, num_train: int = 2) -> tuple[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(num_train):
-        train_gpt.write_shard(folder / f"tiny_train_{i:06d}.bin", train_gpt.synthetic_tokens(train_tokens, TINY_VOCAB, TINY_BOS, seed=10 + i))
+        train_gpt.write_shard(
+            folder / f"tiny_train_{i:06d}.bin", train_gpt.synthetic_tokens(train_tokens, TINY_VOCAB, TINY_BOS, seed=10 + i)
+        )
     train_gpt.write_shard(folder / "tiny_val_000000.bin", train_gpt.synthetic_tokens(val_tokens, TINY_VOCAB, TINY_BOS, seed=99))
     return str(folder / "tiny_train_*.bin"), str(folder / "tiny_val_*.bin")
 
@@ -30,6 +32,18 @@ def tiny_shards(tmp_path: Path) -> tuple[str, str]:
 
 def tiny_args(train_files: str, val_files: str, log_dir: Path, **extra: object) -> list[str]:
     """The smoke preset with a 512-token vocabulary: fast enough for several runs per test session."""
-    values = dict(preset="smoke", vocab_size=TINY_VOCAB, bos_token=TINY_BOS, train_files=train_files, val_files=val_files, log_dir=str(log_dir), num_iterations=8, iteration_extension=2, val_loss_every=5, warmup_steps=2, seed=0)
+    values = dict(
+        preset="smoke",
+        vocab_size=TINY_VOCAB,
+        bos_token=TINY_BOS,
+        train_files=train_files,
+        val_files=val_files,
+        log_dir=str(log_dir),
+        num_iterations=8,
+        iteration_extension=2,
+        val_loss_every=5,
+        warmup_steps=2,
+        seed=0,
+    )
     values.update(extra)
     return [f"--{k}={v}" for k, v in values.items()]

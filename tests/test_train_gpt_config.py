@@ -1,4 +1,5 @@
 """Command line, schedules (the spec's boundary steps), YaRN and bad-input errors of train_gpt.py."""
+
 import math
 import subprocess
 import sys
@@ -60,19 +61,31 @@ def test_bad_world_size_is_a_one_line_error(monkeypatch):
 
 
 def test_main_reports_user_errors_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), f"--train_files={tmp_path}/nothing_*.bin", f"--log_dir={tmp_path}"], capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train_gpt.py"), f"--train_files={tmp_path}/nothing_*.bin", f"--log_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "nothing_*.bin" in lines[0] and "python data/cached_fineweb10B.py 9" in lines[0], result.stderr
     assert list(tmp_path.iterdir()) == [], "no log is created for a run that cannot start"
 
 
-@pytest.mark.parametrize("step, expected", [(0, (1, 3)), (546, (1, 3)), (547, (3, 7)), (1093, (3, 7)), (1094, (5, 11)), (1639, (5, 11)), (1679, (5, 11)), (1680, (6, 13))])
+@pytest.mark.parametrize(
+    "step, expected",
+    [(0, (1, 3)), (546, (1, 3)), (547, (3, 7)), (1093, (3, 7)), (1094, (5, 11)), (1639, (5, 11)), (1679, (5, 11)), (1680, (6, 13))],
+)
 def test_window_schedule_boundaries(step, expected):
     assert tg.window_blocks(step, tg.Hyperparameters()) == expected
 
 
-@pytest.mark.parametrize("step, expected", [(0, 1.0), (820, 1.0), (821, 0.998902), (1230, 0.55), (1639, 0.101098), (1640, 0.10018), (1679, 0.10018)])
+@pytest.mark.parametrize(
+    "step, expected", [(0, 1.0), (820, 1.0), (821, 0.998902), (1230, 0.55), (1639, 0.101098), (1640, 0.10018), (1679, 0.10018)]
+)
 def test_lr_schedule_boundaries(step, expected):
     assert tg.lr_multiplier(step, tg.Hyperparameters()) == pytest.approx(expected, abs=1e-6)
 
@@ -122,3 +135,14 @@ def test_open_log_never_overwrites(tmp_path):
     with pytest.raises(tg.UserError, match="already exists"):
         tg.open_log(str(tmp_path), run_id)
     assert path.read_text() == "precious"
+
+
+def test_attention_backend_choice_and_errors():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert tg.choose_attention_backend("auto", cpu) == "reference"
+    assert tg.choose_attention_backend("auto", cuda) == ("flex" if tg.flash_attn_varlen_func is None else "flash3")
+    assert tg.choose_attention_backend("reference", cuda) == "reference"
+    with pytest.raises(tg.UserError, match="flex"):
+        tg.choose_attention_backend("flex", cpu)
+    with pytest.raises(tg.UserError, match="flash3"):
+        tg.choose_attention_backend("flash3", cpu)

@@ -1,4 +1,5 @@
 """Shard format, the BOS-aligned training loader and the validation loader of train_gpt.py."""
+
 from pathlib import Path
 
 import numpy as np
@@ -141,10 +142,12 @@ def test_val_loader_windows_and_unaligned_documents(tmp_path):
 
 
 def test_val_data_too_short_is_reported(tmp_path):
-    docs_shard(tmp_path / "v_000000.bin", [100] * 10)
-    assert tg.check_val_data([str(tmp_path / "v_000000.bin")], 512, 512, 4) == 1000
+    docs_shard(tmp_path / "v_000000.bin", [100] * 10)  # 1000 tokens: reads of 256 + 1 tokens fit 3 times
+    assert tg.check_val_data([str(tmp_path / "v_000000.bin")], 512, 512, 2) == 1000
     with pytest.raises(tg.UserError, match="validation data too short"):
-        tg.check_val_data([str(tmp_path / "v_000000.bin")], 1024, 512, 4)
+        tg.check_val_data([str(tmp_path / "v_000000.bin")], 1024, 512, 2)
+    with pytest.raises(tg.UserError, match="validation data too short"):
+        tg.check_val_data([str(tmp_path / "v_000000.bin")], 1000, 1000, 1)  # one read needs 1001 tokens
 
 
 def test_too_many_documents_for_fixed_cu_seqlens(tmp_path):

@@ -1,4 +1,5 @@
 """End-to-end runs of train_gpt.py on tiny generated shards: one process, and two gloo processes."""
+
 import os
 import re
 import subprocess
@@ -66,7 +67,13 @@ def test_single_process_run_trains_and_logs_exactly(tiny_shards, tmp_path):
     assert losses[0] == pytest.approx(10.8258, abs=2e-4) or losses[0] == pytest.approx(float(torch.tensor(512.0).log()), abs=2e-4)
     assert losses[-1] < losses[1] < losses[0] - 1.0, losses
     lines = text.splitlines()
-    for key in ("world_size: 1", "grad_accum_steps: 8", "attention_backend: reference", "fp8_head: off", "muon_group_sizes: [1, 10, 16, 16]"):
+    for key in (
+        "world_size: 1",
+        "grad_accum_steps: 8",
+        "attention_backend: reference",
+        "fp8_head: off",
+        "muon_group_sizes: [1, 10, 16, 16]",
+    ):
         assert key in lines, key
     assert re.search(r"^params: total=\d+ matmul=\d+ embed=\d+$", text, re.M)
     assert re.search(r"^warmup_time: \d+\.\ds$", text, re.M)
@@ -80,7 +87,17 @@ def test_two_gloo_processes_match_one_process(tiny_shards, tmp_path):
     common = dict(save_checkpoint="true", num_iterations=4, iteration_extension=0, val_loss_every=0, warmup_steps=0)
     one, two = tmp_path / "one", tmp_path / "two"
     _run([sys.executable, str(SCRIPT), *tiny_args(train_files, val_files, one, **common)])
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT), *tiny_args(train_files, val_files, two, **common)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(SCRIPT),
+            *tiny_args(train_files, val_files, two, **common),
+        ]
+    )
     assert "world_size: 2" in _single_log(two).read_text().splitlines()
     loss_one = float(_step_lines(_single_log(one))[0][-1][3])
     loss_two = float(_step_lines(_single_log(two))[0][-1][3])

@@ -1,4 +1,5 @@
 """Model structure, attention masks, the FP8 head and the optimizers of train_gpt.py."""
+
 import math
 
 import pytest
@@ -28,13 +29,22 @@ def test_record_parameter_inventory():
     model = record_model()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert shapes["embed.weight"] == (50304, 768) and shapes["lm_head.weight"] == (50304, 768) and shapes["scalars"] == (72,)
-    assert shapes["blocks.1.attn.qkvo_w"] == (768, 3072) and shapes["blocks.1.mlp.c_fc"] == (768, 3072) and shapes["blocks.1.attn.attn_gate.weight"] == (6, 12)
+    assert (
+        shapes["blocks.1.attn.qkvo_w"] == (768, 3072)
+        and shapes["blocks.1.mlp.c_fc"] == (768, 3072)
+        and shapes["blocks.1.attn.attn_gate.weight"] == (6, 12)
+    )
     assert not any(n.startswith("blocks.0.") for n in shapes) and "blocks.7.attn.qkvo_w" not in shapes and "blocks.7.mlp.c_fc" in shapes
     count = lambda tag: sum(p.numel() for p in model.parameters() if p.module_tag == tag)
     assert (count("attn"), count("mlp"), count("attn_gate") + count("smear_gate")) == (23_592_960, 51_904_512, 732)
     assert tg.embedding_parameter_count(model) == 154_533_888
     assert tg.matmul_parameter_count(model) == 23_592_960 + 51_904_512 + 38_633_472
-    assert model.embed.weight.lr_mul == 75 and model.value_embeds[2].weight.lr_mul == 75 and model.scalars.lr_mul == 5 and model.lm_head.weight.lr_mul == 1
+    assert (
+        model.embed.weight.lr_mul == 75
+        and model.value_embeds[2].weight.lr_mul == 75
+        and model.scalars.lr_mul == 5
+        and model.lm_head.weight.lr_mul == 1
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
@@ -116,21 +126,24 @@ def test_flex_block_tables_are_token_exact(window_blocks, seed):
     block = 16
     ids = random_documents(192, num_bos=5 + 3 * seed, seed=seed)
     docs = tg.document_ids(ids, TINY_BOS)
-    mask = tg.flex_window_mask(docs, window_blocks, block)
+    mask = tg.flex_window_mask(docs, torch.tensor(window_blocks, dtype=torch.int32), block)
     expected = tg.dense_window_mask(docs, window_blocks * block)
     assert torch.equal(block_mask_as_dense(mask, docs, block), expected)
-    assert expected.sum(-1).max() == window_blocks * block + 1 or expected.sum(-1).max() < window_blocks * block + 1
+    assert expected.sum(-1).max() <= window_blocks * block + 1  # W + 1 keys at most, itself included
 
 
 def test_flex_attention_eager_matches_reference_on_packed_documents():
     torch.manual_seed(0)
     ids = random_documents(256, num_bos=7, seed=3)
-    docs = tg.document_ids(ids, TINY_BOS)
     q, k, v = (torch.randn(1, 256, 2, 32) for _ in range(3))
     flex, ref = tg.Attention("flex", 32, TINY_BOS), tg.Attention("reference", 32, TINY_BOS)
+    rotary = tg.Rotary(32, 256, 32, torch.float32)
+    rotary.apply_yarn(3, 7)  # a non-default attn_scale, passed to flex as a tensor
     for window in (1, 3, 4):
-        out_flex = flex(q, k, v, flex.prepare(ids, None, (window,), 256), window, 0.12)
-        out_ref = ref(q, k, v, ref.prepare(ids, None, (window,), 256), window, 0.12)
+        flex_window = flex.window_args(window, window, torch.device("cpu"))[0]
+        assert isinstance(flex_window, torch.Tensor)
+        out_flex = flex(q, k, v, flex.prepare(ids, None, {"short": flex_window}, 256), "short", rotary)
+        out_ref = ref(q, k, v, ref.prepare(ids, None, {"short": window}, 256), "short", rotary)
         torch.testing.assert_close(out_flex, out_ref, atol=1e-5, rtol=1e-5)
 
 
@@ -155,7 +168,7 @@ def test_fp8_head_forward_and_backward_track_the_bf16_matmul():
     assert (logits.float() - reference).norm() / reference.norm() < 0.08
     grad = torch.randn_like(reference) * 0.01
     logits.backward(grad.bfloat16())
-    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16 and w.grad.is_contiguous()
     for got, want in ((x.grad, grad @ w.float()), (w.grad, grad.T @ x.float())):
         assert (got.float() - want).norm() / want.norm() < 0.15
 
@@ -223,3 +236,32 @@ def test_newton_schulz_reference_orthogonalizes():
     U, _, Vh = torch.linalg.svd(G, full_matrices=False)
     assert torch.nn.functional.cosine_similarity(X.flatten(1), (U @ Vh).flatten(1)).min() > 0.95
     assert tg.newton_schulz_reference(G.mT, torch.float64).shape == (3, 96, 48)  # tall input: transposed inside
+
+
+# ---- the whole model traces as one graph (what torch.compile(fullgraph=True) needs on the GPU) ----
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("backend, training", [("reference", True), ("flex", False)])
+def test_model_traces_without_graph_breaks(backend, training):
+    """Dynamo only (no code generation): fullgraph raises on any graph break. The FP8 head is on in training
+    (CPU _scaled_mm); FlexAttention has no CPU backward, so its graph is traced in eval mode. FlexAttention
+    takes windows and attn_scale as tensors: a window change plus a YaRN update must not recompile."""
+    model = tiny_model(backend).train(training)
+    model.lm_head.use_fp8 = training
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(model, dynamic=False, fullgraph=True, backend=counting_backend)
+    ids = random_documents(128, num_bos=4, seed=5).to(torch.int32)
+    with torch.set_grad_enabled(training):
+        for short, long in ((1, 3), (3, 7)):
+            if long == 7:
+                model.rotary.apply_yarn(3, 7)
+            loss = compiled(ids, ids.long(), None, *model.attention.window_args(short, long, ids.device), 128)
+            if training:
+                loss.backward()
+            assert torch.isfinite(loss)
+    assert len(graphs) == (1 if backend == "flex" else 2)  # ints and a float attn_scale specialize, as in the record

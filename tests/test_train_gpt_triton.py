@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before the kernels are decorated, i.e. before train
 checks run in a fresh interpreter process. The interpreter's tl.dot mishandles bf16 operands (NumPy has no
 bf16), so the same kernels are driven with fp16 and fp32 buffers here; on CUDA they run in bf16.
 """
+
 import json
 import os
 import subprocess
