@@ -136,7 +136,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Fields that may differ between a checkpointed run and its resumption without changing the trajectory.
-RUN_MANAGEMENT_FIELDS = frozenset({"num_trials", "compile", "log_dir", "checkpoint_every", "checkpoint_dir", "resume"})
+RUN_MANAGEMENT_FIELDS = frozenset({"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume"})
 
 
 class _Parser(argparse.ArgumentParser):
@@ -188,6 +188,18 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
     require(0.0 <= hp.late_frac <= 1.0, f"--late_frac={hp.late_frac}: must be in [0, 1]")
     require(hp.checkpoint_every >= 0, f"--checkpoint_every={hp.checkpoint_every}: must be >= 0 (0 = off)")
     require(hp.seed >= -1, f"--seed={hp.seed}: must be >= 0, or -1 for no seed")
+    for name in ("adam_embed_lr", "adam_head_lr", "adam_scalar_lr", "adam_weight_decay", "matrix_lr", "matrix_weight_decay"):
+        require(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)}: must be >= 0")
+    for name in ("adam_beta1", "adam_beta2", "matrix_beta1", "shampoo_grafting_beta2"):
+        require(0 <= getattr(hp, name) < 1, f"--{name}={getattr(hp, name)}: must be in [0, 1)")
+    require(0 <= hp.matrix_beta2 <= 1, f"--matrix_beta2={hp.matrix_beta2}: must be in [0, 1]")
+    for name in ("adam_eps", "shampoo_grafting_epsilon"):
+        require(getattr(hp, name) > 0, f"--{name}={getattr(hp, name)}: must be > 0")
+    for name in ("shampoo_max_preconditioner_dim", "shampoo_precondition_frequency"):
+        require(getattr(hp, name) >= 1, f"--{name}={getattr(hp, name)}: must be >= 1")
+    start = hp.shampoo_start_preconditioning_step
+    require(start == -1 or start >= hp.shampoo_precondition_frequency,
+            f"--shampoo_start_preconditioning_step={start}: must be -1 or >= --shampoo_precondition_frequency")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,11 +291,16 @@ def count_tokens(files: list[Path]) -> int:
 
 
 def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """Writes a shard atomically; an existing file is kept if identical and otherwise never replaced."""
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+    data = header.tobytes() + tokens.astype("<u2").tobytes()
+    if path.exists():
+        if path.read_bytes() != data:
+            raise UserError(f"{path} exists with other content; move it away or pass --train_files/--val_files")
+        return
     temporary = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(temporary, "wb") as f:
-        f.write(header.tobytes() + tokens.astype("<u2").tobytes())
+    temporary.write_bytes(data)
     os.replace(temporary, path)  # every rank may write the same bytes; none sees a partial file
 
 

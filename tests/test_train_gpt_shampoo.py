@@ -82,6 +82,9 @@ def test_overrides_preset_and_explicit_values_win() -> None:
         (["--model_dim=100"], "--head_dim"),
         (["--preset=huge"], "--preset"),
         (["4"], "'4'"),
+        (["--matrix_beta1=1"], "--matrix_beta1=1.0: must be in [0, 1)"),
+        (["--shampoo_start_preconditioning_step=3"], "--shampoo_start_preconditioning_step=3"),
+        (["--adam_eps=0"], "--adam_eps=0.0: must be > 0"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv: list[str], message: str) -> None:
@@ -108,6 +111,23 @@ def test_record_model_inventory_and_split() -> None:
     assert shapes == {(768, 768): 48, (3072, 768): 12, (768, 3072): 12}
     total = sum(p.numel() for p in model.parameters())
     assert 162_000_000 < total < 163_000_000
+
+
+def test_record_shampoo_keeps_every_matrix_one_block_with_full_factors() -> None:
+    """max_preconditioner_dim 8192: no blocking and no merging, so each matrix gets L (m x m) and R (n x n)."""
+    hp, _ = tgs.parse_args([])
+    with torch.device("meta"):
+        model = tgs.GPT(hp.vocab_size, hp.num_layers, hp.model_dim, hp.head_dim)
+    matrices = tgs.split_parameters(model)["matrices"]
+    optimizer = tgs.build_shampoo(matrices, hp, world_size=1)
+    group = optimizer.param_groups[0]
+    assert (group["start_preconditioning_step"], group["beta3"], group["epsilon"]) == (5, 0.9, 1e-12)
+    state = optimizer.state_dict()["state"]
+    for index, param in enumerate(matrices):
+        assert [key for key in state[index] if key.startswith("block")] == ["block_0"]
+        factors = state[index]["block_0"]["shampoo"]["factor_matrices"]
+        m, n = param.shape
+        assert (tuple(factors[0].shape), tuple(factors[1].shape)) == ((m, m), (n, n))
 
 
 def Counter_of(params: list[torch.Tensor]) -> dict[tuple[int, ...], int]:
@@ -449,3 +469,14 @@ def test_two_process_shampoo_resume_is_exact(tmp_path: Path) -> None:
     last = [line for line in straight.splitlines() if line.startswith("step:6/6 val_loss:")][0]
     resumed_last = [line for line in resumed.splitlines() if line.startswith("step:6/6 val_loss:")][0]
     assert resumed_last.split(" train_time")[0] == last.split(" train_time")[0]
+
+
+def test_smoke_shards_are_reused_and_foreign_files_kept(workdir: Path) -> None:
+    patterns = tgs.generate_smoke_shards(vocab_size=512)
+    shard = workdir / "data" / "smoke" / "smoke_val_000000.bin"
+    stamp = shard.stat().st_mtime_ns
+    assert tgs.generate_smoke_shards(vocab_size=512) == patterns and shard.stat().st_mtime_ns == stamp
+    shard.write_bytes(b"someone else's file")
+    with pytest.raises(tgs.UserError, match="smoke_val_000000.bin exists with other content"):
+        tgs.generate_smoke_shards(vocab_size=512)
+    assert shard.read_bytes() == b"someone else's file"
