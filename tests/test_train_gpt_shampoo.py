@@ -321,13 +321,21 @@ def test_log_embeds_the_script_and_every_imported_package_file(workdir: Path) ->
     for name, text in sources.items():
         assert text == (ROOT / name).read_text(), name
     records_tool = ROOT / "tools" / "records.py"
-    if records_tool.exists():  # the lead's tool must rebuild the same files
-        out = workdir / "extracted"
-        done = subprocess.run([sys.executable, str(records_tool), "extract", str(result.log_path), "-o", str(out)],
-                              capture_output=True, text=True, timeout=60)
+    if records_tool.exists():  # the lead's tool rebuilds the same files, and they run
+        rebuilt = workdir / "rebuilt"
+        done = subprocess.run([sys.executable, str(records_tool), "extract", str(result.log_path), "-o",
+                               str(rebuilt / "train_gpt_shampoo.py")], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
+        assert (rebuilt / "train_gpt_shampoo.py").read_text() == SCRIPT.read_text()
         for name in package_files:
-            assert (out / name).read_text() == (ROOT / name).read_text(), name
+            assert (rebuilt / name).read_text() == (ROOT / name).read_text(), name
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+        rerun = subprocess.run([sys.executable, str(rebuilt / "train_gpt_shampoo.py"), "--preset=smoke",
+                                "--train_steps=1"], cwd=rebuilt, env={**env, "OMP_NUM_THREADS": "1"},
+                               capture_output=True, text=True, timeout=300)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        rerun_log = (rebuilt / re.search(r"log: (\S+)", rerun.stdout).group(1)).read_text()
+        assert split_embedded_sources(rerun_log) == {"train_gpt_shampoo.py": SCRIPT.read_text(), **sources}
 
 
 def test_shampoo_steps_before_preconditioning_equal_the_adamw_ablation(workdir: Path) -> None:
@@ -480,3 +488,13 @@ def test_smoke_shards_are_reused_and_foreign_files_kept(workdir: Path) -> None:
     with pytest.raises(tgs.UserError, match="smoke_val_000000.bin exists with other content"):
         tgs.generate_smoke_shards(vocab_size=512)
     assert shard.read_bytes() == b"someone else's file"
+
+
+def test_trials_share_the_log_and_start_fresh(workdir: Path) -> None:
+    result = smoke_run("--matrix_optimizer=adamw", "--num_trials=2", "--train_steps=2", "--checkpoint_every=1")
+    assert [line.split(" val_loss")[0] for line in val_lines(result.log_path)] == ["step:0/2", "step:2/2"] * 2
+    first, second = (trial.val_losses for trial in result.trials)
+    assert first[0] == second[0]  # zero head: ln(vocab) whatever the init
+    assert first[2] != second[2]  # the second trial draws a new init
+    names = sorted(p.name for p in (workdir / "checkpoints").glob("*/*"))
+    assert names == ["trial0_step000001", "trial1_step000001"]
