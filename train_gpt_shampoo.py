@@ -263,7 +263,7 @@ class TokenLoader:
         if next_index == len(self.files):
             if not self.cycle:
                 raise UserError(f"out of training data after {len(self.files)} files; add shards "
-                                  f"(`{DOWNLOAD_HINT}`) or pass --cycle_train_files=true for a proxy dataset")
+                                f"(`{DOWNLOAD_HINT}`) or pass --cycle_train_files=true for a proxy dataset")
             next_index, self.passes = 0, self.passes + 1
         self.file_index, self.position = next_index, 0
         self.tokens = self._load(next_index)
@@ -491,7 +491,7 @@ def build_optimizers(model: GPT, hp: Hyperparameters, world_size: int, device: t
 def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) -> torch.optim.Optimizer:
     if SHAMPOO_IMPORT_ERROR is not None:
         raise UserError(f"--matrix_optimizer=shampoo needs the distributed_shampoo package next to this script "
-                          f"({SHAMPOO_IMPORT_ERROR}); or pass --matrix_optimizer=adamw")
+                        f"({SHAMPOO_IMPORT_ERROR}); or pass --matrix_optimizer=adamw")
     distributed_config: SingleDeviceDistributedConfig | DDPDistributedConfig
     if world_size == 1:
         distributed_config = SingleDeviceDistributedConfig()
@@ -698,7 +698,7 @@ def check_checkpoints_are_new(directory: Path, hp: Hyperparameters) -> None:
         for step in range(hp.checkpoint_every, hp.train_steps, hp.checkpoint_every):
             if (directory / checkpoint_name(trial, step, hp.num_trials)).exists():
                 raise UserError(f"checkpoint {directory / checkpoint_name(trial, step, hp.num_trials)} already "
-                                  f"exists; pick another --checkpoint_dir (checkpoints are never overwritten)")
+                                f"exists; pick another --checkpoint_dir (checkpoints are never overwritten)")
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -782,7 +782,7 @@ def open_checkpoint(path_text: str, hp: Hyperparameters, world_size: int) -> Res
         raise UserError(f"--resume={path_text}: format {manifest.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
     if manifest["world_size"] != world_size:
         raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; "
-                          f"resume with the same number (this run has {world_size})")
+                        f"resume with the same number (this run has {world_size})")
     missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
     if missing:
         raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
@@ -951,7 +951,7 @@ def check_batch_geometry(hp: Hyperparameters, world_size: int) -> None:
                          ("--val_tokens", hp.val_tokens)]:
         if tokens % (world_size * hp.micro_batch_seqs * hp.seq_len):
             raise UserError(f"{name} = {tokens} tokens must split into {world_size} ranks x micro-batches of "
-                              f"{hp.micro_batch_seqs} x {hp.seq_len} tokens")
+                            f"{hp.micro_batch_seqs} x {hp.seq_len} tokens")
 
 
 def load_validation_data(val_files: list[Path], hp: Hyperparameters, ddp: Distributed) -> tuple[Tensor, Tensor]:
@@ -980,6 +980,9 @@ def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
     ddp = setup_distributed()
     try:
         return _train(hp, overrides, ddp, train_files, val_files, resume)
+    except UserError as error:  # e.g. out of data mid-run: the log says why it ends
+        print0(f"error: {error}")
+        raise
     finally:
         _log_path = None
         dist.destroy_process_group()
