@@ -107,7 +107,7 @@ def test_record_model_inventory_and_split() -> None:
     assert model.embed.weight.dtype == torch.bfloat16
     groups = tgs.split_parameters(model)
     assert [len(groups[k]) for k in ("embed", "head", "scalars", "matrices")] == [1, 1, 12 * 8 + 3, 72]
-    shapes = Counter_of(groups["matrices"])
+    shapes = shape_counts(groups["matrices"])
     assert shapes == {(768, 768): 48, (3072, 768): 12, (768, 3072): 12}
     total = sum(p.numel() for p in model.parameters())
     assert 162_000_000 < total < 163_000_000
@@ -130,7 +130,7 @@ def test_record_shampoo_keeps_every_matrix_one_block_with_full_factors() -> None
         assert (tuple(factors[0].shape), tuple(factors[1].shape)) == ((m, m), (n, n))
 
 
-def Counter_of(params: list[torch.Tensor]) -> dict[tuple[int, ...], int]:
+def shape_counts(params: list[torch.Tensor]) -> dict[tuple[int, ...], int]:
     counts: dict[tuple[int, ...], int] = {}
     for p in params:
         counts[tuple(p.shape)] = counts.get(tuple(p.shape), 0) + 1
@@ -345,7 +345,7 @@ def test_shampoo_steps_before_preconditioning_equal_the_adamw_ablation(workdir: 
     adamw = smoke_run("--matrix_optimizer=adamw", *args).trials[0].val_losses
     assert shampoo.keys() == adamw.keys()
     for step in shampoo:
-        assert shampoo[step] == pytest.approx(adamw[step], abs=2e-3), step
+        assert shampoo[step] == pytest.approx(adamw[step], abs=2e-4), step
     assert shampoo[4] < shampoo[0] - 0.1
 
 
