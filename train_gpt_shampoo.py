@@ -578,11 +578,13 @@ SEPARATOR = "=" * 100
 
 
 def shampoo_source_files() -> list[Path]:
-    """Every file of the distributed_shampoo package imported so far, sorted by path."""
+    """Every file of the distributed_shampoo package imported so far, sorted by path (its tests excluded:
+    a test runner may have imported them into this process, a training run never does)."""
     if SHAMPOO_PACKAGE_DIR is None:
         return []
     files = {Path(str(m.__file__)).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
-    return sorted(f for f in files if f.is_relative_to(SHAMPOO_PACKAGE_DIR) and f.suffix == ".py")
+    return sorted(f for f in files if f.is_relative_to(SHAMPOO_PACKAGE_DIR) and f.suffix == ".py"
+                  and not {"tests", "gpu_tests"} & set(f.relative_to(SHAMPOO_PACKAGE_DIR).parts))
 
 
 def program_source() -> str:
