@@ -1009,12 +1009,12 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
     session = Session(hp, ddp, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
 
     embedded_files = shampoo_source_files()
-    if _log_path is not None:
+    if _log_path is not None:  # rank 0 only: nvidia-smi, git and the shard headers are read once
         with open(_log_path, "a", encoding="utf-8") as f:
             f.write(program_source())
-    print0(SEPARATOR)
-    for line in environment_lines(hp, overrides, ddp, train_files, val_files) + parameter_split_lines(model, hp):
-        print0(line)
+        print0(SEPARATOR)
+        for line in environment_lines(hp, overrides, ddp, train_files, val_files) + parameter_split_lines(model, hp):
+            print0(line)
     if resume is not None:
         print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at trial {resume.trial} step {resume.step}")
     print0(SEPARATOR)
