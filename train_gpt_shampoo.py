@@ -136,7 +136,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Fields that may differ between a checkpointed run and its resumption without changing the trajectory.
-RUN_MANAGEMENT_FIELDS = frozenset({"num_trials", "compile", "log_dir", "checkpoint_every", "checkpoint_dir", "resume"})
+RUN_MANAGEMENT_FIELDS = frozenset({"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume"})
 
 
 class _Parser(argparse.ArgumentParser):
@@ -188,6 +188,18 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
     require(0.0 <= hp.late_frac <= 1.0, f"--late_frac={hp.late_frac}: must be in [0, 1]")
     require(hp.checkpoint_every >= 0, f"--checkpoint_every={hp.checkpoint_every}: must be >= 0 (0 = off)")
     require(hp.seed >= -1, f"--seed={hp.seed}: must be >= 0, or -1 for no seed")
+    for name in ("adam_embed_lr", "adam_head_lr", "adam_scalar_lr", "adam_weight_decay", "matrix_lr", "matrix_weight_decay"):
+        require(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)}: must be >= 0")
+    for name in ("adam_beta1", "adam_beta2", "matrix_beta1", "shampoo_grafting_beta2"):
+        require(0 <= getattr(hp, name) < 1, f"--{name}={getattr(hp, name)}: must be in [0, 1)")
+    require(0 <= hp.matrix_beta2 <= 1, f"--matrix_beta2={hp.matrix_beta2}: must be in [0, 1]")
+    for name in ("adam_eps", "shampoo_grafting_epsilon"):
+        require(getattr(hp, name) > 0, f"--{name}={getattr(hp, name)}: must be > 0")
+    for name in ("shampoo_max_preconditioner_dim", "shampoo_precondition_frequency"):
+        require(getattr(hp, name) >= 1, f"--{name}={getattr(hp, name)}: must be >= 1")
+    start = hp.shampoo_start_preconditioning_step
+    require(start == -1 or start >= hp.shampoo_precondition_frequency,
+            f"--shampoo_start_preconditioning_step={start}: must be -1 or >= --shampoo_precondition_frequency")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -251,7 +263,7 @@ class TokenLoader:
         if next_index == len(self.files):
             if not self.cycle:
                 raise UserError(f"out of training data after {len(self.files)} files; add shards "
-                                  f"(`{DOWNLOAD_HINT}`) or pass --cycle_train_files=true for a proxy dataset")
+                                f"(`{DOWNLOAD_HINT}`) or pass --cycle_train_files=true for a proxy dataset")
             next_index, self.passes = 0, self.passes + 1
         self.file_index, self.position = next_index, 0
         self.tokens = self._load(next_index)
@@ -279,11 +291,16 @@ def count_tokens(files: list[Path]) -> int:
 
 
 def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """Writes a shard atomically; an existing file is kept if identical and otherwise never replaced."""
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+    data = header.tobytes() + tokens.astype("<u2").tobytes()
+    if path.exists():
+        if path.read_bytes() != data:
+            raise UserError(f"{path} exists with other content; move it away or pass --train_files/--val_files")
+        return
     temporary = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(temporary, "wb") as f:
-        f.write(header.tobytes() + tokens.astype("<u2").tobytes())
+    temporary.write_bytes(data)
     os.replace(temporary, path)  # every rank may write the same bytes; none sees a partial file
 
 
@@ -474,7 +491,7 @@ def build_optimizers(model: GPT, hp: Hyperparameters, world_size: int, device: t
 def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) -> torch.optim.Optimizer:
     if SHAMPOO_IMPORT_ERROR is not None:
         raise UserError(f"--matrix_optimizer=shampoo needs the distributed_shampoo package next to this script "
-                          f"({SHAMPOO_IMPORT_ERROR}); or pass --matrix_optimizer=adamw")
+                        f"({SHAMPOO_IMPORT_ERROR}); or pass --matrix_optimizer=adamw")
     distributed_config: SingleDeviceDistributedConfig | DDPDistributedConfig
     if world_size == 1:
         distributed_config = SingleDeviceDistributedConfig()
@@ -561,11 +578,13 @@ SEPARATOR = "=" * 100
 
 
 def shampoo_source_files() -> list[Path]:
-    """Every file of the distributed_shampoo package imported so far, sorted by path."""
+    """Every file of the distributed_shampoo package imported so far, sorted by path (its tests excluded:
+    a test runner may have imported them into this process, a training run never does)."""
     if SHAMPOO_PACKAGE_DIR is None:
         return []
     files = {Path(str(m.__file__)).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
-    return sorted(f for f in files if f.is_relative_to(SHAMPOO_PACKAGE_DIR) and f.suffix == ".py")
+    return sorted(f for f in files if f.is_relative_to(SHAMPOO_PACKAGE_DIR) and f.suffix == ".py"
+                  and not {"tests", "gpu_tests"} & set(f.relative_to(SHAMPOO_PACKAGE_DIR).parts))
 
 
 def program_source() -> str:
@@ -681,7 +700,7 @@ def check_checkpoints_are_new(directory: Path, hp: Hyperparameters) -> None:
         for step in range(hp.checkpoint_every, hp.train_steps, hp.checkpoint_every):
             if (directory / checkpoint_name(trial, step, hp.num_trials)).exists():
                 raise UserError(f"checkpoint {directory / checkpoint_name(trial, step, hp.num_trials)} already "
-                                  f"exists; pick another --checkpoint_dir (checkpoints are never overwritten)")
+                                f"exists; pick another --checkpoint_dir (checkpoints are never overwritten)")
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -765,7 +784,7 @@ def open_checkpoint(path_text: str, hp: Hyperparameters, world_size: int) -> Res
         raise UserError(f"--resume={path_text}: format {manifest.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
     if manifest["world_size"] != world_size:
         raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; "
-                          f"resume with the same number (this run has {world_size})")
+                        f"resume with the same number (this run has {world_size})")
     missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
     if missing:
         raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
@@ -934,7 +953,7 @@ def check_batch_geometry(hp: Hyperparameters, world_size: int) -> None:
                          ("--val_tokens", hp.val_tokens)]:
         if tokens % (world_size * hp.micro_batch_seqs * hp.seq_len):
             raise UserError(f"{name} = {tokens} tokens must split into {world_size} ranks x micro-batches of "
-                              f"{hp.micro_batch_seqs} x {hp.seq_len} tokens")
+                            f"{hp.micro_batch_seqs} x {hp.seq_len} tokens")
 
 
 def load_validation_data(val_files: list[Path], hp: Hyperparameters, ddp: Distributed) -> tuple[Tensor, Tensor]:
@@ -963,6 +982,9 @@ def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
     ddp = setup_distributed()
     try:
         return _train(hp, overrides, ddp, train_files, val_files, resume)
+    except UserError as error:  # e.g. out of data mid-run: the log says why it ends
+        print0(f"error: {error}")
+        raise
     finally:
         _log_path = None
         dist.destroy_process_group()
@@ -987,12 +1009,12 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
     session = Session(hp, ddp, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
 
     embedded_files = shampoo_source_files()
-    if _log_path is not None:
+    if _log_path is not None:  # rank 0 only: nvidia-smi, git and the shard headers are read once
         with open(_log_path, "a", encoding="utf-8") as f:
             f.write(program_source())
-    print0(SEPARATOR)
-    for line in environment_lines(hp, overrides, ddp, train_files, val_files) + parameter_split_lines(model, hp):
-        print0(line)
+        print0(SEPARATOR)
+        for line in environment_lines(hp, overrides, ddp, train_files, val_files) + parameter_split_lines(model, hp):
+            print0(line)
     if resume is not None:
         print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at trial {resume.trial} step {resume.step}")
     print0(SEPARATOR)
