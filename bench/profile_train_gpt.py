@@ -1,0 +1,91 @@
+"""Profile a few training steps of train_gpt.py on one GPU and print where the GPU time goes.
+
+Builds the record model and optimizers from train_gpt.py's own pieces, compiles, runs `--warm` steps,
+then records `--steps` steps with torch.profiler and prints the top kernels by GPU time and a summary by
+kind (attention, GEMMs, FP8 head, Triton elementwise, optimizer, communication).
+
+    python bench/profile_train_gpt.py --train_files=.proxy/docs_train_*.bin --val_files=.proxy/docs_val_*.bin
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import train_gpt as tg  # noqa: E402
+
+KINDS = [  # first match wins; kernel names as they appear on Hopper with torch 2.11
+    ("flex attention (Triton templates)", r"flex|attention|triton_tem"),
+    ("fp8 head (scaled_mm)", r"f8|fp8|e4m3|e5m2"),
+    ("bf16/fp32 GEMM", r"gemm|sm90|cutlass|xmma|cublas|nvjet|mm_"),
+    ("Newton-Schulz kernels", r"_symmetric_matmul"),
+    ("communication", r"nccl"),
+    ("Triton fused (inductor)", r"^triton_"),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def main() -> None:
+    warm, steps = 4, 2
+    hp, _ = tg.parse_args(sys.argv[1:])
+    rt = tg.setup_distributed()
+    tg.configure_torch(rt.device)
+    backend = tg.choose_attention_backend(hp.attention_backend, rt.device)
+    tokens_local = hp.train_batch_size // (rt.grad_accum_steps * rt.world_size)
+    model = tg.GPT(hp.vocab_size, hp.model_dim, hp.num_heads, tokens_local, hp.block_size, rt.world_size,
+                   tg.Attention(backend, hp.block_size, hp.bos_token)).to(rt.device)
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.Linear)):
+            module.bfloat16()
+    model.lm_head.use_fp8 = not hp.disable_fp8
+    adam, muon = tg.build_optimizers(model, hp, rt.rank, rt.world_size)
+    compiled = torch.compile(model, dynamic=False, fullgraph=True) if hp.compile else model
+    loader = tg.train_loader(tg.resolve_files(hp.train_files, "train"), tokens_local, hp.train_max_seq_len, rt.rank,
+                             rt.world_size, hp.bos_token, hp.vocab_size, True, rt.device, backend == "flash3")
+    ws_short, ws_long = model.attention.window_args(*tg.window_blocks(0, hp), rt.device)
+
+    def step() -> None:
+        for _ in range(rt.grad_accum_steps):
+            batch = next(loader)
+            compiled(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, hp.train_max_seq_len).backward()
+        adam.step()
+        muon.step()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(warm):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in events)
+    by_kind: dict[str, float] = defaultdict(float)
+    for e in events:
+        by_kind[kind_of(e.key)] += e.self_device_time_total
+    print(f"GPU time per step: {total_us / steps / 1e3:.1f} ms (sum of kernel times)")
+    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<26} {us / steps / 1e3:8.1f} ms  {100 * us / total_us:5.1f}%")
+    print("top kernels:")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"  {e.self_device_time_total / steps / 1e3:8.2f} ms  x{e.count // steps:<4} {e.key[:110]}")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
