@@ -578,17 +578,17 @@ SEPARATOR = "=" * 100
 
 
 def shampoo_source_files() -> list[Path]:
-    """Every file of the distributed_shampoo package imported so far, sorted by path (its tests excluded:
-    a test runner may have imported them into this process, a training run never does)."""
+    """Every module of the distributed_shampoo package, sorted by path, its tests excluded. All of them,
+    not only those this process imported: what a process has imported depends on what ran before in it
+    (a test runner, say), and the log must rebuild the same program every time."""
     if SHAMPOO_PACKAGE_DIR is None:
         return []
-    files = {Path(str(m.__file__)).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
-    return sorted(f for f in files if f.is_relative_to(SHAMPOO_PACKAGE_DIR) and f.suffix == ".py"
-                  and not {"tests", "gpu_tests"} & set(f.relative_to(SHAMPOO_PACKAGE_DIR).parts))
+    return sorted(f for f in SHAMPOO_PACKAGE_DIR.rglob("*.py")
+                  if not {"tests", "gpu_tests"} & set(f.relative_to(SHAMPOO_PACKAGE_DIR).parts))
 
 
 def program_source() -> str:
-    """This script's source, then each imported package file behind a banner naming it: the log alone
+    """This script's source, then each package module behind a banner naming it: the log alone
     rebuilds the program (tools/records.py extract)."""
     parts = [Path(__file__).read_text(encoding="utf-8")]
     for path in shampoo_source_files():
@@ -1008,7 +1008,6 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
     checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id[0]}")
     session = Session(hp, ddp, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
 
-    embedded_files = shampoo_source_files()
     if _log_path is not None:  # rank 0 only: nvidia-smi, git and the shard headers are read once
         with open(_log_path, "a", encoding="utf-8") as f:
             f.write(program_source())
@@ -1029,9 +1028,6 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
     trials = [run_trial(session, trial, resume if resume is not None and trial == resume.trial else None)
               for trial in range(first_trial, hp.num_trials)]
 
-    late_imports = sorted(set(shampoo_source_files()) - set(embedded_files))
-    if late_imports:  # imported after the log header was written: the log cannot rebuild them
-        print0(f"warning: package files imported after the log header: {[str(p) for p in late_imports]}", console=True)
     if ddp.device.type == "cuda":
         allocated, reserved = torch.cuda.max_memory_allocated(ddp.device), torch.cuda.max_memory_reserved(ddp.device)
     else:

@@ -24,12 +24,17 @@ README = "\n\n".join(
 )
 
 
+SEED_FOLDERS = ("track_1_short/2025-09-23_MuonCustomSizing", "track_3_optimization/results/20260513_shampoo_1_4_power")
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     """A repository root whose records/ holds the two published seed folders and a README with markers."""
     records = tmp_path / "repo" / "records"
-    shutil.copytree(REPO / "records" / "track_1_short", records / "track_1_short")
-    shutil.copytree(REPO / "records" / "track_3_optimization", records / "track_3_optimization")
+    for seed in SEED_FOLDERS:  # only these: folders of our own runs come and go
+        shutil.copytree(REPO / "records" / seed, records / seed)
+    for history in ("track_1_short/history.csv", "track_3_optimization/history.csv"):
+        shutil.copy(REPO / "records" / history, records / history)
     (records / "README.md").write_text(README)
     write_tables(tmp_path / "repo", records)
     return tmp_path / "repo"
