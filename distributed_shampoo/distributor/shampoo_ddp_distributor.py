@@ -103,6 +103,7 @@ class DDPDistributor(DistributorInterface):
         self._local_buffer_views = compress_list(self._global_buffer_views, is_local)
 
     def _apply_selector(self, global_selector: tuple[bool, ...]) -> None:
+        """Also mask the global params and the buffer views that `update_params` reads and writes."""
         super()._apply_selector(global_selector)
         self._global_masked_params = compress_list(self._global_blocked_params, global_selector)
         self._global_masked_views = compress_list(self._global_buffer_views, global_selector)
