@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
 from distributed_shampoo.distributor.shampoo_dist_utils import shampoo_comm_profiler
 from distributed_shampoo.distributor.shampoo_distributor import DistributorInterface
 from distributed_shampoo.shampoo_types import DDPDistributedConfig, ShampooRuntimeConfig
@@ -71,25 +70,18 @@ class DDPDistributor(DistributorInterface):
             distributed_config.load_balancing_config,
         )
         self._global_block_ranks = tuple(rank for _, rank in buffer_sizes_and_ranks)
-        self._is_local = tuple(rank == self._group_rank for rank in self._global_block_ranks)
-        self._build_communication_buffer(buffer_sizes_and_ranks)
-
-        self._local_blocked_params = compress_list(self._global_blocked_params, self._is_local)
-        self._local_block_info_list = tuple(
-            BlockInfo(param=param, composable_block_ids=block_id)
-            for param, block_id in compress_list(
-                tuple(zip(self._global_block_params, self._global_block_ids, strict=True)), self._is_local
-            )
-        )
-        self._local_grad_selector: tuple[bool, ...] = (True,) * len(self._local_blocked_params)
-        self._apply_selector(self._global_grad_selector)
+        is_local = tuple(rank == self._group_rank for rank in self._global_block_ranks)
+        self._build_communication_buffer(buffer_sizes_and_ranks, is_local)
+        self._select_local_blocks(is_local)
         if not self._local_blocked_params:
             logger.warning(
                 f"Rank {dist.get_rank()} was assigned no blocks and will idle during Shampoo computations; "
                 "consider a smaller num_trainers_per_group."
             )
 
-    def _build_communication_buffer(self, buffer_sizes_and_ranks: tuple[tuple[int, int], ...]) -> None:
+    def _build_communication_buffer(
+        self, buffer_sizes_and_ranks: tuple[tuple[int, int], ...], is_local: tuple[bool, ...]
+    ) -> None:
         """One int8 buffer with a region per rank; each rank's blocks sit back-to-back in global order."""
         region_bytes = [0] * self._group_size
         offsets = []
@@ -108,37 +100,14 @@ class DDPDistributor(DistributorInterface):
             raw = self._global_buffer[begin : begin + block.numel() * element_size]
             views.append(raw.view(self._communication_dtype).view(block.shape))
         self._global_buffer_views: tuple[Tensor, ...] = tuple(views)
-        self._local_buffer_views = compress_list(self._global_buffer_views, self._is_local)
+        self._local_buffer_views = compress_list(self._global_buffer_views, is_local)
 
     def _apply_selector(self, global_selector: tuple[bool, ...]) -> None:
-        self._global_grad_selector = global_selector
-        self._local_grad_selector = compress_list(global_selector, self._is_local)
+        """Also mask the global params and the buffer views that `update_params` reads and writes."""
+        super()._apply_selector(global_selector)
         self._global_masked_params = compress_list(self._global_blocked_params, global_selector)
         self._global_masked_views = compress_list(self._global_buffer_views, global_selector)
-        self._local_masked_blocked_params = compress_list(self._local_blocked_params, self._local_grad_selector)
         self._local_masked_views = compress_list(self._local_buffer_views, self._local_grad_selector)
-
-    @property
-    def local_block_info_list(self) -> tuple[BlockInfo, ...]:
-        return self._local_block_info_list
-
-    @property
-    def local_blocked_params(self) -> tuple[Tensor, ...]:
-        return self._local_blocked_params
-
-    @property
-    def local_grad_selector(self) -> tuple[bool, ...]:
-        return self._local_grad_selector
-
-    @property
-    def local_masked_blocked_params(self) -> tuple[Tensor, ...]:
-        return self._local_masked_blocked_params
-
-    def merge_and_block_gradients(self) -> tuple[Tensor, ...]:
-        blocked_grads, selector = self._blocked_grads_and_selector()
-        if selector != self._global_grad_selector:
-            self._apply_selector(selector)
-        return compress_list(compress_list(blocked_grads, self._is_local), self._local_grad_selector)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:

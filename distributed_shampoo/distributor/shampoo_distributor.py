@@ -63,33 +63,47 @@ class DistributorInterface(ABC):
     def _block(self, tensor: Tensor) -> tuple[Tensor, ...]:
         return block_tensor(tensor, self._max_preconditioner_dim, self._target_dimensionality)
 
-    # ---- what subclasses define
+    def _select_local_blocks(self, is_local: tuple[bool, ...]) -> None:
+        """Fix which blocks this process computes; a subclass calls this once its own state is built."""
+        self._is_local = is_local
+        self._local_blocked_params = compress_list(self._global_blocked_params, is_local)
+        self._local_block_info_list = tuple(
+            BlockInfo(param=param, composable_block_ids=block_id)
+            for param, block_id in compress_list(
+                tuple(zip(self._global_block_params, self._global_block_ids, strict=True)), is_local
+            )
+        )
+        self._apply_selector(self._global_grad_selector)
+
+    def _apply_selector(self, global_selector: tuple[bool, ...]) -> None:
+        """Record which blocks received a gradient; subclasses extend this to their own masked lists."""
+        self._global_grad_selector = global_selector
+        self._local_grad_selector = compress_list(global_selector, self._is_local)
+        self._local_masked_blocked_params = compress_list(self._local_blocked_params, self._local_grad_selector)
 
     @property
-    @abstractmethod
-    def local_block_info_list(self) -> tuple[BlockInfo, ...]: ...
+    def local_block_info_list(self) -> tuple[BlockInfo, ...]:
+        return self._local_block_info_list
 
     @property
-    @abstractmethod
-    def local_blocked_params(self) -> tuple[Tensor, ...]: ...
+    def local_blocked_params(self) -> tuple[Tensor, ...]:
+        return self._local_blocked_params
 
     @property
-    @abstractmethod
-    def local_grad_selector(self) -> tuple[bool, ...]: ...
+    def local_grad_selector(self) -> tuple[bool, ...]:
+        return self._local_grad_selector
 
     @property
-    @abstractmethod
-    def local_masked_blocked_params(self) -> tuple[Tensor, ...]: ...
+    def local_masked_blocked_params(self) -> tuple[Tensor, ...]:
+        """The local blocks that received a gradient at the last `merge_and_block_gradients`."""
+        return self._local_masked_blocked_params
 
-    @abstractmethod
     def merge_and_block_gradients(self) -> tuple[Tensor, ...]:
         """The local blocks' gradients, for the blocks that received one this step."""
-
-    @abstractmethod
-    def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:
-        """W ← W + P for the local (masked, or all with `use_masked_tensors=False`) blocks, plus communication."""
-
-    # ---- shared gradient blocking
+        blocked_grads, selector = self._blocked_grads_and_selector()
+        if selector != self._global_grad_selector:
+            self._apply_selector(selector)
+        return compress_list(compress_list(blocked_grads, self._is_local), self._local_grad_selector)  # type: ignore[arg-type]
 
     def _blocked_grads_and_selector(self) -> tuple[tuple[Tensor | None, ...], tuple[bool, ...]]:
         """Every block's gradient (None where the param has no usable gradient) and the global selector."""
@@ -105,44 +119,21 @@ class DistributorInterface(ABC):
             selector.extend((present,) * num_blocks)
         return tuple(blocked), tuple(selector)
 
+    @abstractmethod
+    def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:
+        """W ← W + P for the local (masked, or all with `use_masked_tensors=False`) blocks, plus communication."""
+
 
 class Distributor(DistributorInterface):
     """Single process: every block is local and there is no communication."""
 
     def __init__(self, param_group: dict[str, Any], runtime_config: ShampooRuntimeConfig | None = None) -> None:
         super().__init__(param_group, runtime_config)
-        self._local_block_info_list = tuple(
-            BlockInfo(param=param, composable_block_ids=block_id)
-            for param, block_id in zip(self._global_block_params, self._global_block_ids, strict=True)
-        )
-        self._local_masked_blocked_params = self._global_blocked_params
-
-    @property
-    def local_block_info_list(self) -> tuple[BlockInfo, ...]:
-        return self._local_block_info_list
-
-    @property
-    def local_blocked_params(self) -> tuple[Tensor, ...]:
-        return self._global_blocked_params
-
-    @property
-    def local_grad_selector(self) -> tuple[bool, ...]:
-        return self._global_grad_selector
-
-    @property
-    def local_masked_blocked_params(self) -> tuple[Tensor, ...]:
-        return self._local_masked_blocked_params
-
-    def merge_and_block_gradients(self) -> tuple[Tensor, ...]:
-        blocked_grads, selector = self._blocked_grads_and_selector()
-        if selector != self._global_grad_selector:
-            self._global_grad_selector = selector
-            self._local_masked_blocked_params = compress_list(self._global_blocked_params, selector)
-        return compress_list(blocked_grads, selector)  # type: ignore[arg-type]
+        self._select_local_blocks((True,) * len(self._global_blocked_params))
 
     @torch.no_grad()
     def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:
-        params = self._local_masked_blocked_params if use_masked_tensors else self._global_blocked_params
+        params = self._local_masked_blocked_params if use_masked_tensors else self._local_blocked_params
         assert len(params) == len(blocked_search_directions), (
             f"{len(params)=} blocks but {len(blocked_search_directions)=} search directions."
         )

@@ -13,13 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distributed_shampoo import (
-    AdamPreconditionerConfig,
-    DDPDistributedConfig,
-    DistributedShampoo,
-    SingleDeviceDistributedConfig,
-    WeightDecayType,
-)
+from distributed_shampoo import DDPDistributedConfig, DistributedShampoo, SingleDeviceDistributedConfig
+from distributed_shampoo.tests.distributed_shampoo_test import record_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -30,25 +25,10 @@ SHAPES = [(96, 96), (256, 96), (96, 256)]
 NUM_STEPS = 12
 
 
-def record_optimizer(params: list[torch.nn.Parameter], distributed_config: Any) -> DistributedShampoo:
-    return DistributedShampoo(
-        params,
-        lr=0.0015,
-        betas=(0.9, 0.95),
-        weight_decay=0.2,
-        weight_decay_type=WeightDecayType.DECOUPLED,
-        max_preconditioner_dim=8192,
-        precondition_frequency=5,
-        start_preconditioning_step=-1,
-        grafting_config=AdamPreconditionerConfig(beta2=0.95, epsilon=1e-10),
-        distributed_config=distributed_config,
-    )
-
-
 def run(device: str, distributed_config: Any = None) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in SHAPES]
-    optimizer = record_optimizer(params, distributed_config or SingleDeviceDistributedConfig())
+    optimizer = DistributedShampoo(params, **record_config(distributed_config=distributed_config or SingleDeviceDistributedConfig()))
     for _ in range(NUM_STEPS):
         for param in params:
             param.grad = torch.randn(param.shape, generator=generator).to(device)

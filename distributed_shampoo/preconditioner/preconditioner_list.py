@@ -64,6 +64,18 @@ class PreconditionerList(ABC):
         return sum(self._num_bytes_list)
 
 
+class StatelessPreconditionerList(PreconditionerList):
+    """A preconditioner that keeps no state: the direction is a function of the current gradient alone."""
+
+    def update_preconditioners(
+        self, masked_grad_list: tuple[Tensor, ...], step: Tensor | int, perform_amortized_computation: bool
+    ) -> None:
+        return
+
+    def compress_preconditioner_list(self, local_grad_selector: tuple[bool, ...]) -> None:
+        return
+
+
 def bias_correction(beta: float, step: int, scale: float = 1.0) -> float:
     """1 - scale·beta^step, evaluated in float32 on the CPU like the reference implementation.
 

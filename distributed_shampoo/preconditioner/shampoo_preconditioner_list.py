@@ -18,7 +18,7 @@ import logging
 import os
 import tempfile
 from abc import abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any
 
@@ -121,6 +121,31 @@ class ShampooKroneckerFactorsUnwrapped:
     failed_amortized_computation_counter: int = field(default=0)
 
 
+def _local_tensors(value: Tensor | tuple[Tensor, ...], block_info: BlockInfo) -> Tensor | tuple[Tensor, ...]:
+    """The local part of one state tensor, or of each tensor of a tuple (see `BlockInfo.get_tensor`)."""
+    return tuple(map(block_info.get_tensor, value)) if isinstance(value, tuple) else block_info.get_tensor(value)
+
+
+def _unwrap(
+    block_state: BaseShampooKroneckerFactorsState,
+    block_info: BlockInfo,
+    selector: tuple[bool, ...],
+    roots: tuple[Fraction, ...],
+) -> ShampooKroneckerFactorsUnwrapped:
+    """The block's local tensors: each tensor field of a variant's state has the same name in the view."""
+    local_tensors: dict[str, Any] = {
+        state_field.name: _local_tensors(getattr(block_state, state_field.name), block_info)
+        for state_field in fields(block_state)
+        if state_field.name != "factor_matrix_indices"
+    }
+    return ShampooKroneckerFactorsUnwrapped(
+        factor_matrix_indices=block_state.factor_matrix_indices,
+        preconditioned_dims_selector=selector,
+        roots=roots,
+        **local_tensors,
+    )
+
+
 def _precondition_grad(
     grad: Tensor, preconditioned_dims_selector: tuple[bool, ...], preconditioner_list: tuple[Tensor, ...]
 ) -> Tensor:
@@ -140,6 +165,13 @@ def _outer_product(grad: Tensor, dim: int) -> Tensor:
     """Contraction of `grad` with itself over every dim but `dim` (G·Gᵀ for dim 0 of a matrix)."""
     other_dims = [d for d in range(grad.dim()) if d != dim]
     return torch.tensordot(grad, grad, dims=(other_dims, other_dims))
+
+
+def _identities_like(
+    factor_matrices: tuple[Tensor, ...], block_info: BlockInfo, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, ...]:
+    """One identity matrix per factor matrix: the starting inverse roots or eigenvectors."""
+    return tuple(block_info.allocate_eye_tensor(f.shape[0], dtype=dtype, device=device) for f in factor_matrices)
 
 
 def _save_debug_matrix(matrix: Tensor, factor_matrix_index: str) -> None:
@@ -213,7 +245,7 @@ class BaseShampooPreconditionerList(PreconditionerList):
             indices = tuple(f"{param_index}.{block_id}.{j}" for j in range(len(factor_dims)))
             block_state = self._create_block_state(block, block_info, factor_matrices, indices)
             state[block_info.param][block_id][SHAMPOO] = block_state
-            blocks.append(self._unwrap(block_state, block_info, selector, roots))
+            blocks.append(_unwrap(block_state, block_info, selector, roots))
         self._local_blocks: tuple[ShampooKroneckerFactorsUnwrapped, ...] = tuple(blocks)
         self._masked_blocks = self._local_blocks
 
@@ -234,15 +266,6 @@ class BaseShampooPreconditionerList(PreconditionerList):
     def _create_block_state(
         self, block: Tensor, block_info: BlockInfo, factor_matrices: tuple[Tensor, ...], indices: tuple[str, ...]
     ) -> BaseShampooKroneckerFactorsState: ...
-
-    @abstractmethod
-    def _unwrap(
-        self,
-        block_state: BaseShampooKroneckerFactorsState,
-        block_info: BlockInfo,
-        selector: tuple[bool, ...],
-        roots: tuple[Fraction, ...],
-    ) -> ShampooKroneckerFactorsUnwrapped: ...
 
     @abstractmethod
     def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Any:
@@ -302,6 +325,17 @@ class BaseShampooPreconditionerList(PreconditionerList):
         if self._beta2 != 1.0:
             torch._foreach_mul_(factors, self._beta2)
         torch._foreach_add_(factors, outer_products, alpha=self._weighting_factor)
+
+    def _warm_started_eigendecomposition(
+        self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int
+    ) -> tuple[Tensor, Tensor]:
+        """(eigenvalues, eigenvectors) of A, starting from factor j's current eigenvectors (QR iterations use them)."""
+        return matrix_eigendecomposition(
+            A,
+            epsilon=self._epsilon,
+            eigendecomposition_config=self._preconditioner_config.amortized_computation_config,
+            eigenvectors_estimate=block.factor_matrices_eigenvectors[j].to(A.dtype),
+        )
 
     def _normalized_factor(self, factor_matrix: Tensor) -> Tensor:
         matrix = factor_matrix / self._bias_correction2
@@ -411,18 +445,7 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
         return RootInvShampooKroneckerFactorsState(
             factor_matrices=factor_matrices,
             factor_matrix_indices=indices,
-            inv_factor_matrices=tuple(
-                block_info.allocate_eye_tensor(f.shape[0], dtype=dtype, device=block.device) for f in factor_matrices
-            ),
-        )
-
-    def _unwrap(self, block_state: Any, block_info: BlockInfo, selector: tuple[bool, ...], roots: tuple[Fraction, ...]) -> ShampooKroneckerFactorsUnwrapped:
-        return ShampooKroneckerFactorsUnwrapped(
-            factor_matrices=tuple(map(block_info.get_tensor, block_state.factor_matrices)),
-            factor_matrix_indices=block_state.factor_matrix_indices,
-            preconditioned_dims_selector=selector,
-            roots=roots,
-            inv_factor_matrices=tuple(map(block_info.get_tensor, block_state.inv_factor_matrices)),
+            inv_factor_matrices=_identities_like(factor_matrices, block_info, dtype, block.device),
         )
 
     def _amortized_results(
@@ -484,9 +507,8 @@ class EigendecomposedShampooPreconditionerList(ClassicShampooPreconditionerList)
         return EigendecomposedShampooKroneckerFactorsState(
             factor_matrices=factor_matrices,
             factor_matrix_indices=indices,
-            factor_matrices_eigenvectors=tuple(
-                block_info.allocate_eye_tensor(f.shape[0], dtype=config.factor_matrix_eigenvectors_dtype, device=block.device)
-                for f in factor_matrices
+            factor_matrices_eigenvectors=_identities_like(
+                factor_matrices, block_info, config.factor_matrix_eigenvectors_dtype, block.device
             ),
             factor_matrices_eigenvalues=tuple(
                 block_info.allocate_ones_tensor(size=(f.shape[0],), dtype=config.factor_matrix_eigenvalues_dtype, device=block.device)
@@ -494,24 +516,8 @@ class EigendecomposedShampooPreconditionerList(ClassicShampooPreconditionerList)
             ),
         )
 
-    def _unwrap(self, block_state: Any, block_info: BlockInfo, selector: tuple[bool, ...], roots: tuple[Fraction, ...]) -> ShampooKroneckerFactorsUnwrapped:
-        return ShampooKroneckerFactorsUnwrapped(
-            factor_matrices=tuple(map(block_info.get_tensor, block_state.factor_matrices)),
-            factor_matrix_indices=block_state.factor_matrix_indices,
-            preconditioned_dims_selector=selector,
-            roots=roots,
-            factor_matrices_eigenvectors=tuple(map(block_info.get_tensor, block_state.factor_matrices_eigenvectors)),
-            factor_matrices_eigenvalues=tuple(map(block_info.get_tensor, block_state.factor_matrices_eigenvalues)),
-        )
-
     def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> tuple[Tensor, Tensor]:
-        estimate = block.factor_matrices_eigenvectors[j]
-        return matrix_eigendecomposition(
-            A,
-            epsilon=self._epsilon,
-            eigendecomposition_config=self._preconditioner_config.amortized_computation_config,
-            eigenvectors_estimate=estimate.to(A.dtype),
-        )
+        return self._warm_started_eigendecomposition(A, block, j)
 
     def _result_tensors(self, result: tuple[Tensor, Tensor]) -> tuple[Tensor, ...]:
         return result
@@ -581,23 +587,12 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
         return EigenvalueCorrectedShampooKroneckerFactorsState(
             factor_matrices=factor_matrices,
             factor_matrix_indices=indices,
-            factor_matrices_eigenvectors=tuple(
-                block_info.allocate_eye_tensor(f.shape[0], dtype=config.factor_matrix_eigenvectors_dtype, device=block.device)
-                for f in factor_matrices
+            factor_matrices_eigenvectors=_identities_like(
+                factor_matrices, block_info, config.factor_matrix_eigenvectors_dtype, block.device
             ),
             corrected_eigenvalues=block_info.allocate_zeros_tensor(
                 size=block.size(), dtype=config.corrected_eigenvalues_dtype, device=block.device
             ),
-        )
-
-    def _unwrap(self, block_state: Any, block_info: BlockInfo, selector: tuple[bool, ...], roots: tuple[Fraction, ...]) -> ShampooKroneckerFactorsUnwrapped:
-        return ShampooKroneckerFactorsUnwrapped(
-            factor_matrices=tuple(map(block_info.get_tensor, block_state.factor_matrices)),
-            factor_matrix_indices=block_state.factor_matrix_indices,
-            preconditioned_dims_selector=selector,
-            roots=roots,
-            factor_matrices_eigenvectors=tuple(map(block_info.get_tensor, block_state.factor_matrices_eigenvectors)),
-            corrected_eigenvalues=block_info.get_tensor(block_state.corrected_eigenvalues),
         )
 
     def _rotate(self, tensor: Tensor, block: ShampooKroneckerFactorsUnwrapped, back: bool = False) -> Tensor:
@@ -620,13 +615,7 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
         torch._foreach_add_(corrected, rotated_squares, alpha=self._weighting_factor)
 
     def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Tensor:
-        estimate = block.factor_matrices_eigenvectors[j]
-        _, eigenvectors = matrix_eigendecomposition(
-            A,
-            epsilon=self._epsilon,
-            eigendecomposition_config=self._preconditioner_config.amortized_computation_config,
-            eigenvectors_estimate=estimate.to(A.dtype),
-        )
+        _, eigenvectors = self._warm_started_eigendecomposition(A, block, j)
         return eigenvectors
 
     def _result_tensors(self, result: Tensor) -> tuple[Tensor, ...]:

@@ -5,11 +5,11 @@ import math
 from torch import Tensor
 
 from distributed_shampoo.preconditioner.matrix_functions import matrix_orthogonalization
-from distributed_shampoo.preconditioner.preconditioner_list import PreconditionerList, profile_decorator
+from distributed_shampoo.preconditioner.preconditioner_list import StatelessPreconditionerList, profile_decorator
 from distributed_shampoo.shampoo_types import SpectralDescentPreconditionerConfig
 
 
-class SpectralDescentPreconditionerList(PreconditionerList):
+class SpectralDescentPreconditionerList(StatelessPreconditionerList):
     def __init__(self, block_list: tuple[Tensor, ...], preconditioner_config: SpectralDescentPreconditionerConfig) -> None:
         super().__init__(block_list)
         if bad_shapes := [tuple(block.shape) for block in block_list if block.dim() != 2]:
@@ -20,14 +20,6 @@ class SpectralDescentPreconditionerList(PreconditionerList):
             )
         self._orthogonalization_config = preconditioner_config.orthogonalization_config
 
-    def update_preconditioners(
-        self, masked_grad_list: tuple[Tensor, ...], step: Tensor | int, perform_amortized_computation: bool
-    ) -> None:
-        return
-
     @profile_decorator
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         return tuple(matrix_orthogonalization(grad, self._orthogonalization_config) for grad in masked_grad_list)
-
-    def compress_preconditioner_list(self, local_grad_selector: tuple[bool, ...]) -> None:
-        return
