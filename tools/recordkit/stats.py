@@ -75,25 +75,24 @@ def one_sample_less(values: list[float], target: float = TARGET_LOSS) -> TTest:
     return TTest(float(result.statistic), float(len(values) - 1), float(result.pvalue))
 
 
-def welch_less(candidate: list[float], baseline: list[float]) -> TTest:
-    """One-sided Welch test, H1: mean(candidate) < mean(baseline)."""
+def welch(candidate: list[float], baseline: list[float], alternative: str = "two-sided") -> TTest:
+    """Welch's unequal-variance t-test; alternative "less" means H1: mean(candidate) < mean(baseline)."""
     if len(candidate) < 2 or len(baseline) < 2:
         return TTest(None, None, None, f"undefined: n={len(candidate)} and {len(baseline)} (need ≥ 2 each)")
     if float(np.std(candidate)) == 0.0 and float(np.std(baseline)) == 0.0:
         return TTest(None, None, None, "undefined: both arms have sd = 0")
     with _quiet_precision_warnings():
-        result = sps.ttest_ind(candidate, baseline, equal_var=False, alternative="less")
+        result = sps.ttest_ind(candidate, baseline, equal_var=False, alternative=alternative)
     return TTest(float(result.statistic), float(result.df), float(result.pvalue))
+
+
+def welch_less(candidate: list[float], baseline: list[float]) -> TTest:
+    """One-sided Welch test, H1: mean(candidate) < mean(baseline)."""
+    return welch(candidate, baseline, "less")
 
 
 def welch_two_sided(a: list[float], b: list[float]) -> TTest:
-    if len(a) < 2 or len(b) < 2:
-        return TTest(None, None, None, f"undefined: n={len(a)} and {len(b)} (need ≥ 2 each)")
-    if float(np.std(a)) == 0.0 and float(np.std(b)) == 0.0:
-        return TTest(None, None, None, "undefined: both arms have sd = 0")
-    with _quiet_precision_warnings():
-        result = sps.ttest_ind(a, b, equal_var=False)
-    return TTest(float(result.statistic), float(result.df), float(result.pvalue))
+    return welch(a, b)
 
 
 @dataclass(frozen=True)
