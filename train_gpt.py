@@ -1346,6 +1346,7 @@ def _free_port() -> int:
 
 def setup_distributed() -> Runtime:
     """torchrun's environment, or a one-process group when run as plain `python train_gpt.py`."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read once, at CUDA's first allocation
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -1590,7 +1591,6 @@ def train(
 # Main and final log
 # =============================================================================================
 def configure_torch(device: torch.device) -> None:
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # *_tensor collectives renamed in 2.13
     dynamo_config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):  # FA3: one graph per (window, attn_scale), see Attention
@@ -1603,7 +1603,6 @@ def configure_torch(device: torch.device) -> None:
 def run(argv: list[str]) -> float:
     global _log_path, _is_master
     hp, overrides = parse_args(argv)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA initializes
     rt = setup_distributed()
     _is_master = rt.rank == 0
     configure_torch(rt.device)
