@@ -105,6 +105,10 @@ class Hyperparameters:
     disable_fp8: bool = False  # also the DISABLE_FP8 environment variable
     seed: int = -1  # -1: unseeded like the record (parameters are broadcast from rank 0 anyway)
 
+    @property
+    def train_steps(self) -> int:
+        return self.num_iterations + self.iteration_extension
+
 
 ATTENTION_BACKENDS = ("auto", "flash3", "flex", "reference")
 NUM_LAYERS = 12  # block slots 0-11; the topology below is fixed for every preset
@@ -215,7 +219,7 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
 # ---- schedules (step → value); the spec's boundary steps are tested ----
 def window_blocks(step: int, hp: Hyperparameters) -> tuple[int, int]:
     """(short, long) attention windows in blocks. Denominator num_iterations + 1 is the record's (1641)."""
-    if step == hp.num_iterations + hp.iteration_extension:
+    if step == hp.train_steps:
         return hp.ws_validate // 2, hp.ws_validate
     progress = min(step / (hp.num_iterations + 1), 0.9999)
     long_window = hp.ws_schedule[int(len(hp.ws_schedule) * progress)]
@@ -486,7 +490,7 @@ def generate_smoke_shards(folder: Path, hp: Hyperparameters) -> tuple[str, str]:
     """Small deterministic shards for the smoke preset (reused when already present). Each of the two train
     shards alone holds twice the run's tokens: BOS alignment drops the cut remainders of documents."""
     folder.mkdir(parents=True, exist_ok=True)
-    train_tokens = 2 * hp.train_batch_size * (hp.num_iterations + hp.iteration_extension + hp.warmup_steps + 1)
+    train_tokens = 2 * hp.train_batch_size * (hp.train_steps + hp.warmup_steps + 1)
     for name, size, seed in (
         ("smoke_train_000001.bin", train_tokens, 1),
         ("smoke_train_000002.bin", train_tokens, 2),
@@ -954,18 +958,18 @@ def embedding_parameter_count(model: GPT) -> int:
     return sum(t.weight.numel() for t in (model.embed, *model.value_embeds))
 
 
-def attention_flops_per_token(hp: Hyperparameters, train_steps: int) -> int:
+def attention_flops_per_token(hp: Hyperparameters) -> int:
     """Forward attention FLOPs per token averaged over the training schedule, window-limited upper bound:
     sum over attention layers of 4 * model_dim * (W + 1) (QK^T and PV, 2 FLOPs per multiply-add, W + 1 keys
     per query); document starts, which shorten the reach, are ignored."""
     total = 0
-    for step in range(train_steps):
+    for step in range(hp.train_steps):
         ws_short, ws_long = window_blocks(step, hp)
         for layer in range(NUM_LAYERS):
             if layer not in ATTENTION_LAYERS_SKIPPED:
                 window = (ws_long if layer in LONG_WINDOW_LAYERS else ws_short) * hp.block_size
                 total += 4 * hp.model_dim * (min(window, hp.train_max_seq_len - 1) + 1)
-    return round(total / max(train_steps, 1))
+    return round(total / hp.train_steps)
 
 
 # =============================================================================================
@@ -1437,10 +1441,10 @@ def log_environment(
     print0(f"val_files: {len(val_files)} files, {val_token_count} tokens")
 
 
-def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime, train_steps: int) -> None:
+def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime) -> None:
     total = sum(p.numel() for p in model.parameters())
     print0(f"params: total={total} matmul={matmul_parameter_count(model)} embed={embedding_parameter_count(model)}")
-    print0(f"attention_flops_per_token: {attention_flops_per_token(hp, train_steps)}")
+    print0(f"attention_flops_per_token: {attention_flops_per_token(hp)}")
     print0(f"muon_group_sizes: {[len(g.params) for g in muon.layout]}")
     print0(f"muon_group_padded: {[g.padded for g in muon.layout]}")
     for rank in range(rt.world_size):
@@ -1544,7 +1548,7 @@ def train(
     on_final: Callable[[int], None],
 ) -> float:
     """The timed run (spec §18): validation and checkpointing are outside the clock. Returns the final val loss."""
-    train_steps = hp.num_iterations + hp.iteration_extension
+    train_steps = hp.train_steps
     loader = make_train_loader()
     training_time_ms = 0.0
     ws_short, ws_long = window_blocks(0, hp)
@@ -1611,7 +1615,7 @@ def run(argv: list[str]) -> float:
     if "train_files" not in overrides and "val_files" not in overrides and overrides.get("preset") == "smoke":
         folder = (
             Path(hp.log_dir)
-            / f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.num_iterations + hp.iteration_extension}_w{hp.warmup_steps}_val{hp.val_tokens}"
+            / f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.train_steps}_w{hp.warmup_steps}_val{hp.val_tokens}"
         )
         if rt.rank == 0:
             generate_smoke_shards(folder, hp)
@@ -1653,9 +1657,8 @@ def run(argv: list[str]) -> float:
         print0(Path(__file__).read_text(), console=False)
     else:
         run_id = hp.run_id
-    train_steps = hp.num_iterations + hp.iteration_extension
     log_environment(rt, hp, overrides, backend, fp8, train_files, val_files, val_token_count)
-    log_model_and_muon(raw_model, muon, hp, rt, train_steps)
+    log_model_and_muon(raw_model, muon, hp, rt)
     print0("=" * 100)
 
     make_train_loader = lambda: train_loader(
