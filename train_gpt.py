@@ -486,18 +486,24 @@ def synthetic_tokens(num_tokens: int, vocab_size: int, bos_token: int, seed: int
     return tokens
 
 
-def generate_smoke_shards(folder: Path, hp: Hyperparameters) -> tuple[str, str]:
-    """Small deterministic shards for the smoke preset (reused when already present). Each of the two train
-    shards alone holds twice the run's tokens: BOS alignment drops the cut remainders of documents."""
-    folder.mkdir(parents=True, exist_ok=True)
-    train_tokens = 2 * hp.train_batch_size * (hp.train_steps + hp.warmup_steps + 1)
-    for name, size, seed in (
-        ("smoke_train_000001.bin", train_tokens, 1),
-        ("smoke_train_000002.bin", train_tokens, 2),
-        ("smoke_val_000000.bin", hp.val_tokens + 2, 3),
-    ):
-        if not (folder / name).exists():
-            write_shard(folder / name, synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed))
+def smoke_shards(hp: Hyperparameters, rank: int) -> tuple[str, str]:
+    """Small deterministic shards for the smoke preset, written by rank 0 into a folder of log_dir named by
+    the settings that size them (reused when already present); returns the train and val patterns. Each of
+    the two train shards alone holds twice the run's tokens: BOS alignment drops the cut remainders of documents."""
+    folder = Path(hp.log_dir) / (
+        f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.train_steps}_w{hp.warmup_steps}_val{hp.val_tokens}"
+    )
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        train_tokens = 2 * hp.train_batch_size * (hp.train_steps + hp.warmup_steps + 1)
+        for name, size, seed in (
+            ("smoke_train_000001.bin", train_tokens, 1),
+            ("smoke_train_000002.bin", train_tokens, 2),
+            ("smoke_val_000000.bin", hp.val_tokens + 2, 3),
+        ):
+            if not (folder / name).exists():
+                write_shard(folder / name, synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed))
+    dist.barrier()
     return str(folder / "smoke_train_*.bin"), str(folder / "smoke_val_*.bin")
 
 
@@ -1613,14 +1619,8 @@ def run(argv: list[str]) -> float:
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     if "train_files" not in overrides and "val_files" not in overrides and overrides.get("preset") == "smoke":
-        folder = (
-            Path(hp.log_dir)
-            / f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.train_steps}_w{hp.warmup_steps}_val{hp.val_tokens}"
-        )
-        if rt.rank == 0:
-            generate_smoke_shards(folder, hp)
-        dist.barrier()
-        hp = dataclasses.replace(hp, train_files=str(folder / "smoke_train_*.bin"), val_files=str(folder / "smoke_val_*.bin"))
+        smoke_train, smoke_val = smoke_shards(hp, rt.rank)
+        hp = dataclasses.replace(hp, train_files=smoke_train, val_files=smoke_val)
     train_files = resolve_files(hp.train_files, "train")
     val_files = resolve_files(hp.val_files, "val")
     val_token_count = check_val_data(val_files, hp.val_tokens, hp.val_batch_size, rt.grad_accum_steps)
