@@ -371,12 +371,15 @@ def train_loader(
     pool = ThreadPoolExecutor(max_workers=1)
     paths = _shard_paths(files, cycle)
 
-    def load(path: str) -> tuple[str, np.ndarray, np.ndarray]:
-        tokens = read_shard(path, vocab_size)
+    def document_starts(path: str, tokens: np.ndarray) -> np.ndarray:
         bos = bos_positions(tokens, bos_token)
         if bos.size == 0:
             raise UserError(f"{path}: no BOS token ({bos_token}) found; training shards must hold documents that each start with it")
-        return path, tokens, bos
+        return bos
+
+    def load(path: str) -> tuple[str, np.ndarray, np.ndarray]:
+        tokens = read_shard(path, vocab_size)
+        return path, tokens, document_starts(path, tokens)
 
     def preload() -> Future | None:
         path = next(paths, None)
@@ -384,11 +387,11 @@ def train_loader(
 
     path = next(paths)
     tokens = read_shard(path, vocab_size)
-    bos = bos_positions(tokens[:QUICK_BOS_SCAN_TOKENS], bos_token)
     index_complete = tokens.size <= QUICK_BOS_SCAN_TOKENS
-    full_index = None if index_complete else pool.submit(bos_positions, tokens, bos_token)
-    if index_complete and bos.size == 0:
-        raise UserError(f"{path}: no BOS token ({bos_token}) found; training shards must hold documents that each start with it")
+    if index_complete:
+        bos, full_index = document_starts(path, tokens), None
+    else:  # index the prefix now and the whole shard in the background
+        bos, full_index = bos_positions(tokens[:QUICK_BOS_SCAN_TOKENS], bos_token), pool.submit(document_starts, path, tokens)
     upcoming = preload()
     cursor, served = 0, 0
     while True:

@@ -118,7 +118,9 @@ def test_quick_bos_index_hands_over_to_the_full_index(tmp_path, monkeypatch):
         assert torch.equal(a.inputs, b.inputs) and torch.equal(a.cu_seqlens, b.cu_seqlens)
 
 
-def test_shard_without_bos_is_rejected(tmp_path):
+@pytest.mark.parametrize("quick_scan_tokens", [tg.QUICK_BOS_SCAN_TOKENS, 100])
+def test_shard_without_bos_is_rejected(tmp_path, monkeypatch, quick_scan_tokens):
+    monkeypatch.setattr(tg, "QUICK_BOS_SCAN_TOKENS", quick_scan_tokens)  # 100: the background full index finds none
     tg.write_shard(tmp_path / "t_000001.bin", np.full(500, 7))
     with pytest.raises(tg.UserError, match="no BOS token") as info:
         next(loader([tmp_path / "t_000001.bin"]))
