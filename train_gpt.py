@@ -278,7 +278,7 @@ def read_shard_header(path: str) -> int:
     num_tokens = int(header[2])
     if size != 4 * SHARD_HEADER_INTS + 2 * num_tokens:
         raise UserError(
-            f"{path}: header says {num_tokens} tokens but the file holds {(size - 1024) / 2:g}; the shard is truncated or corrupt"
+            f"{path}: header says {num_tokens} tokens but the file holds {(size - 4 * SHARD_HEADER_INTS) / 2:g}; the shard is truncated or corrupt"
         )
     return num_tokens
 
@@ -427,12 +427,13 @@ def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, grad_
     """Counts the tokens the windowed reader can use (a read of R = val_batch_size / grad_accum_steps tokens
     needs R + 2 left in its shard, see val_loader); clear error when too short. Returns the total token count."""
     tokens_per_read = val_batch_size // grad_accum_steps
-    usable = sum(max(read_shard_header(path) - 2, 0) // tokens_per_read * tokens_per_read for path in files)
+    counts = [read_shard_header(path) for path in files]
+    usable = sum(max(count - 2, 0) // tokens_per_read * tokens_per_read for count in counts)
     if usable < val_tokens:
         raise UserError(
             f"validation data too short: {usable} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens (and --val_batch_size)"
         )
-    return sum(read_shard_header(path) for path in files)
+    return sum(counts)
 
 
 def val_loader(
