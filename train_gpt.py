@@ -1478,6 +1478,11 @@ def warmup_kernels(
 ) -> None:
     """Compiles the graph of every training window (and autotunes the kernels) on real batches."""
     saved = copy.deepcopy(dict(model=raw_model.state_dict(), adam=adam.state_dict(), muon=muon.state_dict()))
+    for opt in (adam, muon):  # initial LR, momentum hp.muon_momentum (the group defaults; restored below anyway)
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"]
+    for group in muon.param_groups:
+        group["momentum"] = hp.muon_momentum
     loader = make_train_loader()
     current_long = hp.ws_schedule[0]
     for step in range(hp.warmup_steps):
@@ -1490,11 +1495,6 @@ def warmup_kernels(
         batch = next(loader)
         windows = raw_model.attention.window_args(new_long // 2, new_long, batch.inputs.device)
         model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
-        for opt in (adam, muon):  # initial LR, momentum hp.muon_momentum (group defaults)
-            for group in opt.param_groups:
-                group["lr"] = group["initial_lr"]
-        for group in muon.param_groups:
-            group["momentum"] = hp.muon_momentum
         adam.step()
         muon.step()
         model.zero_grad(set_to_none=True)
