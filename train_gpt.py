@@ -1561,7 +1561,7 @@ def train(
     train_steps = hp.train_steps
     loader = make_train_loader()
     training_time_ms = 0.0
-    ws_short, ws_long = window_blocks(0, hp)
+    ws_long = window_blocks(0, hp)[1]  # the long window the rotary tables are set for (YaRN reset)
     final_loss = float("nan")
     synchronize(rt.device)
     t0 = time.perf_counter()
@@ -1658,7 +1658,7 @@ def run(argv: list[str]) -> float:
     if _is_master:
         _log_path, run_id = open_log(hp.log_dir, hp.run_id)
         print(f"log: {_log_path}", flush=True)
-        print0(Path(__file__).read_text(), console=False)
+        print0(Path(__file__).read_text())
     else:
         run_id = hp.run_id
     log_environment(rt, hp, overrides, backend, fp8, train_files, val_files, val_token_count)
