@@ -1318,10 +1318,15 @@ class DistAdam(torch.optim.Optimizer):
             work.wait()
 
 
-def build_optimizers(model: GPT, hp: Hyperparameters, rank: int, world_size: int) -> tuple[DistAdam, Muon]:
-    """Adam: scalars, head, embeddings. Muon: hidden matrices then gates (the record's input order)."""
+def muon_parameters(model: GPT) -> list[nn.Parameter]:
+    """Hidden matrices, then gates: the record's input order (muon_groups then sorts them stably by tag)."""
     hidden = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2 and "gate" not in n]
     gates = [p for n, p in model.named_parameters() if "gate" in n]
+    return hidden + gates
+
+
+def build_optimizers(model: GPT, hp: Hyperparameters, rank: int, world_size: int) -> tuple[DistAdam, Muon]:
+    """Adam: scalars, head, embeddings. Muon: muon_parameters."""
     embeddings = [table.weight for table in (model.embed, *model.value_embeds)]
     adam = DistAdam(
         [model.scalars, model.lm_head.weight, *embeddings],
@@ -1332,7 +1337,7 @@ def build_optimizers(model: GPT, hp: Hyperparameters, rank: int, world_size: int
         rank,
         world_size,
     )
-    muon = Muon(hidden + gates, hp.muon_lr, hp.muon_momentum, hp.weight_decay, rank, world_size)
+    muon = Muon(muon_parameters(model), hp.muon_lr, hp.muon_momentum, hp.weight_decay, rank, world_size)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]

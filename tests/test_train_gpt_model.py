@@ -20,11 +20,6 @@ def tiny_model(backend: str = "reference", dim: int = 64, heads: int = 2, block:
     return tg.GPT(TINY_VOCAB, dim, heads, 256, block, 1, tg.Attention(backend, block, TINY_BOS), torch.float32)
 
 
-def muon_params(model: tg.GPT) -> list[torch.nn.Parameter]:
-    hidden = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2 and "gate" not in n]
-    return hidden + [p for n, p in model.named_parameters() if "gate" in n]
-
-
 def test_record_parameter_inventory():
     model = record_model()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -49,7 +44,7 @@ def test_record_parameter_inventory():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_muon_groups_of_the_record_model(world_size):
-    groups = tg.muon_groups(muon_params(record_model(world_size)), world_size)
+    groups = tg.muon_groups(tg.muon_parameters(record_model(world_size)), world_size)
     assert [len(g.params) for g in groups] == [1, 10, 16, 16]
     assert [g.padded for g in groups] == [math.ceil(n / world_size) * world_size for n in (1, 10, 16, 16)]
     assert [g.params[0].module_tag for g in groups] == ["smear_gate", "attn_gate", "attn", "mlp"]
@@ -59,7 +54,7 @@ def test_muon_groups_of_the_record_model(world_size):
 
 
 def test_muon_layout_at_eight_ranks_never_mixes_attn_and_mlp():
-    groups = tg.muon_groups(muon_params(record_model()), 8)
+    groups = tg.muon_groups(tg.muon_parameters(record_model()), 8)
     labels = lambda group, rank: [p.label for p in groups[group].owned(rank)]
     assert labels(0, 0) == ["smear_gate.weight"] and all(labels(0, r) == [] for r in range(1, 8))
     assert [len(labels(1, r)) for r in range(8)] == [2, 2, 2, 2, 2, 0, 0, 0]
@@ -210,7 +205,7 @@ def test_dist_adam_matches_a_plain_adam_reference():
 
 def test_muon_step_is_nesterov_momentum_then_newton_schulz_per_qkvo_slice():
     model = tiny_model(dim=32)
-    params = muon_params(model)
+    params = tg.muon_parameters(model)
     torch.manual_seed(1)
     grads = [torch.randn_like(p) for p in params]
     before = [p.detach().clone() for p in params]
