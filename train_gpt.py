@@ -317,6 +317,13 @@ def _cu_seqlens(starts: np.ndarray, num_tokens_local: int, max_num_docs: int, wh
     return cu
 
 
+def _batch(buffer: np.ndarray, doc_starts: np.ndarray | None, max_num_docs: int, where: str, device: torch.device) -> Batch:
+    """Inputs buffer[:-1], targets buffer[1:], and cu_seqlens when document starts (in the buffer) are given."""
+    num_tokens_local = buffer.size - 1
+    cu = None if doc_starts is None else _to_device(_cu_seqlens(doc_starts, num_tokens_local, max_num_docs, where), torch.int32, device)
+    return Batch(_to_device(buffer[:-1], torch.int32, device), _to_device(buffer[1:], torch.int64, device), cu)
+
+
 def plan_segments(
     bos: np.ndarray, shard_len: int, cursor: int, num_tokens_local: int, max_seq_len: int, world_size: int, index_is_complete: bool
 ) -> tuple[list[list[tuple[int, int]]], int] | None:
@@ -412,15 +419,9 @@ def train_loader(
         rows, cursor = plan
         segments = rows[rank]
         buffer = np.concatenate([tokens[start:end] for start, end in segments])
-        cu = None
-        if with_cu_seqlens:
-            lengths = np.array([end - start for start, end in segments], dtype=np.int64)
-            lengths[-1] -= 1  # the row's "+1" target token belongs to no input position
-            cu = _to_device(
-                _cu_seqlens(np.concatenate([[0], np.cumsum(lengths)[:-1]]), num_tokens_local, max_num_docs, path), torch.int32, device
-            )
+        doc_starts = np.cumsum([0] + [end - start for start, end in segments[:-1]]) if with_cu_seqlens else None
         served += 1
-        yield Batch(_to_device(buffer[:-1], torch.int32, device), _to_device(buffer[1:], torch.int64, device), cu)
+        yield _batch(buffer, doc_starts, max_num_docs, path, device)
 
 
 def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, grad_accum_steps: int) -> int:
@@ -461,12 +462,10 @@ def val_loader(
             continue
         start = pos + rank * num_tokens_local
         buffer = tokens[start : start + num_tokens_local + 1]
-        cu = None
-        if with_cu_seqlens:  # tokens before the first BOS form document 0 (a BOS at 0 makes it empty)
-            starts = np.concatenate([[0], bos_positions(buffer[:-1], bos_token)])
-            cu = _to_device(_cu_seqlens(starts, num_tokens_local, max_num_docs, path), torch.int32, device)
+        # tokens before the first BOS form document 0 (a BOS at 0 makes it empty)
+        doc_starts = np.concatenate([[0], bos_positions(buffer[:-1], bos_token)]) if with_cu_seqlens else None
         pos += num_tokens
-        yield Batch(_to_device(buffer[:-1], torch.int32, device), _to_device(buffer[1:], torch.int64, device), cu)
+        yield _batch(buffer, doc_starts, max_num_docs, path, device)
 
 
 def write_shard(path: Path, tokens: np.ndarray) -> None:
