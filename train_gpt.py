@@ -1216,6 +1216,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params: list[nn.Parameter], lr: float, momentum: float, weight_decay: float, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
+        self._reductions: list[tuple] = []  # filled by launch_reductions, emptied by step
         self.layout = muon_groups(params, world_size)
         super().__init__([dict(params=g.params) for g in self.layout], dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
@@ -1231,7 +1232,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        if not getattr(self, "_reductions", None):
+        if not self._reductions:
             self.launch_reductions()
         reductions, self._reductions = self._reductions, []
         gathers = []
@@ -1274,6 +1275,7 @@ class DistAdam(torch.optim.Optimizer):
         self, params: list[nn.Parameter], lr: float, betas: tuple[float, float], eps: float, weight_decay: float, rank: int, world_size: int
     ):
         self.rank, self.world_size = rank, world_size
+        self._reductions: list[tuple] = []  # filled by launch_reductions, emptied by step
         shapes = list(dict.fromkeys(tuple(p.shape) for p in params))
         groups = [dict(params=[p for p in params if tuple(p.shape) == shape]) for shape in shapes]
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -1289,7 +1291,7 @@ class DistAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        if not getattr(self, "_reductions", None):
+        if not self._reductions:
             self.launch_reductions()
         reductions, self._reductions = self._reductions, []
         gathers = []
