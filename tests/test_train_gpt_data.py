@@ -24,6 +24,15 @@ def loader(files, tokens_local=64, max_seq_len=32, rank=0, world_size=1, cycle=F
     return tg.train_loader([str(f) for f in files], tokens_local, max_seq_len, rank, world_size, TINY_BOS, TINY_VOCAB, cycle, CPU, cu)
 
 
+def _take(iterator, n):
+    """Up to n items; stops at the loader's end-of-data error."""
+    for _ in range(n):
+        try:
+            yield next(iterator)
+        except tg.UserError:
+            return
+
+
 def test_shard_roundtrip_and_header_errors(tmp_path):
     tokens = docs_shard(tmp_path / "ok.bin", [5, 7])
     assert tg.read_shard_header(str(tmp_path / "ok.bin")) == 12
@@ -97,14 +106,6 @@ def test_shard_switch_exhaustion_and_cycling(tmp_path):
         list(loader(files, tokens_local=64, max_seq_len=128, cycle=False))
     cycled = list(_take(loader(files, tokens_local=64, max_seq_len=128, cycle=True), 10))
     assert torch.equal(cycled[8].inputs, batches[0].inputs)
-
-
-def _take(iterator, n):
-    for _ in range(n):
-        try:
-            yield next(iterator)
-        except tg.UserError:
-            return
 
 
 def test_quick_bos_index_hands_over_to_the_full_index(tmp_path, monkeypatch):

@@ -76,7 +76,7 @@ def test_initial_loss_is_uniform_over_the_padded_vocabulary():
     assert model(ids, ids.long(), None, 1, 3, 128).item() == pytest.approx(128 * math.log(512), rel=1e-5)  # sum in training
 
 
-def test_every_parameter_gets_a_gradient_path_after_one_update():
+def test_every_parameter_gets_a_gradient_path_after_two_updates():
     model = tiny_model()
     ids = torch.randint(0, TINY_VOCAB - 1, (128,), dtype=torch.int32)
     ids[::37] = TINY_BOS
