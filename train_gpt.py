@@ -627,6 +627,9 @@ class LMHead(CastedLinear):
 
 
 # ---- rotary embedding with YaRN ----
+BASE_ATTN_SCALE = 0.1  # softmax scale before any YaRN update
+
+
 class Rotary(nn.Module):
     """Half-truncated rotary: head_dim/4 frequencies log-spaced from 1 to 1/1024, then head_dim/4 zeros.
 
@@ -643,9 +646,9 @@ class Rotary(nn.Module):
         self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
         # attn_scale as a float (FA3, reference) and as a 0-dim tensor updated in place (FlexAttention's
         # score_mod), so YaRN updates do not recompile the FlexAttention graph
-        self.register_buffer("attn_scale_tensor", torch.tensor(0.1), persistent=False)
+        self.register_buffer("attn_scale_tensor", torch.tensor(BASE_ATTN_SCALE), persistent=False)
         self.block_size = block_size
-        self.attn_scale = 0.1
+        self.attn_scale = BASE_ATTN_SCALE
         self.reset()
 
     @torch.no_grad()
@@ -657,7 +660,7 @@ class Rotary(nn.Module):
     @torch.no_grad()
     def reset(self) -> None:
         self.freqs.copy_(self.base_freqs)
-        self.attn_scale = 0.1
+        self.attn_scale = BASE_ATTN_SCALE
         self.attn_scale_tensor.fill_(self.attn_scale)
         self._refresh_tables()
 
