@@ -747,7 +747,7 @@ class AttentionInputs(NamedTuple):
 
 
 class Attention:
-    """Chooses the attention implementation once per run; the name is written to the log.
+    """The attention implementation chosen once per run (choose_attention_backend); its name is logged.
 
     Recompiles: FA3 takes windows and attn_scale as Python numbers, so (as in the record) each
     (window, attn_scale) pair compiles its own graph: 3 in training, a few more in eval. FlexAttention
