@@ -95,7 +95,7 @@ def shared_steps(runs: list[RunFacts]) -> list[int]:
 
 
 def _track3_report(runs: list[RunFacts], step: int | None, notes: list[str]) -> dict[str, Any]:
-    steps = [step for step in shared_steps(runs) if step > 0]  # no claim is made at initialization
+    steps = [s for s in shared_steps(runs) if s > 0]  # no claim is made at initialization
     if not steps:
         raise RecordsError("no val step is shared by all runs; check that the logs belong to one configuration")
     table = stats.track3_step_table({s: [r.val_losses[s] for r in runs] for s in steps})
