@@ -488,10 +488,14 @@ def build_optimizers(model: GPT, hp: Hyperparameters, world_size: int, device: t
     return optimizers
 
 
-def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) -> torch.optim.Optimizer:
+def require_shampoo() -> None:
     if SHAMPOO_IMPORT_ERROR is not None:
         raise UserError(f"--matrix_optimizer=shampoo needs the distributed_shampoo package next to this script "
                         f"({SHAMPOO_IMPORT_ERROR}); or pass --matrix_optimizer=adamw")
+
+
+def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) -> torch.optim.Optimizer:
+    require_shampoo()
     distributed_config: SingleDeviceDistributedConfig | DDPDistributedConfig
     if world_size == 1:
         distributed_config = SingleDeviceDistributedConfig()
@@ -647,7 +651,7 @@ def environment_lines(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distr
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    lines = [
+    return [
         f"Running Python {sys.version}",
         f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
         f"Running Triton version {triton_version}",
@@ -661,7 +665,6 @@ def environment_lines(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distr
         f"train_files: {len(train_files)} files, {count_tokens(train_files)} tokens",
         f"val_files: {len(val_files)} files, {count_tokens(val_files)} tokens",
     ]
-    return lines
 
 
 def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
@@ -698,9 +701,10 @@ def checkpoint_name(trial: int, step: int, num_trials: int) -> str:
 def check_checkpoints_are_new(directory: Path, hp: Hyperparameters) -> None:
     for trial in range(hp.num_trials):
         for step in range(hp.checkpoint_every, hp.train_steps, hp.checkpoint_every):
-            if (directory / checkpoint_name(trial, step, hp.num_trials)).exists():
-                raise UserError(f"checkpoint {directory / checkpoint_name(trial, step, hp.num_trials)} already "
-                                f"exists; pick another --checkpoint_dir (checkpoints are never overwritten)")
+            path = directory / checkpoint_name(trial, step, hp.num_trials)
+            if path.exists():
+                raise UserError(f"checkpoint {path} already exists; pick another --checkpoint_dir "
+                                f"(checkpoints are never overwritten)")
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -972,8 +976,8 @@ def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
     if overrides.get("preset") == "smoke" and "train_files" not in overrides and "val_files" not in overrides:
         hp.train_files, hp.val_files = generate_smoke_shards(hp.vocab_size)
     train_files, val_files = resolve_files(hp.train_files), resolve_files(hp.val_files)
-    if hp.matrix_optimizer == "shampoo" and SHAMPOO_IMPORT_ERROR is not None:
-        build_shampoo([], hp, world_size)  # raises the one-line error before any work
+    if hp.matrix_optimizer == "shampoo":
+        require_shampoo()  # before any work
     resume = open_checkpoint(hp.resume, hp, world_size) if hp.resume else None
     if hp.checkpoint_every and hp.checkpoint_dir:  # the default directory is new: named by the run id
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp)

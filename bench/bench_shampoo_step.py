@@ -14,6 +14,7 @@ multiple of the AdamW step.
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -29,13 +30,9 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from distributed_shampoo import (  # noqa: E402
-    AdamPreconditionerConfig,
-    DDPDistributedConfig,
-    DistributedShampoo,
-    SingleDeviceDistributedConfig,
-    WeightDecayType,
-)
+import train_gpt_shampoo as tgs  # noqa: E402
+
+RECORD = tgs.Hyperparameters()
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,30 +74,19 @@ def make_params(shapes: list[tuple[int, int]], device: torch.device) -> tuple[li
     return params, grads
 
 
-def make_shampoo(params: list[torch.nn.Parameter], precondition_frequency: int, world_size: int) -> DistributedShampoo:
-    """The Track 3 record configuration (spec §8), with the frequency made configurable."""
-    distributed_config = (
-        SingleDeviceDistributedConfig()
-        if world_size == 1
-        else DDPDistributedConfig(communication_dtype=torch.float32, num_trainers_per_group=world_size, communicate_params=True)
-    )
-    return DistributedShampoo(
-        params,
-        lr=0.0015,
-        betas=(0.9, 0.95),
-        weight_decay=0.2,
-        weight_decay_type=WeightDecayType.DECOUPLED,
-        max_preconditioner_dim=8192,
-        precondition_frequency=precondition_frequency,
-        start_preconditioning_step=-1,
-        grafting_config=AdamPreconditionerConfig(beta2=0.95, epsilon=1e-10),
-        distributed_config=distributed_config,
-    )
+def make_shampoo(params: list[torch.nn.Parameter], precondition_frequency: int, world_size: int) -> torch.optim.Optimizer:
+    """The Track 3 record's optimizer, built by train_gpt_shampoo.py itself, with the frequency made configurable."""
+    hp = dataclasses.replace(RECORD, shampoo_precondition_frequency=precondition_frequency)
+    return tgs.build_shampoo(params, hp, world_size)
 
 
 def make_adamw(params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.AdamW:
+    """The record script's AdamW ablation on the matrices (--matrix_optimizer=adamw)."""
     fused = device.type == "cuda"
-    return torch.optim.AdamW(params, lr=0.0015, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.2, fused=fused, foreach=not fused)
+    return torch.optim.AdamW(
+        params, lr=RECORD.matrix_lr, betas=(RECORD.matrix_beta1, RECORD.shampoo_grafting_beta2),
+        eps=RECORD.shampoo_grafting_epsilon, weight_decay=RECORD.matrix_weight_decay, fused=fused, foreach=not fused,
+    )
 
 
 def _tensors(value: Any) -> Iterator[Tensor]:

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([\d.]+)ms")
-VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([\d.]+) train_time:(\d+)ms step_avg:([\d.]+)ms")
-PEAK_LINE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
+sys.path.insert(0, str(REPO / "tools"))
+
+from recordkit.errors import RecordsError  # noqa: E402
+from recordkit.parse import parse_log as parse_runs  # noqa: E402
 
 
 @dataclass
@@ -53,40 +54,31 @@ def measure_matmul_tflops(n: int = 8192, repeats: int = 50) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def key_value(lines: list[str], key: str) -> str | None:
-    for line in lines:
-        if line.startswith(key + ":"):
-            return line[len(key) + 1 :].strip()
-    return None
-
-
 def parse_log(path: Path, skip: int) -> RunFigures:
-    text = path.read_text()
-    separator = "=" * 100
-    body = text.split("\n" + separator + "\n", 1)[1]  # drop the embedded source
-    lines = body.splitlines()
-    train = [(int(m[1]), int(m[3])) for m in map(TRAIN_LINE.match, lines) if m]
-    val = [(int(m[1]), float(m[3])) for m in map(VAL_LINE.match, lines) if m]
-    peak = next((m for m in map(PEAK_LINE.match, lines) if m), None)
-    if len(train) <= skip + 1 or peak is None:
-        raise SystemExit(f"bench: {path} holds {len(train)} train lines and no peak line; the run failed")
-    (s0, t0), (s1, t1) = train[skip], train[-1]
-    hparams = key_value(lines, "hyperparameters") or ""
-    batch = re.search(r"'train_batch_size': (\d+)", hparams)
-    params = key_value(lines, "params") or ""
-    matmul = re.search(r"matmul=(\d+)", params)
-    if batch is None or matmul is None:
-        raise SystemExit(f"bench: {path} lacks the hyperparameters or params line")
+    """The figures of a finished train_gpt.py log, read with the records tool's parser."""
+    try:
+        run = parse_runs(path)[0]
+    except RecordsError as error:
+        raise SystemExit(f"bench: {error}") from None
+    train, env = run.train_points, run.env
+    if len(train) <= skip + 1 or run.peak_memory is None or run.peak_memory.reserved_mib is None:
+        raise SystemExit(f"bench: {path} holds {len(train)} train lines (more than --skip + 1 = {skip + 1} needed) "
+                         f"and {'a' if run.peak_memory else 'no'} peak memory line; the run failed or --skip is too large")
+    first, last = train[skip], train[-1]
+    batch = (env.hyperparameters or {}).get("train_batch_size")
+    matmul = re.search(r"matmul=(\d+)", env.settings.get("params", ""))
+    if first.train_time_s is None or last.train_time_s is None or batch is None or matmul is None:
+        raise SystemExit(f"bench: {path} lacks train times, the hyperparameters line or the params line")
     return RunFigures(
-        world_size=int(key_value(lines, "world_size") or 0),
-        ms_per_step=(t1 - t0) / (s1 - s0),
-        tokens_per_step=int(batch[1]),
+        world_size=env.world_size or 0,
+        ms_per_step=1e3 * (last.train_time_s - first.train_time_s) / (last.step - first.step),
+        tokens_per_step=int(batch),
         matmul_params=int(matmul[1]),
-        attention_flops_per_token=float(key_value(lines, "attention_flops_per_token") or "nan"),
-        peak_allocated_mib=int(peak[1]),
-        peak_reserved_mib=int(peak[2]),
-        warmup_s=float((key_value(lines, "warmup_time") or "nan").rstrip("s")),
-        val_points=val,
+        attention_flops_per_token=float(env.settings.get("attention_flops_per_token", "nan")),
+        peak_allocated_mib=run.peak_memory.allocated_mib,
+        peak_reserved_mib=run.peak_memory.reserved_mib,
+        warmup_s=run.warmup_time_s if run.warmup_time_s is not None else float("nan"),
+        val_points=[(point.step, point.val_loss) for point in run.val_points],
     )
 
 

@@ -1,8 +1,9 @@
 """Profile a few training steps of train_gpt.py on one GPU and print where the GPU time goes.
 
-Builds the record model and optimizers from train_gpt.py's own pieces, compiles, runs `--warm` steps,
-then records `--steps` steps with torch.profiler and prints the top kernels by GPU time and a summary by
-kind (attention, GEMMs, FP8 head, Triton elementwise, optimizer, communication).
+Builds the record model and optimizers from train_gpt.py's own pieces, compiles, runs WARMUP_STEPS steps,
+then records PROFILED_STEPS steps with torch.profiler and prints the top kernels by GPU time and a summary
+by kind (attention, FP8 head, GEMMs, Newton-Schulz, communication, Triton elementwise). The arguments are
+train_gpt.py's --name=value overrides.
 
     python bench/profile_train_gpt.py --train_files=.proxy/docs_train_*.bin --val_files=.proxy/docs_val_*.bin
 """
@@ -20,6 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_gpt as tg  # noqa: E402
+
+WARMUP_STEPS = 4  # compile and autotune outside the profile
+PROFILED_STEPS = 2
 
 KINDS = [  # first match wins; kernel names as they appear on Hopper with torch 2.11
     ("flex attention (Triton templates)", r"flex|attention|triton_tem"),
@@ -39,7 +43,6 @@ def kind_of(name: str) -> str:
 
 
 def main() -> None:
-    warm, steps = 4, 2
     hp, _ = tg.parse_args(sys.argv[1:])
     rt = tg.setup_distributed()
     tg.configure_torch(rt.device)
@@ -65,11 +68,11 @@ def main() -> None:
         muon.step()
         model.zero_grad(set_to_none=True)
 
-    for _ in range(warm):
+    for _ in range(WARMUP_STEPS):
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+        for _ in range(PROFILED_STEPS):
             step()
         torch.cuda.synchronize()
     # GPU-side kernels only; user annotations (Optimizer.step#...) span kernels and would count them twice
@@ -79,12 +82,12 @@ def main() -> None:
     by_kind: dict[str, float] = defaultdict(float)
     for e in events:
         by_kind[kind_of(e.key)] += e.self_device_time_total
-    print(f"GPU time per step: {total_us / steps / 1e3:.1f} ms (sum of kernel times)")
+    print(f"GPU time per step: {total_us / PROFILED_STEPS / 1e3:.1f} ms (sum of kernel times)")
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:<26} {us / steps / 1e3:8.1f} ms  {100 * us / total_us:5.1f}%")
+        print(f"  {kind:<26} {us / PROFILED_STEPS / 1e3:8.1f} ms  {100 * us / total_us:5.1f}%")
     print("top kernels:")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-        print(f"  {e.self_device_time_total / steps / 1e3:8.2f} ms  x{e.count // steps:<4} {e.key[:110]}")
+        print(f"  {e.self_device_time_total / PROFILED_STEPS / 1e3:8.2f} ms  x{e.count // PROFILED_STEPS:<4} {e.key[:110]}")
     torch.distributed.destroy_process_group()
 
 

@@ -310,7 +310,7 @@ def split_embedded_sources(log_text: str) -> dict[str, str]:
     return {name: "".join(lines) for name, lines in files.items()}
 
 
-def test_log_embeds_the_script_and_every_imported_package_file(workdir: Path) -> None:
+def test_log_embeds_the_script_and_every_package_file(workdir: Path) -> None:
     result = smoke_run("--train_steps=1")
     sources = split_embedded_sources(result.log_path.read_text())
     assert sources.pop("train_gpt_shampoo.py") == SCRIPT.read_text()

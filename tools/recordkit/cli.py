@@ -208,7 +208,7 @@ def cmd_tables(args: argparse.Namespace) -> int:
             print("tables already up to date")
         return 0
     for block in [args.block] if args.block else list(tables.BLOCKS):
-        print(tables.render_block(block, records_root, args.root / "records"))
+        print(tables.render_block(block, records_root, readme_dir=records_root))  # links as seen from records/
         print()
     return 0
 

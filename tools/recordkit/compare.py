@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from . import stats
-from .report import shared_steps, track_report
+from .report import format_p, shared_steps, track_report
 from .runsets import RunFacts, RunSet
 
 
@@ -107,12 +107,6 @@ def track3_pairwise(baseline: RunSet, candidate: RunSet) -> dict[str, Any]:
     }
 
 
-def _p(value: float | None) -> str:
-    if value is None:
-        return "undefined"
-    return f"{value:.4f}" if value >= 1e-4 else f"{value:.2e}"
-
-
 def render_compare_text(result: dict[str, Any]) -> str:
     out = [f"track {result['track']}: baseline n={result['baseline']['n']}, candidate n={result['candidate']['n']}"]
     time = result["time"]
@@ -121,18 +115,18 @@ def render_compare_text(result: dict[str, Any]) -> str:
             f"time  baseline {time['baseline']['mean']:.3f} s  candidate {time['candidate']['mean']:.3f} s  "
             f"delta {time['delta_s']:+.3f} s ({time['delta_pct']:+.2f}%)  speed ratio {time['speed_ratio']:.4f}x",
             f"      one-sided Welch (H1: candidate faster): t = {_num(time['welch_less']['statistic'])}  "
-            f"df = {_num(time['welch_less']['df'], 1)}  p = {_p(time['welch_less']['p_value'])}",
+            f"df = {_num(time['welch_less']['df'], 1)}  p = {format_p(time['welch_less']['p_value'])}",
             f"      slowest candidate - fastest baseline: {time['slowest_candidate_minus_fastest_baseline_s']:+.3f} s",
         ]
         if "paired" in time:
             pair = time["paired"]
             ci = f"[{pair['ci95'][0]:.4f}, {pair['ci95'][1]:.4f}]" if pair["ci95"] else "undefined"
-            out.append(f"      paired (n={pair['n']}): geometric ratio {pair['geometric_ratio']:.4f}  95% CI {ci}  one-sided p = {_p(pair['p_value'])}")
+            out.append(f"      paired (n={pair['n']}): geometric ratio {pair['geometric_ratio']:.4f}  95% CI {ci}  one-sided p = {format_p(pair['p_value'])}")
     loss = result["loss"]
     out.append(
         f"loss  baseline {loss['baseline']['mean']:.5f}  candidate {loss['candidate']['mean']:.5f}  delta {loss['delta']:+.5f}  "
-        f"two-sided Welch p = {_p(loss['welch_two_sided']['p_value'])}  "
-        f"p(mean<3.28): baseline {_p(loss['baseline_p_below_target'])}, candidate {_p(loss['candidate_p_below_target'])}"
+        f"two-sided Welch p = {format_p(loss['welch_two_sided']['p_value'])}  "
+        f"p(mean<3.28): baseline {format_p(loss['baseline_p_below_target'])}, candidate {format_p(loss['candidate_p_below_target'])}"
     )
     if result["step_avg_ms"]:
         s = result["step_avg_ms"]
@@ -145,7 +139,7 @@ def render_compare_text(result: dict[str, Any]) -> str:
         out.append(
             f"track 3 pairwise: baseline {t3['baseline']['mean']:.5f} @ {t3['baseline']['step']} (n={t3['baseline']['n']}), "
             f"candidate {t3['candidate']['mean']:.5f} @ {t3['candidate']['step']} (n={t3['candidate']['n']}): "
-            f"value {t3['value']:.5f} (needs >= 0.004) -> {'significant' if t3['passes'] else 'not significant'}, z p = {_p(t3['z_p_value'])}"
+            f"value {t3['value']:.5f} (needs >= 0.004) -> {'significant' if t3['passes'] else 'not significant'}, z p = {format_p(t3['z_p_value'])}"
         )
     out += [f"note: {note}" for note in result["notes"]]
     return "\n".join(out)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .compare import loss_at_matched_steps
 from .errors import RecordsError
 from .folders import RecordFolder, list_folders, load_folder_runset
 from .model import Environment, Run
-from .report import shared_steps
 from .runsets import RESULTS_JSON, RunFacts, RunSet, load_runset
 from .tables import load_history
 
@@ -172,14 +172,12 @@ def _mean(values: list[float]) -> float:
 
 
 def loss_table(old: list[RunFacts], new: list[RunFacts]) -> list[str]:
-    steps = shared_steps(old + new)
-    if not steps:
+    rows = loss_at_matched_steps(old, new)
+    if not rows:
         return ["(no val step shared by every run on both sides)"]
-    lines = [f"{'step':>6}  {'record':>9}  {'new':>9}  {'delta':>9}"]
-    for step in steps:
-        before, after = _mean([r.val_losses[step] for r in old]), _mean([r.val_losses[step] for r in new])
-        lines.append(f"{step:>6}  {before:>9.5f}  {after:>9.5f}  {after - before:>+9.5f}")
-    return lines
+    return [f"{'step':>6}  {'record':>9}  {'new':>9}  {'delta':>9}"] + [
+        f"{r['step']:>6}  {r['baseline']:>9.5f}  {r['candidate']:>9.5f}  {r['delta']:>+9.5f}" for r in rows
+    ]
 
 
 def timing_lines(old: list[RunFacts], new: list[RunFacts]) -> list[str]:

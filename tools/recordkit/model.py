@@ -146,7 +146,3 @@ class Run:
             if point.step == step:
                 return point
         return None
-
-    @property
-    def val_steps(self) -> list[int]:
-        return [point.step for point in self.val_points]

@@ -358,7 +358,7 @@ def detect_era(layout: Layout, env: Environment, trials: list[TrialLines]) -> st
     if seconds:
         return "track3"
     if env.hyperparameters is not None:
-        return "harness"  # our train_gpt.py / train_gpt_shampoo.py
+        return "harness"  # our train_gpt.py (train_gpt_shampoo.py times in seconds: "track3" above)
     if layout.leading_separator:
         return "2024-10/11"
     if any(line.startswith(("Running pytorch", "Running python")) for line in layout.env_lines):

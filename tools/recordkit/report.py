@@ -95,7 +95,7 @@ def shared_steps(runs: list[RunFacts]) -> list[int]:
 
 
 def _track3_report(runs: list[RunFacts], step: int | None, notes: list[str]) -> dict[str, Any]:
-    steps = [step for step in shared_steps(runs) if step > 0]  # no claim is made at initialization
+    steps = [s for s in shared_steps(runs) if s > 0]  # no claim is made at initialization
     if not steps:
         raise RecordsError("no val step is shared by all runs; check that the logs belong to one configuration")
     table = stats.track3_step_table({s: [r.val_losses[s] for r in runs] for s in steps})
@@ -128,7 +128,7 @@ def _fmt(value: float | None, digits: int) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _fmt_p(p: float | None) -> str:
+def format_p(p: float | None) -> str:
     if p is None:
         return "undefined"
     return f"{p:.4f}" if p >= 1e-4 else f"{p:.2e}"
@@ -164,7 +164,7 @@ def render_statistics_md(report: dict[str, Any], title: str) -> str:
     else:
         t = _fmt(report["t_statistic"], 3)
         lines.append(
-            f"One-sided p (H1: mean < {report['target']}): **{_fmt_p(report['p_value'])}** (t = {t}, df = {_fmt(report['df'], 0)}); "
+            f"One-sided p (H1: mean < {report['target']}): **{format_p(report['p_value'])}** (t = {t}, df = {_fmt(report['df'], 0)}); "
             f"the rule needs p < 0.01: **{'passes' if report['passes'] else 'does not pass'}**."
         )
     lines += ["", "Raw values:", "", "```", f"losses = {[r['val_loss'] for r in report['runs']]}"]
@@ -184,9 +184,9 @@ def _track3_md(report: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"First step at which the rule passes over the steps all runs share: **{first if first is not None else 'none'}**.",
-        f"At step {report['step']}: margin {report['margin']:.5f} (needs ≥ 0.004), z-test p {_fmt_p(report['z_p_value'])}, "
+        f"At step {report['step']}: margin {report['margin']:.5f} (needs ≥ 0.004), z-test p {format_p(report['z_p_value'])}, "
         f"runs needed at this mean: {report['required_n'] if report['required_n'] is not None else 'never (mean ≥ 3.28)'}; "
-        f"t-test p {_fmt_p(report['p_value'])}: **{'passes' if report['passes'] else 'does not pass'}**.",
+        f"t-test p {format_p(report['p_value'])}: **{'passes' if report['passes'] else 'does not pass'}**.",
     ]
     return lines
 
@@ -203,10 +203,10 @@ def render_stats_text(report: dict[str, Any]) -> str:
         out.append(f"train_time_s mean {time['mean']:.3f}  sd {_fmt(time['std'], 3)}  min {time['min']:.3f}  max {time['max']:.3f}")
     if report["track"] == 3:
         first = report["first_passing_step"]
-        out.append(f"margin (3.28-mean)*sqrt(n) = {report['margin']:.5f} (needs >= 0.004)  z p = {_fmt_p(report['z_p_value'])}")
+        out.append(f"margin (3.28-mean)*sqrt(n) = {report['margin']:.5f} (needs >= 0.004)  z p = {format_p(report['z_p_value'])}")
         out.append(f"first passing step over shared steps: {first if first is not None else 'none'}")
     else:
-        out.append(f"one-sided t-test H1 mean < {report['target']}: t = {_fmt(report['t_statistic'], 3)}  p = {_fmt_p(report['p_value'])}")
+        out.append(f"one-sided t-test H1 mean < {report['target']}: t = {_fmt(report['t_statistic'], 3)}  p = {format_p(report['p_value'])}")
     out.append(f"passes: {'yes' if report['passes'] else 'no'}")
     out += [f"note: {note}" for note in report["notes"]]
     return "\n".join(out)

@@ -208,8 +208,10 @@ def _config_keys(fact: RunFacts) -> dict[str, Any]:
     }
 
 
-# Hyperparameters that differ between the runs of one configuration by design.
-PER_RUN_HYPERPARAMETERS = frozenset({"run_id", "seed", "log_dir", "save_checkpoint"})
+# Hyperparameters that differ between the runs of one configuration by design: train_gpt.py's run
+# management, and train_gpt_shampoo.py's RUN_MANAGEMENT_FIELDS (a resumed run continues the same one).
+PER_RUN_HYPERPARAMETERS = frozenset({"run_id", "seed", "log_dir", "save_checkpoint",
+                                     "num_trials", "checkpoint_every", "checkpoint_dir", "resume"})
 
 
 def _hyperparameter_conflicts(facts: list[RunFacts]) -> list[str]:

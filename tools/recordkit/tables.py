@@ -158,8 +158,3 @@ def write_tables(repo_root: Path, records_root: Path) -> list[Path]:
             readme.write_text(new, encoding="utf-8")
             changed.append(readme)
     return changed
-
-
-def stale_readmes(repo_root: Path, records_root: Path) -> list[Path]:
-    return [r for r in find_marked_readmes(repo_root) if replace_blocks(r.read_text(encoding="utf-8"), r, records_root) != r.read_text(encoding="utf-8")]
-

@@ -172,6 +172,13 @@ def test_different_hyperparameter_lines_are_mixed(tmp_path: Path) -> None:
         load_runset([tmp_path])
 
 
+def test_run_management_settings_are_not_a_mixed_configuration(tmp_path: Path) -> None:
+    F.write(tmp_path / "a.txt", F.harness(final_loss=3.279))
+    resumed = "'run_name': 'x', 'checkpoint_every': 500, 'checkpoint_dir': 'ckpt', 'resume': 'ckpt/step000500'"
+    F.write(tmp_path / "b.txt", F.harness(final_loss=3.278).replace("'run_name': 'x'", resumed))
+    assert len(load_runset([tmp_path]).runs) == 2
+
+
 def test_track3_claim_on_an_extra_column(tmp_path: Path) -> None:
     F.write(tmp_path / "ema.txt", F.track3_trials(F.SHAMPOO_TRIALS, extra_columns=True))  # val_ema_loss = val_loss − 0.001
     report = track_report(load_runset([tmp_path], metric="val_ema_loss"), track=3)
