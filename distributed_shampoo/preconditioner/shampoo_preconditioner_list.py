@@ -281,9 +281,9 @@ class BaseShampooPreconditionerList(PreconditionerList):
     @abstractmethod
     def _precondition_block(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped) -> Tensor: ...
 
-    def _factor_update_grad(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped, dim: int) -> Tensor:
-        """The tensor whose outer product feeds factor `dim` (KL variants precondition it first)."""
-        return grad
+    def _factor_update_sources(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped) -> tuple[Tensor, ...]:
+        """Per factor matrix, the tensor whose outer product feeds it (KL variants precondition the gradient first)."""
+        return (grad,) * len(block.factor_matrices)
 
     # ---- shared algorithm
 
@@ -311,8 +311,8 @@ class BaseShampooPreconditionerList(PreconditionerList):
         outer_products: list[Tensor] = []
         for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True):
             dims = [d for d, selected in enumerate(block.preconditioned_dims_selector) if selected]
-            for dim, factor in zip(dims, block.factor_matrices, strict=True):
-                source = self._factor_update_grad(grad, block, dim)
+            sources = self._factor_update_sources(grad, block)
+            for dim, factor, source in zip(dims, block.factor_matrices, sources, strict=True):
                 if source.dim() == 2 and source.dtype == factor.dtype:
                     # Matrix blocks (the common case): one fused kernel, F ← beta2·F + w·X·Xᵀ.
                     rows = source if dim == 0 else source.T
@@ -542,16 +542,20 @@ class EigendecomposedShampooPreconditionerList(ClassicShampooPreconditionerList)
 class _KLMixin:
     """KL-Shampoo: factor k accumulates the gradient preconditioned along every other preconditioned dim."""
 
-    def _factor_update_grad(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped, dim: int) -> Tensor:
+    def _factor_update_sources(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped) -> tuple[Tensor, ...]:
+        # Once per block, not per factor: the eigendecomposed variant forms the roots with matmuls.
         inverse_roots = self._block_inverse_roots(block)  # type: ignore[attr-defined]
-        preconditioned_dims = [d for d, selected in enumerate(block.preconditioned_dims_selector) if selected]
-        others_selector = tuple(
-            selected and d != dim for d, selected in enumerate(block.preconditioned_dims_selector)
-        )
-        others = tuple(root for d, root in zip(preconditioned_dims, inverse_roots) if d != dim)
-        if not others:
-            return grad
-        return _precondition_grad(grad.to(others[0].dtype), others_selector, others).to(grad.dtype)
+        selector = block.preconditioned_dims_selector
+        preconditioned_dims = [d for d, selected in enumerate(selector) if selected]
+        sources = []
+        for dim in preconditioned_dims:
+            others_selector = tuple(selected and d != dim for d, selected in enumerate(selector))
+            others = tuple(root for d, root in zip(preconditioned_dims, inverse_roots) if d != dim)
+            if others:
+                sources.append(_precondition_grad(grad.to(others[0].dtype), others_selector, others).to(grad.dtype))
+            else:
+                sources.append(grad)
+        return tuple(sources)
 
 
 class RootInvKLShampooPreconditionerList(_KLMixin, RootInvShampooPreconditionerList):
