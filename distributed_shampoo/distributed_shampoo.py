@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from distributed_shampoo.distributor.shampoo_block_info import allocate_zeros_like_blocks
 from distributed_shampoo.distributor.shampoo_ddp_distributor import DDPDistributor
 from distributed_shampoo.distributor.shampoo_distributor import Distributor, DistributorInterface
 from distributed_shampoo.preconditioner.adagrad_preconditioner_list import AdagradPreconditionerList
@@ -400,27 +401,16 @@ class DistributedShampoo(torch.optim.Optimizer):
         step = torch.tensor(0, dtype=torch.int64)
         self.state[params[0]][STEP] = step
 
-        def per_block_state(key: str, make: Callable[[Tensor, Any], Tensor]) -> tuple[Tensor, ...]:
-            tensors = []
-            for block, block_info in zip(distributor.local_blocked_params, distributor.local_block_info_list, strict=True):
-                block_state = self.state[block_info.param][block_info.composable_block_ids[1]]
-                block_state[key] = make(block, block_info)
-                tensors.append(block_info.get_tensor(block_state[key]))
-            return tuple(tensors)
-
+        blocks, block_infos = distributor.local_blocked_params, distributor.local_block_info_list
         filtered_grads: tuple[Tensor, ...] = ()
         if group[BETAS][0] != 0.0:
-            filtered_grads = per_block_state(
-                FILTERED_GRAD,
-                lambda block, info: info.allocate_zeros_tensor(size=block.size(), dtype=block.dtype, device=block.device),
-            )
+            filtered_grads = allocate_zeros_like_blocks(FILTERED_GRAD, blocks, block_infos, self.state)
         weight_buffers: tuple[Tensor, ...] = ()
         lr_sum = train_mode = None
         if group[ITERATE_AVERAGING_CONFIG] is not None:
-            weight_buffers = per_block_state(
-                WEIGHT_BUFFER,
-                lambda block, info: info.allocate_zeros_tensor(size=block.size(), dtype=block.dtype, device=block.device).copy_(block),
-            )
+            weight_buffers = allocate_zeros_like_blocks(WEIGHT_BUFFER, blocks, block_infos, self.state)
+            for weight_buffer, block in zip(weight_buffers, blocks, strict=True):
+                weight_buffer.copy_(block)
             lr_sum = torch.zeros((), dtype=torch.float32, device=params[0].device)
             train_mode = torch.tensor(True)
             self.state[params[0]][LR_SUM] = lr_sum

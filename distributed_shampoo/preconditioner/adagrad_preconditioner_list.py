@@ -5,7 +5,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
+from distributed_shampoo.distributor.shampoo_block_info import BlockInfo, allocate_zeros_like_blocks
 from distributed_shampoo.preconditioner.preconditioner_list import PreconditionerList, bias_correction, profile_decorator
 from distributed_shampoo.utils.shampoo_utils import compress_list
 
@@ -36,14 +36,8 @@ class AdagradPreconditionerList(PreconditionerList):
         self._use_bias_correction = use_bias_correction
         self._bias_correction2 = 1.0
 
-        preconditioners = []
-        for block, block_info in zip(block_list, block_info_list, strict=True):
-            block_state = state[block_info.param][block_info.composable_block_ids[1]]
-            block_state[ADAGRAD] = block_info.allocate_zeros_tensor(
-                size=block.size(), dtype=block.dtype, device=block.device
-            )
-            preconditioners.append(block_info.get_tensor(block_state[ADAGRAD]))
-        self._local_preconditioner_list: tuple[Tensor, ...] = tuple(preconditioners)
+        preconditioners = allocate_zeros_like_blocks(ADAGRAD, block_list, block_info_list, state)
+        self._local_preconditioner_list: tuple[Tensor, ...] = preconditioners
         self._masked_preconditioner_list = self._local_preconditioner_list
 
         self._numel_list = tuple(p.numel() for p in preconditioners)
