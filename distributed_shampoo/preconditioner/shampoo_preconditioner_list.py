@@ -578,11 +578,14 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
 
     _preconditioner_config: EigenvalueCorrectedShampooPreconditionerConfig
 
+    def _exponent(self, order: int) -> float:
+        """Power of the corrected eigenvalues in the denominator (1/2 unless overridden for this order)."""
+        return self._preconditioner_config.inverse_exponent_override.get(order, 1 / 2)
+
     def _roots_of_block(self, order: int) -> tuple[tuple[bool, ...], tuple[Fraction, ...]]:
         ignored = self._preconditioner_config.ignored_basis_change_dims.get(order, [])
         selector = tuple(d not in ignored for d in range(order))
-        exponent = self._preconditioner_config.inverse_exponent_override.get(order, 1 / 2)
-        return selector, tuple(Fraction(1.0 / exponent) for _ in range(sum(selector)))
+        return selector, tuple(Fraction(1.0 / self._exponent(order)) for _ in range(sum(selector)))
 
     def _create_block_state(
         self, block: Tensor, block_info: BlockInfo, factor_matrices: tuple[Tensor, ...], indices: tuple[str, ...]
@@ -630,8 +633,6 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
 
     def _precondition_block(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped) -> Tensor:
         assert block.corrected_eigenvalues is not None
-        order = grad.dim()
-        exponent = self._preconditioner_config.inverse_exponent_override.get(order, 1 / 2)
         rotated = self._rotate(grad.to(block.corrected_eigenvalues.dtype), block)
-        denominator = (block.corrected_eigenvalues / self._bias_correction2).pow(exponent).add_(self._epsilon)
+        denominator = (block.corrected_eigenvalues / self._bias_correction2).pow(self._exponent(grad.dim())).add_(self._epsilon)
         return self._rotate(rotated / denominator, block, back=True).to(grad.dtype)
