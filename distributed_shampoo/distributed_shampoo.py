@@ -7,7 +7,7 @@ grafting direction (before `start_preconditioning_step`, use the grafting direct
 apply `W ← W - lr·P` through the distributor (which may all-gather across ranks).
 
 Nothing in `step()` reads device values on the host except the amortized computations (NaN/Inf checks and
-`eigh`), which happen once every `precondition_frequency` steps.
+`eigh`), which happen once every `precondition_frequency` steps, and the opt-in `eager_nan_check`.
 """
 
 import dataclasses

@@ -208,8 +208,9 @@ class BaseShampooPreconditionerList(PreconditionerList):
     """Factor bookkeeping, factor updates, bias correction and the failure policy shared by every variant.
 
     Subclasses say which dims are preconditioned and with which root (`_roots_of_block`), what state a block
-    holds (`_create_block_state`), what the amortized computation produces (`_amortized_results`,
-    `_store_amortized_results`) and how a gradient is preconditioned (`_precondition_block`).
+    holds (`_create_block_state`), what the amortized computation produces and where it goes
+    (`_amortized_result`, `_result_tensors`, `_store_amortized_result`) and how a gradient is preconditioned
+    (`_precondition_block`); `_factor_update_sources` and `_after_factor_update` are optional.
     """
 
     def __init__(
