@@ -525,9 +525,8 @@ class DistributedShampoo(torch.optim.Optimizer):
     @torch.no_grad()
     def _interpolate_towards_weight_buffer(self, coefficient_of: Callable[[float], float], train_mode: bool) -> None:
         for group, runtime in zip(self.param_groups, self._group_runtimes, strict=True):
-            if group[ITERATE_AVERAGING_CONFIG] is None or runtime.train_mode is None:
-                continue
-            if bool(runtime.train_mode) == train_mode:
+            # train_mode exists exactly for the iterate-averaging groups.
+            if runtime.train_mode is None or bool(runtime.train_mode) == train_mode:
                 continue
             coefficient = coefficient_of(group[ITERATE_AVERAGING_CONFIG].train_interp_coeff)
             params = runtime.distributor.local_blocked_params
