@@ -438,6 +438,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if len(self.param_groups) != len(self._group_runtimes):
+            raise ValueError(
+                "DistributedShampoo does not support add_param_group: pass every param group to the constructor."
+            )
         for group, runtime in zip(self.param_groups, self._group_runtimes, strict=True):
             self._step_group(group, runtime)
         return loss
