@@ -628,8 +628,9 @@ def _first_moment_and_direction(
         filtered_bar = torch._foreach_lerp(filtered_grads, grads, 1.0 - beta3) if beta3 != beta1 else None
         torch._foreach_lerp_(filtered_grads, grads, 1.0 - beta1)
         moment: tuple[Tensor, ...] = tuple(filtered_bar) if filtered_bar is not None else filtered_grads
-        if use_bias_correction:
-            moment = tuple(torch._foreach_div(moment, bias_correction(beta1, step - 1, scale=beta3)))
+        correction = bias_correction(beta1, step - 1, scale=beta3) if use_bias_correction else 1.0
+        if correction != 1.0:  # it rounds to 1.0 after a few hundred steps; dividing then would only copy
+            moment = tuple(torch._foreach_div(moment, correction))
     else:
         moment = grads
 

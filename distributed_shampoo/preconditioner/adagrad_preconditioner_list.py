@@ -61,8 +61,12 @@ class AdagradPreconditionerList(PreconditionerList):
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         if not masked_grad_list:
             return ()
-        denominator = torch._foreach_div(self._masked_preconditioner_list, self._bias_correction2)
-        torch._foreach_sqrt_(denominator)
+        # Without bias correction, or once it has rounded to 1.0, dividing would only copy V.
+        if self._bias_correction2 != 1.0:
+            denominator = torch._foreach_div(self._masked_preconditioner_list, self._bias_correction2)
+            torch._foreach_sqrt_(denominator)
+        else:
+            denominator = torch._foreach_sqrt(self._masked_preconditioner_list)
         torch._foreach_add_(denominator, self._epsilon)
         return tuple(torch._foreach_div(masked_grad_list, denominator))
 
