@@ -6,13 +6,13 @@ import torch
 from torch import Tensor
 
 from distributed_shampoo.distributor.shampoo_block_info import BlockInfo, allocate_zeros_like_blocks
-from distributed_shampoo.preconditioner.preconditioner_list import PreconditionerList, bias_correction, profile_decorator
+from distributed_shampoo.preconditioner.preconditioner_list import SecondMomentPreconditionerList, profile_decorator
 from distributed_shampoo.utils.shampoo_utils import compress_list
 
 ADAGRAD = "adagrad"
 
 
-class AdagradPreconditionerList(PreconditionerList):
+class AdagradPreconditionerList(SecondMomentPreconditionerList):
     """V ← beta2·V + weighting_factor·G²; direction X / (sqrt(V / (1 - beta2^t)) + epsilon).
 
     Adam is (beta2, 1 - beta2, bias correction), RMSprop (beta2, 1 - beta2, none), AdaGrad (1, 1, none). The
@@ -29,12 +29,7 @@ class AdagradPreconditionerList(PreconditionerList):
         epsilon: float = 1e-10,
         use_bias_correction: bool = True,
     ) -> None:
-        super().__init__(block_list)
-        self._beta2 = beta2
-        self._weighting_factor = weighting_factor
-        self._epsilon = epsilon
-        self._use_bias_correction = use_bias_correction
-        self._bias_correction2 = 1.0
+        super().__init__(block_list, beta2, weighting_factor, epsilon, use_bias_correction)
 
         preconditioners = allocate_zeros_like_blocks(ADAGRAD, block_list, block_info_list, state)
         self._local_preconditioner_list: tuple[Tensor, ...] = preconditioners
@@ -54,8 +49,7 @@ class AdagradPreconditionerList(PreconditionerList):
         torch._foreach_addcmul_(
             self._masked_preconditioner_list, masked_grad_list, masked_grad_list, value=self._weighting_factor
         )
-        if self._use_bias_correction and self._beta2 < 1.0:
-            self._bias_correction2 = bias_correction(self._beta2, int(step))
+        self._update_bias_correction2(step)
 
     @profile_decorator
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:

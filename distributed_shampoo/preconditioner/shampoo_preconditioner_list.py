@@ -33,7 +33,7 @@ from distributed_shampoo.preconditioner.matrix_functions import (
     matrix_inverse_root_from_eigendecomposition,
 )
 from distributed_shampoo.preconditioner.matrix_functions_types import EigenConfig
-from distributed_shampoo.preconditioner.preconditioner_list import PreconditionerList, bias_correction, profile_decorator
+from distributed_shampoo.preconditioner.preconditioner_list import SecondMomentPreconditionerList, profile_decorator
 from distributed_shampoo.shampoo_types import (
     BaseShampooPreconditionerConfig,
     ClassicShampooPreconditionerConfig,
@@ -204,7 +204,7 @@ def _raise_if_non_finite(matrices: list[Tensor], indices: list[str], describe: s
 # -------------------------------------------------------------------------------------------------- list base
 
 
-class BaseShampooPreconditionerList(PreconditionerList):
+class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     """Factor bookkeeping, factor updates, bias correction and the failure policy shared by every variant.
 
     Subclasses say which dims are preconditioned and with which root (`_roots_of_block`), what state a block
@@ -224,13 +224,8 @@ class BaseShampooPreconditionerList(PreconditionerList):
         epsilon: float = 1e-12,
         use_bias_correction: bool = True,
     ) -> None:
-        super().__init__(block_list)
+        super().__init__(block_list, beta2, weighting_factor, epsilon, use_bias_correction)
         self._preconditioner_config = preconditioner_config
-        self._beta2 = beta2
-        self._weighting_factor = weighting_factor
-        self._epsilon = epsilon
-        self._use_bias_correction = use_bias_correction
-        self._bias_correction2 = 1.0
 
         blocks = []
         for block, block_info in zip(block_list, block_info_list, strict=True):
@@ -296,8 +291,7 @@ class BaseShampooPreconditionerList(PreconditionerList):
         self, masked_grad_list: tuple[Tensor, ...], step: Tensor | int, perform_amortized_computation: bool
     ) -> None:
         self._update_factor_matrices(masked_grad_list)
-        if self._use_bias_correction and self._beta2 < 1.0:
-            self._bias_correction2 = bias_correction(self._beta2, int(step))
+        self._update_bias_correction2(step)
         self._after_factor_update(masked_grad_list)
         if perform_amortized_computation:
             self._amortized_computation()
@@ -321,11 +315,15 @@ class BaseShampooPreconditionerList(PreconditionerList):
                 else:
                     factors.append(factor)
                     outer_products.append(_outer_product(source, dim))
-        if not factors:
+        self._accumulate(factors, outer_products)
+
+    def _accumulate(self, statistics: list[Tensor], updates: list[Tensor]) -> None:
+        """S ← beta2·S + weighting_factor·U for each pair (the multiply is skipped when beta2 == 1)."""
+        if not statistics:
             return
         if self._beta2 != 1.0:
-            torch._foreach_mul_(factors, self._beta2)
-        torch._foreach_add_(factors, outer_products, alpha=self._weighting_factor)
+            torch._foreach_mul_(statistics, self._beta2)
+        torch._foreach_add_(statistics, updates, alpha=self._weighting_factor)
 
     def _warm_started_eigendecomposition(
         self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int
@@ -611,16 +609,12 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
 
     def _after_factor_update(self, masked_grad_list: tuple[Tensor, ...]) -> None:
         corrected: list[Tensor] = []
-        rotated_squares = []
+        rotated_squares: list[Tensor] = []
         for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True):
             assert block.corrected_eigenvalues is not None
             corrected.append(block.corrected_eigenvalues)
             rotated_squares.append(self._rotate(grad.to(block.corrected_eigenvalues.dtype), block).square())
-        if not corrected:
-            return
-        if self._beta2 != 1.0:
-            torch._foreach_mul_(corrected, self._beta2)
-        torch._foreach_add_(corrected, rotated_squares, alpha=self._weighting_factor)
+        self._accumulate(corrected, rotated_squares)
 
     def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Tensor:
         _, eigenvectors = self._warm_started_eigendecomposition(A, block, j)
