@@ -2,7 +2,8 @@
 
 A distributor owns the mapping between a param group's parameters and the blocks the preconditioners work on:
 it merges small dims and splits at `max_preconditioner_dim` once for the params (§3.1 of the spec), blocks the
-gradients identically each step, tracks which blocks received a gradient, and applies the search directions.
+gradients of its local blocks identically each step, tracks which blocks received a gradient, and applies the
+search directions.
 """
 
 import logging
