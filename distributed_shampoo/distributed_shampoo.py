@@ -7,7 +7,7 @@ grafting direction (before `start_preconditioning_step`, use the grafting direct
 apply `W ← W - lr·P` through the distributor (which may all-gather across ranks).
 
 Nothing in `step()` reads device values on the host except the amortized computations (NaN/Inf checks and
-`eigh`), which happen once every `precondition_frequency` steps.
+`eigh`), which happen once every `precondition_frequency` steps, and the opt-in `eager_nan_check`.
 """
 
 import dataclasses
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from distributed_shampoo.distributor.shampoo_block_info import allocate_zeros_like_blocks
 from distributed_shampoo.distributor.shampoo_ddp_distributor import DDPDistributor
 from distributed_shampoo.distributor.shampoo_distributor import Distributor, DistributorInterface
 from distributed_shampoo.preconditioner.adagrad_preconditioner_list import AdagradPreconditionerList
@@ -400,27 +401,16 @@ class DistributedShampoo(torch.optim.Optimizer):
         step = torch.tensor(0, dtype=torch.int64)
         self.state[params[0]][STEP] = step
 
-        def per_block_state(key: str, make: Callable[[Tensor, Any], Tensor]) -> tuple[Tensor, ...]:
-            tensors = []
-            for block, block_info in zip(distributor.local_blocked_params, distributor.local_block_info_list, strict=True):
-                block_state = self.state[block_info.param][block_info.composable_block_ids[1]]
-                block_state[key] = make(block, block_info)
-                tensors.append(block_info.get_tensor(block_state[key]))
-            return tuple(tensors)
-
+        blocks, block_infos = distributor.local_blocked_params, distributor.local_block_info_list
         filtered_grads: tuple[Tensor, ...] = ()
         if group[BETAS][0] != 0.0:
-            filtered_grads = per_block_state(
-                FILTERED_GRAD,
-                lambda block, info: info.allocate_zeros_tensor(size=block.size(), dtype=block.dtype, device=block.device),
-            )
+            filtered_grads = allocate_zeros_like_blocks(FILTERED_GRAD, blocks, block_infos, self.state)
         weight_buffers: tuple[Tensor, ...] = ()
         lr_sum = train_mode = None
         if group[ITERATE_AVERAGING_CONFIG] is not None:
-            weight_buffers = per_block_state(
-                WEIGHT_BUFFER,
-                lambda block, info: info.allocate_zeros_tensor(size=block.size(), dtype=block.dtype, device=block.device).copy_(block),
-            )
+            weight_buffers = allocate_zeros_like_blocks(WEIGHT_BUFFER, blocks, block_infos, self.state)
+            for weight_buffer, block in zip(weight_buffers, blocks, strict=True):
+                weight_buffer.copy_(block)
             lr_sum = torch.zeros((), dtype=torch.float32, device=params[0].device)
             train_mode = torch.tensor(True)
             self.state[params[0]][LR_SUM] = lr_sum
@@ -448,6 +438,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if len(self.param_groups) != len(self._group_runtimes):
+            raise ValueError(
+                "DistributedShampoo does not support add_param_group: pass every param group to the constructor."
+            )
         for group, runtime in zip(self.param_groups, self._group_runtimes, strict=True):
             self._step_group(group, runtime)
         return loss
@@ -535,9 +529,8 @@ class DistributedShampoo(torch.optim.Optimizer):
     @torch.no_grad()
     def _interpolate_towards_weight_buffer(self, coefficient_of: Callable[[float], float], train_mode: bool) -> None:
         for group, runtime in zip(self.param_groups, self._group_runtimes, strict=True):
-            if group[ITERATE_AVERAGING_CONFIG] is None or runtime.train_mode is None:
-                continue
-            if bool(runtime.train_mode) == train_mode:
+            # train_mode exists exactly for the iterate-averaging groups.
+            if runtime.train_mode is None or bool(runtime.train_mode) == train_mode:
                 continue
             coefficient = coefficient_of(group[ITERATE_AVERAGING_CONFIG].train_interp_coeff)
             params = runtime.distributor.local_blocked_params
@@ -635,8 +628,9 @@ def _first_moment_and_direction(
         filtered_bar = torch._foreach_lerp(filtered_grads, grads, 1.0 - beta3) if beta3 != beta1 else None
         torch._foreach_lerp_(filtered_grads, grads, 1.0 - beta1)
         moment: tuple[Tensor, ...] = tuple(filtered_bar) if filtered_bar is not None else filtered_grads
-        if use_bias_correction:
-            moment = tuple(torch._foreach_div(moment, bias_correction(beta1, step - 1, scale=beta3)))
+        correction = bias_correction(beta1, step - 1, scale=beta3) if use_bias_correction else 1.0
+        if correction != 1.0:  # it rounds to 1.0 after a few hundred steps; dividing then would only copy
+            moment = tuple(torch._foreach_div(moment, correction))
     else:
         moment = grads
 

@@ -49,3 +49,15 @@ class DTensorBlockInfo(BlockInfo):
 
         self.allocate_ones_tensor = allocate_ones
         self.allocate_eye_tensor = allocate_eye
+
+
+def allocate_zeros_like_blocks(
+    key: str, blocks: tuple[Tensor, ...], block_infos: tuple[BlockInfo, ...], state: dict[Tensor, Any]
+) -> tuple[Tensor, ...]:
+    """A zero state tensor shaped like each block, stored as `state[param][block_id][key]`; returns the local parts."""
+    local_tensors = []
+    for block, block_info in zip(blocks, block_infos, strict=True):
+        block_state = state[block_info.param][block_info.composable_block_ids[1]]
+        block_state[key] = block_info.allocate_zeros_tensor(size=block.size(), dtype=block.dtype, device=block.device)
+        local_tensors.append(block_info.get_tensor(block_state[key]))
+    return tuple(local_tensors)

@@ -2,7 +2,8 @@
 
 A distributor owns the mapping between a param group's parameters and the blocks the preconditioners work on:
 it merges small dims and splits at `max_preconditioner_dim` once for the params (§3.1 of the spec), blocks the
-gradients identically each step, tracks which blocks received a gradient, and applies the search directions.
+gradients of its local blocks identically each step, tracks which blocks received a gradient, and applies the
+search directions.
 """
 
 import logging
@@ -20,7 +21,12 @@ from distributed_shampoo.shampoo_types import (
     DefaultShampooRuntimeConfig,
     ShampooRuntimeConfig,
 )
-from distributed_shampoo.utils.shampoo_utils import compress_list, merge_small_dims, multi_dim_split
+from distributed_shampoo.utils.shampoo_utils import (
+    compress_list,
+    generate_pairwise_indices,
+    merge_small_dims,
+    multi_dim_split,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -66,6 +72,11 @@ class DistributorInterface(ABC):
     def _select_local_blocks(self, is_local: tuple[bool, ...]) -> None:
         """Fix which blocks this process computes; a subclass calls this once its own state is built."""
         self._is_local = is_local
+        # Per parameter, the positions of its local blocks: gradients with no local block are never blocked.
+        self._local_block_positions_per_param: tuple[tuple[int, ...], ...] = tuple(
+            tuple(k - start for k in range(start, end) if is_local[k])
+            for start, end in generate_pairwise_indices(self._global_num_blocks_per_param)
+        )
         self._local_blocked_params = compress_list(self._global_blocked_params, is_local)
         self._local_block_info_list = tuple(
             BlockInfo(param=param, composable_block_ids=block_id)
@@ -100,24 +111,22 @@ class DistributorInterface(ABC):
 
     def merge_and_block_gradients(self) -> tuple[Tensor, ...]:
         """The local blocks' gradients, for the blocks that received one this step."""
-        blocked_grads, selector = self._blocked_grads_and_selector()
-        if selector != self._global_grad_selector:
-            self._apply_selector(selector)
-        return compress_list(compress_list(blocked_grads, self._is_local), self._local_grad_selector)  # type: ignore[arg-type]
-
-    def _blocked_grads_and_selector(self) -> tuple[tuple[Tensor | None, ...], tuple[bool, ...]]:
-        """Every block's gradient (None where the param has no usable gradient) and the global selector."""
-        blocked: list[Tensor | None] = []
+        local_grads: list[Tensor] = []
         selector: list[bool] = []
-        for param, num_blocks in zip(self._param_group[PARAMS], self._global_num_blocks_per_param, strict=True):
+        for param, num_blocks, local_positions in zip(
+            self._param_group[PARAMS], self._global_num_blocks_per_param, self._local_block_positions_per_param, strict=True
+        ):
             grad = param.grad
             present = grad is not None and grad.numel() > 0
             if present and self._runtime_config.eager_nan_check:
                 assert torch.isfinite(grad).all(), f"Encountered nan/inf in the gradient of a {tuple(param.shape)} parameter."
-            blocks = self._block(grad) if present else (None,) * num_blocks
-            blocked.extend(blocks)
             selector.extend((present,) * num_blocks)
-        return tuple(blocked), tuple(selector)
+            if present and local_positions:
+                blocks = self._block(grad)
+                local_grads.extend(blocks[k] for k in local_positions)
+        if tuple(selector) != self._global_grad_selector:
+            self._apply_selector(tuple(selector))
+        return tuple(local_grads)
 
     @abstractmethod
     def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:

@@ -5,14 +5,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
-from distributed_shampoo.preconditioner.preconditioner_list import PreconditionerList, bias_correction, profile_decorator
+from distributed_shampoo.distributor.shampoo_block_info import BlockInfo, allocate_zeros_like_blocks
+from distributed_shampoo.preconditioner.preconditioner_list import SecondMomentPreconditionerList, profile_decorator
 from distributed_shampoo.utils.shampoo_utils import compress_list
 
 ADAGRAD = "adagrad"
 
 
-class AdagradPreconditionerList(PreconditionerList):
+class AdagradPreconditionerList(SecondMomentPreconditionerList):
     """V ← beta2·V + weighting_factor·G²; direction X / (sqrt(V / (1 - beta2^t)) + epsilon).
 
     Adam is (beta2, 1 - beta2, bias correction), RMSprop (beta2, 1 - beta2, none), AdaGrad (1, 1, none). The
@@ -29,21 +29,10 @@ class AdagradPreconditionerList(PreconditionerList):
         epsilon: float = 1e-10,
         use_bias_correction: bool = True,
     ) -> None:
-        super().__init__(block_list)
-        self._beta2 = beta2
-        self._weighting_factor = weighting_factor
-        self._epsilon = epsilon
-        self._use_bias_correction = use_bias_correction
-        self._bias_correction2 = 1.0
+        super().__init__(block_list, beta2, weighting_factor, epsilon, use_bias_correction)
 
-        preconditioners = []
-        for block, block_info in zip(block_list, block_info_list, strict=True):
-            block_state = state[block_info.param][block_info.composable_block_ids[1]]
-            block_state[ADAGRAD] = block_info.allocate_zeros_tensor(
-                size=block.size(), dtype=block.dtype, device=block.device
-            )
-            preconditioners.append(block_info.get_tensor(block_state[ADAGRAD]))
-        self._local_preconditioner_list: tuple[Tensor, ...] = tuple(preconditioners)
+        preconditioners = allocate_zeros_like_blocks(ADAGRAD, block_list, block_info_list, state)
+        self._local_preconditioner_list: tuple[Tensor, ...] = preconditioners
         self._masked_preconditioner_list = self._local_preconditioner_list
 
         self._numel_list = tuple(p.numel() for p in preconditioners)
@@ -60,15 +49,18 @@ class AdagradPreconditionerList(PreconditionerList):
         torch._foreach_addcmul_(
             self._masked_preconditioner_list, masked_grad_list, masked_grad_list, value=self._weighting_factor
         )
-        if self._use_bias_correction and self._beta2 < 1.0:
-            self._bias_correction2 = bias_correction(self._beta2, int(step))
+        self._update_bias_correction2(step)
 
     @profile_decorator
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         if not masked_grad_list:
             return ()
-        denominator = torch._foreach_div(self._masked_preconditioner_list, self._bias_correction2)
-        torch._foreach_sqrt_(denominator)
+        # Without bias correction, or once it has rounded to 1.0, dividing would only copy V.
+        if self._bias_correction2 != 1.0:
+            denominator = torch._foreach_div(self._masked_preconditioner_list, self._bias_correction2)
+            torch._foreach_sqrt_(denominator)
+        else:
+            denominator = torch._foreach_sqrt(self._masked_preconditioner_list)
         torch._foreach_add_(denominator, self._epsilon)
         return tuple(torch._foreach_div(masked_grad_list, denominator))
 

@@ -76,6 +76,32 @@ class StatelessPreconditionerList(PreconditionerList):
         return
 
 
+class SecondMomentPreconditionerList(PreconditionerList):
+    """A list whose state S accumulates squared gradients, S ← beta2·S + weighting_factor·(G², G·Gᵀ, ...).
+
+    Holds the shared hyperparameters and S's bias correction 1 - beta2^t (1.0 without correction or at beta2 = 1).
+    """
+
+    def __init__(
+        self,
+        block_list: tuple[Tensor, ...],
+        beta2: float,
+        weighting_factor: float,
+        epsilon: float,
+        use_bias_correction: bool,
+    ) -> None:
+        super().__init__(block_list)
+        self._beta2 = beta2
+        self._weighting_factor = weighting_factor
+        self._epsilon = epsilon
+        self._use_bias_correction = use_bias_correction
+        self._bias_correction2 = 1.0
+
+    def _update_bias_correction2(self, step: Tensor | int) -> None:
+        if self._use_bias_correction and self._beta2 < 1.0:
+            self._bias_correction2 = bias_correction(self._beta2, int(step))
+
+
 def bias_correction(beta: float, step: int, scale: float = 1.0) -> float:
     """1 - scale·beta^step, evaluated in float32 on the CPU like the reference implementation.
 

@@ -33,7 +33,7 @@ from distributed_shampoo.preconditioner.matrix_functions import (
     matrix_inverse_root_from_eigendecomposition,
 )
 from distributed_shampoo.preconditioner.matrix_functions_types import EigenConfig
-from distributed_shampoo.preconditioner.preconditioner_list import PreconditionerList, bias_correction, profile_decorator
+from distributed_shampoo.preconditioner.preconditioner_list import SecondMomentPreconditionerList, profile_decorator
 from distributed_shampoo.shampoo_types import (
     BaseShampooPreconditionerConfig,
     ClassicShampooPreconditionerConfig,
@@ -204,12 +204,13 @@ def _raise_if_non_finite(matrices: list[Tensor], indices: list[str], describe: s
 # -------------------------------------------------------------------------------------------------- list base
 
 
-class BaseShampooPreconditionerList(PreconditionerList):
+class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     """Factor bookkeeping, factor updates, bias correction and the failure policy shared by every variant.
 
     Subclasses say which dims are preconditioned and with which root (`_roots_of_block`), what state a block
-    holds (`_create_block_state`), what the amortized computation produces (`_amortized_results`,
-    `_store_amortized_results`) and how a gradient is preconditioned (`_precondition_block`).
+    holds (`_create_block_state`), what the amortized computation produces and where it goes
+    (`_amortized_result`, `_result_tensors`, `_store_amortized_result`) and how a gradient is preconditioned
+    (`_precondition_block`); `_factor_update_sources` and `_after_factor_update` are optional.
     """
 
     def __init__(
@@ -223,13 +224,8 @@ class BaseShampooPreconditionerList(PreconditionerList):
         epsilon: float = 1e-12,
         use_bias_correction: bool = True,
     ) -> None:
-        super().__init__(block_list)
+        super().__init__(block_list, beta2, weighting_factor, epsilon, use_bias_correction)
         self._preconditioner_config = preconditioner_config
-        self._beta2 = beta2
-        self._weighting_factor = weighting_factor
-        self._epsilon = epsilon
-        self._use_bias_correction = use_bias_correction
-        self._bias_correction2 = 1.0
 
         blocks = []
         for block, block_info in zip(block_list, block_info_list, strict=True):
@@ -281,9 +277,9 @@ class BaseShampooPreconditionerList(PreconditionerList):
     @abstractmethod
     def _precondition_block(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped) -> Tensor: ...
 
-    def _factor_update_grad(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped, dim: int) -> Tensor:
-        """The tensor whose outer product feeds factor `dim` (KL variants precondition it first)."""
-        return grad
+    def _factor_update_sources(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped) -> tuple[Tensor, ...]:
+        """Per factor matrix, the tensor whose outer product feeds it (KL variants precondition the gradient first)."""
+        return (grad,) * len(block.factor_matrices)
 
     # ---- shared algorithm
 
@@ -295,8 +291,7 @@ class BaseShampooPreconditionerList(PreconditionerList):
         self, masked_grad_list: tuple[Tensor, ...], step: Tensor | int, perform_amortized_computation: bool
     ) -> None:
         self._update_factor_matrices(masked_grad_list)
-        if self._use_bias_correction and self._beta2 < 1.0:
-            self._bias_correction2 = bias_correction(self._beta2, int(step))
+        self._update_bias_correction2(step)
         self._after_factor_update(masked_grad_list)
         if perform_amortized_computation:
             self._amortized_computation()
@@ -311,8 +306,8 @@ class BaseShampooPreconditionerList(PreconditionerList):
         outer_products: list[Tensor] = []
         for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True):
             dims = [d for d, selected in enumerate(block.preconditioned_dims_selector) if selected]
-            for dim, factor in zip(dims, block.factor_matrices, strict=True):
-                source = self._factor_update_grad(grad, block, dim)
+            sources = self._factor_update_sources(grad, block)
+            for dim, factor, source in zip(dims, block.factor_matrices, sources, strict=True):
                 if source.dim() == 2 and source.dtype == factor.dtype:
                     # Matrix blocks (the common case): one fused kernel, F ← beta2·F + w·X·Xᵀ.
                     rows = source if dim == 0 else source.T
@@ -320,11 +315,15 @@ class BaseShampooPreconditionerList(PreconditionerList):
                 else:
                     factors.append(factor)
                     outer_products.append(_outer_product(source, dim))
-        if not factors:
+        self._accumulate(factors, outer_products)
+
+    def _accumulate(self, statistics: list[Tensor], updates: list[Tensor]) -> None:
+        """S ← beta2·S + weighting_factor·U for each pair (the multiply is skipped when beta2 == 1)."""
+        if not statistics:
             return
         if self._beta2 != 1.0:
-            torch._foreach_mul_(factors, self._beta2)
-        torch._foreach_add_(factors, outer_products, alpha=self._weighting_factor)
+            torch._foreach_mul_(statistics, self._beta2)
+        torch._foreach_add_(statistics, updates, alpha=self._weighting_factor)
 
     def _warm_started_eigendecomposition(
         self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int
@@ -542,16 +541,20 @@ class EigendecomposedShampooPreconditionerList(ClassicShampooPreconditionerList)
 class _KLMixin:
     """KL-Shampoo: factor k accumulates the gradient preconditioned along every other preconditioned dim."""
 
-    def _factor_update_grad(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped, dim: int) -> Tensor:
+    def _factor_update_sources(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped) -> tuple[Tensor, ...]:
+        # Once per block, not per factor: the eigendecomposed variant forms the roots with matmuls.
         inverse_roots = self._block_inverse_roots(block)  # type: ignore[attr-defined]
-        preconditioned_dims = [d for d, selected in enumerate(block.preconditioned_dims_selector) if selected]
-        others_selector = tuple(
-            selected and d != dim for d, selected in enumerate(block.preconditioned_dims_selector)
-        )
-        others = tuple(root for d, root in zip(preconditioned_dims, inverse_roots) if d != dim)
-        if not others:
-            return grad
-        return _precondition_grad(grad.to(others[0].dtype), others_selector, others).to(grad.dtype)
+        selector = block.preconditioned_dims_selector
+        preconditioned_dims = [d for d, selected in enumerate(selector) if selected]
+        sources = []
+        for dim in preconditioned_dims:
+            others_selector = tuple(selected and d != dim for d, selected in enumerate(selector))
+            others = tuple(root for d, root in zip(preconditioned_dims, inverse_roots) if d != dim)
+            if others:
+                sources.append(_precondition_grad(grad.to(others[0].dtype), others_selector, others).to(grad.dtype))
+            else:
+                sources.append(grad)
+        return tuple(sources)
 
 
 class RootInvKLShampooPreconditionerList(_KLMixin, RootInvShampooPreconditionerList):
@@ -574,11 +577,14 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
 
     _preconditioner_config: EigenvalueCorrectedShampooPreconditionerConfig
 
+    def _exponent(self, order: int) -> float:
+        """Power of the corrected eigenvalues in the denominator (1/2 unless overridden for this order)."""
+        return self._preconditioner_config.inverse_exponent_override.get(order, 1 / 2)
+
     def _roots_of_block(self, order: int) -> tuple[tuple[bool, ...], tuple[Fraction, ...]]:
         ignored = self._preconditioner_config.ignored_basis_change_dims.get(order, [])
         selector = tuple(d not in ignored for d in range(order))
-        exponent = self._preconditioner_config.inverse_exponent_override.get(order, 1 / 2)
-        return selector, tuple(Fraction(1.0 / exponent) for _ in range(sum(selector)))
+        return selector, tuple(Fraction(1.0 / self._exponent(order)) for _ in range(sum(selector)))
 
     def _create_block_state(
         self, block: Tensor, block_info: BlockInfo, factor_matrices: tuple[Tensor, ...], indices: tuple[str, ...]
@@ -603,16 +609,12 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
 
     def _after_factor_update(self, masked_grad_list: tuple[Tensor, ...]) -> None:
         corrected: list[Tensor] = []
-        rotated_squares = []
+        rotated_squares: list[Tensor] = []
         for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True):
             assert block.corrected_eigenvalues is not None
             corrected.append(block.corrected_eigenvalues)
             rotated_squares.append(self._rotate(grad.to(block.corrected_eigenvalues.dtype), block).square())
-        if not corrected:
-            return
-        if self._beta2 != 1.0:
-            torch._foreach_mul_(corrected, self._beta2)
-        torch._foreach_add_(corrected, rotated_squares, alpha=self._weighting_factor)
+        self._accumulate(corrected, rotated_squares)
 
     def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Tensor:
         _, eigenvectors = self._warm_started_eigendecomposition(A, block, j)
@@ -626,8 +628,6 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
 
     def _precondition_block(self, grad: Tensor, block: ShampooKroneckerFactorsUnwrapped) -> Tensor:
         assert block.corrected_eigenvalues is not None
-        order = grad.dim()
-        exponent = self._preconditioner_config.inverse_exponent_override.get(order, 1 / 2)
         rotated = self._rotate(grad.to(block.corrected_eigenvalues.dtype), block)
-        denominator = (block.corrected_eigenvalues / self._bias_correction2).pow(exponent).add_(self._epsilon)
+        denominator = (block.corrected_eigenvalues / self._bias_correction2).pow(self._exponent(grad.dim())).add_(self._epsilon)
         return self._rotate(rotated / denominator, block, back=True).to(grad.dtype)
