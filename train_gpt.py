@@ -1428,6 +1428,14 @@ def _command_output(args: list[str]) -> str | None:
     return result.stdout if result.returncode == 0 else None
 
 
+def git_commit() -> str:
+    """HEAD, marked when tracked files differ from it (the source embedded above is then what ran)."""
+    commit = (_command_output(["git", "rev-parse", "HEAD"]) or "unknown").strip()
+    if (_command_output(["git", "status", "--porcelain", "--untracked-files=no"]) or "").strip():
+        commit += " (modified)"
+    return commit
+
+
 def log_environment(
     rt: Runtime,
     hp: Hyperparameters,
@@ -1453,7 +1461,7 @@ def log_environment(
     print0(f"grad_accum_steps: {rt.grad_accum_steps}")
     print0(f"attention_backend: {backend}")
     print0(f"fp8_head: {'on' if fp8 else 'off'}")
-    print0(f"git_commit: {(_command_output(['git', 'rev-parse', 'HEAD']) or 'unknown').strip()}")
+    print0(f"git_commit: {git_commit()}")
     print0(f"overrides: {overrides!r}")
     print0(f"hyperparameters: {dataclasses.asdict(hp)!r}")
     print0(f"train_files: {len(train_files)} files, {sum(read_shard_header(p) for p in train_files)} tokens")

@@ -7,6 +7,7 @@ Gradients are fixed random tensors (identical on every rank), so only the optimi
     python bench/bench_shampoo_step.py                               # one GPU, single-device distributor
     torchrun --standalone --nproc_per_node=2 bench/bench_shampoo_step.py   # DDP distributor on 2 GPUs
     python bench/bench_shampoo_step.py --tiny --device cpu           # small sizes, to check the script
+    python bench/bench_shampoo_step.py --root-streams 1,2,4,8        # one Shampoo row per stream count
 
 Prints one table: mean ms per step over the measured steps, split into steps that recompute the inverse roots
 (every `--precondition-frequency` steps) and the others, the optimizer state per rank, and the mean step as a
@@ -45,6 +46,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10, help="unmeasured steps first (include one root step)")
     parser.add_argument("--precondition-frequency", type=int, default=5)
     parser.add_argument(
+        "--root-streams",
+        default=str(RECORD.shampoo_root_streams),
+        help="comma-separated CUDA stream counts for the root recomputation (train_gpt_shampoo's --shampoo_root_streams)",
+    )
+    parser.add_argument(
         "--linalg-library",
         default="default",
         choices=["default", "cusolver", "magma"],
@@ -59,6 +65,12 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    try:
+        args.root_streams = [int(count) for count in args.root_streams.split(",")]
+    except ValueError:
+        parser.error(f"--root-streams must be comma-separated integers, got {args.root_streams!r}")
+    if min(args.root_streams) < 1:
+        parser.error(f"--root-streams must all be >= 1, got {args.root_streams}")
     return args
 
 
@@ -74,9 +86,14 @@ def make_params(shapes: list[tuple[int, int]], device: torch.device) -> tuple[li
     return params, grads
 
 
-def make_shampoo(params: list[torch.nn.Parameter], precondition_frequency: int, world_size: int) -> torch.optim.Optimizer:
-    """The Track 3 record's optimizer, built by train_gpt_shampoo.py itself, with the frequency made configurable."""
-    hp = dataclasses.replace(RECORD, shampoo_precondition_frequency=precondition_frequency)
+def make_shampoo(
+    params: list[torch.nn.Parameter], precondition_frequency: int, root_streams: int, world_size: int
+) -> torch.optim.Optimizer:
+    """The Track 3 record's optimizer, built by train_gpt_shampoo.py itself, with the frequency and the number of
+    root-computation streams made configurable."""
+    hp = dataclasses.replace(
+        RECORD, shampoo_precondition_frequency=precondition_frequency, shampoo_root_streams=root_streams
+    )
     return tgs.build_shampoo(params, hp, world_size)
 
 
@@ -164,26 +181,29 @@ def main() -> None:
     timer = StepTimer(device)
     shapes = track3_shapes(args.layers, args.dim)
 
-    params, grads = make_params(shapes, device)
-    shampoo = make_shampoo(params, args.precondition_frequency, world_size)
-    shampoo_timings = time_optimizer(shampoo, params, grads, timer, args.warmup, args.steps)
-    shampoo_state = state_bytes(shampoo)
-    del shampoo
+    frequency = args.precondition_frequency
+    shampoo_results = []
+    for root_streams in args.root_streams:
+        params, grads = make_params(shapes, device)
+        shampoo = make_shampoo(params, frequency, root_streams, world_size)
+        timings = time_optimizer(shampoo, params, grads, timer, args.warmup, args.steps)
+        shampoo_results.append((root_streams, timings, state_bytes(shampoo)))
+        del shampoo
 
     params, grads = make_params(shapes, device)
     adamw = make_adamw(params, device)
     adamw_timings = time_optimizer(adamw, params, grads, timer, args.warmup, args.steps)
-    adamw_state = state_bytes(adamw)
+    adamw_mean = mean([ms for _, ms in adamw_timings])
 
-    frequency = args.precondition_frequency
-    root_ms = [ms for step, ms in shampoo_timings if step % frequency == 0]
-    other_ms = [ms for step, ms in shampoo_timings if step % frequency != 0]
-    shampoo_mean, adamw_mean = mean([ms for _, ms in shampoo_timings]), mean([ms for _, ms in adamw_timings])
-
-    rows = [
-        ("DistributedShampoo", shampoo_mean, mean(root_ms), mean(other_ms), shampoo_state, shampoo_mean / adamw_mean),
-        ("AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)", adamw_mean, math.nan, math.nan, adamw_state, 1.0),
-    ]
+    rows = []
+    for root_streams, timings, nbytes in shampoo_results:
+        root_ms = [ms for step, ms in timings if step % frequency == 0]
+        other_ms = [ms for step, ms in timings if step % frequency != 0]
+        shampoo_mean = mean([ms for _, ms in timings])
+        label = f"Shampoo, {root_streams} stream{'s' if root_streams > 1 else ''}"
+        rows.append((label, shampoo_mean, mean(root_ms), mean(other_ms), nbytes, shampoo_mean / adamw_mean))
+    adamw_label = "AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)"
+    rows.append((adamw_label, adamw_mean, math.nan, math.nan, state_bytes(adamw), 1.0))
     per_rank: list[Any] = [None] * world_size
     if distributed:
         dist.all_gather_object(per_rank, rows)
@@ -196,12 +216,12 @@ def main() -> None:
             f"torch {torch.__version__}, precondition_frequency={frequency}, {args.steps} measured steps after "
             f"{args.warmup} warm-up steps, linalg={args.linalg_library}"
         )
-        header = f"{'rank':>4}  {'optimizer':<20}{'mean ms/step':>13}{'root steps':>12}{'other steps':>13}{'state MiB':>11}{'× AdamW':>9}"
+        header = f"{'rank':>4}  {'optimizer':<22}{'mean ms/step':>13}{'root steps':>12}{'other steps':>13}{'state MiB':>11}{'× AdamW':>9}"
         print(header)
         print("-" * len(header))
         for index, rank_rows in enumerate(per_rank):
             for label, all_ms, roots, others, nbytes, ratio in rank_rows:
-                print(f"{index:>4}  {label:<20}{all_ms:>13.2f}{roots:>12.2f}{others:>13.2f}{nbytes / 2**20:>11.1f}{ratio:>9.2f}")
+                print(f"{index:>4}  {label:<22}{all_ms:>13.2f}{roots:>12.2f}{others:>13.2f}{nbytes / 2**20:>11.1f}{ratio:>9.2f}")
     if distributed:
         dist.destroy_process_group()
 

@@ -31,8 +31,9 @@ if [[ $what == all || $what == track1 ]]; then
     [ "$gpus" -ge 2 ] && step t1_2gpu env CUDA_VISIBLE_DEVICES=0,1 python3 bench/bench_train_gpt.py --nproc 2 --steps 100 --log-dir "$out/logs" -- $t1 --val_loss_every=50
 fi
 if [[ $what == all || $what == shampoo ]]; then
-    step shampoo_step_1gpu env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_shampoo_step.py
-    [ "$gpus" -ge 2 ] && step shampoo_step_2gpu env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc_per_node=2 bench/bench_shampoo_step.py
+    step shampoo_step_1gpu env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_shampoo_step.py --root-streams 1,2,4,8
+    step eigh_probe env CUDA_VISIBLE_DEVICES=0 python3 bench/probe_eigh.py
+    [ "$gpus" -ge 2 ] && step shampoo_step_2gpu env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc_per_node=2 bench/bench_shampoo_step.py --root-streams 1,8
 fi
 if [[ $what == all || $what == track3 ]]; then
     step t3_shampoo_1gpu env CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc_per_node=1 train_gpt_shampoo.py $t3 --train_steps=150 --val_every=25

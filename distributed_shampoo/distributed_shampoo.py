@@ -228,6 +228,7 @@ def _make_preconditioner_list(
     group: dict[str, Any],
     distributor: DistributorInterface,
     state: dict[Tensor, Any],
+    runtime_config: ShampooRuntimeConfig = DefaultShampooRuntimeConfig,
 ) -> PreconditionerList:
     """The preconditioner list a config names, over the distributor's local blocks (also used for grafting)."""
     blocks = distributor.local_blocked_params
@@ -263,6 +264,7 @@ def _make_preconditioner_list(
                 weighting_factor=weighting_factor,
                 epsilon=group[EPSILON],
                 use_bias_correction=group[USE_BIAS_CORRECTION],
+                num_amortized_computation_streams=runtime_config.num_amortized_computation_streams,
             )
     raise NotImplementedError(f"{config=} not supported!")
 
@@ -321,7 +323,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         shampoo_pt2_compile_config: compile the elementwise part of the step with torch.compile.
         distributed_config: SingleDeviceDistributedConfig or DDPDistributedConfig.
         preconditioner_config: Shampoo variant (or SGD/AdaGrad-family/sign/spectral descent).
-        shampoo_runtime_config: ShampooRuntimeConfig(eager_nan_check=...).
+        shampoo_runtime_config: ShampooRuntimeConfig(eager_nan_check=..., num_amortized_computation_streams=...).
     """
 
     def __init__(
@@ -391,11 +393,13 @@ class DistributedShampoo(torch.optim.Optimizer):
         distributor = _make_distributor(group, self._runtime_config)
         for block_info in distributor.local_block_info_list:
             self.state[block_info.param][block_info.composable_block_ids[1]] = {}
-        shampoo = _make_preconditioner_list(group[PRECONDITIONER_CONFIG], group, distributor, self.state)
+        shampoo = _make_preconditioner_list(
+            group[PRECONDITIONER_CONFIG], group, distributor, self.state, self._runtime_config
+        )
         grafting = (
             None
             if group[GRAFTING_CONFIG] is None
-            else _make_preconditioner_list(group[GRAFTING_CONFIG], group, distributor, self.state)
+            else _make_preconditioner_list(group[GRAFTING_CONFIG], group, distributor, self.state, self._runtime_config)
         )
 
         step = torch.tensor(0, dtype=torch.int64)

@@ -445,9 +445,23 @@ class ShampooPT2CompileConfig:
 
 @dataclass(kw_only=True)
 class ShampooRuntimeConfig:
-    """`eager_nan_check=True` asserts every present gradient is finite (one host sync per gradient)."""
+    """Settings that change how a step runs, never what it computes.
+
+    `eager_nan_check=True` asserts every present gradient is finite (one host sync per gradient).
+    `num_amortized_computation_streams > 1` spreads the root/eigendecomposition recomputations of a step over
+    that many CUDA streams, each driven by its own host thread (no effect on CPU): the factors are decomposed
+    one by one and concurrently, with results bitwise equal to decomposing them one after another.
+    """
 
     eager_nan_check: bool = False
+    num_amortized_computation_streams: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_amortized_computation_streams < 1:
+            raise ValueError(
+                f"Invalid num_amortized_computation_streams value: {self.num_amortized_computation_streams}. "
+                "Must be >= 1 (1 computes the roots one after another on the current stream)."
+            )
 
 
 DefaultShampooRuntimeConfig = ShampooRuntimeConfig()

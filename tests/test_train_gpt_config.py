@@ -146,3 +146,12 @@ def test_attention_backend_choice_and_errors():
         tg.choose_attention_backend("flex", cpu)
     with pytest.raises(tg.UserError, match="flash3"):
         tg.choose_attention_backend("flash3", cpu)
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"), [("", "abc123"), (" M train_gpt.py\n", "abc123 (modified)")]
+)
+def test_git_commit_marks_modified_tracked_files(monkeypatch: pytest.MonkeyPatch, status: str, expected: str) -> None:
+    answers = {"rev-parse": "abc123\n", "status": status}
+    monkeypatch.setattr(tg, "_command_output", lambda args: answers[args[1]])
+    assert tg.git_commit() == expected

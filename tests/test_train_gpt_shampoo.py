@@ -85,6 +85,7 @@ def test_overrides_preset_and_explicit_values_win() -> None:
         (["--matrix_beta1=1"], "--matrix_beta1=1.0: must be in [0, 1)"),
         (["--shampoo_start_preconditioning_step=3"], "--shampoo_start_preconditioning_step=3"),
         (["--adam_eps=0"], "--adam_eps=0.0: must be > 0"),
+        (["--shampoo_root_streams=0"], "--shampoo_root_streams=0: must be >= 1"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv: list[str], message: str) -> None:
@@ -498,3 +499,11 @@ def test_trials_share_the_log_and_start_fresh(workdir: Path) -> None:
     assert first[2] != second[2]  # the second trial draws a new init
     names = sorted(p.name for p in (workdir / "checkpoints").glob("*/*"))
     assert names == ["trial0_step000001", "trial1_step000001"]
+
+
+@pytest.mark.parametrize(("status", "expected"), [("", "abc123"), ("M train_gpt_shampoo.py", "abc123 (modified)"),
+                                                   (None, "abc123")])
+def test_git_commit_marks_modified_tracked_files(monkeypatch: pytest.MonkeyPatch, status: str | None, expected: str) -> None:
+    answers = {"rev-parse": "abc123", "status": status}
+    monkeypatch.setattr(tgs, "_command_output", lambda command: answers[command[1]])
+    assert tgs.git_commit() == expected

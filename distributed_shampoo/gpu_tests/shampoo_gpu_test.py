@@ -1,5 +1,6 @@
-"""CUDA checks (not collected by CI): the record configuration on a GPU equals the CPU run, and the DDP
-distributor over NCCL equals one process bitwise.
+"""CUDA checks (not collected by CI): the record configuration on a GPU equals the CPU run, roots computed
+concurrently on several streams equal the sequential ones bitwise, and the DDP distributor over NCCL equals
+one process bitwise.
 
     python -m pytest -q distributed_shampoo/gpu_tests            # needs 1 GPU (2 for the NCCL test)
 """
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distributed_shampoo import DDPDistributedConfig, DistributedShampoo, SingleDeviceDistributedConfig
+from distributed_shampoo.shampoo_types import ShampooRuntimeConfig
 from distributed_shampoo.tests.distributed_shampoo_test import record_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -25,10 +27,14 @@ SHAPES = [(96, 96), (256, 96), (96, 256)]
 NUM_STEPS = 12
 
 
-def run(device: str, distributed_config: Any = None) -> list[torch.Tensor]:
+def run(device: str, distributed_config: Any = None, streams: int = 1, shapes: list[tuple[int, int]] = SHAPES) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in SHAPES]
-    optimizer = DistributedShampoo(params, **record_config(distributed_config=distributed_config or SingleDeviceDistributedConfig()))
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in shapes]
+    optimizer = DistributedShampoo(
+        params,
+        **record_config(distributed_config=distributed_config or SingleDeviceDistributedConfig()),
+        shampoo_runtime_config=ShampooRuntimeConfig(num_amortized_computation_streams=streams),
+    )
     for _ in range(NUM_STEPS):
         for param in params:
             param.grad = torch.randn(param.shape, generator=generator).to(device)
@@ -45,6 +51,15 @@ def test_cuda_equals_cpu() -> None:
         torch.backends.cuda.matmul.allow_tf32 = previous
     for got, want in zip(cuda, run("cpu"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_concurrent_roots_equal_sequential_roots_bitwise() -> None:
+    # Several blocks of each size, so that every stream gets work and the sequential run batches its eigh calls.
+    shapes = SHAPES * 3
+    sequential = run("cuda", shapes=shapes)
+    for streams in (2, 4):
+        for got, want in zip(run("cuda", streams=streams, shapes=shapes), sequential, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def _nccl_worker(rank: int, init_file: str, communicate_params: bool, results: Any) -> None:

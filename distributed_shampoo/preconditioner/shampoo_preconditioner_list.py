@@ -20,6 +20,7 @@ import tempfile
 from abc import abstractmethod
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
+from functools import partial
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from distributed_shampoo.shampoo_types import (
     RootInvShampooPreconditionerConfig,
 )
 from distributed_shampoo.utils.optimizer_modules import OptimizerModule
-from distributed_shampoo.utils.shampoo_utils import compress_list, get_dtype_size
+from distributed_shampoo.utils.shampoo_utils import compress_list, get_dtype_size, run_on_side_streams
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -223,9 +224,14 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         weighting_factor: float = 1.0,
         epsilon: float = 1e-12,
         use_bias_correction: bool = True,
+        *,
+        num_amortized_computation_streams: int = 1,
     ) -> None:
         super().__init__(block_list, beta2, weighting_factor, epsilon, use_bias_correction)
         self._preconditioner_config = preconditioner_config
+        if num_amortized_computation_streams < 1:
+            raise ValueError(f"{num_amortized_computation_streams=} must be at least 1.")
+        self._num_amortized_computation_streams = num_amortized_computation_streams
 
         blocks = []
         for block, block_info in zip(block_list, block_info_list, strict=True):
@@ -376,22 +382,41 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     def _amortized_results(
         self, work: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Tensor]]
     ) -> tuple[list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]], dict[int, Exception]]:
-        """Results of the computations that succeeded, and the last exception of each block that had a failure."""
+        """Results of the computations that succeeded, and the last exception of each block that had a failure.
+
+        With several streams (CUDA only) the factors are computed concurrently, one matrix per task, largest
+        first so that the big eigendecompositions start early; each result is bitwise the sequential one."""
+        device = work[0][2].device if work else torch.device("cpu")
+        streams = self._num_amortized_computation_streams
+        order = list(range(len(work)))
+        if streams > 1:
+            order.sort(key=lambda i: -work[i][2].shape[0])
+        computed = run_on_side_streams([partial(self._try_amortized_result, *work[i]) for i in order], streams, device)
+        outcomes: list[Any] = [None] * len(work)
+        for i, outcome in zip(order, computed, strict=True):
+            outcomes[i] = outcome
         results: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]] = []
         last_exception: dict[int, Exception] = {}
-        for block, j, A in work:
-            try:
-                results.append((block, j, self._amortized_result(A, block, j)))
-            except Exception as exception:
-                index = block.factor_matrix_indices[j]
-                _save_debug_matrix(A, index)
-                logger.warning(
-                    f"Matrix computation failed for factor matrix {index} with {exception=}. "
-                    "Using previous computed value instead. To mitigate, increase epsilon or use a more "
-                    "robust amortized computation config."
-                )
-                last_exception[id(block)] = exception
+        for (block, j, _), outcome in zip(work, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                last_exception[id(block)] = outcome
+            else:
+                results.append((block, j, outcome))
         return results, last_exception
+
+    def _try_amortized_result(self, block: ShampooKroneckerFactorsUnwrapped, j: int, A: Tensor) -> Any:
+        """The amortized result for factor j, or the exception it raised (logged, its matrix saved for debugging)."""
+        try:
+            return self._amortized_result(A, block, j)
+        except Exception as exception:
+            index = block.factor_matrix_indices[j]
+            _save_debug_matrix(A, index)
+            logger.warning(
+                f"Matrix computation failed for factor matrix {index} with {exception=}. "
+                "Using previous computed value instead. To mitigate, increase epsilon or use a more "
+                "robust amortized computation config."
+            )
+            return exception
 
     @profile_decorator
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -450,10 +475,12 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
     def _amortized_results(
         self, work: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Tensor]]
     ) -> tuple[list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]], dict[int, Exception]]:
-        """With an EigenConfig, factors of equal size and root share one batched eigh (fewer, larger kernels);
-        a batch that fails is redone matrix by matrix, with the per-factor failure policy."""
+        """With an EigenConfig and one stream, factors of equal size and root share one batched eigh (fewer,
+        larger kernels); a batch that fails is redone matrix by matrix, with the per-factor failure policy.
+        With several CUDA streams the matrices are decomposed concurrently instead (see the base class)."""
         config = self._preconditioner_config.amortized_computation_config
-        if not isinstance(config, EigenConfig) or config.eigendecomposition_offload_device:
+        concurrent = self._num_amortized_computation_streams > 1 and bool(work) and work[0][2].is_cuda
+        if concurrent or not isinstance(config, EigenConfig) or config.eigendecomposition_offload_device:
             return super()._amortized_results(work)
         batches: dict[tuple[Any, ...], list[tuple[ShampooKroneckerFactorsUnwrapped, int, Tensor]]] = {}
         unbatched = []

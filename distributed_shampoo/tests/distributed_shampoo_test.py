@@ -299,6 +299,35 @@ def test_roots_are_recomputed_only_at_multiples_of_the_frequency() -> None:
     assert changed_at == [5, 10, 15]
 
 
+def test_runtime_config_streams_reach_the_root_computation(monkeypatch: pytest.MonkeyPatch) -> None:
+    from distributed_shampoo.preconditioner import shampoo_preconditioner_list
+    from distributed_shampoo.shampoo_types import ShampooRuntimeConfig
+
+    requested = []
+    run_on_side_streams = shampoo_preconditioner_list.run_on_side_streams
+
+    def spy(tasks: Any, num_streams: int, device: torch.device) -> Any:
+        requested.append((len(tasks), num_streams, device.type))
+        return run_on_side_streams(tasks, num_streams, device)
+
+    monkeypatch.setattr(shampoo_preconditioner_list, "run_on_side_streams", spy)
+    weights = [torch.nn.Parameter(torch.zeros(6, 5)), torch.nn.Parameter(torch.zeros(3, 4))]
+    runtime = ShampooRuntimeConfig(num_amortized_computation_streams=3)
+    optimizer = DistributedShampoo(weights, **record_config(max_preconditioner_dim=8), shampoo_runtime_config=runtime)
+    plain = DistributedShampoo([torch.nn.Parameter(torch.zeros_like(w)) for w in weights], **record_config(max_preconditioner_dim=8))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        grads = [torch.randn(w.shape, generator=generator) for w in weights]
+        for optimizer_, params in ((optimizer, weights), (plain, plain.param_groups[0]["params"])):
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad.clone()
+            optimizer_.step()
+    # One root step each (both factors of both blocks); on the CPU both run sequentially.
+    assert requested == [(4, 3, "cpu"), (4, 1, "cpu")]
+    for got, want in zip(weights, plain.param_groups[0]["params"], strict=True):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------------------------------------- iterate averaging
 
 

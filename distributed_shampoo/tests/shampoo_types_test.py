@@ -17,6 +17,7 @@ from distributed_shampoo.shampoo_types import (
     GeneralizedPrimalAveragingConfig,
     RMSpropPreconditionerConfig,
     ScheduleFreeConfig,
+    ShampooRuntimeConfig,
     SignDescentPreconditionerConfig,
     SingleDeviceDistributedConfig,
     WeightDecayType,
@@ -127,3 +128,10 @@ def test_defaults_and_enum() -> None:
     assert [t.value for t in WeightDecayType] == ["L2", "DECOUPLED", "CORRECTED", "INDEPENDENT"]
     with pytest.raises(TypeError, match="Can't instantiate abstract class"):
         DistributedConfig()
+
+
+@pytest.mark.parametrize("streams", [0, -2])
+def test_amortized_computation_streams_must_be_positive(streams: int) -> None:
+    with pytest.raises(ValueError, match=rf"Invalid num_amortized_computation_streams value: {streams}. Must be >= 1"):
+        ShampooRuntimeConfig(num_amortized_computation_streams=streams)
+    assert ShampooRuntimeConfig().num_amortized_computation_streams == 1

@@ -2,8 +2,10 @@
 
 import heapq
 import math
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from collections.abc import Callable, Iterator, Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 from itertools import accumulate, pairwise
 from types import TracebackType
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -224,3 +226,82 @@ def _dim0_chunks(full_param: Tensor | None, group_size: int, like: Tensor) -> li
         return [like.new_empty(0) for _ in range(group_size)]
     chunks = [chunk.contiguous().view(-1) for chunk in torch.chunk(full_param, group_size, dim=0)]
     return chunks + [full_param.new_empty(0) for _ in range(group_size - len(chunks))]
+
+
+# One set of side streams per device, reused across steps (see `run_on_side_streams`).
+_SIDE_STREAMS: dict[torch.device, list["torch.cuda.Stream"]] = {}
+
+
+def _side_streams(device: torch.device, count: int) -> list["torch.cuda.Stream"]:
+    streams = _SIDE_STREAMS.setdefault(device, [])
+    while len(streams) < count:
+        streams.append(torch.cuda.Stream(device))
+    return streams[:count]
+
+
+def run_on_side_streams(tasks: Sequence[Callable[[], T]], num_streams: int, device: torch.device) -> list[T]:
+    """Results of `tasks`, in order; on CUDA with `num_streams > 1` they run concurrently on side streams.
+
+    Each side stream is driven by its own host thread (see `run_concurrently`). The side streams first wait
+    for the work already queued on the caller's stream, and the caller's stream waits for all of them before
+    this returns: callers see ordinary single-stream ordering. Work such as `torch.linalg.eigh` leaves the GPU
+    mostly idle (small kernels, host synchronisations), so independent calls overlap well; every task still
+    runs the same kernels on the same inputs, so results are bitwise those of running the tasks in turn.
+    """
+    if num_streams < 1:
+        raise ValueError(f"{num_streams=} must be at least 1.")
+    if num_streams == 1 or device.type != "cuda" or len(tasks) < 2:
+        return [task() for task in tasks]
+    caller = torch.cuda.current_stream(device)
+    streams = _side_streams(device, min(num_streams, len(tasks)))
+
+    @contextmanager
+    def on_side_stream(stream: "torch.cuda.Stream") -> Iterator[None]:
+        stream.wait_stream(caller)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield
+
+    try:
+        results = run_concurrently(tasks, [partial(on_side_stream, stream) for stream in streams])
+    finally:
+        for stream in streams:
+            caller.wait_stream(stream)
+    for result in results:
+        _record_on_stream(result, caller)
+    return results
+
+
+def run_concurrently(
+    tasks: Sequence[Callable[[], T]], worker_contexts: Sequence[Callable[[], AbstractContextManager[object]]]
+) -> list[T]:
+    """Results of `tasks`, in order, computed by one host thread per worker context.
+
+    Each thread enters its context once, then takes the next task from a shared queue until none is left (so
+    a few large tasks and many small ones balance). Tasks must not share mutable Python state. After every
+    thread has finished, the first exception a task raised (in worker order) is raised here.
+    """
+    if tasks and not worker_contexts:
+        raise ValueError("run_concurrently needs at least one worker context when there are tasks.")
+    next_task = iter(range(len(tasks)))  # next() on a shared iterator is atomic under the GIL
+    results: list[T | None] = [None] * len(tasks)
+
+    def drain(worker_context: Callable[[], AbstractContextManager[object]]) -> None:
+        with worker_context():
+            for index in next_task:
+                results[index] = tasks[index]()
+
+    with ThreadPoolExecutor(max_workers=max(1, len(worker_contexts))) as pool:
+        futures = [pool.submit(drain, context) for context in worker_contexts]
+    for future in futures:
+        future.result()
+    return results  # type: ignore[return-value]  # every slot was filled, or future.result() raised
+
+
+def _record_on_stream(value: object, stream: "torch.cuda.Stream") -> None:
+    """Marks the tensors in `value` (nested tuples/lists) as used by `stream`, so that the caching allocator does
+    not hand their memory to the side stream that made them before `stream` has consumed them."""
+    if isinstance(value, Tensor):
+        value.record_stream(stream)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _record_on_stream(item, stream)

@@ -171,8 +171,10 @@ def _fill_folder(target: Path, records_root: Path, track: int, date: dt.date, na
                  hardware: str | None, note: str | None, allow_incomplete: bool, allow_mixed: bool) -> None:
     for log in logs:
         _copy_exact(log, target / log.name)
-    # Re-read the copies so results.json describes exactly the files in the folder.
-    copied = load_runset([target / log.name for log in logs], allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
+    # Re-read the copies so results.json describes exactly the files in the folder, in the order in which
+    # `load_folder_runset` (and so `check`) reads them back: by file name.
+    copies = sorted(target / log.name for log in logs)
+    copied = load_runset(copies, allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
     report = track_report(copied, track)
     flags = {"allow_incomplete": allow_incomplete, "allow_mixed": allow_mixed}
     results = results_from_logs(track, date, name, copied, report, hardware, note, flags)

@@ -184,3 +184,13 @@ def test_new_refuses_two_logs_with_one_name(root: Path, tmp_path: Path) -> None:
     with pytest.raises(RecordsError, match="same file name as"):
         create_record(root / "records", 1, "Twins", [tmp_path / "a", tmp_path / "b"], date=F_DATE)
     assert not (root / "records" / "track_1_short" / "2026-11-30_Twins").exists()
+
+
+def test_new_orders_runs_by_file_name_so_check_agrees(root: Path, tmp_path: Path) -> None:
+    # Paths sort as a/run_b, b/run_a; the folder holds run_a, run_b; check reads the folder by file name.
+    logs = [F.write(tmp_path / "b" / "run_a.txt", F.harness(final_loss=3.2790, final_ms=150000)),
+            F.write(tmp_path / "a" / "run_b.txt", F.harness(final_loss=3.2700, final_ms=151000))]
+    folder = create_record(root / "records", 1, "NameOrder", logs, date=F_DATE)
+    assert [run["log"] for run in json.loads((folder / "results.json").read_text())["runs"]] == ["run_a.txt", "run_b.txt"]
+    write_tables(root, root / "records")
+    assert check_all(root, root / "records") == []

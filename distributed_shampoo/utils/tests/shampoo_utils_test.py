@@ -1,4 +1,6 @@
 import math
+import threading
+from contextlib import contextmanager
 from operator import methodcaller
 
 import pytest
@@ -15,6 +17,8 @@ from distributed_shampoo.utils.shampoo_utils import (
     merge_small_dims,
     multi_dim_split,
     prepare_update_param_buffers,
+    run_concurrently,
+    run_on_side_streams,
 )
 
 CONV_SHAPE = (32, 3, 64, 64)
@@ -310,3 +314,77 @@ def test_redistribute_and_update_params_on_two_gloo_ranks() -> None:
 
     # fork: the children reuse the already-imported torch instead of paying for a fresh import each.
     mp.start_processes(_redistribute_worker, args=(2, _free_port()), nprocs=2, start_method="fork")
+
+
+# ------------------------------------------------------------------------------------------- concurrent tasks
+
+
+def test_run_concurrently_returns_results_in_task_order_and_uses_every_worker() -> None:
+    entered: list[str] = []
+    all_started = threading.Barrier(3)
+
+    @contextmanager
+    def worker(name: str):  # type: ignore[no-untyped-def]
+        entered.append(name)
+        all_started.wait(timeout=10)  # fails (BrokenBarrierError) unless the three workers run at the same time
+        yield
+
+    tasks = [lambda i=i: i * i for i in range(20)]
+    results = run_concurrently(tasks, [lambda n=n: worker(n) for n in ("a", "b", "c")])
+    assert results == [i * i for i in range(20)]
+    assert sorted(entered) == ["a", "b", "c"]
+
+
+def test_run_concurrently_runs_each_task_once() -> None:
+    calls = [0] * 50
+
+    def task(i: int) -> int:
+        calls[i] += 1
+        return i
+
+    @contextmanager
+    def worker():  # type: ignore[no-untyped-def]
+        yield
+
+    assert run_concurrently([lambda i=i: task(i) for i in range(50)], [worker] * 4) == list(range(50))
+    assert calls == [1] * 50
+
+
+def test_run_concurrently_raises_a_task_exception_after_all_workers_finish() -> None:
+    finished: list[int] = []
+
+    @contextmanager
+    def worker():  # type: ignore[no-untyped-def]
+        yield
+
+    def task(i: int) -> int:
+        if i == 3:
+            raise ZeroDivisionError("task 3")
+        finished.append(i)
+        return i
+
+    with pytest.raises(ZeroDivisionError, match="task 3"):
+        run_concurrently([lambda i=i: task(i) for i in range(10)], [worker] * 2)
+    assert sorted(finished) == [0, 1, 2, 4, 5, 6, 7, 8, 9]  # the other worker drained the queue
+
+
+def test_run_concurrently_needs_a_worker_for_tasks() -> None:
+    with pytest.raises(ValueError, match="at least one worker context"):
+        run_concurrently([lambda: 1], [])
+    assert run_concurrently([], []) == []
+
+
+def test_run_on_side_streams_on_cpu_runs_in_order_on_the_calling_thread() -> None:
+    threads: list[int] = []
+
+    def task(i: int) -> int:
+        threads.append(threading.get_ident())
+        return i
+
+    assert run_on_side_streams([lambda i=i: task(i) for i in range(5)], 4, torch.device("cpu")) == list(range(5))
+    assert set(threads) == {threading.get_ident()}
+
+
+def test_run_on_side_streams_rejects_zero_streams() -> None:
+    with pytest.raises(ValueError, match="num_streams=0 must be at least 1"):
+        run_on_side_streams([lambda: 1], 0, torch.device("cpu"))
