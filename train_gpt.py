@@ -569,10 +569,64 @@ def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tens
     )
 
 
+if triton is not None:
+
+    @triton.jit
+    def _e5m2_in_both_layouts_kernel(
+        src_ptr, out_ptr, out_t_ptr, M, N, inv_scale, ROUND_TO_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        # One read of a tile of src (M, N); writes src * inv_scale as e5m2 bytes into out (M, N) and out_t (N, M).
+        # 64-bit offsets: the head gradient has more than 2^31 elements.
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        product = tl.load(src_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32) * inv_scale
+        bits = product.to(tl.uint32, bitcast=True)
+        if ROUND_TO_BF16:  # an eager bf16 multiply rounds the product to bf16 (nearest even) before the cast
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        # fp32 -> e5m2 by integer rounding, as torch's cast does it (round to nearest even, inf beyond the range)
+        magnitude = bits & 0x7FFFFFFF
+        # normals (>= 2^-14): rebias the exponent (127 -> 15) and round away 21 of the 23 mantissa bits
+        normal = (magnitude - (112 << 23) + 0xFFFFF + ((magnitude >> 21) & 1)) >> 21
+        # below 2^-14 the values are multiples of 2^-16: round |x|·2^16 with the exact 1.5·2^23 addition trick
+        scaled = tl.minimum(magnitude.to(tl.float32, bitcast=True) * 65536.0, 4.0)  # (only used below 4)
+        subnormal = ((scaled + 12582912.0) - 12582912.0).to(tl.uint32)
+        code = tl.minimum(tl.where(magnitude >= (113 << 23), normal, subnormal), 0x7C)
+        e5m2 = (((bits >> 24) & 0x80) | code).to(tl.uint8)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], e5m2, mask=mask)
+        tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(e5m2), mask=tl.trans(mask))
+
+
+def e5m2_in_both_layouts(x: Tensor, scale: float, block_m: int = 64, block_n: int = 128) -> tuple[Tensor, Tensor]:
+    """x.div(scale).to(float8_e5m2) as on CUDA, row-major and transposed (contiguous), from one pass over the 2-D x.
+
+    The FP8 head's backward needs the e5m2 gradient in both layouts (torch._scaled_mm takes its first operand
+    row-major); casting and then copying the transpose costs a second, slow pass over a > 2 GB tensor. CUDA's
+    division by a Python scalar multiplies by its fp32 reciprocal; so does this kernel. NaNs become inf.
+    """
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"e5m2_in_both_layouts: x is {x.dtype}; pass a bfloat16 or float32 tensor")
+    x = x.contiguous()
+    M, N = x.shape
+    out = x.new_empty((M, N), dtype=torch.float8_e5m2)
+    out_t = x.new_empty((N, M), dtype=torch.float8_e5m2)
+    inv_scale = (torch.ones((), dtype=torch.float32) / scale).item()  # the fp32 reciprocal, as torch computes it
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _e5m2_in_both_layouts_kernel[grid](
+        x, out.view(torch.uint8), out_t.view(torch.uint8), M, N, inv_scale,
+        ROUND_TO_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    return out, out_t
+
+
 @torch.library.custom_op("train_gpt::fp8_head_backward", mutates_args=())
 def fp8_head_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
     """grad_x = (g/grad_s)(w/w_s) in bf16, grad_w = ((x/x_s)^T (g/grad_s))^T in fp32; g in e5m2, no fast accumulation."""
-    grad_f8 = grad.div(grad_s).to(torch.float8_e5m2)
+    if grad.is_cuda and triton is not None:
+        grad_f8, grad_f8_t = e5m2_in_both_layouts(grad, grad_s)
+    else:
+        grad_f8 = grad.div(grad_s).to(torch.float8_e5m2)
+        grad_f8_t = grad_f8.T.contiguous()
     column_major = lambda t: t.T.contiguous().T  # _scaled_mm wants its second operand column-major
     grad_x = torch._scaled_mm(
         grad_f8, column_major(w_f8), scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), out_dtype=torch.bfloat16, use_fast_accum=False
@@ -580,7 +634,7 @@ def fp8_head_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s:
     # (g/grad_s)^T (x/x_s) directly in the weight's (V, D) layout: the transpose of the spec's x^T g,
     # computed so that the gradient comes out contiguous for the optimizer's reduce-scatter
     grad_w = torch._scaled_mm(
-        grad_f8.T.contiguous(),
+        grad_f8_t,
         column_major(x_f8),
         scale_a=_scale(grad_s, grad),
         scale_b=_scale(x_s, grad),
