@@ -451,6 +451,7 @@ class ShampooRuntimeConfig:
     `num_amortized_computation_streams > 1` spreads the root/eigendecomposition recomputations of a step over
     that many CUDA streams, each driven by its own host thread (no effect on CPU): the factors are decomposed
     one by one and concurrently, with results bitwise equal to decomposing them one after another.
+    `CoupledHigherOrderConfig(disable_tf32=True)` stays sequential: it flips a process-wide flag.
     """
 
     eager_nan_check: bool = False

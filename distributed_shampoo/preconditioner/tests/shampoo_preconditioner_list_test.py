@@ -12,7 +12,12 @@ from torch import Tensor
 
 from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
 from distributed_shampoo.preconditioner import shampoo_preconditioner_list as module
-from distributed_shampoo.preconditioner.matrix_functions_types import EigenConfig, EighEigendecompositionConfig, QREigendecompositionConfig
+from distributed_shampoo.preconditioner.matrix_functions_types import (
+    CoupledHigherOrderConfig,
+    EigenConfig,
+    EighEigendecompositionConfig,
+    QREigendecompositionConfig,
+)
 from distributed_shampoo.preconditioner.shampoo_preconditioner_list import (
     BaseShampooPreconditionerList,
     EigendecomposedKLShampooPreconditionerList,
@@ -273,3 +278,35 @@ def test_batched_root_path_equals_per_matrix_path(monkeypatch: pytest.MonkeyPatc
     for a, b in zip(per_matrix, batched_results, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert isinstance(RootInvShampooPreconditionerConfig().amortized_computation_config, EigenConfig)
+
+
+@pytest.mark.parametrize(
+    ("amortized_config", "expected_streams"),
+    [
+        (EigenConfig(), 4),
+        (CoupledHigherOrderConfig(rel_epsilon=0.0, abs_epsilon=0.0, disable_tf32=False), 4),
+        # flips torch.backends.cuda.matmul.allow_tf32 for the whole process: never run from several threads
+        (CoupledHigherOrderConfig(rel_epsilon=0.0, abs_epsilon=0.0, disable_tf32=True), 1),
+    ],
+)
+def test_concurrent_streams_are_skipped_for_configs_that_change_global_state(
+    amortized_config: Any, expected_streams: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    requested: list[int] = []
+    run_on_side_streams = module.run_on_side_streams
+
+    def spy(tasks: Any, num_streams: int, device: torch.device) -> Any:
+        requested.append(num_streams)
+        return run_on_side_streams(tasks, num_streams, device)
+
+    monkeypatch.setattr(module, "run_on_side_streams", spy)
+    config = RootInvShampooPreconditionerConfig(
+        factor_matrix_dtype=F64, inv_factor_matrix_dtype=F64, amortized_computation_config=amortized_config
+    )
+    two_steps(make_list(RootInvShampooPreconditionerList, config, num_amortized_computation_streams=4))
+    assert requested == [expected_streams]
+
+
+def test_streams_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="num_amortized_computation_streams=0 must be at least 1"):
+        make_list(RootInvShampooPreconditionerList, ROOT_INV, num_amortized_computation_streams=0)
