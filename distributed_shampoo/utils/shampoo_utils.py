@@ -2,9 +2,9 @@
 
 import heapq
 import math
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
-from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache, partial
 from itertools import accumulate, pairwise
 from types import TracebackType
@@ -244,9 +244,9 @@ def run_on_side_streams(tasks: Sequence[Callable[[], T]], num_streams: int, devi
 
     Each side stream is driven by its own host thread (see `run_concurrently`). The side streams first wait
     for the work already queued on the caller's stream, and the caller's stream waits for all of them before
-    this returns: callers see ordinary single-stream ordering. Work such as `torch.linalg.eigh` leaves the GPU
-    mostly idle (small kernels, host synchronisations), so independent calls overlap well; every task still
-    runs the same kernels on the same inputs, so results are bitwise those of running the tasks in turn.
+    this returns: callers see ordinary single-stream ordering. Calls such as `torch.linalg.eigh` on small
+    matrices leave the GPU partly idle (launch gaps, host synchronisations), which the other streams fill; every
+    task still runs the same kernels on the same inputs, so results are bitwise those of running them in turn.
     """
     if num_streams < 1:
         raise ValueError(f"{num_streams=} must be at least 1.")
