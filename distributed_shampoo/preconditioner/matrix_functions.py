@@ -286,6 +286,11 @@ def _coupled_higher_order_inverse_root(
         torch.backends.cuda.matmul.allow_tf32 = tf32_flag
 
 
+def changes_global_state(config: MatrixFunctionConfig) -> bool:
+    """Whether computing with `config` flips process-wide torch flags (so must not run from several threads)."""
+    return isinstance(config, CoupledHigherOrderConfig) and config.disable_tf32  # allow_tf32, see above
+
+
 @_check_square_matrix
 def matrix_inverse_root(
     A: Tensor,

@@ -29,11 +29,12 @@ from torch import Tensor
 from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
 from distributed_shampoo.preconditioner.matrix_functions import (
     batched_eigen_inverse_root,
+    changes_global_state,
     matrix_eigendecomposition,
     matrix_inverse_root,
     matrix_inverse_root_from_eigendecomposition,
 )
-from distributed_shampoo.preconditioner.matrix_functions_types import CoupledHigherOrderConfig, EigenConfig
+from distributed_shampoo.preconditioner.matrix_functions_types import EigenConfig
 from distributed_shampoo.preconditioner.preconditioner_list import SecondMomentPreconditionerList, profile_decorator
 from distributed_shampoo.shampoo_types import (
     BaseShampooPreconditionerConfig,
@@ -388,9 +389,8 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         first so that the big eigendecompositions start early; each result is bitwise the sequential one."""
         device = work[0][2].device if work else torch.device("cpu")
         streams = self._num_amortized_computation_streams
-        config = self._preconditioner_config.amortized_computation_config
-        if isinstance(config, CoupledHigherOrderConfig) and config.disable_tf32:
-            streams = 1  # it flips the process-wide allow_tf32 flag, which concurrent threads would race on
+        if changes_global_state(self._preconditioner_config.amortized_computation_config):
+            streams = 1  # concurrent threads would race on the flag it flips
         order = list(range(len(work)))
         if streams > 1:
             order.sort(key=lambda i: -work[i][2].shape[0])
