@@ -11,12 +11,18 @@ The matrices are random symmetric positive definite (X·Xᵀ/k with X of k = 4n 
 cuSOLVER's divide and conquer runs faster or slower with the spectrum, so real root steps differ somewhat.
 """
 
+import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from distributed_shampoo.utils.shampoo_utils import run_on_side_streams  # noqa: E402
 
 FACTOR_SET = {3072: 24, 768: 120}  # size: count, for the 72 Track 3 matrices
 THREAD_COUNTS = (2, 4, 8)
@@ -44,23 +50,10 @@ def best_ms(fn: Callable[[], object], repeats: int = 3) -> float:
     return 1e3 * best
 
 
-def on_threads(matrices: list[torch.Tensor], streams: list[torch.cuda.Stream]) -> Callable[[], None]:
-    def run() -> None:
-        caller = torch.cuda.current_stream()
-        pending = iter(range(len(matrices)))  # shared queue: next() is atomic under the GIL
-
-        def drain(stream: torch.cuda.Stream) -> None:
-            stream.wait_stream(caller)
-            with torch.cuda.stream(stream):
-                for index in pending:
-                    torch.linalg.eigh(matrices[index])
-
-        with ThreadPoolExecutor(len(streams)) as pool:
-            list(pool.map(drain, streams))
-        for stream in streams:
-            caller.wait_stream(stream)
-
-    return run
+def on_threads(matrices: list[torch.Tensor], threads: int) -> Callable[[], None]:
+    """All the decompositions through the package's own concurrent runner (what the optimizer does)."""
+    tasks = [partial(torch.linalg.eigh, matrix) for matrix in matrices]
+    return lambda: run_on_side_streams(tasks, threads, matrices[0].device)
 
 
 def kernel_share(matrix: torch.Tensor) -> tuple[float, float, int, list[tuple[str, float]]]:
@@ -87,7 +80,6 @@ def main() -> None:
         raise SystemExit("probe_eigh.py: needs a CUDA GPU (it measures cuSOLVER).")
     device = torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    streams = [torch.cuda.Stream() for _ in range(max(THREAD_COUNTS))]
     for seed, (size, count) in enumerate(FACTOR_SET.items()):
         matrices = random_spd(size, count, seed, device)
         timings = {
@@ -95,7 +87,7 @@ def main() -> None:
             "batched": best_ms(lambda: torch.linalg.eigh(torch.stack(matrices))),
         }
         for threads in THREAD_COUNTS:
-            timings[f"{threads} threads/streams"] = best_ms(on_threads(matrices, streams[:threads]))
+            timings[f"{threads} threads/streams"] = best_ms(on_threads(matrices, threads))
         print(f"{count} x {size}: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in timings.items()))
         print(f"1 x {size} float64: {best_ms(lambda: torch.linalg.eigh(matrices[0].double())):.1f} ms")
         wall, busy, events, top = kernel_share(matrices[0])
