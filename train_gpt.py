@@ -541,50 +541,49 @@ class CastedLinear(nn.Linear):
         return F.linear(x, self.weight.type_as(x))
 
 
-# ---- FP8 head: torch._scaled_mm with static scales, saved FP8 copies, and its own backward ----
+# ---- FP8 head and soft-capped cross-entropy ----
+# Training loss = sum over tokens of CE(30 sigmoid(logits / 7.5)), logits = x w^T through torch._scaled_mm in
+# e4m3 with static scales. The eager formula (still the eval and CPU path, and the tests' reference):
+#     logits = (x @ w.T).float(); loss = F.cross_entropy(30 * torch.sigmoid(logits / 7.5), targets, reduction="sum")
+# In training one custom op does the matmul, the loss and the logits' gradient: the loss is the graph's
+# output, so its gradient is known up to the scalar that backward passes in (1 for loss.backward()), and
+# one Triton pass per block of rows (softcap_ce_e5m2) writes the gradient as e5m2 in the two layouts the
+# backward _scaled_mm calls take. It replaces inductor's log-sum-exp pass over the bf16 logits, its backward
+# pass (read the logits again, write a bf16 gradient) and a cast pass over that gradient (read it, write
+# both layouts): per micro-step of the record (49,152 x 50,304 logits) that is 4.9 GB of gradient written
+# and read again that no longer exist. The rounding is the eager chain's: the fp32 gradient goes to bf16
+# (autograd's dtype for the bf16 logits), is divided by the gradient scale in bf16, then cast to e5m2.
 FP8_X_SCALE = math.sqrt(768) / 448  # |RMS-normed x| <= sqrt(768); 448 = largest e4m3 value
 FP8_W_SCALE = 2.0**-9
 FP8_GRAD_SCALE = 1.0 / 448
+SOFTCAP = 30.0  # logits are soft-capped into (0, SOFTCAP) ...
+SOFTCAP_DIVISOR = 7.5  # ... as SOFTCAP * sigmoid(logits / SOFTCAP_DIVISOR)
+
+
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, reduction: str) -> Tensor:
+    """The eager formula: fp32 soft cap, then cross-entropy over every (padded) vocabulary column."""
+    capped = SOFTCAP * torch.sigmoid(logits.float() / SOFTCAP_DIVISOR)
+    return F.cross_entropy(capped.view(-1, capped.size(-1)), targets, reduction=reduction)
 
 
 def _scale(value: float, like: Tensor) -> Tensor:
     return torch.full((), value, dtype=torch.float32, device=like.device)  # a fill kernel: no host copy, no sync
 
 
-@torch.library.custom_op("train_gpt::fp8_head", mutates_args=())
-def fp8_head(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(x/x_s)(w/w_s)^T in e4m3 with fast accumulation, rescaled; returns bf16 logits and the FP8 copies."""
-    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
-    logits = torch._scaled_mm(x_f8, w_f8.T, scale_a=_scale(x_s, x), scale_b=_scale(w_s, x), out_dtype=torch.bfloat16, use_fast_accum=True)
-    return logits, x_f8, w_f8
-
-
-@fp8_head.register_fake
-def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    return (
-        x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
-        torch.empty_like(x, dtype=torch.float8_e4m3fn),
-        torch.empty_like(w, dtype=torch.float8_e4m3fn),
-    )
-
-
 if triton is not None:
 
     @triton.jit
-    def _e5m2_in_both_layouts_kernel(
-        src_ptr, out_ptr, out_t_ptr, M, N, inv_scale, ROUND_TO_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-    ):
-        # One read of a tile of src (M, N); writes src * inv_scale as e5m2 bytes into out (M, N) and out_t (N, M).
-        # 64-bit offsets: the head gradient has more than 2^31 elements.
-        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        product = tl.load(src_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32) * inv_scale
-        bits = product.to(tl.uint32, bitcast=True)
-        if ROUND_TO_BF16:  # an eager bf16 multiply rounds the product to bf16 (nearest even) before the cast
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        # fp32 -> e5m2 by integer rounding, as torch's cast does it (round to nearest even, inf beyond the range)
+    def _round_to_bf16(x):
+        """fp32 -> nearest-even bf16, returned as fp32 (integer arithmetic, exact under the interpreter too)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e5m2_byte(x):
+        """fp32 -> e5m2 byte as torch's cast does it: nearest even, inf beyond the range (NaN becomes inf).
+        Integer rounding because the interpreter's own fp8 conversion differs from CUDA's."""
+        bits = x.to(tl.uint32, bitcast=True)
         magnitude = bits & 0x7FFFFFFF
         # normals (>= 2^-14): rebias the exponent (127 -> 15) and round away 21 of the 23 mantissa bits
         normal = (magnitude - (112 << 23) + 0xFFFFF + ((magnitude >> 21) & 1)) >> 21
@@ -592,92 +591,154 @@ if triton is not None:
         scaled = tl.minimum(magnitude.to(tl.float32, bitcast=True) * 65536.0, 4.0)  # (only used below 4)
         subnormal = ((scaled + 12582912.0) - 12582912.0).to(tl.uint32)
         code = tl.minimum(tl.where(magnitude >= (113 << 23), normal, subnormal), 0x7C)
-        e5m2 = (((bits >> 24) & 0x80) | code).to(tl.uint8)
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], e5m2, mask=mask)
-        tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(e5m2), mask=tl.trans(mask))
+        return (((bits >> 24) & 0x80) | code).to(tl.uint8)
+
+    @triton.jit
+    def _softcap_ce_e5m2_kernel(
+        logits_ptr, targets_ptr, loss_ptr, grad_ptr, grad_t_ptr, M, N: tl.constexpr, grad_inv_scale,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # Rows of logits (M, N) bf16 -> loss per row (fp32) and the e5m2 gradient in grad (M, N) and grad_t (N, M).
+        # Two passes over the row block: the log-sum-exp, then the gradient. The capped logits lie in (0, 30),
+        # so exp() cannot overflow and needs no running maximum. 64-bit offsets: M * N exceeds 2^31. N (the
+        # padded vocabulary) is a compile-time constant: fixed loop trip counts.
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < M
+        row_start = logits_ptr + rows[:, None] * N
+        inv_divisor = 1.0 / 7.5  # a multiply by the fp32 reciprocal, as CUDA divides by a Python scalar
+        sum_exp = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for col0 in range(0, N, BLOCK_N):
+            cols = col0 + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (cols[None, :] < N)
+            logits = tl.load(row_start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            capped = 30.0 * tl.sigmoid(logits * inv_divisor)
+            sum_exp += tl.sum(tl.where(mask, tl.exp(capped), 0.0), axis=1)
+        log_sum_exp = tl.log(sum_exp)
+        targets = tl.load(targets_ptr + rows, mask=row_ok, other=0)
+        target_logit = tl.load(logits_ptr + rows * N + targets, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(loss_ptr + rows, log_sum_exp - 30.0 * tl.sigmoid(target_logit * inv_divisor), mask=row_ok)
+        for col0 in range(0, N, BLOCK_N):
+            cols = col0 + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (cols[None, :] < N)
+            logits = tl.load(row_start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(logits * inv_divisor)
+            prob = tl.exp(30.0 * sig - log_sum_exp[:, None])
+            grad_capped = tl.where(cols[None, :] == targets[:, None], prob - 1.0, prob)  # softmax - one-hot
+            # chain rule in autograd's order: * 30, sigmoid's (1 - s) s, / 7.5; then the bf16 gradient
+            grad = _round_to_bf16(grad_capped * 30.0 * (1.0 - sig) * sig * inv_divisor)
+            code = _e5m2_byte(_round_to_bf16(grad * grad_inv_scale))
+            tl.store(grad_ptr + rows[:, None] * N + cols[None, :], code, mask=mask)
+            tl.store(grad_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
-def e5m2_in_both_layouts(x: Tensor, scale: float, block_m: int = 64, block_n: int = 128) -> tuple[Tensor, Tensor]:
-    """x.div(scale).to(float8_e5m2) as on CUDA, row-major and transposed (contiguous), from one pass over the 2-D x.
+SOFTCAP_CE_BLOCKS = (32, 256)  # rows x columns per tile: a 32-row tile stores 32-byte runs of the transposed gradient
 
-    The FP8 head's backward needs the e5m2 gradient in both layouts (torch._scaled_mm takes its first operand
-    row-major); casting and then copying the transpose costs a second, slow pass over a > 2 GB tensor. CUDA's
-    division by a Python scalar multiplies by its fp32 reciprocal; so does this kernel. NaNs become inf.
-    """
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"e5m2_in_both_layouts: x is {x.dtype}; pass a bfloat16 or float32 tensor")
-    x = x.contiguous()
-    M, N = x.shape
-    out = x.new_empty((M, N), dtype=torch.float8_e5m2)
-    out_t = x.new_empty((N, M), dtype=torch.float8_e5m2)
-    inv_scale = (torch.ones((), dtype=torch.float32) / scale).item()  # the fp32 reciprocal, as torch computes it
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _e5m2_in_both_layouts_kernel[grid](
-        x, out.view(torch.uint8), out_t.view(torch.uint8), M, N, inv_scale,
-        ROUND_TO_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n,
+
+def softcap_ce_e5m2_eager(logits: Tensor, targets: Tensor, grad_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """What softcap_ce_e5m2 computes, in PyTorch ops (the CPU path and the kernel's reference): the gradient of
+    softcapped_cross_entropy written out, as a custom op's body cannot run autograd."""
+    logits = logits.float()
+    sig = torch.sigmoid(logits / SOFTCAP_DIVISOR)
+    capped = SOFTCAP * sig
+    log_sum_exp = torch.logsumexp(capped, dim=-1, keepdim=True)
+    losses = (log_sum_exp - capped.gather(-1, targets[:, None]))[:, 0]
+    grad_capped = torch.exp(capped - log_sum_exp) - F.one_hot(targets, logits.size(-1))
+    grad = (grad_capped * SOFTCAP * (1 - sig) * sig / SOFTCAP_DIVISOR).bfloat16()
+    grad_f8 = grad.div(grad_scale).to(torch.float8_e5m2)
+    return losses, grad_f8, grad_f8.T.contiguous()
+
+
+def softcap_ce_e5m2(logits: Tensor, targets: Tensor, grad_scale: float, blocks: tuple[int, int] = SOFTCAP_CE_BLOCKS) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row loss of softcapped_cross_entropy and its gradient w.r.t. the bf16 logits, divided by grad_scale, in
+    e5m2: row-major (M, N) and transposed (N, M), both contiguous. The Triton kernel on CUDA (and under
+    TRITON_INTERPRET); softcap_ce_e5m2_eager elsewhere."""
+    if triton is None or not (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return softcap_ce_e5m2_eager(logits, targets, grad_scale)
+    M, N = logits.shape
+    losses = logits.new_empty(M, dtype=torch.float32)
+    grad = logits.new_empty((M, N), dtype=torch.float8_e5m2)
+    grad_t = logits.new_empty((N, M), dtype=torch.float8_e5m2)
+    inv_scale = (torch.ones((), dtype=torch.float32) / grad_scale).item()  # the fp32 reciprocal, as torch computes it
+    block_m, block_n = blocks
+    _softcap_ce_e5m2_kernel[(triton.cdiv(M, block_m),)](
+        logits, targets, losses, grad.view(torch.uint8), grad_t.view(torch.uint8), M, N, inv_scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8,
     )
-    return out, out_t
+    return losses, grad, grad_t
+
+
+@torch.library.custom_op("train_gpt::fp8_head_loss", mutates_args=())
+def fp8_head_loss(
+    x: Tensor, w: Tensor, targets: Tensor, x_s: float, w_s: float, grad_s: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Summed soft-capped CE of the e4m3 logits (x/x_s)(w/w_s)^T (fast accumulation, bf16 out); also returns
+    the FP8 copies of x and w and the e5m2 logit gradient in both layouts, all saved for the backward."""
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    logits = torch._scaled_mm(x_f8, w_f8.T, scale_a=_scale(x_s, x), scale_b=_scale(w_s, x), out_dtype=torch.bfloat16, use_fast_accum=True)
+    losses, grad_f8, grad_f8_t = softcap_ce_e5m2(logits, targets, grad_s)
+    return losses.sum(), x_f8, w_f8, grad_f8, grad_f8_t
+
+
+@fp8_head_loss.register_fake
+def _(x: Tensor, w: Tensor, targets: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    M, V = x.size(0), w.size(0)
+    return (
+        x.new_empty((), dtype=torch.float32),
+        torch.empty_like(x, dtype=torch.float8_e4m3fn),
+        torch.empty_like(w, dtype=torch.float8_e4m3fn),
+        x.new_empty((M, V), dtype=torch.float8_e5m2),
+        x.new_empty((V, M), dtype=torch.float8_e5m2),
+    )
 
 
 @torch.library.custom_op("train_gpt::fp8_head_backward", mutates_args=())
-def fp8_head_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    """grad_x = (g/grad_s)(w/w_s) in bf16, grad_w = ((x/x_s)^T (g/grad_s))^T in fp32; g in e5m2, no fast accumulation."""
-    if grad.is_cuda and triton is not None:
-        grad_f8, grad_f8_t = e5m2_in_both_layouts(grad, grad_s)
-    else:
-        grad_f8 = grad.div(grad_s).to(torch.float8_e5m2)
-        grad_f8_t = grad_f8.T.contiguous()
+def fp8_head_backward(
+    grad_loss: Tensor, grad_f8: Tensor, grad_f8_t: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float
+) -> tuple[Tensor, Tensor]:
+    """grad_x = g (w/w_s) in bf16, grad_w = g^T (x/x_s) in fp32, g = grad_loss * grad_s * (e5m2 gradient), no fast
+    accumulation. grad_loss rides in _scaled_mm's scale (one fp32 multiply: exact for loss.backward()'s 1)."""
+    grad_scale = grad_loss.float() * grad_s
     column_major = lambda t: t.T.contiguous().T  # _scaled_mm wants its second operand column-major
-    grad_x = torch._scaled_mm(
-        grad_f8, column_major(w_f8), scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), out_dtype=torch.bfloat16, use_fast_accum=False
-    )
-    # (g/grad_s)^T (x/x_s) directly in the weight's (V, D) layout: the transpose of the spec's x^T g,
-    # computed so that the gradient comes out contiguous for the optimizer's reduce-scatter
-    grad_w = torch._scaled_mm(
-        grad_f8_t,
-        column_major(x_f8),
-        scale_a=_scale(grad_s, grad),
-        scale_b=_scale(x_s, grad),
-        out_dtype=torch.float32,
-        use_fast_accum=False,
-    )
+    grad_x = torch._scaled_mm(grad_f8, column_major(w_f8), scale_a=grad_scale, scale_b=_scale(w_s, x_f8), out_dtype=torch.bfloat16, use_fast_accum=False)
+    # g^T (x/x_s) directly in the weight's (V, D) layout, so that the gradient comes out contiguous for the
+    # optimizer's reduce-scatter
+    grad_w = torch._scaled_mm(grad_f8_t, column_major(x_f8), scale_a=grad_scale, scale_b=_scale(x_s, x_f8), out_dtype=torch.float32, use_fast_accum=False)
     return grad_x, grad_w
 
 
 @fp8_head_backward.register_fake
-def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+def _(grad_loss: Tensor, grad_f8: Tensor, grad_f8_t: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
     return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
 
 
-def _fp8_head_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    _, _, x_s, w_s, grad_s = inputs
-    _, x_f8, w_f8 = output
-    ctx.save_for_backward(x_f8, w_f8)  # the FP8 copies, not the bf16 originals
+def _fp8_head_loss_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    _, _, _, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8, grad_f8, grad_f8_t = output
+    ctx.save_for_backward(grad_f8, grad_f8_t, x_f8, w_f8)  # FP8 copies only: no bf16 logits survive the forward
     ctx.scales = (x_s, w_s, grad_s)
 
 
-def _fp8_head_backward(ctx: Any, grad_logits: Tensor, *_unused: Any) -> tuple:
-    x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = fp8_head_backward(grad_logits, x_f8, w_f8, *ctx.scales)
-    return grad_x, grad_w, None, None, None  # autograd casts grad_w to the bf16 weight dtype
+def _fp8_head_loss_backward(ctx: Any, grad_loss: Tensor, *_unused: Any) -> tuple:
+    grad_x, grad_w = fp8_head_backward(grad_loss, *ctx.saved_tensors, *ctx.scales)
+    return grad_x, grad_w, None, None, None, None  # autograd casts grad_w to the bf16 weight dtype
 
 
-fp8_head.register_autograd(_fp8_head_backward, setup_context=_fp8_head_setup_context)
+fp8_head_loss.register_autograd(_fp8_head_loss_backward, setup_context=_fp8_head_loss_setup_context)
 
 
 class LMHead(CastedLinear):
-    """Vocabulary projection: FP8 in training when enabled, plain matmul in eval (and on CPU)."""
+    """Vocabulary projection and loss: FP8 with the fused loss in training when enabled, the eager formula otherwise."""
 
     def __init__(self, dim: int, vocab: int):
         super().__init__(dim, vocab)
         self.use_fp8 = False
 
-    def forward(self, x: Tensor) -> Tensor:
+    def loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        """Sum of token losses in training, mean in eval."""
         if self.training and self.use_fp8:
-            flat = x.flatten(0, -2)
-            logits = fp8_head(flat, self.weight, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
-            return logits.view(*x.shape[:-1], -1)
-        return super().forward(x)
+            return fp8_head_loss(x.flatten(0, -2), self.weight, targets, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
+        return softcapped_cross_entropy(self(x), targets, "sum" if self.training else "mean")
 
 
 # ---- rotary embedding with YaRN ----
@@ -1010,9 +1071,7 @@ class GPT(nn.Module):
             x = x + block.mlp(rms_norm(x))
             if layer <= UNET_SKIP_PAIRS:
                 skips.append(x)
-        logits = self.lm_head(rms_norm(x)).float()
-        logits = 30 * torch.sigmoid(logits / 7.5)  # soft-cap into (0, 30)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum" if self.training else "mean")
+        return self.lm_head.loss(rms_norm(x), targets)
 
 
 def matmul_parameter_count(model: GPT) -> int:
@@ -1322,17 +1381,42 @@ class Muon(torch.optim.Optimizer):
 
 
 # ---- DistAdam ----
+def adam_update_(
+    shard: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor, beta1: float, beta2: float, eps: float, decay: float
+) -> None:
+    """One Adam update of shard in place (step: the update's number, already incremented; lr a 0-dim tensor so
+    that the compiled version serves every step of the schedule). eps is added to the uncorrected sqrt(v)
+    and the bias corrections fold into the step size."""
+    if decay:
+        shard.mul_(1 - lr * decay)
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).add_(grad.square(), alpha=1 - beta2)
+    step_size = lr * (1 - beta2**step).sqrt() / (1 - beta1**step)
+    shard.sub_(exp_avg / (exp_avg_sq.sqrt() + eps) * step_size)
+
+
 class DistAdam(torch.optim.Optimizer):
     """Adam sharded along dim 0: reduce-scatter (AVG) the gradient, update the rank's rows, all-gather.
 
-    Moments are bf16; eps is added to the uncorrected sqrt(v) and the bias corrections fold into the step.
+    Moments are bf16. With compile=True the update is one fused kernel per parameter shape (the record
+    compiles it too) instead of a dozen elementwise passes over each embedding-sized tensor.
     """
 
     def __init__(
-        self, params: list[nn.Parameter], lr: float, betas: tuple[float, float], eps: float, weight_decay: float, rank: int, world_size: int
+        self,
+        params: list[nn.Parameter],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        rank: int,
+        world_size: int,
+        compile: bool = False,
     ):
         self.rank, self.world_size = rank, world_size
         self._reductions: list[tuple] = []  # filled by launch_reductions, emptied by step
+        self._update = torch.compile(adam_update_, fullgraph=True, dynamic=False) if compile else adam_update_
+        self._lr: dict[int, Tensor] = {}  # per parameter: its learning rate as a 0-dim device tensor
         shapes = list(dict.fromkeys(tuple(p.shape) for p in params))
         groups = [dict(params=[p for p in params if tuple(p.shape) == shape]) for shape in shapes]
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -1343,6 +1427,9 @@ class DistAdam(torch.optim.Optimizer):
         self._reductions = []
         for group in self.param_groups:
             for p in group["params"]:
+                if self.world_size == 1:  # the gradient is its own average: no copy
+                    self._reductions.append((group, p, p.grad, _Finished()))
+                    continue
                 local = p.grad.new_empty(p.size(0) // self.world_size, *p.shape[1:])
                 self._reductions.append((group, p, local, reduce_scatter_avg(local, p.grad, self.world_size)))
 
@@ -1361,16 +1448,13 @@ class DistAdam(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.int64, device=p.device)
                 state["exp_avg"] = torch.zeros_like(shard, dtype=torch.bfloat16)
                 state["exp_avg_sq"] = torch.zeros_like(shard, dtype=torch.bfloat16)
-            beta1, beta2 = group["betas"]
-            lr = group["lr"] * p.lr_mul
+            if id(p) not in self._lr:
+                self._lr[id(p)] = torch.zeros((), dtype=torch.float32, device=p.device)
+            lr = self._lr[id(p)].fill_(group["lr"] * p.lr_mul)  # a fill kernel: no host-device sync
             state["step"] += 1
-            t = state["step"]
-            if group["weight_decay"]:
-                shard.mul_(1 - lr * group["weight_decay"] * p.wd_mul)
-            state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-            state["exp_avg_sq"].mul_(beta2).add_(grad.square(), alpha=1 - beta2)
-            step_size = lr * (1 - beta2**t).sqrt() / (1 - beta1**t)
-            shard.sub_(state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"]) * step_size)
+            beta1, beta2 = group["betas"]
+            decay = group["weight_decay"] * p.wd_mul
+            self._update(shard, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2, group["eps"], decay)
             gathers.append(all_gather_into(p, shard, self.world_size))
         for work in gathers:
             work.wait()
@@ -1394,6 +1478,7 @@ def build_optimizers(model: GPT, hp: Hyperparameters, rank: int, world_size: int
         hp.weight_decay,
         rank,
         world_size,
+        compile=hp.compile,
     )
     muon = Muon(muon_parameters(model), hp.muon_lr, hp.muon_momentum, hp.weight_decay, rank, world_size)
     for opt in (adam, muon):

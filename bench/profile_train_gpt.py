@@ -21,26 +21,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_gpt as tg  # noqa: E402
+from ab import kind_of  # noqa: E402  (the kernel kinds of the A/B runner's profiles)
 
 WARMUP_STEPS = 4  # compile and autotune outside the profile
 PROFILED_STEPS = 2
-
-KINDS = [  # first match wins; kernel names as they appear on Hopper with torch 2.11
-    ("flex attention (Triton templates)", r"flex|attention|triton_tem"),
-    ("fp8 head (scaled_mm, casts, copies)", r"f8|fp8|e4m3|e5m2"),
-    ("bf16/fp32 GEMM", r"gemm|sm90|cutlass|xmma|cublas|nvjet|mm_"),
-    ("Newton-Schulz kernels", r"_symmetric_matmul"),
-    ("communication", r"nccl"),
-    ("Triton fused (inductor)", r"^triton_"),
-]
-
-
-def kind_of(name: str) -> str:
-    for kind, pattern in KINDS:
-        if re.search(pattern, name, re.IGNORECASE):
-            return kind
-    return "other"
-
 
 def main() -> None:
     hp, _ = tg.parse_args(sys.argv[1:])

@@ -1,0 +1,573 @@
+"""Paired A/B timing of two versions of train_gpt.py on the same GPUs, in one invocation.
+
+    python bench/ab.py --baseline HEAD --candidate WORKTREE [--nproc N] [--rounds R] -- <train_gpt.py overrides>
+
+A version is a git revision (its train_gpt.py), a .py file, a run log or a record folder (the script the
+log embeds, as `tools/records.py extract` writes it), or WORKTREE (the working tree's train_gpt.py).
+
+How it times (why: these machines drift by several percent from call to call, so only an interleaved
+comparison in one invocation is a comparison):
+  * Each version runs in its own resident process group (torchrun, --nproc processes on the same GPUs),
+    compiled and warmed up once. Both groups stay alive; only one trains at a time.
+  * Round r trains version A, then version B, over the same full schedule from the same starting point:
+    the model re-initialised with seed r (the same seed for A and B), optimizer state reset, a fresh loader.
+  * The timed segment is steps skip..T (synchronized at both ends; validation inside it is left out),
+    so each round gives ms/step for A and for B, and their ratio B/A is paired by round.
+  * The val losses at the end of each round are paired by seed: their spread over seeds is the
+    run-to-run noise, their paired difference what the candidate changed.
+
+A version whose script lacks train_gpt.py's run()/train() structure (e.g. an older record's own script)
+is timed whole-run: each round is a fresh process with the compile caches of its first (untimed) run,
+timed from its own step lines. Results: a table on stdout and a JSON file (--json, default beside the
+extracted versions in bench/out/ab/<time>/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import inspect
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+WORKTREE = "WORKTREE"
+RESIDENT_NEEDS = {"run": (), "train": ("raw_model", "adam", "muon", "rt"), "print0": (), "evaluate": ()}
+STEP_LINE = re.compile(r"^step:(\d+)/(\d+) ")
+TRAIN_TIME = re.compile(r"train_time:(\d+)ms")
+VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.naife]+)")
+PEAK_LINE = re.compile(r"peak memory allocated: (\d+) MiB")
+POLL_S = 0.02
+
+
+class ABError(Exception):
+    """A bad version, option or failed worker: printed as one line."""
+
+
+# =============================================================================================
+# Versions: resolve, extract, classify
+# =============================================================================================
+@dataclass
+class Version:
+    label: str  # "baseline" / "candidate"
+    spec: str  # what the user passed
+    origin: str  # where the script came from, in words
+    script: Path  # the extracted train_gpt.py
+    mode: str  # "resident" or "whole-run"
+
+
+def _git(*args: str) -> str:
+    result = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ABError(f"git {' '.join(args)}: {result.stderr.strip().splitlines()[-1] if result.stderr.strip() else 'failed'}")
+    return result.stdout
+
+
+def _log_in_folder(folder: Path) -> Path:
+    logs = sorted(p for p in folder.glob("*.txt") if p.is_file())
+    if not logs:
+        raise ABError(f"{folder}: no run logs (*.txt) in this folder; pass a log, a .py file or a git revision")
+    return logs[0]
+
+
+def _script_from_log(log: Path, target: Path) -> None:
+    sys.path.insert(0, str(REPO / "tools"))
+    from recordkit.errors import RecordsError
+    from recordkit.extract import extraction_plan
+
+    try:
+        plan = extraction_plan(log, target)
+    except RecordsError as error:
+        raise ABError(str(error)) from None
+    for path, text in plan.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def resolve_version(label: str, spec: str, folder: Path) -> Version:
+    """Writes the version's script to folder/label/train_gpt.py and classifies it."""
+    target = folder / label / "train_gpt.py"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(spec)
+    if spec == WORKTREE:
+        shutil.copyfile(REPO / "train_gpt.py", target)
+        origin = "the working tree's train_gpt.py"
+    elif path.is_dir():
+        log = _log_in_folder(path)
+        _script_from_log(log, target)
+        origin = f"the script embedded in {log}"
+    elif path.is_file() and path.suffix == ".py":
+        shutil.copyfile(path, target)
+        origin = str(path)
+    elif path.is_file():
+        _script_from_log(path, target)
+        origin = f"the script embedded in {path}"
+    else:
+        commit = _git("rev-parse", "--short", f"{spec}^{{commit}}").strip()
+        target.write_text(_git("show", f"{commit}:train_gpt.py"))
+        origin = f"train_gpt.py at {spec} ({commit})"
+    return Version(label, spec, origin, target, classify(target))
+
+
+def classify(script: Path) -> str:
+    """resident when the script has train_gpt.py's structure (run, train with the objects a round resets)."""
+    try:
+        tree = ast.parse(script.read_text(), filename=str(script))
+    except SyntaxError as error:
+        raise ABError(f"{script}: not valid Python ({error.msg}, line {error.lineno})") from None
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    for name, params in RESIDENT_NEEDS.items():
+        if name not in functions:
+            return "whole-run"
+        names = {arg.arg for arg in functions[name].args.args + functions[name].args.kwonlyargs}
+        if not set(params) <= names:
+            return "whole-run"
+    return "resident"
+
+
+def check_version(version: Version, overrides: list[str]) -> dict[str, Any]:
+    """Imports the version in a fresh interpreter and parses the overrides with its own parser."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--check-script", str(version.script), "--", *overrides]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if result.returncode != 0:
+        last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
+        raise ABError(f"{version.label} ({version.origin}) does not accept the overrides: {last}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _check_script_main(script: Path, overrides: list[str]) -> None:
+    module = _load_module(script)
+    if hasattr(module, "parse_args"):
+        try:
+            hp = module.parse_args(overrides)[0]
+        except module.UserError as error:
+            raise SystemExit(f"{script}: {error}")
+        print(json.dumps({"train_steps": int(hp.num_iterations + getattr(hp, "iteration_extension", 0))}))
+    else:
+        print(json.dumps({"train_steps": None}))
+
+
+def _load_module(script: Path) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_gpt"] = module  # dataclasses and torch.library resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+# =============================================================================================
+# Control files: the coordinator and the workers take turns through a folder
+# =============================================================================================
+class Control:
+    def __init__(self, folder: Path, label: str):
+        self.folder, self.label = folder, label
+
+    def path(self, what: str) -> Path:
+        return self.folder / f"{self.label}.{what}"
+
+    def signal(self, what: str, payload: dict | None = None) -> None:
+        temporary = self.path(what + ".tmp")
+        temporary.write_text(json.dumps(payload or {}))
+        os.replace(temporary, self.path(what))  # readers never see a half-written file
+
+    def wait(self, what: str, alive: Callable[[], bool] = lambda: True, timeout_s: float = 3600.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while not self.path(what).exists():
+            if not alive():
+                raise ABError(f"{self.label}: the worker exited before '{what}'; see {self.path('out')}")
+            if time.monotonic() > deadline:
+                raise ABError(f"{self.label}: no '{what}' within {timeout_s:.0f} s; see {self.path('out')}")
+            time.sleep(POLL_S)
+        return json.loads(self.path(what).read_text())
+
+
+# =============================================================================================
+# Worker: one version, resident, driven round by round (runs under torchrun)
+# =============================================================================================
+class _EndRound(Exception):
+    """Raised from the step-line hook to end a profiling round early (after its profiled steps)."""
+
+
+@dataclass
+class RoundTimer:
+    first_step: int
+    marks: dict[int, float] = field(default_factory=dict)  # step -> synchronized time, at the segment's ends
+    segment_open: bool = False
+    eval_inside_s: float = 0.0
+    profile: Any = None
+    profile_steps: int = 0
+
+
+KERNEL_KINDS = [  # first match wins; kernel names as they appear on Hopper with torch 2.11
+    ("flex attention (Triton templates)", r"flex|attention|triton_tem"),
+    ("fp8 head (scaled_mm, casts, copies)", r"f8|fp8|e4m3|e5m2|softcap"),
+    ("bf16/fp32 GEMM", r"gemm|sm90|cutlass|xmma|cublas|nvjet|mm_"),
+    ("Newton-Schulz kernels", r"_symmetric_matmul"),
+    ("communication", r"nccl"),
+    ("Triton fused (inductor)", r"^triton_"),
+]
+
+
+def kind_of(kernel: str) -> str:
+    for kind, pattern in KERNEL_KINDS:
+        if re.search(pattern, kernel, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def _kernel_table(prof: Any, steps: int, top: int = 25) -> list[dict]:
+    import torch
+
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    rows = [
+        dict(kernel=e.key[:140], kind=kind_of(e.key), ms_per_step=e.self_device_time_total / steps / 1e3, calls_per_step=e.count / steps)
+        for e in events
+    ]
+    rows.sort(key=lambda row: -row["ms_per_step"])
+    kinds: dict[str, float] = {}
+    for row in rows:
+        kinds[row["kind"]] = kinds.get(row["kind"], 0.0) + row["ms_per_step"]
+    summary = [dict(kernel=f"(all {kind})", kind="sum", ms_per_step=ms, calls_per_step=0) for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    total = dict(kernel="(all kernels)", kind="sum", ms_per_step=sum(r["ms_per_step"] for r in rows), calls_per_step=0)
+    return [total, *summary, *rows[:top]]
+
+
+def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    module = _load_module(args.script)
+    control = Control(args.control, args.label)
+    rank = int(os.environ.get("RANK", "0"))
+    original_train, original_print0, original_evaluate = module.train, module.print0, module.evaluate
+    timer = RoundTimer(args.skip)
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def print0(s: str, console: bool = False) -> None:
+        original_print0(s, console)
+        match = STEP_LINE.match(s)
+        if match is None or "val_loss" in s:
+            return
+        step, total = int(match[1]), int(match[2])
+        if step == timer.first_step or step == total:
+            sync()
+            timer.marks[step] = time.perf_counter()
+            timer.segment_open = step == timer.first_step
+        if timer.profile is not None:
+            if step == timer.first_step:
+                timer.profile.start()
+            elif step == timer.first_step + timer.profile_steps:
+                sync()
+                timer.profile.stop()
+                raise _EndRound()
+
+    def evaluate(*a: Any, **k: Any) -> Any:
+        sync()
+        start = time.perf_counter()
+        result = original_evaluate(*a, **k)
+        sync()
+        if timer.segment_open:
+            timer.eval_inside_s += time.perf_counter() - start
+        return result
+
+    def reinitialise(raw_model: Any, seed: int) -> None:
+        torch.manual_seed(seed)
+        raw_model.reset_parameters()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            for param in raw_model.parameters():
+                dist.broadcast(param.detach(), 0)
+
+    def rounds_of_train(*a: Any, **k: Any) -> float:
+        bound = inspect.signature(original_train).bind(*a, **k).arguments
+        raw_model, optimizers = bound["raw_model"], (bound["adam"], bound["muon"])
+        start_states = copy.deepcopy([opt.state_dict() for opt in optimizers])
+        if rank == 0:
+            control.signal("ready", dict(pid=os.getpid()))
+        final = math.nan
+        for index, seed in enumerate(args.seeds):
+            control.wait(f"go{index}")
+            reinitialise(raw_model, seed)
+            for opt, state in zip(optimizers, start_states):
+                opt.load_state_dict(copy.deepcopy(state))
+            raw_model.rotary.reset()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            timer.marks, timer.eval_inside_s = {}, 0.0
+            final = original_train(*a, **k)
+            total = max(timer.marks)
+            segment_s = timer.marks[total] - timer.marks[timer.first_step] - timer.eval_inside_s
+            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+            if rank == 0:
+                control.signal(
+                    f"result{index}",
+                    dict(seed=seed, ms_per_step=1000 * segment_s / (total - timer.first_step), steps=[timer.first_step, total],
+                         val_loss=float(final), peak_allocated_mib=peak / 2**20),
+                )
+        if args.profile_steps:
+            control.wait("go_profile")
+            reinitialise(raw_model, args.seeds[0])
+            raw_model.rotary.reset()
+            timer.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            timer.profile_steps = args.profile_steps
+            timer.marks = {}
+            try:
+                original_train(*a, **k)
+            except _EndRound:
+                pass
+            if rank == 0:
+                control.signal("profile", dict(kernels=_kernel_table(timer.profile, args.profile_steps) if torch.cuda.is_available() else []))
+        return final
+
+    module.train, module.print0, module.evaluate = rounds_of_train, print0, evaluate
+    module.run(overrides)
+
+
+# =============================================================================================
+# Coordinator
+# =============================================================================================
+@dataclass
+class RoundResult:
+    seed: int | None
+    ms_per_step: float
+    val_loss: float
+    peak_allocated_mib: float
+
+
+class ResidentVersion:
+    def __init__(self, version: Version, args: argparse.Namespace, overrides: list[str], folder: Path):
+        self.version, self.control = version, Control(folder, version.label)
+        self.output = open(self.control.path("out"), "w")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+            str(Path(__file__).resolve()), "--worker", "--script", str(version.script), "--control", str(folder),
+            "--label", version.label, "--skip", str(args.skip), "--profile-steps", str(args.profile_steps),
+            "--seeds", ",".join(map(str, args.seeds)), "--", *overrides, f"--log_dir={folder / version.label / 'logs'}",
+        ]
+        self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.output, stderr=subprocess.STDOUT)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_ready(self) -> None:
+        self.control.wait("ready", self.alive)
+
+    def run_round(self, index: int) -> RoundResult:
+        self.control.signal(f"go{index}")
+        r = self.control.wait(f"result{index}", self.alive)
+        return RoundResult(r["seed"], r["ms_per_step"], r["val_loss"], r["peak_allocated_mib"])
+
+    def profile(self) -> list[dict]:
+        self.control.signal("go_profile")
+        return self.control.wait("profile", self.alive)["kernels"]
+
+    def finish(self) -> None:
+        code = self.process.wait()
+        self.output.close()
+        if code != 0:
+            raise ABError(f"{self.version.label}: worker exited with status {code}; see {self.control.path('out')}")
+
+
+class WholeRunVersion:
+    """Each round a fresh run of the script (compile caches kept from its untimed first run)."""
+
+    def __init__(self, version: Version, args: argparse.Namespace, overrides: list[str], folder: Path):
+        self.version, self.args, self.overrides, self.folder = version, args, overrides, folder
+        self.env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor_cache"), TRITON_CACHE_DIR=str(folder / "triton_cache"))
+        self.runs = 0
+
+    def _run(self) -> str:
+        self.runs += 1
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.args.nproc}", str(self.version.script), *self.overrides]
+        out = self.folder / f"{self.version.label}.run{self.runs}.out"
+        with open(out, "w") as handle:
+            code = subprocess.run(cmd, cwd=self.version.script.parent, stdout=handle, stderr=subprocess.STDOUT, env=self.env).returncode
+        if code != 0:
+            raise ABError(f"{self.version.label}: run exited with status {code}; see {out}")
+        return out.read_text()
+
+    def wait_ready(self) -> None:
+        self._run()  # compiles and fills the caches; untimed
+
+    def run_round(self, index: int) -> RoundResult:
+        text = self._run()
+        times = {int(m[1]): int(t[1]) for line in text.splitlines() if (m := STEP_LINE.match(line)) and (t := TRAIN_TIME.search(line))}
+        vals = [float(m[3]) for line in text.splitlines() if (m := VAL_LINE.match(line))]
+        peaks = PEAK_LINE.findall(text)
+        last = max(times, default=0)
+        if self.args.skip not in times or last <= self.args.skip:
+            raise ABError(f"{self.version.label}: no step lines from step {self.args.skip} on in its output; cannot time it")
+        ms = (times[last] - times[self.args.skip]) / (last - self.args.skip)
+        return RoundResult(None, ms, vals[-1] if vals else math.nan, float(peaks[-1]) if peaks else math.nan)
+
+    def profile(self) -> list[dict]:
+        return []
+
+    def finish(self) -> None:
+        pass
+
+
+def summarize(baseline: list[RoundResult], candidate: list[RoundResult]) -> dict[str, Any]:
+    ratios = [c.ms_per_step / b.ms_per_step for b, c in zip(baseline, candidate)]
+    val_diffs = [c.val_loss - b.val_loss for b, c in zip(baseline, candidate)]
+    spread = lambda xs: statistics.stdev(xs) if len(xs) > 1 else math.nan
+    return dict(
+        ratio_median=statistics.median(ratios),
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+        ratios=ratios,
+        baseline_ms_median=statistics.median(r.ms_per_step for r in baseline),
+        candidate_ms_median=statistics.median(r.ms_per_step for r in candidate),
+        baseline_peak_mib=max(r.peak_allocated_mib for r in baseline),
+        candidate_peak_mib=max(r.peak_allocated_mib for r in candidate),
+        baseline_val_mean=statistics.fmean(r.val_loss for r in baseline),
+        baseline_val_sd=spread([r.val_loss for r in baseline]),
+        candidate_val_mean=statistics.fmean(r.val_loss for r in candidate),
+        candidate_val_sd=spread([r.val_loss for r in candidate]),
+        val_diff_mean=statistics.fmean(val_diffs),
+        val_diff_sd=spread(val_diffs),
+    )
+
+
+def print_report(versions: list[Version], baseline: list[RoundResult], candidate: list[RoundResult], summary: dict, profiles: dict) -> None:
+    for v in versions:
+        print(f"{v.label}: {v.origin} [{v.mode}]")
+    print(f"{'round':>5} {'seed':>5} {'baseline ms/step':>17} {'candidate ms/step':>18} {'B/A':>7} {'val A':>8} {'val B':>8}")
+    for i, (b, c) in enumerate(zip(baseline, candidate)):
+        seed = "-" if b.seed is None else str(b.seed)
+        print(f"{i + 1:>5} {seed:>5} {b.ms_per_step:>17.2f} {c.ms_per_step:>18.2f} {c.ms_per_step / b.ms_per_step:>7.4f} {b.val_loss:>8.4f} {c.val_loss:>8.4f}")
+    s = summary
+    print(f"median ms/step: baseline {s['baseline_ms_median']:.2f}, candidate {s['candidate_ms_median']:.2f}")
+    print(f"ratio B/A: median {s['ratio_median']:.4f} (min {s['ratio_min']:.4f}, max {s['ratio_max']:.4f}, {len(s['ratios'])} rounds)")
+    print(f"peak allocated: baseline {s['baseline_peak_mib'] / 1024:.2f} GiB, candidate {s['candidate_peak_mib'] / 1024:.2f} GiB")
+    print(
+        f"final val loss: baseline {s['baseline_val_mean']:.4f} (sd {s['baseline_val_sd']:.4f}), candidate {s['candidate_val_mean']:.4f} "
+        f"(sd {s['candidate_val_sd']:.4f}); paired difference B-A {s['val_diff_mean']:+.4f} (sd {s['val_diff_sd']:.4f})"
+    )
+    for label, kernels in profiles.items():
+        if not kernels:
+            continue
+        print(f"profile of {label}: top kernels, ms per training step (sum over its micro-steps)")
+        for row in kernels:
+            print(f"  {row['ms_per_step']:8.2f} ms  x{row['calls_per_step']:<6.0f} {row['kind'][:22]:<22} {row['kernel'][:100]}")
+
+
+def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    overrides: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, overrides = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="bench/ab.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="python bench/ab.py [--baseline V] [--candidate V] [--nproc N] [--rounds R] [options] -- <train_gpt.py overrides>",
+    )
+    parser.add_argument("--baseline", default="HEAD", help="git revision, .py file, log or record folder (default: HEAD)")
+    parser.add_argument("--candidate", default=WORKTREE, help=f"same kinds, or {WORKTREE} (default: the working tree)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per version: 1, 2, 4 or 8 (default 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds, each A then B (default 3)")
+    parser.add_argument("--skip", type=int, default=10, help="steps before the timed segment (default 10)")
+    parser.add_argument("--profile-steps", type=int, default=0, help="after the rounds, profile this many steps of each version")
+    parser.add_argument("--out", type=Path, help="working folder (default bench/out/ab/<time>)")
+    parser.add_argument("--json", type=Path, help="results file (default <out>/ab.json)")
+    parser.add_argument("--dry-run", action="store_true", help="resolve, extract and check both versions, print the plan, run nothing")
+    # internal: the per-version worker and the version check
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--check-script", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--script", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--control", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--label", help=argparse.SUPPRESS)
+    parser.add_argument("--seeds", type=lambda text: [int(x) for x in text.split(",")], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not args.worker and not args.check_script:
+        if args.nproc < 1 or 8 % args.nproc:
+            parser.error(f"--nproc={args.nproc}: use 1, 2, 4 or 8 (the record batch is split over a divisor of 8)")
+        if args.rounds < 1 or args.skip < 1 or args.profile_steps < 0:
+            parser.error("--rounds and --skip must be >= 1 and --profile-steps >= 0")
+        args.seeds = list(range(1, args.rounds + 1))
+    return args, overrides
+
+
+def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
+    folder = (args.out or REPO / "bench" / "out" / "ab" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    versions = [resolve_version("baseline", args.baseline, folder), resolve_version("candidate", args.candidate, folder)]
+    steps = {v.label: check_version(v, overrides)["train_steps"] for v in versions}
+    for v in versions:
+        print(f"{v.label}: {v.origin} -> {v.script} [{v.mode}], {steps[v.label] or 'unknown'} training steps")
+    known = {s for s in steps.values() if s is not None}
+    if len(known) > 1:
+        raise ABError(f"the versions train different schedules ({steps}); time the same steps with the same overrides")
+    if known and max(known) <= args.skip:
+        raise ABError(f"--skip={args.skip} leaves no timed steps in a {max(known)}-step run; lower --skip or raise --num_iterations")
+    order = [f"round {i + 1} (seed {seed}): baseline, candidate" for i, seed in enumerate(args.seeds)]
+    print(f"plan: {args.nproc} process(es) per version; timed steps {args.skip}..end of each run; " + "; ".join(order))
+    if args.dry_run:
+        return 0
+    runners = [(ResidentVersion if v.mode == "resident" else WholeRunVersion)(v, args, overrides, folder) for v in versions]
+    for runner in runners:
+        runner.wait_ready()
+    results: dict[str, list[RoundResult]] = {v.label: [] for v in versions}
+    for index in range(args.rounds):
+        for runner in runners:
+            result = runner.run_round(index)
+            results[runner.version.label].append(result)
+            print(f"round {index + 1} {runner.version.label}: {result.ms_per_step:.2f} ms/step, val {result.val_loss:.4f}", flush=True)
+    profiles = {r.version.label: r.profile() for r in runners} if args.profile_steps else {}
+    for runner in runners:
+        runner.finish()
+    summary = summarize(results["baseline"], results["candidate"])
+    print_report(versions, results["baseline"], results["candidate"], summary, profiles)
+    report = dict(
+        command=sys.argv, overrides=overrides, nproc=args.nproc, skip=args.skip, device=_device_name(),
+        versions=[asdict(v) | dict(script=str(v.script)) for v in versions],
+        rounds={label: [asdict(r) for r in rs] for label, rs in results.items()}, summary=summary, profiles=profiles,
+    )
+    json_path = args.json or folder / "ab.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    print(f"json: {json_path}")
+    return 0
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def main() -> None:
+    args, overrides = parse_arguments(sys.argv[1:])
+    if args.check_script:
+        _check_script_main(args.check_script, overrides)
+        return
+    if args.worker:
+        worker_main(args, overrides)
+        return
+    try:
+        sys.exit(coordinate(args, overrides))
+    except ABError as error:
+        print(f"bench/ab.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
