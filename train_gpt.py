@@ -594,34 +594,40 @@ if triton is not None:
         return (((bits >> 24) & 0x80) | code).to(tl.uint8)
 
     @triton.jit
+    def _sigmoid(x):
+        # 1 / (1 + e^-x) with the approximate fp32 division (2 ulp; the correctly rounded one is several times
+        # the instructions, and this kernel is bound by its arithmetic as much as by memory)
+        return tl.fdiv(1.0, 1.0 + tl.exp(-x), ieee_rounding=False)
+
+    @triton.jit
     def _softcap_ce_e5m2_kernel(
         logits_ptr, targets_ptr, loss_ptr, grad_ptr, grad_t_ptr, M, N: tl.constexpr, grad_inv_scale,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # Rows of logits (M, N) bf16 -> loss per row (fp32) and the e5m2 gradient in grad (M, N) and grad_t (N, M).
         # Two passes over the row block: the log-sum-exp, then the gradient. The capped logits lie in (0, 30),
-        # so exp() cannot overflow and needs no running maximum. 64-bit offsets: M * N exceeds 2^31. N (the
-        # padded vocabulary) is a compile-time constant: fixed loop trip counts.
+        # so exp() cannot overflow and needs no running maximum. 64-bit offsets throughout: M * N exceeds 2^31.
+        # N (the padded vocabulary) is a compile-time constant: fixed loop trip counts.
         rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < M
         row_start = logits_ptr + rows[:, None] * N
         inv_divisor = 1.0 / 7.5  # a multiply by the fp32 reciprocal, as CUDA divides by a Python scalar
         sum_exp = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for col0 in range(0, N, BLOCK_N):
-            cols = col0 + tl.arange(0, BLOCK_N)
+            cols = col0 + tl.arange(0, BLOCK_N).to(tl.int64)
             mask = row_ok[:, None] & (cols[None, :] < N)
             logits = tl.load(row_start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            capped = 30.0 * tl.sigmoid(logits * inv_divisor)
+            capped = 30.0 * _sigmoid(logits * inv_divisor)
             sum_exp += tl.sum(tl.where(mask, tl.exp(capped), 0.0), axis=1)
         log_sum_exp = tl.log(sum_exp)
         targets = tl.load(targets_ptr + rows, mask=row_ok, other=0)
         target_logit = tl.load(logits_ptr + rows * N + targets, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(loss_ptr + rows, log_sum_exp - 30.0 * tl.sigmoid(target_logit * inv_divisor), mask=row_ok)
+        tl.store(loss_ptr + rows, log_sum_exp - 30.0 * _sigmoid(target_logit * inv_divisor), mask=row_ok)
         for col0 in range(0, N, BLOCK_N):
-            cols = col0 + tl.arange(0, BLOCK_N)
+            cols = col0 + tl.arange(0, BLOCK_N).to(tl.int64)
             mask = row_ok[:, None] & (cols[None, :] < N)
             logits = tl.load(row_start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(logits * inv_divisor)
+            sig = _sigmoid(logits * inv_divisor)
             prob = tl.exp(30.0 * sig - log_sum_exp[:, None])
             grad_capped = tl.where(cols[None, :] == targets[:, None], prob - 1.0, prob)  # softmax - one-hot
             # chain rule in autograd's order: * 30, sigmoid's (1 - s) s, / 7.5; then the bf16 gradient
@@ -631,7 +637,8 @@ if triton is not None:
             tl.store(grad_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
-SOFTCAP_CE_BLOCKS = (32, 256)  # rows x columns per tile: a 32-row tile stores 32-byte runs of the transposed gradient
+SOFTCAP_CE_BLOCKS = (32, 128)  # rows x columns per tile (fastest of 16-64 x 128-256 on an H200); 32 rows store
+# 32-byte runs of the transposed gradient
 
 
 def softcap_ce_e5m2_eager(logits: Tensor, targets: Tensor, grad_scale: float) -> tuple[Tensor, Tensor, Tensor]:

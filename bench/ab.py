@@ -246,7 +246,27 @@ def _kernel_table(prof: Any, steps: int, top: int = 25) -> list[dict]:
         kinds[row["kind"]] = kinds.get(row["kind"], 0.0) + row["ms_per_step"]
     summary = [dict(kernel=f"(all {kind})", kind="sum", ms_per_step=ms, calls_per_step=0) for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1])]
     total = dict(kernel="(all kernels)", kind="sum", ms_per_step=sum(r["ms_per_step"] for r in rows), calls_per_step=0)
-    return [total, *summary, *rows[:top]]
+    return [total, *summary, *_idle_gaps(prof, steps), *rows[:top]]
+
+
+def _idle_gaps(prof: Any, steps: int, largest: int = 6) -> list[dict]:
+    """Where the GPU sat idle between kernels: the total per step and the largest gaps, named by their neighbours."""
+    import torch
+
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)),
+        key=lambda e: e.time_range.start,
+    )
+    gaps, busy_until, previous = [], None, None
+    for e in kernels:
+        if busy_until is not None and e.time_range.start > busy_until:
+            gaps.append((e.time_range.start - busy_until, previous.name[:60], e.name[:60]))
+        if busy_until is None or e.time_range.end > busy_until:
+            busy_until, previous = e.time_range.end, e
+    rows = [dict(kernel="(GPU idle between kernels)", kind="sum", ms_per_step=sum(g[0] for g in gaps) / steps / 1e3, calls_per_step=len(gaps) / steps)]
+    for micros, before, after in sorted(gaps, reverse=True)[:largest]:
+        rows.append(dict(kernel=f"(idle gap) after {before} | before {after}", kind="gap", ms_per_step=micros / 1e3, calls_per_step=1))
+    return rows
 
 
 def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
