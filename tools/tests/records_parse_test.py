@@ -1,4 +1,4 @@
-"""Parser tests on synthetic logs of every era (records spec §2)."""
+"""Parser tests on synthetic logs of every era."""
 
 from __future__ import annotations
 
@@ -133,8 +133,11 @@ def test_harness_cpu_log_without_nvidia_smi() -> None:
 
 def test_log_without_val_line_is_an_error(tmp_path: Path) -> None:
     path = F.write(tmp_path / "bad.txt", "hello\nstep:1/10 train_time:5ms step_avg:5.00ms\n")
-    with pytest.raises(RecordsError, match=r"bad\.txt: no parseable val line"):
+    with pytest.raises(RecordsError, match=r"bad\.txt: step lines but no val line \(the run stopped before its first validation\)"):
         parse_log(path)
+    notes = F.write(tmp_path / "notes.txt", "just some text\n")
+    with pytest.raises(RecordsError, match=r"notes\.txt: no val line \('step:N/T val_loss:X train_time:\.\.\.' or 's:N tel:X'\); pass a training log"):
+        parse_log(notes)
 
 
 def test_missing_file_is_an_error(tmp_path: Path) -> None:
