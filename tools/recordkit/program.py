@@ -9,6 +9,7 @@ the four logs of record 2025-09-23 (MuonCustomSizing) embed scripts that differ 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import io
 import tokenize
@@ -23,11 +24,17 @@ def program_hash(sources: dict[str, str]) -> str:
     """sha256 over every embedded file's normalized form (file names included: moving code is a change)."""
     digest = hashlib.sha256()
     for name, text in sources.items():
-        digest.update(name.encode() + b"\0")
-        for token in normalized_tokens(text):
-            digest.update(token.encode() + b"\0")
-        digest.update(b"\1")
+        digest.update(name.encode() + b"\0" + _file_digest(text))
     return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_digest(text: str) -> bytes:
+    # Cached: the runs of one folder usually embed the same files, and tokenizing is the slow part of parsing.
+    digest = hashlib.sha256()
+    for token in normalized_tokens(text):
+        digest.update(token.encode() + b"\0")
+    return digest.digest()
 
 
 def normalized_tokens(text: str) -> list[str]:

@@ -216,19 +216,27 @@ def differing_parts(groups: list[RunSet]) -> list[str]:
         if len(values) < 2:
             continue
         if name == "hyperparameters":
+            if parts:
+                continue  # groups of different programs or step counts: their hyperparameters differ as a consequence
             by_name: dict[str, list[str]] = {}
             for setting in (setting for group in groups for setting in group.distinct):
                 key, _, value = setting.partition("=")
                 by_name.setdefault(key, [])
                 if value not in by_name[key]:
                     by_name[key].append(value)
-            shown = [f"{key}: {' vs '.join(values[:2])}{' …' if len(values) > 2 else ''}" for key, values in list(by_name.items())[:2]]
+            shown = [f"{key}: {' vs '.join(seen[:2])}{' …' if len(seen) > 2 else ''}" for key, seen in list(by_name.items())[:2]]
             more = f"; +{len(by_name) - 2} more" if len(by_name) > 2 else ""
             parts.append(f"hyperparameters ({'; '.join(shown) or 'logged in some logs only'}{more})")
+        elif name == "code":
+            by_program = {}
+            for group in groups:
+                by_program.setdefault(group.key[1] if group.key else None, group)
+            shown = [_code_text(group).removeprefix("code ")[:8] for group in list(by_program.values())[:2]]
+            parts.append(f"code ({' vs '.join(shown)}{' …' if len(values) > 2 else ''})")
         else:
-            shown = [str(v)[:12] if v is not None else "unknown" for v in values[:2]]
+            shown = [str(v) if v is not None else "unknown" for v in values[:2]]
             parts.append(f"{name} ({' vs '.join(shown)}{' …' if len(values) > 2 else ''})")
-    return parts or ["published figures vs logs"]
+    return (parts[:2] + ["…"] if len(parts) > 2 else parts) or ["published figures vs logs"]
 
 
 def describe_configurations(groups: list[RunSet]) -> None:
@@ -236,10 +244,10 @@ def describe_configurations(groups: list[RunSet]) -> None:
     (groups of different programs have different Hyperparameters classes: naming them all would say nothing)."""
     for group in groups:
         assert group.key is not None  # groups of parsed logs always have one
-        track, program, devices, steps, settings = group.key
+        track, _program, devices, steps, settings = group.key
         varying = _varying_settings([g.key for g in groups if g.key is not None and g.key[:4] == group.key[:4]])
-        parts = [f"track {track if track == 3 else '1/2'}", f"program {program[:12] if program else 'not embedded'}",
-                 _devices_text(devices), f"{steps if steps is not None else '?'} steps"]
+        parts = [f"track {track if track == 3 else '1/2'}", _code_text(group), _devices_text(devices),
+                 f"{steps if steps is not None else '?'} steps"]
         if settings is not None and varying:
             values = dict(settings)
             group.distinct = [f"{name}={values.get(name, '<missing>')}" for name in sorted(varying)]
@@ -249,6 +257,14 @@ def describe_configurations(groups: list[RunSet]) -> None:
         raw_hashes = {fact.code_hash for fact in group.runs if fact.code_hash}
         if len(raw_hashes) > 1:
             group.notes.append(f"code differs only in comments/docstrings ({len(raw_hashes)} texts of one program)")
+
+
+def _code_text(group: RunSet) -> str:
+    """The code hash as `parse` and results.json show it (the text's, stable across Python versions)."""
+    hashes = list(dict.fromkeys(fact.code_hash for fact in group.runs if fact.code_hash))
+    if not hashes:
+        return "code not embedded" if group.runs else "code unknown (no usable run)"
+    return f"code {hashes[0][:12]}" + (f" +{len(hashes) - 1} text variant{'s' if len(hashes) > 2 else ''}" if len(hashes) > 1 else "")
 
 
 def _devices_text(devices: int | str | None) -> str:
