@@ -6,6 +6,7 @@ import argparse
 import datetime as dt
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
@@ -92,7 +93,7 @@ DESCRIPTIONS = {
 
 def _subcommand(sub: Any, name: str, summary: str, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     description, examples = DESCRIPTIONS[name]
-    return sub.add_parser(name, help=summary, description=description, parents=[common],
+    return sub.add_parser(name, help=summary, description=textwrap.fill(description, 100), parents=[common],
                           epilog="examples:\n" + "\n".join(f"  {example}" for example in examples),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -238,6 +239,9 @@ def _configurations(loaded: LoadedLogs, track: int | None, allow_mixed: bool, pa
 def _group_reports(groups: list[RunSet], track: int | None, step: int | None, metric: str) -> list[dict[str, Any]]:
     reports = []
     for group in groups:
+        if not group.runs:  # every run left out: the notes say why; the other configurations are still reported
+            reports.append({"configuration": group.description, "no_usable_run": True, "notes": group.notes})
+            continue
         try:
             report = track_report(group, track or group.track or 1, step)
         except RecordsError as exc:
@@ -255,7 +259,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
     loaded = folders.load_paths(args.logs, allow_incomplete=args.allow_incomplete, metric=args.metric)
     groups = _configurations(loaded, args.track, args.allow_mixed, args.logs)
     reports = _group_reports(groups, args.track, args.step, args.metric)
-    written = _write_md(args, reports) if args.md is not None else None
     if args.json:
         print(json.dumps({"configurations": reports, "notes": loaded.notes}, indent=1, ensure_ascii=False))
     else:
@@ -266,14 +269,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print("\n\n".join(blocks))
         for note in loaded.notes:
             print(f"note: {note}")
-        if written is not None:
-            print(written)
+    if args.md is not None:
+        print(_write_md(args, reports), file=sys.stderr if args.json else sys.stdout)
     return 2 if any("error" in report for report in reports) else 0
 
 
 def _render_block(report: dict[str, Any], heading: str, verbose: bool) -> str:
-    if "error" in report:
-        lines = [f"{heading}: {report['configuration']}", f"cannot compute: {report['error']}"]
+    if "error" in report or "no_usable_run" in report:
+        problem = f"cannot compute: {report['error']}" if "error" in report else "no usable run (the notes say why)"
+        lines = [f"{heading}: {report['configuration']}", problem]
         return "\n".join(lines + [f"note: {note}" for note in report["notes"]])
     text = render_stats_text(report).replace("configuration:", f"{heading}:", 1)
     if verbose and report.get("distinct"):
@@ -282,7 +286,9 @@ def _render_block(report: dict[str, Any], heading: str, verbose: bool) -> str:
 
 
 def _write_md(args: argparse.Namespace, reports: list[dict[str, Any]]) -> str:
-    if len(reports) != 1 or "error" in reports[0]:
+    if len(reports) == 1 and ("error" in reports[0] or "no_usable_run" in reports[0]):
+        raise RecordsError("--md: no statistics to write (see the configuration above); nothing written")
+    if len(reports) != 1:
         raise RecordsError(f"--md writes the statistics of one configuration, and these logs hold {len(reports)}; "
                            "pick one with --track, pass its logs only, or --allow-mixed")
     folder = args.logs[0] if len(args.logs) == 1 and args.logs[0].is_dir() else None
@@ -304,7 +310,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     sides = []
     for paths in (args.baseline, args.candidate):
         loaded = folders.load_paths(paths, allow_incomplete=args.allow_incomplete)
-        sides.append((_configurations(loaded, args.track, args.allow_mixed, paths), loaded.notes))
+        groups = _configurations(loaded, args.track, args.allow_mixed, paths)
+        loaded.notes += [f"{group.description}: no usable run, not compared ({'; '.join(group.notes)})" for group in groups if not group.runs]
+        sides.append(([group for group in groups if group.runs], loaded.notes))
     (baselines, base_notes), (candidates, cand_notes) = sides
     pairs = [(b, c) for b in baselines for c in candidates if log_family(b.track) == log_family(c.track) or None in (b.track, c.track)]
     if not pairs:

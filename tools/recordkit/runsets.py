@@ -157,10 +157,12 @@ def single_configuration(loaded: LoadedLogs, allow_mixed: bool) -> RunSet:
         raise RecordsError(f"{len(groups)} configurations in these logs (they differ in {', '.join(differing_parts(groups))}); "
                            "pass the logs of one, or --allow-mixed to pool them", detail=[g.description for g in groups])
     runset = pool(groups) if len(groups) > 1 else groups[0]
-    runset.notes[:0] = loaded.notes
     if not runset.runs:
-        reasons = "; ".join(note.removesuffix(EXCLUDED_HINT) for note in runset.notes)
-        raise RecordsError(f"no complete run left ({reasons}); pass --allow-incomplete to use truncated or diverged runs")
+        reasons = [note.removesuffix(EXCLUDED_HINT) for note in runset.notes + loaded.notes]
+        more = f" and {len(reasons) - 1} more" if len(reasons) > 1 else ""
+        raise RecordsError(f"no complete run left ({reasons[0] if reasons else 'no run'}{more}); "
+                           "pass --allow-incomplete to use truncated or diverged runs", detail=reasons)
+    runset.notes[:0] = loaded.notes
     return runset
 
 

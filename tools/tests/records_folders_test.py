@@ -180,3 +180,16 @@ def test_new_orders_runs_by_file_name_so_check_agrees(root: Path, tmp_path: Path
     assert [run["log"] for run in json.loads((folder / "results.json").read_text())["runs"]] == ["run_a.txt", "run_b.txt"]
     write_tables(root, root / "records")
     assert check_all(root, root / "records") == []
+
+
+def test_check_reports_a_record_folder_whose_runs_cannot_make_a_record(root: Path, tmp_path: Path) -> None:
+    cpu = [F.write(tmp_path / "cpu.txt", F.harness(smi=False, device="cpu"))]
+    folder = create_record(root / "records", 1, "CpuRun", cpu, date=F_DATE, not_a_record=True)
+    write_tables(root, root / "records")
+    assert check_all(root, root / "records") == []
+    results_path = folder / "results.json"
+    results = json.loads(results_path.read_text())
+    results["record"] = True  # as if someone relabelled it by hand
+    results_path.write_text(json.dumps(results))
+    problems = check_all(root, root / "records")
+    assert problems == [f"{results_path}: marked as a record, but cpu.txt ran on the CPU; set \"record\": false (our own results)"]

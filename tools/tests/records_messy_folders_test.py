@@ -119,6 +119,17 @@ def test_mixed_logs_folder_gives_one_block_per_configuration(tmp_path: Path, cap
     assert [report["track"] for report in json.loads(out)["configurations"]] == [1, 3]
 
 
+def test_compare_of_mixed_folders_pairs_configurations_of_one_track(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, cand = mixed_logs(tmp_path / "base"), mixed_logs(tmp_path / "cand")
+    code, out, _ = run_cli(["compare", "--baseline", str(base), "--candidate", str(cand), "--json"], capsys)
+    assert code == 0
+    comparisons = json.loads(out)["comparisons"]
+    assert [c["track"] for c in comparisons] == [1, 3]
+    assert all(c["baseline"]["configuration"] == c["candidate"]["configuration"] for c in comparisons)
+    code, out, _ = run_cli(["compare", "--baseline", str(base), "--candidate", str(cand), "--track", "3"], capsys)
+    assert code == 0 and out.startswith("baseline: track 3, code ") and "comparison 2 of" not in out
+
+
 def test_error_lines_stay_short_and_verbose_gives_the_detail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     logs = mixed_logs(tmp_path / "logs")
     many = tmp_path / "many"
