@@ -6,12 +6,42 @@ figures; no log of anyone else is copied here.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
+
+import pytest
 
 TOOLS_DIR = Path(__file__).resolve().parents[1]
 if str(TOOLS_DIR) not in sys.path:
     sys.path.insert(0, str(TOOLS_DIR))
+
+from recordkit.tables import end_marker, start_marker, write_tables  # noqa: E402
+
+REPO = TOOLS_DIR.parent
+# The published seed folders (figures only): folders of our own runs come and go, so tests copy only these.
+SEED_FOLDERS = ("track_1_short/2025-09-23_MuonCustomSizing", "track_3_optimization/results/20260513_shampoo_1_4_power")
+README = "\n\n".join(
+    ["# Records", start_marker("track1"), end_marker("track1"), start_marker("track3"), end_marker("track3"),
+     start_marker("folders"), end_marker("folders"), ""]
+)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A repository root whose records/ holds the two published seed folders and a README with markers.
+
+    Test modules import it (`from records_fixtures import root`): a conftest.py here would shadow the
+    `conftest` module that tests/ imports by name.
+    """
+    records = tmp_path / "repo" / "records"
+    for seed in SEED_FOLDERS:
+        shutil.copytree(REPO / "records" / seed, records / seed)
+    for history in ("track_1_short/history.csv", "track_3_optimization/history.csv"):
+        shutil.copy(REPO / "records" / history, records / history)
+    (records / "README.md").write_text(README)
+    write_tables(tmp_path / "repo", records)
+    return tmp_path / "repo"
 
 SEP = "=" * 100
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import records_fixtures as F
+from records_fixtures import root  # noqa: F401  (a fixture)
 
 from recordkit.check import check_all
 from recordkit.cli import main

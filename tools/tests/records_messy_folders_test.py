@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import records_fixtures as F
-from conftest import REPO
+from records_fixtures import REPO, root  # noqa: F401  (root: a fixture)
 
 from recordkit.check import check_all
 from recordkit.cli import build_parser, main
