@@ -326,8 +326,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"comparisons": results}, indent=1, ensure_ascii=False))
     else:
-        heading = (lambda i: f"== comparison {i} of {len(results)}\n") if len(results) > 1 else (lambda i: "")
-        print("\n\n".join(heading(i) + compare.render_compare_text(r) for i, r in enumerate(results, start=1)))
+        blocks = [compare.render_compare_text(result) for result in results]
+        if len(blocks) > 1:
+            blocks = [f"== comparison {i} of {len(blocks)}\n{block}" for i, block in enumerate(blocks, start=1)]
+        print("\n\n".join(blocks))
     return 0
 
 
@@ -408,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except RecordsError as exc:
-        more = " (--verbose lists all)" if exc.detail and not args.verbose else ""
+        more = " (--verbose lists all)" if len(exc.detail) > 1 and not args.verbose else ""
         print(f"records: error: {exc}{more}", file=sys.stderr)
         if args.verbose:
             for line in exc.detail:

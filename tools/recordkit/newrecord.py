@@ -38,7 +38,7 @@ def refuse_non_record_hardware(runset: RunSet, track: int) -> None:
                 if (why := hardware_problem(fact.run.env, track)) is not None]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise RecordsError(f"{problems[0]}{more}: not a Track {track} record; pass --not-a-record to file them as our own results",
+        raise RecordsError(f"{problems[0]}{more}: not a Track {track} record; pass --not-a-record to file the folder as our own results",
                            detail=problems)
 
 
