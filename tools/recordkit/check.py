@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RecordsError
-from .folders import (SUMMARY_KEYS, TRACK_DIRS, RecordFolder, list_folders, load_folder_runset, parse_folder_name,
-                      sha256_of, summary_of, track_dir)
+from .folders import (RESULTS_JSON, STATISTICS_MD, SUMMARY_KEYS, TRACK_DIRS, RecordFolder, list_folders, load_folder_runset,
+                      parse_folder_name, read_results, sha256_of, sign, summary_of, track_dir)
+from .newrecord import hardware_problem
 from .parse import LOG_SUFFIXES, parse_log
 from .report import render_statistics_md, track_report
-from .runsets import RESULTS_JSON, read_results
 from .tables import find_marked_readmes, load_history, replace_blocks
 
 PUBLISHED_README_PHRASE = "not included"
@@ -44,7 +44,7 @@ def check_track_dir(records_root: Path, track: int) -> list[str]:
 
 
 def check_folder(folder: RecordFolder) -> list[str]:
-    for required in ("README.md", RESULTS_JSON, "statistics.md"):
+    for required in ("README.md", RESULTS_JSON, STATISTICS_MD):
         if not (folder.path / required).is_file():
             return [f"{folder.path / required}: missing; recreate the folder with `records new` or add the file"]
     try:
@@ -110,7 +110,7 @@ def _check_logged(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
         if sha256_of(log) != entry.get("sha256"):
             problems.append(f"{log}: sha256 differs from results.json; the log was edited: restore the original")
             continue
-        problems += _check_run_values(folder, log, entry)
+        problems += _check_run_values(folder, log, entry, results.get("record") is True)
     stray = sorted(p.name for p in folder.path.iterdir() if p.suffix in LOG_SUFFIXES and p.name not in listed)
     if stray:
         problems.append(f"{folder.path}: logs {', '.join(stray)} are not listed in results.json; remove them or recreate the folder")
@@ -119,18 +119,23 @@ def _check_logged(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_run_values(folder: RecordFolder, log: Path, entry: dict[str, Any]) -> list[str]:
+def _check_run_values(folder: RecordFolder, log: Path, entry: dict[str, Any], record: bool) -> list[str]:
     runs = {run.trial: run for run in parse_log(log)}
     run = runs.get(entry.get("trial", 1))
-    if run is None or run.final is None:
+    if run is None or not run.usable_val_points:
         return [f"{log}: trial {entry.get('trial')} not found in the log; regenerate results.json"]
-    parsed = {"val_loss": run.final.val_loss, "train_time_s": run.final.train_time_s, "final_step": run.final.step,
+    last = run.usable_val_points[-1]  # the final val line, or the last one before a divergence
+    parsed = {"val_loss": last.val_loss, "train_time_s": last.train_time_s, "final_step": last.step,
               "total_steps": run.total_steps, "code_hash": run.code_hash}
-    return [
+    problems = [
         f"{folder.results_path}: {run.label} {key} is {entry.get(key)!r} but the log says {value!r}; regenerate results.json"
         for key, value in parsed.items()
         if not _same(entry.get(key), value)
     ]
+    why = hardware_problem(run.env, folder.track) if record else None
+    if why is not None:
+        problems.append(f"{folder.results_path}: marked as a record, but {run.label} {why}; set \"record\": false (our own results)")
+    return problems
 
 
 def _check_summary(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
@@ -143,9 +148,10 @@ def _check_summary(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
         for key in SUMMARY_KEYS
         if key in expected and not _same(stored.get(key), expected.get(key))
     ]
-    statistics = (folder.path / "statistics.md").read_text(encoding="utf-8")
-    if statistics != render_statistics_md(report, folder.path.name):
-        problems.append(f"{folder.path / 'statistics.md'}: differs from the statistics of the runs; regenerate it with `records stats {folder.path}`")
+    statistics = (folder.path / STATISTICS_MD).read_text(encoding="utf-8")
+    if statistics != sign(render_statistics_md(report, folder.path.name)):
+        problems.append(f"{folder.path / STATISTICS_MD}: differs from the statistics of the runs; regenerate it with "
+                        f"`records stats {folder.path} --md --force`")
     return problems
 
 

@@ -6,85 +6,174 @@ import argparse
 import datetime as dt
 import json
 import sys
+import textwrap
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from . import check, compare, diff, extract, folders, tables
+from . import check, compare, diff, extract, folders, newrecord, stats, tables
 from .errors import RecordsError
 from .parse import find_logs, parse_log
-from .report import render_stats_text, render_statistics_md, track_report
-from .runsets import RESULTS_JSON, RunSet, load_runset
+from .report import render_statistics_md, render_stats_text, track_report
+from .runsets import LoadedLogs, RunSet, log_family, pool, select_track
 from .serialize import run_to_json, run_to_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TOOL = "python tools/records.py"
+DEFAULT_MD = Path("<folder>/statistics.md")  # the value of a bare --md
+BLOCK_NAMES = {"track1": "Track 1 history", "track3": "Track 3 history", "folders": "record folders"}
+
+DESCRIPTIONS = {
+    "parse": (
+        "Parse speedrun logs of any era (2024 logs, today's Track 1 and Track 3 logs, llm.c baselines, console "
+        "captures, multi-trial Track 3 logs) into one run per trial: the embedded code and its hashes, the "
+        "environment, the val and train lines, the final line and peak memory. Folders are searched "
+        "recursively for *.txt, *.log, *.stdout and *.out; a log that cannot be used is skipped with the reason.",
+        [f"{TOOL} parse logs/", f"{TOOL} parse logs/ --json --no-source > runs.json"],
+    ),
+    "stats": (
+        "Statistics of the track's rule over the runs in the logs or folders given. Runs are grouped into "
+        "configurations (track, program, GPU count, step count, logged hyperparameters; comments, docstrings "
+        "and runtime-only settings such as shampoo_root_streams or log paths do not count), and each "
+        "configuration gets its own block: n, mean/sd/min/max of val loss and train time, then Tracks 1/2: "
+        "the one-sided t-test against the target (p < 0.01 passes), Track 3: (3.28 − mean)·√n ≥ 0.004 at the "
+        "first step that passes. Diverged and truncated runs are left out with a note unless --allow-incomplete; "
+        "unusable logs are listed as skipped. A record folder (one holding results.json) is read as its "
+        "results.json lists it. Nothing is written unless --md is given.",
+        [f"{TOOL} stats logs/", f"{TOOL} stats logs/ --track 1", f"{TOOL} stats records/track_1_short/2025-09-23_MuonCustomSizing",
+         f"{TOOL} stats runs/ --track 3 --md   # writes runs/statistics.md"],
+    ),
+    "compare": (
+        "A candidate set of runs against a baseline set timed on the same machine: mean train time with a "
+        "one-sided Welch test (or a paired test of interleaved runs with --paired), the speed ratio, final "
+        "losses, loss at every step both validated at, step_avg, and for Track 3 the pairwise rule (loss "
+        "difference plus 0.0045 per 100 saved steps, over √(1/n₁ + 1/n₂), ≥ 0.004). Each side may be logs, "
+        "folders or a record folder; a side holding several configurations gives one comparison per pair of "
+        "configurations of the same track.",
+        [f"{TOOL} compare --baseline runs/base/ --candidate runs/new/",
+         f"{TOOL} compare --baseline b1.txt b2.txt --candidate c1.txt c2.txt --paired"],
+    ),
+    "diff": (
+        "New runs against a prior record: the source diff (the prior record's code comes from its logs), the "
+        "Hyperparameters diff, the environment diff, mean val loss at shared steps and the timing. Without "
+        "--against, the prior record is the newest record of the track whose logs are in this repository (a "
+        "folder linked from the track's history.csv, or filed by `new` as a record); the output says which "
+        "and why, and one line says so when there is none.",
+        [f"{TOOL} diff logs/<run>.txt", f"{TOOL} diff logs/a.txt logs/b.txt --against records/track_1_short/<folder> --plot curves.png"],
+    ),
+    "new": (
+        "Create a record folder from the logs of one configuration: the logs copied byte for byte (checked by "
+        "sha256), results.json, statistics.md and a README to complete. Logs that cannot be used, and runs "
+        "that diverged or stopped early, are left out and listed in the README. A record needs hardware that "
+        "can make one (Tracks 1 and 2: 8 GPUs; Track 3: a GPU); runs on fewer GPUs or the CPU are refused "
+        "unless --not-a-record files the folder as our own results. Nothing is ever overwritten; the output "
+        "names every README table it regenerated.",
+        [f"{TOOL} new --track 1 --name MyIdea --logs logs/a.txt logs/b.txt logs/c.txt logs/d.txt",
+         f"{TOOL} new --track 3 --name cpu_smoke --logs logs/<run>.txt --not-a-record --note 'CPU smoke run'"],
+    ),
+    "extract": (
+        "Write the script embedded in a log, and every file appended after it (Triton kernels, the "
+        "distributed_shampoo package), so that the run can be repeated as it was logged. Refuses before "
+        "writing anything if one of the files exists.",
+        [f"{TOOL} extract logs/<run>.txt -o /tmp/repro/train_gpt.py"],
+    ),
+    "check": (
+        "Check records/: every folder's logs against the sha256 and figures in its results.json, its "
+        "statistics.md against the runs, record folders' hardware, folder names, history.csv rows against "
+        "the folders, and the README tables against both. Prints one line per problem; exit status 1 if any.",
+        [f"{TOOL} check"],
+    ),
+    "tables": (
+        "Print the record tables generated from records/*/history.csv and the record folders, or with "
+        "--write regenerate them in every README.md that holds records:* marker comments (text outside the "
+        "markers is left alone), naming each table that changed.",
+        [f"{TOOL} tables --block track3", f"{TOOL} tables --write"],
+    ),
+}
+
+
+def _subcommand(sub: Any, name: str, summary: str, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    description, examples = DESCRIPTIONS[name]
+    return sub.add_parser(name, help=summary, description=textwrap.fill(description, 100), parents=[common],
+                          epilog="examples:\n" + "\n".join(f"  {example}" for example in examples),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def _add_selection_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--allow-incomplete", action="store_true", help="include truncated runs (last val before the last step)")
-    parser.add_argument("--allow-mixed", action="store_true", help="accept runs whose code hash, step count, GPU count or logged hyperparameters differ")
+    parser.add_argument("--allow-incomplete", action="store_true",
+                        help="include truncated runs and diverged runs (at their last val line before the divergence)")
+    parser.add_argument("--allow-mixed", action="store_true", help="pool runs of different configurations into one statistic")
 
 
-def _track(parser: argparse.ArgumentParser, required: bool) -> None:
-    parser.add_argument("--track", type=int, choices=(1, 2, 3), required=required, help="1/2: t-test vs the target; 3: margin rule")
+def _track(parser: argparse.ArgumentParser, required: bool, default_help: str) -> None:
+    parser.add_argument("--track", type=int, choices=(1, 2, 3), required=required,
+                        help=f"1/2: t-test against 3.28/2.92; 3: margin rule ({default_help})")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="records", description="Parse speedrun logs, compute record statistics, manage records/.")
+    parser = argparse.ArgumentParser(prog="records", description="Parse speedrun logs, compute record statistics, manage records/.",
+                                     epilog=f"`{TOOL} COMMAND --help` describes each command, with examples.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="full detail: every differing setting, every file behind an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("parse", help="one structured run per log (multi-trial logs split)")
+    p = _subcommand(sub, "parse", "one structured run per log (multi-trial logs split)", common)
     p.add_argument("logs", nargs="+", type=Path, metavar="LOG|DIR")
     p.add_argument("--json", action="store_true", help="print a JSON list (with the embedded sources)")
     p.add_argument("--no-source", action="store_true", help="leave source text out of the JSON")
     p.set_defaults(handler=cmd_parse)
 
-    p = sub.add_parser("stats", help="n, mean/sd/min/max, and the track's significance rule")
+    p = _subcommand(sub, "stats", "per configuration: n, mean/sd/min/max, and the track's significance rule", common)
     p.add_argument("logs", nargs="+", type=Path, metavar="LOG|DIR")
-    _track(p, required=True)
+    _track(p, required=False, default_help="default: each configuration's own: 3 for logs timed in seconds, else 1")
     p.add_argument("--step", type=int, help="use the val loss at this step (default: final; Track 3: first passing step)")
     p.add_argument("--metric", default="val_loss", help="val-line column to use, e.g. val_ema_loss (default: val_loss)")
     p.add_argument("--json", action="store_true", help="print the statistics as a JSON object")
-    p.add_argument("--md", type=Path, metavar="FILE", help="statistics.md path (default: statistics.md in the folder given, if one)")
-    p.add_argument("--title", default=None, help="title of statistics.md")
+    p.add_argument("--md", nargs="?", type=Path, const=DEFAULT_MD, metavar="FILE",
+                   help="write statistics.md to FILE (put it after the logs, or use --md=FILE); bare --md: statistics.md in the one folder given")
+    p.add_argument("--force", action="store_true", help="let --md replace a file this tool did not write, or one edited since")
+    p.add_argument("--title", default=None, help="title of statistics.md (default: the folder's name)")
     _add_selection_flags(p)
     p.set_defaults(handler=cmd_stats)
 
-    p = sub.add_parser("compare", help="candidate vs baseline: time (Welch, paired), loss, matched steps, Track 3 pairwise rule")
+    p = _subcommand(sub, "compare", "candidate vs baseline: time (Welch, paired), loss, matched steps, Track 3 pairwise rule", common)
     p.add_argument("--baseline", nargs="+", type=Path, required=True, metavar="LOG|DIR", help="logs, a folder of logs, or a record folder")
     p.add_argument("--candidate", nargs="+", type=Path, required=True, metavar="LOG|DIR")
-    p.add_argument("--track", type=int, choices=(1, 2, 3), help="default: 3 for logs timed in seconds, else 1")
+    _track(p, required=False, default_help="default: 3 for logs timed in seconds, else 1")
     p.add_argument("--paired", action="store_true", help="runs were interleaved: pair the i-th baseline with the i-th candidate (pass files in run order)")
     p.add_argument("--json", action="store_true")
     _add_selection_flags(p)
     p.set_defaults(handler=cmd_compare)
 
-    p = sub.add_parser("diff", help="new runs against the prior record: code, Hyperparameters, environment, losses, timing")
+    p = _subcommand(sub, "diff", "new runs against the prior record: code, Hyperparameters, environment, losses, timing", common)
     p.add_argument("logs", nargs="+", type=Path, metavar="NEW_LOG")
-    p.add_argument("--against", default="auto", metavar="RECORD_DIR|LOG|auto", help="auto: the newest record folder of the track")
-    p.add_argument("--track", type=int, choices=(1, 2, 3), help="track for --against auto (default: 3 for logs timed in seconds, else 1)")
+    p.add_argument("--against", default="auto", metavar="RECORD_DIR|LOG|auto",
+                   help="auto: the newest record of the track with logs in this repository")
+    _track(p, required=False, default_help="for --against auto; default: 3 for logs timed in seconds, else 1")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="overlay the val-loss curves in a PNG")
     _add_selection_flags(p)
     p.set_defaults(handler=cmd_diff)
 
-    p = sub.add_parser("new", help="create a record folder from logs (never overwrites anything)")
-    _track(p, required=True)
+    p = _subcommand(sub, "new", "create a record folder from logs (never overwrites anything)", common)
+    _track(p, required=True, default_help="required")
     p.add_argument("--name", required=True, help="Track 1: CamelCase; Track 3: snake_case")
     p.add_argument("--logs", nargs="+", type=Path, required=True, metavar="LOG|DIR")
     p.add_argument("--date", type=_date, help="YYYY-MM-DD (default: today, UTC)")
     p.add_argument("--hardware", help="describe the machine (default: from the logs' environment)")
-    p.add_argument("--note", help="one line saying what these runs are (e.g. 'CPU smoke run, not a record')")
+    p.add_argument("--note", help="one line saying what these runs are (e.g. 'CPU smoke run')")
+    p.add_argument("--not-a-record", action="store_true",
+                   help="file the folder as our own results, not a record (needed for CPU runs or too few GPUs)")
     _add_selection_flags(p)
     p.set_defaults(handler=cmd_new)
 
-    p = sub.add_parser("extract", help="write the script(s) embedded in a log, ready to rerun")
+    p = _subcommand(sub, "extract", "write the script(s) embedded in a log, ready to rerun", common)
     p.add_argument("log", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="path of the script; appended files go next to it")
     p.set_defaults(handler=cmd_extract)
 
-    p = sub.add_parser("check", help="lint record folders, results.json against logs, README tables against folders")
+    p = _subcommand(sub, "check", "lint record folders, results.json against logs, README tables against folders", common)
     p.set_defaults(handler=cmd_check)
 
-    p = sub.add_parser("tables", help="print (or --write into marked READMEs) the record tables")
+    p = _subcommand(sub, "tables", "print (or --write into marked READMEs) the record tables", common)
     p.add_argument("--write", action="store_true", help="update every README.md that holds records:* markers")
     p.add_argument("--block", choices=tables.BLOCKS, help="print only this table")
     p.set_defaults(handler=cmd_tables)
@@ -105,7 +194,14 @@ def _records_root(args: argparse.Namespace) -> Path:
 
 
 def cmd_parse(args: argparse.Namespace) -> int:
-    runs = [run for log in find_logs(args.logs) for run in parse_log(log)]
+    runs = []
+    for log in find_logs(args.logs):
+        try:
+            runs += parse_log(log)
+        except RecordsError as exc:
+            if log in args.logs:  # named on the command line: an error; found in a folder: skipped
+                raise
+            print(f"skipped {exc}", file=sys.stderr)
     if args.json:
         print(json.dumps([run_to_json(r, include_source=not args.no_source) for r in runs], indent=1))
     else:
@@ -113,70 +209,165 @@ def cmd_parse(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----- stats -----
+
+
+def _paths_text(paths: list[Path]) -> str:
+    return str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more)"
+
+
+def _configurations(loaded: LoadedLogs, track: int | None, allow_mixed: bool, paths: list[Path]) -> list[RunSet]:
+    """The configurations a command reports on: those of `track` if given, pooled into one with --allow-mixed."""
+    groups = loaded.groups
+    if track is not None:
+        chosen = select_track(groups, track)
+        if not chosen:
+            found = sorted({f"Track {'3' if log_family(g.track) == 3 else '1/2'}" for g in groups})
+            raise RecordsError(f"no Track {track} runs in {_paths_text(paths)} (found {', '.join(found)} logs); pass another --track or drop it")
+        if len(chosen) < len(groups):
+            loaded.notes.append(f"{len(groups) - len(chosen)} configuration(s) of another track not shown (--track {track}); drop --track to see them")
+        groups = chosen
+    if allow_mixed and len(groups) > 1:
+        groups = [pool(groups)]
+    if all(not group.runs for group in groups):
+        reasons = [note for group in groups for note in group.notes] + loaded.notes
+        raise RecordsError(f"no complete run left (first: {reasons[0] if reasons else 'none'}); "
+                           "pass --allow-incomplete to use truncated or diverged runs", detail=reasons)
+    return groups
+
+
+def _group_reports(groups: list[RunSet], track: int | None, step: int | None, metric: str) -> list[dict[str, Any]]:
+    reports = []
+    for group in groups:
+        if not group.runs:  # every run left out: the notes say why; the other configurations are still reported
+            reports.append({"configuration": group.description, "no_usable_run": True, "notes": group.notes})
+            continue
+        try:
+            report = track_report(group, track or group.track or 1, step)
+        except RecordsError as exc:
+            if len(groups) == 1:
+                raise
+            report = {"configuration": group.description, "error": str(exc), "notes": group.notes}
+        if metric != "val_loss":
+            report["metric"] = metric
+        report["distinct"] = group.distinct
+        reports.append(report)
+    return reports
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
-    runset = load_runset(args.logs, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed, metric=args.metric)
-    report = track_report(runset, args.track, args.step)
-    if args.metric != "val_loss":
-        report["metric"] = args.metric
-    md_path = args.md
-    folder = args.logs[0] if len(args.logs) == 1 and args.logs[0].is_dir() else None
-    if md_path is None and folder is not None and not (folder / RESULTS_JSON).is_file():
-        md_path = folder / "statistics.md"  # a record folder's statistics.md belongs to `new` and `check`
-    if md_path is not None:
-        title = args.title or (args.logs[0].resolve().name if args.logs[0].is_dir() else "runs")
-        _write_new_or_same(md_path, render_statistics_md(report, title))
+    loaded = folders.load_paths(args.logs, allow_incomplete=args.allow_incomplete, metric=args.metric)
+    groups = _configurations(loaded, args.track, args.allow_mixed, args.logs)
+    reports = _group_reports(groups, args.track, args.step, args.metric)
     if args.json:
-        print(json.dumps(report, indent=1, ensure_ascii=False))
+        print(json.dumps({"configurations": reports, "notes": loaded.notes}, indent=1, ensure_ascii=False))
     else:
-        print(render_stats_text(report))
-        if md_path is not None:
-            print(f"wrote {md_path}")
-    return 0
+        blocks = []
+        for index, report in enumerate(reports, start=1):
+            heading = f"configuration {index} of {len(reports)}" if len(reports) > 1 else "configuration"
+            blocks.append(_render_block(report, heading, args.verbose))
+        print("\n\n".join(blocks))
+        for note in loaded.notes:
+            print(f"note: {note}")
+    if args.md is not None:
+        print(_write_md(args, reports), file=sys.stderr if args.json else sys.stdout)
+    return 2 if any("error" in report for report in reports) else 0
 
 
-def _load_side(paths: list[Path], args: argparse.Namespace) -> RunSet:
-    if len(paths) == 1 and (paths[0] / RESULTS_JSON).is_file():
-        return folders.load_folder_runset(paths[0], args.allow_incomplete, args.allow_mixed)
-    return load_runset(paths, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed)
+def _render_block(report: dict[str, Any], heading: str, verbose: bool) -> str:
+    if "error" in report or "no_usable_run" in report:
+        problem = f"cannot compute: {report['error']}" if "error" in report else "no usable run (the notes say why)"
+        lines = [f"{heading}: {report['configuration']}", problem]
+        return "\n".join(lines + [f"note: {note}" for note in report["notes"]])
+    text = render_stats_text(report).replace("configuration:", f"{heading}:", 1)
+    if verbose and report.get("distinct"):
+        text += "\nsettings that set this configuration apart: " + ", ".join(report["distinct"])
+    return text
 
 
-def _infer_track(runset: RunSet) -> int:
-    """Track 3 logs time in seconds (era `track3`); everything else is read as Track 1."""
-    return 3 if any(r.run is not None and r.run.era.endswith("track3") for r in runset.runs) else 1
+def _write_md(args: argparse.Namespace, reports: list[dict[str, Any]]) -> str:
+    if len(reports) == 1 and ("error" in reports[0] or "no_usable_run" in reports[0]):
+        raise RecordsError("--md: no statistics to write (see the configuration above); nothing written")
+    if len(reports) != 1:
+        raise RecordsError(f"--md writes the statistics of one configuration, and these logs hold {len(reports)}; "
+                           "pick one with --track, pass its logs only, or --allow-mixed")
+    folder = args.logs[0] if len(args.logs) == 1 and args.logs[0].is_dir() else None
+    if args.md == DEFAULT_MD:
+        if folder is None:
+            raise RecordsError("bare --md writes statistics.md into the one folder given; pass --md FILE instead")
+        path = folder / folders.STATISTICS_MD
+    else:
+        path = args.md
+    title = args.title or (folder.resolve().name if folder is not None else "runs")
+    what = folders.write_generated(path, render_statistics_md(reports[0], title), force=args.force)
+    return f"{what} {path}"
+
+
+# ----- compare, diff -----
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    baseline, candidate = _load_side(args.baseline, args), _load_side(args.candidate, args)
-    track = args.track or _infer_track(candidate)
-    result = compare.compare_runsets(baseline, candidate, track, paired=args.paired)
-    print(json.dumps(result, indent=1, ensure_ascii=False) if args.json else compare.render_compare_text(result))
+    sides = []
+    for paths in (args.baseline, args.candidate):
+        loaded = folders.load_paths(paths, allow_incomplete=args.allow_incomplete)
+        groups = _configurations(loaded, args.track, args.allow_mixed, paths)
+        loaded.notes += [f"{group.description}: no usable run, not compared ({'; '.join(group.notes)})" for group in groups if not group.runs]
+        sides.append(([group for group in groups if group.runs], loaded.notes))
+    (baselines, base_notes), (candidates, cand_notes) = sides
+    pairs = [(b, c) for b in baselines for c in candidates if log_family(b.track) == log_family(c.track) or None in (b.track, c.track)]
+    if not pairs:
+        raise RecordsError("baseline and candidate hold no configurations of the same track (Track 3 logs time in seconds); check the paths")
+    results = []
+    for baseline, candidate in pairs:
+        track = args.track or candidate.track or baseline.track or 1
+        result = compare.compare_runsets(baseline, candidate, track, paired=args.paired)
+        result["notes"] += base_notes + cand_notes
+        results.append(result)
+    if args.json:
+        print(json.dumps({"comparisons": results}, indent=1, ensure_ascii=False))
+    else:
+        blocks = [compare.render_compare_text(result) for result in results]
+        if len(blocks) > 1:
+            blocks = [f"== comparison {i} of {len(blocks)}\n{block}" for i, block in enumerate(blocks, start=1)]
+        print("\n\n".join(blocks))
     return 0
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     new = diff.side_from_logs("new", args.logs, args.allow_incomplete, args.allow_mixed)
-    track = args.track or _infer_track(new.runset)
-    against = diff.resolve_against(_records_root(args), track, args.against)
+    track = args.track or new.runset.track or 1
+    against, why = diff.resolve_against(_records_root(args), track, args.against, new)
     old = diff.load_against(against, args.allow_incomplete, args.allow_mixed)
+    print(f"against {against}: {why}")
     print(diff.render_diff(old, new))
     if args.plot is not None:
         if args.plot.exists():
             raise RecordsError(f"{args.plot}: already exists; pass another --plot path")
-        diff.plot_val_curves(old, new, args.plot)
+        diff.plot_val_curves(old, new, args.plot, target=stats.TARGETS[track])
         print(f"wrote {args.plot}")
     return 0
 
 
+# ----- new, extract, check, tables -----
+
+
 def cmd_new(args: argparse.Namespace) -> int:
     records_root = _records_root(args)
-    folder = folders.create_record(records_root, args.track, args.name, args.logs, date=args.date, hardware=args.hardware,
-                                   note=args.note, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed)
-    print(f"created {folder}")
+    folder = newrecord.create_record(records_root, args.track, args.name, args.logs, date=args.date, hardware=args.hardware,
+                                     note=args.note, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed,
+                                     not_a_record=args.not_a_record)
+    print(f"created {folder}" + (" (our own results, not a record)" if args.not_a_record else ""))
     for path in sorted(folder.iterdir()):
         print(f"  {path.name}")
-    for readme in tables.write_tables(args.root, records_root):
-        print(f"updated tables in {readme}")
+    for line in json.loads((folder / folders.RESULTS_JSON).read_text()).get("left_out", []):
+        print(f"left out: {line}")
+    _report_tables(tables.write_tables(args.root, records_root))
     return 0
+
+
+def _report_tables(changed: list[tuple[Path, list[str]]]) -> None:
+    for readme, blocks in changed:
+        print(f"updated {readme}: " + ", ".join(f"{block} table ({BLOCK_NAMES[block]})" for block in blocks))
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
@@ -199,11 +390,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_tables(args: argparse.Namespace) -> int:
     records_root = _records_root(args)
     if args.write:
-        changed = tables.write_tables(args.root, records_root)
-        for readme in changed:
-            print(f"updated {readme}")
         if not tables.find_marked_readmes(args.root):
             raise RecordsError(f"{args.root}: no README.md holds records:* markers; add e.g. {tables.start_marker('track1')} / {tables.end_marker('track1')}")
+        changed = tables.write_tables(args.root, records_root)
+        _report_tables(changed)
         if not changed:
             print("tables already up to date")
         return 0
@@ -213,17 +403,6 @@ def cmd_tables(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_new_or_same(path: Path, text: str) -> None:
-    """Write a generated file; an existing one is replaced only if it is generated too (same title line)."""
-    if path.exists():
-        old = path.read_text()
-        if old == text:
-            return
-        if old.splitlines()[:1] != text.splitlines()[:1]:
-            raise RecordsError(f"{path}: exists and was not written by this tool; move it away or pass --md OTHER_FILE")
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -231,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except RecordsError as exc:
-        print(f"records: error: {exc}", file=sys.stderr)
+        more = " (--verbose lists all)" if len(exc.detail) > 1 and not args.verbose else ""
+        print(f"records: error: {exc}{more}", file=sys.stderr)
+        if args.verbose:
+            for line in exc.detail:
+                print(f"  {line}", file=sys.stderr)
         return 2
-

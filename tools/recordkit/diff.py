@@ -1,7 +1,8 @@
 """`diff`: new runs against a prior record: code, hyperparameters, environment, losses, timing.
 
-What contributors compare in practice (records spec §5): the embedded source (the script can be
-pulled from any log), changed constants, software and GPU, loss at equal steps, step_avg and total time.
+These are what a submission is judged on: the code (every log embeds its script, so a prior record's
+code comes from its logs), the changed constants, the software and GPUs (a new stack alone can move the
+loss by a few 1e-4), the loss at equal steps, and step_avg and total time.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import stats
 from .compare import loss_at_matched_steps
 from .errors import RecordsError
-from .folders import RecordFolder, list_folders, load_folder_runset
-from .model import Environment, Run
-from .runsets import RESULTS_JSON, RunFacts, RunSet, load_runset
+from .folders import is_record_folder, list_folders, listed_logs, load_folder_runset, read_results
+from .runs import Environment, Run
+from .runsets import RunFacts, RunSet, load_runset
 from .tables import load_history
 
 ENV_FIELDS = ("python", "torch", "cuda", "triton", "driver", "hardware", "world_size", "device")
@@ -48,24 +50,41 @@ def _example(runset: RunSet) -> Run | None:
     return next((run for run in runs if run.sources), runs[0] if runs else None)
 
 
-def resolve_against(records_root: Path, track: int, against: str) -> Path:
-    """`auto`: the newest record folder that a history row links, else the newest folder of the track."""
+def resolve_against(records_root: Path, track: int, against: str, new: Side | None = None) -> tuple[Path, str]:
+    """The folder or log to diff against, and why it was chosen.
+
+    `auto`: the newest record of the track whose logs are in the repository (a folder that a history row
+    links, or that `new` filed as a record), other than the one holding the new logs; a record known only by
+    its published figures has no code or hyperparameters to diff, so it is passed over.
+    """
     if against != "auto":
         path = Path(against)
         if not path.exists():
             raise RecordsError(f"--against {against}: no such folder or log; pass a record folder, logs, or 'auto'")
-        return path
-    folders = list_folders(records_root, track)
-    linked = {row.folder for row in load_history(records_root, track) if row.folder}
-    records = [f for f in folders if f.path.name in linked] or folders
-    if not records:
-        raise RecordsError(f"{records_root}: no Track {track} record folder to diff against; pass --against PATH")
-    newest: RecordFolder = max(records, key=lambda f: (f.date, f.name))
-    return newest.path
+        return path, "given with --against"
+    linked = {row.folder: row.number for row in load_history(records_root, track) if row.folder}
+    new_files = {fact.run.file_sha256 for fact in new.runset.runs if fact.run is not None} if new else set()
+    without_logs: list[str] = []
+    for folder in reversed(list_folders(records_root, track)):  # newest first
+        if not is_record_folder(folder.path):
+            continue
+        results = read_results(folder.results_path)
+        if folder.path.name not in linked and results.get("record") is not True:
+            continue  # our own results (or a folder that predates the label): not a record
+        if not listed_logs(folder.path, results):
+            without_logs.append(folder.path.name)
+            continue
+        if new_files & {entry.get("sha256") for entry in results.get("runs") or []}:
+            continue  # the new runs' own folder
+        why = f"history row #{linked[folder.path.name]}" if folder.path.name in linked else "filed by `new` as a record"
+        skipped = f"; newer records without logs here: {', '.join(without_logs)}" if without_logs else ""
+        return folder.path, f"the newest Track {track} record with logs in this repository ({why}){skipped}"
+    newest = f" (newest: {without_logs[0]}, published figures only)" if without_logs else ""
+    raise RecordsError(f"no Track {track} record with logs in this repository to diff against{newest}; pass --against RECORD_DIR|LOG")
 
 
 def load_against(path: Path, allow_incomplete: bool, allow_mixed: bool) -> Side:
-    if path.is_dir() and (path / RESULTS_JSON).is_file():
+    if is_record_folder(path):
         return side_from_folder(path)
     return side_from_logs(path.name, [path], allow_incomplete, allow_mixed)
 
@@ -81,6 +100,8 @@ def source_diff(old: Run | None, new: Run | None, context: int = 3) -> list[str]
     if old.code_hash == new.code_hash:
         return [f"(sources identical, code hash {new.code_hash[:12] if new.code_hash else '?'})"]
     lines: list[str] = []
+    if old.program_hash == new.program_hash:
+        lines.append("(same program: the code differs only in comments/docstrings; the text diff follows)")
     for name in list(dict.fromkeys([*old.sources, *new.sources])):
         label = "train script" if name == "__script__" else name
         before, after = old.sources.get(name), new.sources.get(name)
@@ -167,10 +188,6 @@ def environment_diff(old: Side, new: Side) -> list[str]:
     return mapping_diff(environment_of(old.example.env), environment_of(new.example.env)) or ["(no differences)"]
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def loss_table(old: list[RunFacts], new: list[RunFacts]) -> list[str]:
     rows = loss_at_matched_steps(old, new)
     if not rows:
@@ -191,7 +208,7 @@ def timing_lines(old: list[RunFacts], new: list[RunFacts]) -> list[str]:
         if any(v is None for v in before) or any(v is None for v in after):
             lines.append(f"{label}: not in every run")
             continue
-        b, a = _mean(before), _mean(after)
+        b, a = stats.mean(before), stats.mean(after)
         lines.append(f"{label}: record {b:.{digits}f} {unit}  new {a:.{digits}f} {unit}  delta {a - b:+.{digits}f} {unit} ({(a - b) / b * 100:+.2f}%)")
     lines.append("(a record's official time may come from a re-timing, not from these logs)")
     return lines
@@ -216,7 +233,7 @@ def render_diff(old: Side, new: Side) -> str:
     return "\n".join(out)
 
 
-def plot_val_curves(old: Side, new: Side, path: Path) -> None:
+def plot_val_curves(old: Side, new: Side, path: Path, target: float = stats.TARGET_LOSS) -> None:
     """Overlay every run's val-loss curve (record in grey, new in colour); written with the Agg backend."""
     import matplotlib
 
@@ -234,7 +251,7 @@ def plot_val_curves(old: Side, new: Side, path: Path) -> None:
             finals.append(min(losses))
             ax.plot(steps, losses, color=color, marker="." if len(steps) < 10 else None, lw=1, alpha=0.8,
                     label=f"{side.name}" if i == 0 else None)
-    ax.axhline(3.28, color="tab:red", lw=0.8, ls="--", label="3.28 target")
+    ax.axhline(target, color="tab:red", lw=0.8, ls="--", label=f"{target} target")
     if finals:
         ax.set_ylim(min(finals) - 0.02, min(finals) + 0.8)
     ax.set_xlabel("step")

@@ -1,7 +1,8 @@
-"""Record folders: names, results.json, and `new` (which never overwrites or renames anything).
+"""The record-folder format: folder names, results.json, published figures, generated files.
 
-Layout (records spec §1): records/track_1_short/<YYYY-MM-DD>_<CamelName>/ and
-records/track_3_optimization/results/<YYYYMMDD>_<snake_name>/.
+Names follow the published practice: records/track_1_short/<YYYY-MM-DD>_<CamelName>/ (Tracks 1 and 2)
+and records/track_3_optimization/results/<YYYYMMDD>_<snake_name>/ (Track 3). A folder holds its logs
+byte for byte, results.json (per-run figures and the summary), statistics.md and a README.
 """
 
 from __future__ import annotations
@@ -10,16 +11,16 @@ import datetime as dt
 import hashlib
 import json
 import re
-import shlex
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import RecordsError
-from .report import render_statistics_md, track_report
-from .runsets import RESULTS_JSON, RunSet, load_runset, published_runset, read_results
+from .runsets import LoadedLogs, RunFacts, RunSet, load_logs, log_family, pool, single_configuration
 
+RESULTS_JSON = "results.json"
+STATISTICS_MD = "statistics.md"
+SCHEMA = 1
 TRACK_DIRS = {1: Path("track_1_short"), 2: Path("track_2_medium"), 3: Path("track_3_optimization/results")}
 NAME_PATTERN = {1: r"[A-Z][A-Za-z0-9]*", 2: r"[A-Z][A-Za-z0-9]*", 3: r"[a-z0-9][a-z0-9_]*"}
 DATE_PATTERN = {1: r"\d{4}-\d{2}-\d{2}", 2: r"\d{4}-\d{2}-\d{2}", 3: r"\d{8}"}
@@ -28,7 +29,6 @@ NAME_RULES = {1: "CamelCase letters and digits, e.g. MuonCustomSizing", 2: "Came
               3: "lower-case snake_case, e.g. shampoo_1_4_power"}
 SUMMARY_KEYS = ("n", "step", "val_loss", "train_time_s", "test", "t_statistic", "df", "p_value", "passes",
                 "margin", "z_p_value", "required_n", "first_passing_step")
-SCHEMA = 1
 
 
 @dataclass(frozen=True)
@@ -79,27 +79,97 @@ def list_folders(records_root: Path, track: int) -> list[RecordFolder]:
     return sorted(found, key=lambda f: (f.date, f.name))
 
 
-def load_folder_runset(folder: Path, allow_incomplete: bool = False, allow_mixed: bool = False) -> RunSet:
-    """The runs of a record folder: its logs as listed in results.json, or its published figures."""
-    results = read_results(folder / RESULTS_JSON)
-    published = published_runset(folder, results)
-    if published is not None:
-        return published
-    entries = results.get("runs") or []
-    logs = sorted({folder / entry["log"] for entry in entries if entry.get("log")})
-    return load_runset(logs, allow_incomplete=bool(results.get("allow_incomplete")) or allow_incomplete,
-                       allow_mixed=bool(results.get("allow_mixed")) or allow_mixed)
+def is_record_folder(path: Path) -> bool:
+    return path.is_dir() and (path / RESULTS_JSON).is_file()
 
 
 # ----- results.json -----
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RecordsError(f"{path}: missing; recreate the record folder with `records new`") from None
+    except json.JSONDecodeError as exc:
+        raise RecordsError(f"{path}: invalid JSON (line {exc.lineno}: {exc.msg}); fix or regenerate it") from None
+    if not isinstance(data, dict):
+        raise RecordsError(f"{path}: expected a JSON object; fix or regenerate it")
+    return data
+
+
+def listed_logs(folder: Path, results: dict[str, Any]) -> list[Path]:
+    return sorted({folder / entry["log"] for entry in results.get("runs") or [] if entry.get("log")})
+
+
+def facts_from_published(entry: dict[str, Any], index: int, where: Path) -> RunFacts:
+    try:
+        val_losses = {int(step): float(loss) for step, loss in (entry.get("val_losses") or {}).items()}
+        final_step = entry.get("final_step")
+        if final_step is not None:
+            val_losses.setdefault(int(final_step), float(entry["val_loss"]))
+        return RunFacts(
+            label=str(entry.get("label") or f"published run {index}"),
+            source="published",
+            final_step=final_step,
+            total_steps=entry.get("total_steps"),
+            val_loss=float(entry["val_loss"]),
+            train_time_s=entry.get("train_time_s"),
+            step_avg_ms=entry.get("step_avg_ms"),
+            val_losses=val_losses,
+            complete=True,
+            status="published",
+            code_hash=entry.get("code_hash"),
+            hardware=entry.get("hardware"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordsError(f"{where}: run {index} is malformed ({exc}); fix results.json or recreate it with `new`") from None
+
+
+def published_runset(folder: Path, results: dict[str, Any]) -> RunSet | None:
+    """The published runs of a record folder whose results.json lists no logs; None otherwise."""
+    entries = results.get("runs") or []
+    if not entries or any(entry.get("log") is not None for entry in entries):
+        return None
+    facts = [facts_from_published(entry, i, folder) for i, entry in enumerate(entries, start=1)]
+    return RunSet(facts, ["published figures from results.json (the logs are not in this repository)"], track=results.get("track"),
+                  description=f"published figures of {folder.name}")
+
+
+def load_folder(folder: Path, allow_incomplete: bool = False, metric: str = "val_loss") -> LoadedLogs:
+    """A record folder's runs: the logs its results.json lists (with the folder's flags), or its published figures."""
+    results = read_results(folder / RESULTS_JSON)
+    published = published_runset(folder, results)
+    if published is not None:
+        return LoadedLogs([published])
+    loaded = load_logs(listed_logs(folder, results), bool(results.get("allow_incomplete")) or allow_incomplete, metric)
+    if results.get("allow_mixed") and len(loaded.groups) > 1:
+        loaded.groups = [pool(loaded.groups)]
+    for group in loaded.groups:
+        if log_family(group.track) == log_family(results.get("track")):
+            group.track = results["track"]  # the folder knows Track 2 from Track 1; the log format does not
+    return loaded
+
+
+def load_folder_runset(folder: Path, allow_incomplete: bool = False, allow_mixed: bool = False) -> RunSet:
+    results = read_results(folder / RESULTS_JSON)
+    return single_configuration(load_folder(folder, allow_incomplete), allow_mixed or bool(results.get("allow_mixed")))
+
+
+def load_paths(paths: list[Path], allow_incomplete: bool = False, metric: str = "val_loss") -> LoadedLogs:
+    """What a command line names: one record folder (its listed logs or published figures), or logs and folders of logs."""
+    if len(paths) == 1 and is_record_folder(paths[0]):
+        return load_folder(paths[0], allow_incomplete, metric)
+    return load_logs(paths, allow_incomplete, metric)
 
 
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:
     return {key: report[key] for key in SUMMARY_KEYS if key in report}
 
 
-def results_from_logs(track: int, date: dt.date, name: str, runset: RunSet, report: dict[str, Any],
-                      hardware: str | None, note: str | None, flags: dict[str, bool]) -> dict[str, Any]:
+def results_from_logs(track: int, date: dt.date, name: str, runset: RunSet, report: dict[str, Any], hardware: str | None,
+                      note: str | None, flags: dict[str, bool], record: bool) -> dict[str, Any]:
+    """results.json of a folder of our logs; `record` False marks our own results (`new --not-a-record`)."""
     runs: list[dict[str, Any]] = []
     for fact in runset.runs:
         run = fact.run
@@ -128,6 +198,7 @@ def results_from_logs(track: int, date: dt.date, name: str, runset: RunSet, repo
         "date": date.isoformat(),
         "name": name,
         "kind": "ours",
+        "record": record,
         "hardware": hardware or (", ".join(logged_hardware) if logged_hardware else "unknown"),
         "hardware_from_logs": logged_hardware,
         "note": note,
@@ -142,129 +213,48 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-# ----- new -----
+# ----- generated files -----
+
+# Generated markdown ends with this line; a file whose checksum no longer matches was edited by someone
+# (or never written by the tool) and is not replaced without --force.
+_FOOTER = "<!-- written by python tools/records.py; checksum of the text above: {} -->"
+_FOOTER_PATTERN = re.compile(r"^<!-- written by python tools/records\.py; checksum of the text above: ([0-9a-f]{16}) -->$")
 
 
-def create_record(records_root: Path, track: int, name: str, logs: list[Path], date: dt.date | None = None,
-                  hardware: str | None = None, note: str | None = None, allow_incomplete: bool = False,
-                  allow_mixed: bool = False) -> Path:
-    """Create a record folder from logs; refuse if the folder or any file in it already exists."""
-    date = date or dt.datetime.now(dt.timezone.utc).date()
-    target = track_dir(records_root, track) / folder_name(track, date, name)
-    if target.exists():
-        raise RecordsError(f"{target}: already exists; records are never overwritten; choose another --name or --date")
-    runset = load_runset(logs, allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
-    used_logs = sorted({fact.run.path for fact in runset.runs if fact.run is not None})
-    _refuse_name_clash(used_logs)
-    track_report(runset, track)  # any statistics error surfaces before the folder exists
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.mkdir()  # fails if someone created it meanwhile: never merge into an existing folder
+def _checksum(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def sign(text: str) -> str:
+    """The text with the footer that marks it as generated and unedited."""
+    above = (text if text.endswith("\n") else text + "\n") + "\n"  # a blank line, then the footer
+    return f"{above}{_FOOTER.format(_checksum(above))}\n"
+
+
+def written_by_tool(text: str) -> bool:
+    """True when the text ends with our footer and nothing above it changed since."""
+    body, _, last = text.rstrip("\n").rpartition("\n")
+    match = _FOOTER_PATTERN.match(last)
+    return match is not None and match.group(1) == _checksum(body + "\n")
+
+
+def write_generated(path: Path, text: str, force: bool = False) -> str:
+    """Write a signed file; an existing file is replaced only if the tool wrote it and nobody edited it, or with force.
+
+    Returns what happened: "wrote", "replaced" or "unchanged".
+    """
+    signed = sign(text)
+    if path.exists():
+        old = path.read_text(encoding="utf-8", errors="replace")
+        if old == signed:
+            return "unchanged"
+        if not force and not written_by_tool(old):
+            raise RecordsError(f"{path}: exists, and was not written by this tool or was edited since; pass --force to replace it, or another FILE")
+        path.write_text(signed, encoding="utf-8")
+        return "replaced"
     try:
-        _fill_folder(target, records_root, track, date, name, used_logs, hardware, note, allow_incomplete, allow_mixed)
-    except BaseException:
-        shutil.rmtree(target)  # only our own half-written folder, created just above
-        raise
-    return target
-
-
-def _fill_folder(target: Path, records_root: Path, track: int, date: dt.date, name: str, logs: list[Path],
-                 hardware: str | None, note: str | None, allow_incomplete: bool, allow_mixed: bool) -> None:
-    for log in logs:
-        _copy_exact(log, target / log.name)
-    # Re-read the copies so results.json describes exactly the files in the folder, in the order in which
-    # `load_folder_runset` (and so `check`) reads them back: by file name.
-    copies = sorted(target / log.name for log in logs)
-    copied = load_runset(copies, allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
-    report = track_report(copied, track)
-    flags = {"allow_incomplete": allow_incomplete, "allow_mixed": allow_mixed}
-    results = results_from_logs(track, date, name, copied, report, hardware, note, flags)
-    _write_new(target / RESULTS_JSON, json.dumps(results, indent=1, ensure_ascii=False) + "\n")
-    _write_new(target / "statistics.md", render_statistics_md(report, target.name))
-    _write_new(target / "README.md", readme_skeleton(results, report, target.relative_to(records_root.parent)))
-
-
-def _refuse_name_clash(logs: list[Path]) -> None:
-    seen: dict[str, Path] = {}
-    for log in logs:
-        if log.name in seen:
-            raise RecordsError(f"{log}: same file name as {seen[log.name]}; rename one copy before `new` (logs are copied by name)")
-        seen[log.name] = log
-
-
-def _copy_exact(source: Path, destination: Path) -> None:
-    if destination.exists():
-        raise RecordsError(f"{destination}: already exists; not overwritten")
-    shutil.copyfile(source, destination)
-    if sha256_of(source) != sha256_of(destination):
-        raise RecordsError(f"{destination}: copy differs from {source}; check the disk and retry")
-
-
-def _write_new(path: Path, text: str) -> None:
-    with path.open("x", encoding="utf-8") as handle:  # "x": never replace an existing file
-        handle.write(text)
-
-
-def readme_skeleton(results: dict[str, Any], report: dict[str, Any], folder: Path) -> str:
-    track, summary = results["track"], results["summary"]
-    loss, time = summary["val_loss"], summary["train_time_s"]
-    first_log = results["runs"][0]["log"]
-    processes = results["runs"][0].get("gpu_count") or 8
-    arguments = "".join(f" {shlex.quote(f'--{key}={_cli_value(value)}')}" for key, value in (results["runs"][0].get("overrides") or {}).items())
-    lines = [
-        f"# {results['name']} (Track {track}, {results['date']})",
-        "",
-        "Runs of this repository's code, added with `python tools/records.py new`; the logs in this folder are ours.",
-        f"Hardware: {results['hardware']}.",
-    ]
-    if results.get("note"):
-        lines += ["", f"Note: {results['note']}"]
-    lines += [
-        "",
-        "## What changed",
-        "",
-        "(Describe the change against the prior record in your own words; `python tools/records.py diff` lists it.)",
-        "",
-        "## Results",
-        "",
-        f"- n = {summary['n']}; val loss mean {loss['mean']:.4f}" + (f", sd {loss['std']:.4f}" if loss["std"] is not None else ""),
-    ]
-    if time:
-        lines.append(f"- train time mean {time['mean']:.3f} s" + (f", sd {time['std']:.3f} s" if time["std"] is not None else ""))
-    if track == 3:
-        lines.append(f"- (3.28 − mean)·√n = {summary['margin']:.5f} at step {summary['step']}: {'passes' if summary['passes'] else 'does not pass'}")
-    else:
-        p = summary["p_value"]
-        lines.append(f"- one-sided p (H1: mean < {report['target']}) = {'undefined (n < 2)' if p is None else f'{p:.4g}'}: "
-                     f"{'passes' if summary['passes'] else 'does not pass'} the p < 0.01 rule")
-    lines += [
-        "",
-        "Per-run numbers are in `statistics.md`; machine-readable ones in `results.json`.",
-        "",
-        "## Reproduce",
-        "",
-        "```",
-        f"python tools/records.py extract {folder.as_posix()}/{first_log} -o /tmp/repro/train.py",
-        f"torchrun --standalone --nproc_per_node={processes} /tmp/repro/train.py{arguments}",
-        "```",
-        "",
-        "## Draft table row",
-        "",
-        draft_table_row(results),
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _cli_value(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def draft_table_row(results: dict[str, Any]) -> str:
-    summary = results["summary"]
-    date = dt.date.fromisoformat(results["date"])
-    if results["track"] == 3:
-        evidence = f"{summary['val_loss']['mean']:.4f} (n={summary['n']}){'✓' if summary['passes'] else 'Ⓧ'}"
-        return f"| ? | {summary['step']} | {evidence} | {results['name']} | {date.strftime('%Y/%m/%d')} | |"
-    minutes = summary["train_time_s"]["mean"] / 60 if summary.get("train_time_s") else None
-    time_text = f"{minutes:.3f} minutes" if minutes is not None else "?"
-    return f"| ? | {time_text} | {results['name']} | {date.strftime('%m/%d/%y')} | |"
+        with path.open("x", encoding="utf-8") as handle:
+            handle.write(signed)
+    except FileNotFoundError:
+        raise RecordsError(f"{path}: its folder does not exist; create it or pick another path") from None
+    return "wrote"

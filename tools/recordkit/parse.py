@@ -1,8 +1,10 @@
 """Parse speedrun logs of every era into `Run`s (one per trial).
 
-Layout (see the records spec, "Log file format across eras"): the embedded source, a line of exactly
-100 `=`, environment blocks (more separators in 2024 logs), a last separator, then step lines. Some
-2024 logs also start with a separator; console captures and llm.c logs have no separator at all.
+Every log family since 2024 writes the embedded source, a line of exactly 100 `=`, environment blocks
+(2024 logs add more separators around their DataLoader lines), a last separator, then step lines; some
+2024 logs also open with a separator, and console captures and llm.c logs have none. So: the code is
+what precedes the first separator that follows text, and the step lines are what follows the last one
+(docs/records.md describes each era's lines).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import RecordsError
-from .model import Environment, PeakMemory, Run, TrainPoint, ValPoint
+from .program import program_hash
+from .runs import Environment, PeakMemory, Run, TrainPoint, ValPoint
 
 SEPARATOR = "=" * 100
 LOG_SUFFIXES = (".txt", ".log", ".stdout", ".out")
@@ -37,6 +40,8 @@ TRIAL_MARKER = re.compile(r"^trial:(\d+)/(\d+) seed:(\d+)\s*$")
 PEAK_MEMORY = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB\s*$")
 PEAK_MEMORY_2024 = re.compile(r"^peak memory consumption: (\d+) MiB\s*$")
 WARMUP_TIME = re.compile(rf"^warmup_time: ({_NUM})s\s*$")
+# A val line that does not start its line (e.g. behind bytes a crash left in the file) is lost: reported.
+EMBEDDED_VAL_LINE = re.compile(r"step:\d+/\d+\s+val_loss:")
 
 PYTHON_LINE = re.compile(r"^Running [Pp]ython (.+?)\s*$")
 TORCH_LINE = re.compile(r"^Running [Pp]y[Tt]orch (\S+) compiled for CUDA (\S+)(?: on (.+) with world_size (\d+))?\s*$")
@@ -66,13 +71,11 @@ def parse_text(text: str, path: Path, file_sha256: str = "") -> list[Run]:
     sources = split_sources(layout.code)
     code_hash = hash_sources(sources) if sources else None
     env = parse_environment(layout.env_lines, layout.step_lines)
-    trials = split_trials(layout.step_lines)
+    trials = split_trials(layout.step_lines, first_line_number=layout.step_start + 1)
     if not any(trial.val_points for trial in trials):
-        raise RecordsError(
-            f"{path}: no parseable val line (expected 'step:N/T val_loss:X train_time:...' or 's:N tel:X'); "
-            "pass a training log, not a console fragment or another file"
-        )
+        raise RecordsError(f"{path}: {_why_no_val_line(layout, trials)}")
     era = detect_era(layout, env, trials)
+    program = program_hash(sources) if sources else None
     return [
         Run(
             path=path,
@@ -82,15 +85,28 @@ def parse_text(text: str, path: Path, file_sha256: str = "") -> list[Run]:
             era=era,
             sources=sources,
             code_hash=code_hash,
+            program_hash=program,
             env=env,
             val_points=trial.val_points,
             train_points=trial.train_points,
             peak_memory=trial.peak_memory,
             warmup_time_s=trial.warmup_time_s,
             notes=trial.notes,
+            warnings=[f"{path}: {warning}" for warning in trial.warnings],
         )
         for index, trial in enumerate(trials, start=1)
     ]
+
+
+def _why_no_val_line(layout: Layout, trials: list[TrialLines]) -> str:
+    lost = [warning for trial in trials for warning in trial.warnings]
+    if lost:
+        return f"no readable val line ({lost[0]}); not a usable log"
+    if layout.code and not any(trial.train_points for trial in trials):
+        return "source and environment only, no step line (the run stopped before training); not a usable log"
+    if any(trial.train_points for trial in trials):
+        return "step lines but no val line (the run stopped before its first validation); not a usable log"
+    return "no val line ('step:N/T val_loss:X train_time:...' or 's:N tel:X'); pass a training log"
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -114,6 +130,7 @@ class Layout:
     step_lines: list[str]
     separator_count: int
     leading_separator: bool
+    step_start: int = 0  # index of the first step line in the file's lines
 
 
 def is_separator(line: str) -> bool:
@@ -127,11 +144,11 @@ def split_layout(lines: list[str]) -> Layout:
     body_separators = separators[1:] if leading else separators
     if not body_separators:
         start = separators[0] + 1 if leading else 0
-        return Layout([], [], lines[start:], len(separators), leading)
+        return Layout([], [], lines[start:], len(separators), leading, start)
     code_start = separators[0] + 1 if leading else 0
     first, last = body_separators[0], body_separators[-1]
     env_lines = [line for line in lines[first + 1 : last] if not is_separator(line)]
-    return Layout(lines[code_start:first], env_lines, lines[last + 1 :], len(separators), leading)
+    return Layout(lines[code_start:first], env_lines, lines[last + 1 :], len(separators), leading, last + 1)
 
 
 # ----- embedded sources -----
@@ -261,6 +278,7 @@ class TrialLines:
     peak_memory: PeakMemory | None = None
     warmup_time_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # "line N: why", for lines lost to damage
     last_step: int = -1
     last_val_line: str | None = None
 
@@ -269,10 +287,10 @@ class TrialLines:
         return not self.val_points and not self.train_points
 
 
-def split_trials(lines: list[str]) -> list[TrialLines]:
+def split_trials(lines: list[str], first_line_number: int = 1) -> list[TrialLines]:
     """Collect step lines; a new trial starts at a `trial:` marker or when the step counter goes back."""
     trials = [TrialLines()]
-    for raw in lines:
+    for number, raw in enumerate(lines, start=first_line_number):
         line = raw.strip()
         trial = trials[-1]
         if TRIAL_MARKER.match(line):
@@ -281,6 +299,8 @@ def split_trials(lines: list[str]) -> list[TrialLines]:
             continue
         point = _step_point(line)
         if point is None:
+            if lost := _lost_val_line(line):
+                trial.warnings.append(f"line {number}: {lost}")
             _apply_trailer(trial, line)
             continue
         if point.step < trial.last_step:
@@ -326,6 +346,16 @@ def _step_point(line: str) -> ValPoint | TrainPoint | None:
     if m := LLMC_TRAIN_LINE.match(line):
         return TrainPoint(int(m.group("step")), None, None, None, float(m.group("loss")))
     return None
+
+
+def _lost_val_line(line: str) -> str | None:
+    """Why a line holding `step:N/T val_loss:` could not be read, or None if it holds none."""
+    found = EMBEDDED_VAL_LINE.search(line)
+    if found is None:
+        return None
+    if found.start() > 0:
+        return f"val line behind {found.start()} characters of other data (binary garbage?); not used"
+    return "val line cut short or malformed; not used"
 
 
 def _columns(text: str | None) -> tuple[tuple[str, str], ...]:

@@ -1,22 +1,31 @@
-"""Turn logs (or a record folder's results.json) into a checked set of runs for statistics.
+"""Turn parsed logs into sets of runs of one configuration, ready for statistics.
 
-Rules (records spec §6): truncated runs are reported and left out unless --allow-incomplete;
-runs that differ in code hash, step count or GPU count are refused unless --allow-mixed; twin files
-and console captures of a run that is also logged are counted once.
+A claim is a statistic over independent runs of one program, so runs are grouped by configuration: the
+track (Track 3 logs time in seconds, Tracks 1 and 2 in ms), the program (embedded source with comments,
+docstrings and layout left out), the GPU count, the step count and the logged hyperparameters (minus the
+settings in RESULT_NEUTRAL_SETTINGS and PER_RUN_SETTINGS). Within a configuration, truncated and diverged
+runs are reported and left out unless allowed, a run logged twice (twin files, or a console capture of a
+logged run) counts once, and identical trajectories are flagged.
 """
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import RecordsError
-from .model import Run
 from .parse import find_logs, parse_log
+from .runs import Run
 
-RESULTS_JSON = "results.json"
+# Settings that change how a run is executed or where it writes, never what it computes: the root
+# computation's CUDA streams (same eigendecompositions, run concurrently), log and checkpoint locations,
+# checkpointing and resumption (a resumed run continues the same trajectory), trials per launch.
+RESULT_NEUTRAL_SETTINGS = frozenset({"shampoo_root_streams", "log_dir", "save_checkpoint", "checkpoint_every",
+                                     "checkpoint_dir", "resume", "num_trials"})
+# Settings that differ between the runs of one configuration by design: every run has its own id and seed.
+PER_RUN_SETTINGS = frozenset({"run_id", "seed"})
 
 
 @dataclass
@@ -27,7 +36,7 @@ class RunFacts:
     source: str  # "log" or "published"
     final_step: int | None
     total_steps: int | None
-    val_loss: float  # at the final val line
+    val_loss: float  # at the final usable val line
     train_time_s: float | None
     step_avg_ms: float | None
     val_losses: dict[int, float]  # step -> val loss (published folders may list only a few steps)
@@ -43,36 +52,61 @@ class RunFacts:
         return self.val_loss if step is None else self.val_losses.get(step)
 
 
+@dataclass
+class RunSet:
+    """The runs of one configuration (or of several pooled by --allow-mixed) and one-line notes about them."""
+
+    runs: list[RunFacts]
+    notes: list[str] = field(default_factory=list)  # excluded runs, duplicates, pooled configurations
+    track: int | None = None  # a record folder's track; for logs 3 if timed in seconds, else 1 (Tracks 1 and 2 log alike)
+    description: str = ""  # what the runs share: track, code, GPUs, steps (see describe_configurations)
+    key: tuple[Any, ...] | None = None  # configuration_key of its runs; None for pooled or published runs
+    distinct: list[str] = field(default_factory=list)  # `name=value` of the hyperparameters that set it apart
+
+
+@dataclass
+class LoadedLogs:
+    """Logs read from files and folders, grouped by configuration."""
+
+    groups: list[RunSet]
+    notes: list[str] = field(default_factory=list)  # skipped files and damaged lines, not tied to a group
+
+
 def metric_losses(run: Run, metric: str) -> dict[int, float]:
-    """step -> loss from the val lines; `metric` picks an extra column such as `val_ema_loss` (Track 3)."""
+    """step -> loss over the usable val lines; `metric` picks an extra column such as `val_ema_loss` (Track 3)."""
     if metric == "val_loss":
-        return {p.step: p.val_loss for p in run.val_points}
-    losses = {}
-    for point in run.val_points:
-        value = dict(point.extras).get(metric)
-        if value is not None:
-            try:
-                losses[point.step] = float(value)
-            except ValueError:
-                raise RecordsError(f"{run.label}: {metric}:{value} at step {point.step} is not a number; pick another --metric") from None
-    if not losses:
+        return {p.step: p.val_loss for p in run.usable_val_points}
+    if not any(metric in dict(p.extras) for p in run.val_points):
         raise RecordsError(f"{run.label}: no val line has a {metric}: column; use --metric val_loss or a column the log has")
+    losses = {}
+    for point in run.usable_val_points:
+        value = dict(point.extras).get(metric)
+        if value is None:
+            continue
+        try:
+            losses[point.step] = float(value)
+        except ValueError:
+            raise RecordsError(f"{run.label}: {metric}:{value} at step {point.step} is not a number; pick another --metric") from None
+        if not math.isfinite(losses[point.step]):
+            raise RecordsError(f"{run.label}: {metric} is {value} at step {point.step} (diverged in that column); use --metric val_loss")
     return losses
 
 
 def facts_from_run(run: Run, metric: str = "val_loss") -> RunFacts:
-    final = run.final
-    if final is None:
-        raise RecordsError(f"{run.label}: truncated before its first val line; nothing to use")
+    """The run's numbers at its last usable val line (before a divergence, if any)."""
     losses = metric_losses(run, metric)
+    if not losses:
+        raise RecordsError(f"{run.label}: {run.status} before any usable val line; nothing to use")
+    final_step = max(losses)
+    point = run.val_at(final_step)
     return RunFacts(
         label=run.label,
         source="log",
-        final_step=final.step,
+        final_step=final_step,
         total_steps=run.total_steps,
-        val_loss=losses[max(losses)],
-        train_time_s=final.train_time_s,
-        step_avg_ms=final.step_avg_ms,
+        val_loss=losses[final_step],
+        train_time_s=point.train_time_s if point else None,
+        step_avg_ms=point.step_avg_ms if point else None,
         val_losses=losses,
         complete=run.complete,
         status=run.status,
@@ -84,91 +118,188 @@ def facts_from_run(run: Run, metric: str = "val_loss") -> RunFacts:
     )
 
 
-def facts_from_published(entry: dict[str, Any], index: int, where: Path) -> RunFacts:
-    try:
-        val_losses = {int(step): float(loss) for step, loss in (entry.get("val_losses") or {}).items()}
-        final_step = entry.get("final_step")
-        if final_step is not None:
-            val_losses.setdefault(int(final_step), float(entry["val_loss"]))
-        return RunFacts(
-            label=str(entry.get("label") or f"published run {index}"),
-            source="published",
-            final_step=final_step,
-            total_steps=entry.get("total_steps"),
-            val_loss=float(entry["val_loss"]),
-            train_time_s=entry.get("train_time_s"),
-            step_avg_ms=entry.get("step_avg_ms"),
-            val_losses=val_losses,
-            complete=True,
-            status="published",
-            code_hash=entry.get("code_hash"),
-            hardware=entry.get("hardware"),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RecordsError(f"{where}: run {index} is malformed ({exc}); fix results.json or recreate it with `new`") from None
+# ----- loading and grouping -----
 
 
-@dataclass
-class RunSet:
-    runs: list[RunFacts]
-    notes: list[str] = field(default_factory=list)  # one-line reports (excluded runs, duplicates)
+def parse_logs(paths: list[Path]) -> tuple[list[Run], list[str]]:
+    """Every run in the logs under `paths`; logs that cannot be used are skipped with a note (all of them: an error)."""
+    runs: list[Run] = []
+    skipped: list[str] = []
+    files = find_logs(paths)
+    for log in files:
+        try:
+            runs += parse_log(log)
+        except RecordsError as exc:
+            skipped.append(str(exc))
+    if not runs:
+        if len(skipped) == 1:
+            raise RecordsError(skipped[0])
+        raise RecordsError(f"none of the {len(files)} log files is usable (first: {skipped[0]})", detail=skipped)
+    notes = [f"skipped {reason}" for reason in skipped]
+    notes += [f"warning: {warning}" for run in runs for warning in run.warnings]
+    return runs, notes
+
+
+def load_logs(paths: list[Path], allow_incomplete: bool = False, metric: str = "val_loss") -> LoadedLogs:
+    """Runs from log files/folders, one RunSet per configuration."""
+    runs, notes = parse_logs(paths)
+    return group_runs(runs, allow_incomplete=allow_incomplete, metric=metric, notes=notes)
 
 
 def load_runset(paths: list[Path], allow_incomplete: bool = False, allow_mixed: bool = False, metric: str = "val_loss") -> RunSet:
-    """Runs from log files/folders; a record folder without logs yields its published runs."""
-    published = _published_only_folder(paths)
-    if published is not None:
-        return published
-    runs = [run for log in find_logs(paths) for run in parse_log(log)]
-    return select_runs(runs, allow_incomplete=allow_incomplete, allow_mixed=allow_mixed, metric=metric)
+    """The runs of one configuration (what `new` and `diff` need); several configurations are refused unless pooled."""
+    return single_configuration(load_logs(paths, allow_incomplete, metric), allow_mixed)
 
 
-def _published_only_folder(paths: list[Path]) -> RunSet | None:
-    if len(paths) != 1 or not (paths[0] / RESULTS_JSON).is_file():
-        return None
-    return published_runset(paths[0], read_results(paths[0] / RESULTS_JSON))
+def single_configuration(loaded: LoadedLogs, allow_mixed: bool) -> RunSet:
+    groups = loaded.groups
+    if len(groups) > 1 and not allow_mixed:
+        raise RecordsError(f"{len(groups)} configurations in these logs (they differ in {', '.join(differing_parts(groups))}); "
+                           "pass the logs of one, or --allow-mixed to pool them", detail=[g.description for g in groups])
+    runset = pool(groups) if len(groups) > 1 else groups[0]
+    if not runset.runs:
+        reasons = [note.removesuffix(EXCLUDED_HINT) for note in runset.notes + loaded.notes]
+        more = f" and {len(reasons) - 1} more" if len(reasons) > 1 else ""
+        raise RecordsError(f"no complete run left ({reasons[0] if reasons else 'no run'}{more}); "
+                           "pass --allow-incomplete to use truncated or diverged runs", detail=reasons)
+    runset.notes[:0] = loaded.notes
+    return runset
 
 
-def published_runset(folder: Path, results: dict[str, Any]) -> RunSet | None:
-    """The published runs of a record folder whose results.json lists no logs; None otherwise."""
-    entries = results.get("runs") or []
-    if not entries or any(entry.get("log") is not None for entry in entries):
-        return None
-    facts = [facts_from_published(entry, i, folder) for i, entry in enumerate(entries, start=1)]
-    return RunSet(facts, ["published figures from results.json (the logs are not in this repository)"])
-
-
-def read_results(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise RecordsError(f"{path}: missing; recreate the record folder with `records new`") from None
-    except json.JSONDecodeError as exc:
-        raise RecordsError(f"{path}: invalid JSON (line {exc.lineno}: {exc.msg}); fix or regenerate it") from None
-    if not isinstance(data, dict):
-        raise RecordsError(f"{path}: expected a JSON object; fix or regenerate it")
-    return data
-
-
-def select_runs(runs: list[Run], allow_incomplete: bool, allow_mixed: bool, metric: str = "val_loss") -> RunSet:
-    notes: list[str] = []
-    runs = _drop_duplicates(runs, notes)
-    kept: list[Run] = []
+def group_runs(runs: list[Run], allow_incomplete: bool = False, metric: str = "val_loss", notes: list[str] | None = None) -> LoadedLogs:
+    runs = _drop_duplicates(runs, notes := list(notes or []))
+    by_key: dict[tuple[Any, ...], list[Run]] = {}
     for run in runs:
-        if run.final is None:
-            notes.append(f"{run.label}: truncated before its first val line; excluded")
+        by_key.setdefault(configuration_key(run), []).append(run)
+    groups = [_select(group, allow_incomplete, metric, key) for key, group in by_key.items()]
+    describe_configurations(groups)
+    return LoadedLogs(groups, notes)
+
+
+EXCLUDED_HINT = " (pass --allow-incomplete to include it)"
+
+
+def _select(runs: list[Run], allow_incomplete: bool, metric: str, key: tuple[Any, ...]) -> RunSet:
+    notes: list[str] = []
+    kept: list[RunFacts] = []
+    for run in runs:
+        if not run.usable_val_points:
+            notes.append(f"{run.label}: {run.status} before its first val line; excluded")
         elif not run.complete and not allow_incomplete:
-            notes.append(f"{run.label}: {run.status}; excluded (pass --allow-incomplete to include it)")
+            notes.append(f"{run.label}: {run.status}; excluded{EXCLUDED_HINT}")
         else:
-            kept.append(run)
-    if not kept:
-        reasons = "; ".join(note.removesuffix(" (pass --allow-incomplete to include it)") for note in notes)
-        raise RecordsError(f"no complete run left ({reasons}); pass --allow-incomplete to use truncated runs")
-    facts = [facts_from_run(run, metric) for run in kept]
-    _flag_same_trajectories(facts, notes)
-    if not allow_mixed:
-        _refuse_mixed(facts)
-    return RunSet(facts, notes)
+            fact = facts_from_run(run, metric)
+            if not run.complete:
+                notes.append(f"{run.label}: {run.status}; included at its last usable val line, step {fact.final_step} (--allow-incomplete)")
+            kept.append(fact)
+    _flag_same_trajectories(kept, notes)
+    return RunSet(kept, notes, track=key[0], key=key)
+
+
+def configuration_key(run: Run) -> tuple[Any, ...]:
+    """What must agree between the runs of one claim; None means the log does not say (its own group)."""
+    hyperparameters = run.env.hyperparameters
+    settings = None
+    if hyperparameters is not None:
+        settings = tuple(sorted((k, repr(v)) for k, v in hyperparameters.items() if k not in RESULT_NEUTRAL_SETTINGS | PER_RUN_SETTINGS))
+    devices = "CPU" if run.env.on_cpu else run.env.gpu_count
+    return (3 if run.timed_in_seconds else 1, run.program_hash, devices, run.total_steps, settings)
+
+
+KEY_PARTS = ("track", "code", "CPU or GPU count", "steps", "hyperparameters")
+
+
+def differing_parts(groups: list[RunSet]) -> list[str]:
+    """What tells the groups apart, with the first values: `steps (1680 vs 1640)`."""
+    keys = [group.key for group in groups if group.key is not None]
+    parts = []
+    for index, name in enumerate(KEY_PARTS):
+        values = list(dict.fromkeys(key[index] for key in keys))
+        if len(values) < 2:
+            continue
+        if name == "hyperparameters":
+            if parts:
+                continue  # groups of different programs or step counts: their hyperparameters differ as a consequence
+            by_name: dict[str, list[str]] = {}
+            for setting in (setting for group in groups for setting in group.distinct):
+                key, _, value = setting.partition("=")
+                by_name.setdefault(key, [])
+                if value not in by_name[key]:
+                    by_name[key].append(value)
+            shown = [f"{key}: {' vs '.join(seen[:2])}{' …' if len(seen) > 2 else ''}" for key, seen in list(by_name.items())[:2]]
+            more = f"; +{len(by_name) - 2} more" if len(by_name) > 2 else ""
+            parts.append(f"hyperparameters ({'; '.join(shown) or 'logged in some logs only'}{more})")
+        elif name == "code":
+            by_program = {}
+            for group in groups:
+                by_program.setdefault(group.key[1] if group.key else None, group)
+            shown = [_code_text(group).removeprefix("code ")[:8] for group in list(by_program.values())[:2]]
+            parts.append(f"code ({' vs '.join(shown)}{' …' if len(values) > 2 else ''})")
+        else:
+            shown = [str(v) if v is not None else "unknown" for v in values[:2]]
+            parts.append(f"{name} ({' vs '.join(shown)}{' …' if len(values) > 2 else ''})")
+    return (parts[:2] + ["…"] if len(parts) > 2 else parts) or ["published figures vs logs"]
+
+
+def describe_configurations(groups: list[RunSet]) -> None:
+    """Set each group's one-line description; hyperparameters are named only where they alone tell groups apart
+    (groups of different programs have different Hyperparameters classes: naming them all would say nothing)."""
+    for group in groups:
+        assert group.key is not None  # groups of parsed logs always have one
+        track, _program, devices, steps, settings = group.key
+        varying = _varying_settings([g.key for g in groups if g.key is not None and g.key[:4] == group.key[:4]])
+        parts = [f"track {track if track == 3 else '1/2'}", _code_text(group), _devices_text(devices),
+                 f"{steps if steps is not None else '?'} steps"]
+        if settings is not None and varying:
+            values = dict(settings)
+            group.distinct = [f"{name}={values.get(name, '<missing>')}" for name in sorted(varying)]
+            more = f" (+{len(group.distinct) - 3} more)" if len(group.distinct) > 3 else ""
+            parts.append(", ".join(group.distinct[:3]) + more)
+        group.description = ", ".join(parts)
+        raw_hashes = {fact.code_hash for fact in group.runs if fact.code_hash}
+        if len(raw_hashes) > 1:
+            group.notes.append(f"code differs only in comments/docstrings ({len(raw_hashes)} texts of one program)")
+
+
+def _code_text(group: RunSet) -> str:
+    """The code hash as `parse` and results.json show it (the text's, stable across Python versions)."""
+    hashes = list(dict.fromkeys(fact.code_hash for fact in group.runs if fact.code_hash))
+    if not hashes:
+        return "code not embedded" if group.runs else "code unknown (no usable run)"
+    return f"code {hashes[0][:12]}" + (f" +{len(hashes) - 1} text variant{'s' if len(hashes) > 2 else ''}" if len(hashes) > 1 else "")
+
+
+def _devices_text(devices: int | str | None) -> str:
+    if devices is None:
+        return "GPUs unknown"
+    return devices if isinstance(devices, str) else f"{devices} GPU{'s' if devices != 1 else ''}"
+
+
+def _varying_settings(keys: list[tuple[Any, ...]]) -> set[str]:
+    logged = [dict(key[4]) for key in keys if key[4] is not None]
+    if len(logged) < 2:
+        return set()
+    names = set().union(*logged)
+    return {name for name in names if len({entry.get(name) for entry in logged}) > 1}
+
+
+def log_family(track: int | None) -> int | None:
+    """3 for Track 3 (train_time in seconds), 1 for Tracks 1 and 2 (train_time in ms), None if unknown."""
+    return None if track is None else 3 if track == 3 else 1
+
+
+def select_track(groups: list[RunSet], track: int) -> list[RunSet]:
+    """The groups a `--track` asks for: Track 3 logs time in seconds; Tracks 1 and 2 share the ms format."""
+    return [group for group in groups if log_family(group.track) in (log_family(track), None)]
+
+
+def pool(groups: list[RunSet]) -> RunSet:
+    """One RunSet over several configurations (--allow-mixed), noting what differs."""
+    runs = [fact for group in groups for fact in group.runs]
+    notes = [f"pooled {len(groups)} configurations (--allow-mixed): " + " | ".join(g.description for g in groups)]
+    notes += [note for group in groups for note in group.notes]
+    tracks = {group.track for group in groups}
+    return RunSet(runs, notes, track=tracks.pop() if len(tracks) == 1 else None, description="pooled: " + "; ".join(g.description for g in groups))
 
 
 def _drop_duplicates(runs: list[Run], notes: list[str]) -> list[Run]:
@@ -197,46 +328,3 @@ def _flag_same_trajectories(facts: list[RunFacts], notes: list[str]) -> None:
         if len(key) > 1 and key in by_losses:
             notes.append(f"{fact.label}: identical val-loss trajectory to {by_losses[key]} (same seed?); runs must be independent")
         by_losses.setdefault(key, fact.label)
-
-
-def _config_keys(fact: RunFacts) -> dict[str, Any]:
-    """What must agree between runs of one claim (None: unknown, e.g. a console capture has no source)."""
-    return {
-        "code hash": fact.code_hash[:12] if fact.code_hash else None,
-        "total steps": fact.total_steps,
-        "GPU count": fact.gpu_count,
-    }
-
-
-# Hyperparameters that differ between the runs of one configuration by design: train_gpt.py's run
-# management, and train_gpt_shampoo.py's RUN_MANAGEMENT_FIELDS (a resumed run continues the same one).
-PER_RUN_HYPERPARAMETERS = frozenset({"run_id", "seed", "log_dir", "save_checkpoint",
-                                     "num_trials", "checkpoint_every", "checkpoint_dir", "resume"})
-
-
-def _hyperparameter_conflicts(facts: list[RunFacts]) -> list[str]:
-    """`name: a vs b` for every hyperparameter (from our logs' `hyperparameters:` line) that differs."""
-    logged = [f.run.env.hyperparameters for f in facts if f.run is not None and f.run.env.hyperparameters is not None]
-    if len(logged) < 2:
-        return []
-    keys = sorted(set().union(*logged) - PER_RUN_HYPERPARAMETERS)
-    conflicts = []
-    for key in keys:
-        values = list(dict.fromkeys(repr(h.get(key, "<missing>")) for h in logged))
-        if len(values) > 1:
-            conflicts.append(f"{key}: {' vs '.join(values[:3])}")
-    return conflicts
-
-
-def _refuse_mixed(facts: list[RunFacts]) -> None:
-    conflicts = _hyperparameter_conflicts(facts)
-    if conflicts:
-        raise RecordsError(f"mixed configurations (hyperparameters differ: {'; '.join(conflicts)}); split the logs or pass --allow-mixed")
-    for what in ("code hash", "total steps", "GPU count"):
-        groups: dict[Any, list[str]] = {}
-        for fact in facts:
-            groups.setdefault(_config_keys(fact)[what], []).append(fact.label)
-        known = {k: v for k, v in groups.items() if k is not None}
-        if len(known) > 1:
-            detail = "; ".join(f"{k}: {', '.join(v[:3])}{' …' if len(v) > 3 else ''}" for k, v in known.items())
-            raise RecordsError(f"mixed configurations ({what} differs: {detail}); split the logs or pass --allow-mixed")

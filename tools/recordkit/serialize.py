@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from .model import Run, ValPoint
+from .runs import Run, ValPoint
 
 
 def _point(point: ValPoint) -> dict[str, Any]:

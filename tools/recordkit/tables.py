@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import RecordsError
-from .folders import list_folders, track_dir
-from .runsets import RESULTS_JSON, read_results
+from .folders import RESULTS_JSON, list_folders, read_results, track_dir
 
 HISTORY_CSV = "history.csv"
 TRACK1_DIR = Path("track_1_short")
@@ -148,13 +147,20 @@ def find_marked_readmes(repo_root: Path) -> list[Path]:
     return sorted(found)
 
 
-def write_tables(repo_root: Path, records_root: Path) -> list[Path]:
-    """Regenerate the marked blocks of every README; return the files that changed."""
+def changed_blocks(old: str, new: str) -> list[str]:
+    """The marked blocks whose text differs between two versions of a README."""
+    def body(text: str, block: str) -> str:
+        return text.partition(start_marker(block))[2].partition(end_marker(block))[0]
+    return [block for block in marked_blocks(new) if body(old, block) != body(new, block)]
+
+
+def write_tables(repo_root: Path, records_root: Path) -> list[tuple[Path, list[str]]]:
+    """Regenerate the marked blocks of every README; return each changed file with the blocks that changed."""
     changed = []
     for readme in find_marked_readmes(repo_root):
         old = readme.read_text(encoding="utf-8")
         new = replace_blocks(old, readme, records_root)
         if new != old:
             readme.write_text(new, encoding="utf-8")
-            changed.append(readme)
+            changed.append((readme, changed_blocks(old, new)))
     return changed

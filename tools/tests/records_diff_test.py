@@ -39,7 +39,7 @@ def test_diff_two_logs_differing_in_one_hyperparameter(tmp_path: Path) -> None:
 
 
 def test_hyperparameters_from_source_keeps_non_literals_as_text() -> None:
-    values = diff.hyperparameters_from_source(F.SCRIPT.format(steps=10, lr=0.1))
+    values = diff.hyperparameters_from_source(F.script(10, 0.1))
     assert values == {"num_iterations": 10, "learning_rate": 0.1, "batch_size": "8 * 64 * 1024", "val_loss_every": 125}
 
 
@@ -51,19 +51,20 @@ def test_environment_diff_of_harness_logs(tmp_path: Path) -> None:
     assert "~ world_size: 8 -> 1" in lines
 
 
-def test_diff_auto_uses_newest_linked_record_and_plots_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_diff_against_a_log_plots_png_and_never_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = F.write(tmp_path / "old.txt", F.harness(final_loss=3.2796, lr=0.05))
     logs = [F.write(tmp_path / f"r{i}.txt", F.harness(final_loss=3.279 + i / 1e4, lr=0.06)) for i in range(2)]
     plot = tmp_path / "curves.png"
-    assert main(["--root", str(REPO), "diff", *map(str, logs), "--plot", str(plot)]) == 0
+    assert main(["diff", *map(str, logs), "--against", str(old), "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    assert "vs record: 2025-09-23_MuonCustomSizing (4 run(s), published figures)" in out
-    assert "(the prior record has no log with embedded source here: no code diff)" in out
+    assert out.startswith(f"against {old}: given with --against\n")
+    assert "~ learning_rate: 0.05 -> 0.06" in out
     assert "  1680    3.27960    3.27905   -0.00055" in out
     data = plot.read_bytes()
     assert data[:8] == PNG_SIGNATURE
     image = mpimg.imread(plot)
     assert image.shape[0] > 100 and image.shape[1] > 100
-    assert main(["--root", str(REPO), "diff", *map(str, logs), "--plot", str(plot)]) == 2  # never overwritten
+    assert main(["diff", *map(str, logs), "--against", str(old), "--plot", str(plot)]) == 2  # never overwritten
     assert "already exists" in capsys.readouterr().err
 
 
@@ -97,7 +98,7 @@ def test_extract_rebuilds_shampoo_package_and_runs(tmp_path: Path) -> None:
     out = tmp_path / "repro" / "train_gpt_shampoo.py"
     written = extract_sources(log, out)
     assert written == [out, tmp_path / "repro" / "distributed_shampoo" / "__init__.py", tmp_path / "repro" / "distributed_shampoo" / "shampoo.py"]
-    assert out.read_text() == F.SCRIPT.format(steps=1680, lr=0.05)
+    assert out.read_text() == F.script(1680, 0.05)
     result = subprocess.run([sys.executable, str(out)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "Hyperparameters(num_iterations=1680" in result.stdout
     with pytest.raises(RecordsError, match="already exists; extract into an empty folder"):
@@ -117,8 +118,7 @@ def test_cli_error_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixt
     bad = F.write(tmp_path / "notes.txt", "just some text\n")
     assert main(["stats", str(bad), "--track", "1"]) == 2
     err = capsys.readouterr().err
-    assert err == f"records: error: {bad}: no parseable val line (expected 'step:N/T val_loss:X train_time:...' or 's:N tel:X'); " \
-                  "pass a training log, not a console fragment or another file\n"
+    assert err == f"records: error: {bad}: no val line ('step:N/T val_loss:X train_time:...' or 's:N tel:X'); pass a training log\n"
 
 
 def test_cli_stats_json_and_statistics_md(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,7 +127,11 @@ def test_cli_stats_json_and_statistics_md(tmp_path: Path, capsys: pytest.Capture
     for i, loss in enumerate([3.2770, 3.2775, 3.2780, 3.2772]):
         F.write(tmp_path / "runs" / f"{i}.txt", F.track1_2025(final_loss=loss, seed=i))
     assert main(["stats", str(tmp_path / "runs"), "--track", "1", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    (report,) = json.loads(capsys.readouterr().out)["configurations"]
     assert report["n"] == 4 and report["passes"] is True and 0 < report["p_value"] < 0.01
     assert set(report["val_loss"]) >= {"mean", "std", "min", "max"} and set(report["train_time_s"]) >= {"mean", "std"}
+    assert report["verdict"] == f"p = {report['p_value']:.4f} < 0.01 with n = 4"
+    assert not (tmp_path / "runs" / "statistics.md").exists()  # written only with --md
+    assert main(["stats", str(tmp_path / "runs"), "--track", "1", "--md"]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote {tmp_path / 'runs' / 'statistics.md'}\n")
     assert (tmp_path / "runs" / "statistics.md").read_text().startswith("# Statistics: runs")

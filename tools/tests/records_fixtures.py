@@ -1,21 +1,53 @@
-"""Synthetic logs of every era, written by us to the formats in the records spec (§2).
+"""Synthetic logs of every era, written by us in each era's format (docs/records.md describes the formats).
 
-Each builder returns the text of one log file. The numbers are made up; tests pass their own.
+Each builder returns the text of one log file. The numbers are made up unless a test passes published
+figures; no log of anyone else is copied here.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
+
+import pytest
 
 TOOLS_DIR = Path(__file__).resolve().parents[1]
 if str(TOOLS_DIR) not in sys.path:
     sys.path.insert(0, str(TOOLS_DIR))
 
+from recordkit.tables import end_marker, start_marker, write_tables  # noqa: E402
+
+REPO = TOOLS_DIR.parent
+# The published seed folders (figures only): folders of our own runs come and go, so tests copy only these.
+SEED_FOLDERS = ("track_1_short/2025-09-23_MuonCustomSizing", "track_3_optimization/results/20260513_shampoo_1_4_power")
+README = "\n\n".join(
+    ["# Records", start_marker("track1"), end_marker("track1"), start_marker("track3"), end_marker("track3"),
+     start_marker("folders"), end_marker("folders"), ""]
+)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A repository root whose records/ holds the two published seed folders and a README with markers.
+
+    Test modules import it (`from records_fixtures import root`): a conftest.py here would shadow the
+    `conftest` module that tests/ imports by name.
+    """
+    records = tmp_path / "repo" / "records"
+    for seed in SEED_FOLDERS:
+        shutil.copytree(REPO / "records" / seed, records / seed)
+    for history in ("track_1_short/history.csv", "track_3_optimization/history.csv"):
+        shutil.copy(REPO / "records" / history, records / history)
+    (records / "README.md").write_text(README)
+    write_tables(tmp_path / "repo", records)
+    return tmp_path / "repo"
+
 SEP = "=" * 100
 
 # A small stand-in for a training script, with a Hyperparameters dataclass that `diff` can read.
-SCRIPT = '''import os
+SCRIPT = '''"""{doc}"""
+import os
 from dataclasses import dataclass
 
 
@@ -35,6 +67,13 @@ def main():
 if __name__ == "__main__":
     main()
 '''
+
+DOC = "A stand-in training script."
+
+
+def script(steps: int, lr: float, doc: str = DOC) -> str:
+    return SCRIPT.format(steps=steps, lr=lr, doc=doc)
+
 
 KERNELS = '''import triton
 
@@ -90,9 +129,14 @@ def track1_2025(
     kernels: bool = True,
     gpus: int = 8,
     seed: int = 0,
+    doc: str = DOC,
+    diverge_at: int | None = None,
 ) -> str:
-    """Era C (2025-01 onward): code (+ appended kernels), separator, env, separator, steps."""
-    code = SCRIPT.format(steps=steps, lr=lr)
+    """Era C (2025-01 onward): code (+ appended kernels), separator, env, separator, steps.
+
+    `diverge_at`: every loss from that step on is written as `nan`, as a diverged run's script writes it.
+    """
+    code = script(steps, lr, doc)
     if kernels:
         code += "\n" + "-" * 40 + "\n# triton_kernels.py\n" + "-" * 40 + "\n" + KERNELS
     lines = [
@@ -107,14 +151,15 @@ def track1_2025(
         "Resetting Model",
     ]
     checkpoints = list(range(0, steps, 125))
+    nan = float("nan")
     for step in checkpoints:
         ms = int(final_ms * step / steps)
         loss = 10.8258 if step == 0 else final_loss + 2.0 * (1 - step / steps) ** 2 + 0.0001 * seed
-        lines.append(_ms_val(step, steps, loss, ms))
+        lines.append(_ms_val(step, steps, nan if diverge_at is not None and step >= diverge_at else loss, ms))
         lines.append(f"step:{step + 1}/{steps} train_time:{ms + 89}ms step_avg:{(ms + 89) / (step + 1):.2f}ms")
     if with_final:
         for _ in range(repeat_final):
-            lines.append(_ms_val(steps, steps, final_loss, final_ms))
+            lines.append(_ms_val(steps, steps, nan if diverge_at is not None else final_loss, final_ms))
         lines.append("peak memory allocated: 30760 MiB reserved: 45554 MiB")
     return "\n".join(lines) + "\n"
 
@@ -123,7 +168,7 @@ def track1_2024_leading(final_loss: float = 3.2785, final_ms: int = 264000, step
     """Era A (2024-11): leading separator, code, env (lower-case labels), DataLoader block, steps with train_loss."""
     lines = [
         SEP,
-        SCRIPT.format(steps=steps, lr=0.0036),
+        script(steps, 0.0036),
         SEP,
         "Running pytorch 2.5.1+cu124 compiled for CUDA 12.4",
         "nvidia-smi:",
@@ -145,7 +190,7 @@ def track1_2024_leading(final_loss: float = 3.2785, final_ms: int = 264000, step
 def track1_2024_12(final_loss: float = 3.2791, final_ms: int = 228000, steps: int = 1530) -> str:
     """Era B (2024-12): code first, `Running python`, DataLoader block, no train_loss, old memory line."""
     lines = [
-        SCRIPT.format(steps=steps, lr=0.05),
+        script(steps, 0.05),
         SEP,
         "Running python 3.12.7 (main, Oct  4 2024, 16:05:46) [GCC 13.3.0]",
         "Running pytorch 2.6.0.dev20241203+cu124 compiled for CUDA 12.4",
@@ -193,7 +238,7 @@ def track3_trials(
     """Track 3: seconds, 5-decimal losses, one log holding several trials (reset to step:0, or markers)."""
     lines: list[str] = []
     if source:
-        lines += [SCRIPT.format(steps=total, lr=0.0015), SEP, T3_ENV, SEP]
+        lines += [script(total, 0.0015), SEP, T3_ENV, SEP]
     for index, losses in enumerate(trials):
         if markers:
             lines.append(f"trial:{index + 1}/{len(trials)} seed:{index}")
@@ -208,7 +253,7 @@ def track3_trials(
     return "\n".join(lines) + "\n"
 
 
-# The Shampoo record's published per-trial val losses (track3_recipe §11).
+# The published per-trial val losses of Track 3 record #21 (2026-05-13, shampoo_1_4_power).
 SHAMPOO_TRIALS = [
     {4075: 3.27819, 4100: 3.27717, 4125: 3.27642, 4150: 3.27611},
     {4075: 3.27896, 4100: 3.27792, 4125: 3.27720, 4150: 3.27686},
@@ -232,43 +277,83 @@ def harness(
     device: str = "8x NVIDIA H200",
     shampoo: bool = False,
     smi: bool = True,
+    gpus: int = 8,
+    seconds: bool = False,
+    settings: dict[str, object] | None = None,
+    diverge_at: int | None = None,
+    doc: str = DOC,
 ) -> str:
-    """Our train_gpt.py / train_gpt_shampoo.py (script_conventions.md): key: value environment lines."""
-    code = SCRIPT.format(steps=steps, lr=lr)
+    """Our train_gpt.py (ms) or train_gpt_shampoo.py (`seconds`: Track 3 lines): `key: value` environment lines.
+
+    `settings` are extra hyperparameters, logged in both the `overrides:` and the `hyperparameters:` line;
+    `diverge_at`: the run logs `nan` losses from that step on and stops there, as our scripts do.
+    """
+    code = script(steps, lr, doc)
     if shampoo:
         code += "\n# ===== distributed_shampoo/__init__.py =====\nfrom .shampoo import DistributedShampoo\n"
         code += "\n# ===== distributed_shampoo/shampoo.py =====\n" + SHAMPOO_FILE
-    hyper = {"num_iterations": steps, "learning_rate": lr, "seed": 0, "run_name": "x"}
+    overrides = dict(settings or {})
+    hyper = {"num_iterations": steps, "learning_rate": lr, "seed": 0, "run_name": "x", **overrides}
     lines = [
         code,
         SEP,
         "Running Python 3.11.9 (main, Apr  2 2024, 08:25:04) [GCC 12.2.0]",
-        "Running PyTorch 2.11.0+cu128 compiled for CUDA 12.8",
+        "Running PyTorch 2.11.0+cu128 compiled for CUDA 12.8" if device != "cpu" else "Running PyTorch 2.13.0+cpu compiled for CUDA None",
         "Running Triton version 3.6.0",
-        nvidia_smi(8, "NVIDIA H200") if smi else "nvidia-smi: not available",
+        nvidia_smi(gpus, "NVIDIA H200") if smi else "nvidia-smi: not available",
         f"device: {device}",
-        "world_size: 8" if smi else "world_size: 1",
+        f"world_size: {gpus}" if smi else "world_size: 1",
         "grad_accum_steps: 1" if smi else "grad_accum_steps: 8",
         "attention_backend: flex",
         "fp8_head: on",
         "git_commit: 0123456789abcdef",
-        "overrides: {}",
+        f"overrides: {overrides!r}",
         f"hyperparameters: {hyper!r}",
         "train_files: 8 files, 800000000 tokens",
         "val_files: 1 files, 100000000 tokens",
         "muon groups: 4 (attn 3x768x768, mlp 768x3072)",
         SEP,
         "warmup_time: 412.3s",
-        _ms_val(0, steps, 10.8258, 0),
-        f"step:1/{steps} train_time:155ms step_avg:154.61ms",
-        _ms_val(steps // 2, steps, 3.7, final_ms // 2),
-        _ms_val(steps, steps, final_loss, final_ms),
-        "peak memory allocated: 30761 MiB reserved: 45600 MiB",
     ]
+    points = [(0, 10.8258, 0), (steps // 2, 3.7, final_ms // 2), (steps, final_loss, final_ms)]
+    for step, loss, ms in points:
+        if diverge_at is not None and step >= diverge_at:
+            lines.append(_harness_val(diverge_at, steps, float("nan"), ms, seconds))
+            lines.append("Traceback (most recent call last):")  # the script stops on a non-finite loss
+            lines.append(f"FloatingPointError: val loss is nan at step {diverge_at}")
+            break
+        lines.append(_harness_val(step, steps, loss, ms, seconds))
+        if step == 0:
+            lines.append(f"step:1/{steps} train_time:{'0.155s' if seconds else '155ms'} step_avg:154.61ms")
+    else:
+        lines.append("peak memory allocated: 30761 MiB reserved: 45600 MiB")
     return "\n".join(lines) + "\n"
 
 
-def write(path: Path, text: str) -> Path:
+def _harness_val(step: int, total: int, loss: float, ms: int, seconds: bool) -> str:
+    if seconds:
+        return _t3_val(step, total, loss, ms / 1000)
+    return _ms_val(step, total, loss, ms)
+
+
+def header_only(log_text: str) -> str:
+    """What a run that failed at start leaves: its source and environment, up to the last separator."""
+    return log_text[: log_text.rindex(SEP) + len(SEP)] + "\n"
+
+
+def with_garbage_before_final_val(log_text: str, size: int = 4096) -> bytes:
+    """The log with `size` bytes of binary garbage (no newline) glued in front of its last val line."""
+    lines = log_text.splitlines(keepends=True)
+    index = max(i for i, line in enumerate(lines) if " val_loss:" in line)
+    garbage = bytes((i * 37 + 11) % 256 for i in range(size)).replace(b"\n", b"\0").replace(b"\r", b"\0")
+    head, tail = "".join(lines[:index]).encode(), "".join(lines[index:]).encode()
+    return head + garbage + tail
+
+
+def write(path: Path, text: str | bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
     return path

@@ -4,40 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import records_fixtures as F
+from records_fixtures import root  # noqa: F401  (a fixture)
 
 from recordkit.check import check_all
 from recordkit.cli import main
 from recordkit.errors import RecordsError
-from recordkit.folders import create_record, list_folders
-from recordkit.tables import end_marker, start_marker, write_tables
+from recordkit.folders import list_folders
+from recordkit.newrecord import create_record
+from recordkit.tables import write_tables
 
 REPO = Path(__file__).resolve().parents[2]
-
-README = "\n\n".join(
-    ["# Records", start_marker("track1"), end_marker("track1"), start_marker("track3"), end_marker("track3"),
-     start_marker("folders"), end_marker("folders"), ""]
-)
-
-
-SEED_FOLDERS = ("track_1_short/2025-09-23_MuonCustomSizing", "track_3_optimization/results/20260513_shampoo_1_4_power")
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    """A repository root whose records/ holds the two published seed folders and a README with markers."""
-    records = tmp_path / "repo" / "records"
-    for seed in SEED_FOLDERS:  # only these: folders of our own runs come and go
-        shutil.copytree(REPO / "records" / seed, records / seed)
-    for history in ("track_1_short/history.csv", "track_3_optimization/history.csv"):
-        shutil.copy(REPO / "records" / history, records / history)
-    (records / "README.md").write_text(README)
-    write_tables(tmp_path / "repo", records)
-    return tmp_path / "repo"
 
 
 def harness_logs(directory: Path, losses: list[float]) -> list[Path]:
@@ -83,10 +63,16 @@ def test_new_refuses_to_overwrite(root: Path, tmp_path: Path) -> None:
 
 def test_new_hardware_flag_and_cpu_logs(root: Path, tmp_path: Path) -> None:
     logs = [F.write(tmp_path / f"cpu{i}.txt", F.harness(smi=False, device="cpu", final_loss=3.29 + i / 1000)) for i in range(2)]
-    folder = create_record(root / "records", 1, "CpuSmoke", logs, date=F_DATE, hardware="2-core CI VM", note="CPU smoke run, not a record")
+    with pytest.raises(RecordsError, match=r"cpu0\.txt: ran on the CPU \(and 1 more\): not a Track 1 record; pass --not-a-record"):
+        create_record(root / "records", 1, "CpuSmoke", logs, date=F_DATE)
+    assert not (root / "records" / "track_1_short" / "2026-11-30_CpuSmoke").exists()
+    folder = create_record(root / "records", 1, "CpuSmoke", logs, date=F_DATE, hardware="2-core CI VM", note="CPU smoke run",
+                           not_a_record=True)
     results = json.loads((folder / "results.json").read_text())
     assert results["hardware"] == "2-core CI VM" and results["hardware_from_logs"] == ["cpu"]
-    assert results["summary"]["passes"] is False
+    assert results["record"] is False and results["summary"]["passes"] is False
+    readme = (folder / "README.md").read_text()
+    assert "Our own results, not a record" in readme and "Draft table row" not in readme
 
 
 def test_new_rejects_bad_name_and_truncated_only(root: Path, tmp_path: Path) -> None:
@@ -144,7 +130,8 @@ def test_cli_new_then_check(root: Path, tmp_path: Path, capsys: pytest.CaptureFi
     logs = harness_logs(tmp_path / "logs", [3.2790, 3.2785])
     argv = ["--root", str(root), "new", "--track", "1", "--name", "CliRun", "--date", "2026-11-30", "--logs", *map(str, logs)]
     assert main(argv) == 0
-    assert "updated tables in" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"updated {root / 'records' / 'README.md'}: folders table (record folders)\n" in out
     assert main(["--root", str(root), "check"]) == 0
     assert "3 record folder(s), 1 README(s) with tables: ok" in capsys.readouterr().out
     assert main(argv) == 2
@@ -167,7 +154,7 @@ def test_stats_on_record_folder_leaves_its_statistics_alone(root: Path, capsys: 
     before = (folder / "statistics.md").read_text()
     assert main(["stats", str(folder), "--track", "3", "--step", "4150"]) == 0
     out = capsys.readouterr().out
-    assert "first passing step over shared steps: 4100" in out and "margin (3.28-mean)*sqrt(n) = 0.00698" in out
+    assert "first passing step over shared steps: 4100" in out and "margin (3.28 − mean)·√n = 0.00698" in out
     assert (folder / "statistics.md").read_text() == before
 
 
@@ -194,3 +181,16 @@ def test_new_orders_runs_by_file_name_so_check_agrees(root: Path, tmp_path: Path
     assert [run["log"] for run in json.loads((folder / "results.json").read_text())["runs"]] == ["run_a.txt", "run_b.txt"]
     write_tables(root, root / "records")
     assert check_all(root, root / "records") == []
+
+
+def test_check_reports_a_record_folder_whose_runs_cannot_make_a_record(root: Path, tmp_path: Path) -> None:
+    cpu = [F.write(tmp_path / "cpu.txt", F.harness(smi=False, device="cpu"))]
+    folder = create_record(root / "records", 1, "CpuRun", cpu, date=F_DATE, not_a_record=True)
+    write_tables(root, root / "records")
+    assert check_all(root, root / "records") == []
+    results_path = folder / "results.json"
+    results = json.loads(results_path.read_text())
+    results["record"] = True  # as if someone relabelled it by hand
+    results_path.write_text(json.dumps(results))
+    problems = check_all(root, root / "records")
+    assert problems == [f"{results_path}: marked as a record, but cpu.txt ran on the CPU; set \"record\": false (our own results)"]

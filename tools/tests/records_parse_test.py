@@ -1,4 +1,4 @@
-"""Parser tests on synthetic logs of every era (records spec §2)."""
+"""Parser tests on synthetic logs of every era."""
 
 from __future__ import annotations
 
@@ -133,8 +133,11 @@ def test_harness_cpu_log_without_nvidia_smi() -> None:
 
 def test_log_without_val_line_is_an_error(tmp_path: Path) -> None:
     path = F.write(tmp_path / "bad.txt", "hello\nstep:1/10 train_time:5ms step_avg:5.00ms\n")
-    with pytest.raises(RecordsError, match=r"bad\.txt: no parseable val line"):
+    with pytest.raises(RecordsError, match=r"bad\.txt: step lines but no val line \(the run stopped before its first validation\)"):
         parse_log(path)
+    notes = F.write(tmp_path / "notes.txt", "just some text\n")
+    with pytest.raises(RecordsError, match=r"notes\.txt: no val line \('step:N/T val_loss:X train_time:\.\.\.' or 's:N tel:X'\); pass a training log"):
+        parse_log(notes)
 
 
 def test_missing_file_is_an_error(tmp_path: Path) -> None:
@@ -150,3 +153,33 @@ def test_find_logs_recurses_and_skips_markdown(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(RecordsError, match="no log files"):
         find_logs([tmp_path / "empty"])
+
+
+def test_nan_losses_make_a_diverged_run() -> None:
+    (run,) = parse(F.track1_2025(diverge_at=1000))
+    assert run.diverged_at == 1000 and run.status == "diverged at step 1000" and not run.complete
+    assert run.usable_val_points[-1].step == 875 and run.final.step == 1680  # parsed as logged, used up to 875
+    (ours,) = parse(F.harness(diverge_at=840))  # our scripts stop at the first non-finite loss
+    assert ours.status == "diverged at step 840" and [p.step for p in ours.usable_val_points] == [0]
+    text = F.track1_2024_leading().replace("step:13/3000 train_loss:7.9000", "step:13/3000 train_loss:nan")
+    (old,) = parse(text)  # 2024 logs carry train losses: a NaN there is a divergence too
+    assert old.diverged_at == 13 and [p.step for p in old.usable_val_points] == [0]
+
+
+def test_header_only_log_says_the_run_stopped_before_training(tmp_path: Path) -> None:
+    path = F.write(tmp_path / "h.txt", F.header_only(F.harness()))
+    with pytest.raises(RecordsError, match=r"h\.txt: source and environment only, no step line \(the run stopped before training\)"):
+        parse_log(path)
+
+
+def test_val_line_behind_garbage_is_a_warning_naming_the_line() -> None:
+    text = F.track1_2025().replace("step:1680/1680 val_loss", "\0\0\0\0step:1680/1680 val_loss")
+    (run,) = parse(text, "g.txt")
+    number = 1 + text.splitlines().index(next(line for line in text.splitlines() if line.startswith("\0\0\0\0step:")))
+    assert run.warnings == [f"g.txt: line {number}: val line behind 4 characters of other data (binary garbage?); not used"]
+    assert run.status == "truncated: last val 1625/1680"
+    cut = F.track1_2025().replace("step:1680/1680 val_loss:3.2792 train_time:149775ms step_avg:89.15ms", "step:1680/1680 val_loss:3.27")
+    (run,) = parse(cut, "c.txt")
+    assert run.warnings and run.warnings[0].endswith("val line cut short or malformed; not used")
+    side = F.track1_2025().replace("peak memory", "readout step:1680 alpha:0.5 val_loss:3.2700\npeak memory")
+    assert parse(side)[0].warnings == []  # side evaluations are not val lines

@@ -13,7 +13,7 @@ from recordkit.errors import RecordsError
 from recordkit.report import track_report
 from recordkit.runsets import load_runset
 
-# MuonCustomSizing's published final losses (track1_recipe §1).
+# The published final losses and times of record 2025-09-23 (MuonCustomSizing), as in its record folder.
 LOSSES = [3.2792, 3.2792, 3.2801, 3.2799]
 TIMES = [149.686, 149.678, 149.775, 149.623]
 
@@ -137,15 +137,16 @@ def test_truncated_run_excluded_unless_allowed(tmp_path: Path) -> None:
     assert len(load_runset([tmp_path], allow_incomplete=True).runs) == 2
 
 
-def test_mixed_configurations_refused_unless_allowed(tmp_path: Path) -> None:
+def test_one_configuration_is_required_where_a_single_one_is_used(tmp_path: Path) -> None:
     F.write(tmp_path / "a.txt", F.track1_2025(steps=1680))
     F.write(tmp_path / "b.txt", F.track1_2025(steps=1640))
-    with pytest.raises(RecordsError, match=r"mixed configurations \(code hash differs"):
+    with pytest.raises(RecordsError, match=r"2 configurations in these logs \(they differ in code \(\w+ vs \w+\), steps \(1680 vs 1640\)\)"):
         load_runset([tmp_path])
-    assert len(load_runset([tmp_path], allow_mixed=True).runs) == 2
+    pooled = load_runset([tmp_path], allow_mixed=True)
+    assert len(pooled.runs) == 2 and pooled.notes[0].startswith("pooled 2 configurations (--allow-mixed): ")
     F.write(tmp_path / "c" / "x.txt", F.track1_2025(gpus=8))
     F.write(tmp_path / "c" / "y.txt", F.track1_2025(gpus=4, final_loss=3.27))
-    with pytest.raises(RecordsError, match="GPU count differs"):
+    with pytest.raises(RecordsError, match=r"they differ in CPU or GPU count \(8 vs 4\)"):
         load_runset([tmp_path / "c"])
 
 
@@ -168,7 +169,7 @@ def test_different_hyperparameter_lines_are_mixed(tmp_path: Path) -> None:
     F.write(tmp_path / "b.txt", F.harness(final_loss=3.278).replace("'seed': 0", "'seed': 1"))  # seeds may differ
     assert len(load_runset([tmp_path]).runs) == 2
     F.write(tmp_path / "c.txt", F.harness(final_loss=3.277).replace("'learning_rate': 0.05", "'learning_rate': 0.04"))
-    with pytest.raises(RecordsError, match=r"hyperparameters differ: learning_rate: 0\.05 vs 0\.04"):
+    with pytest.raises(RecordsError, match=r"they differ in hyperparameters \(learning_rate: 0\.05 vs 0\.04\)"):
         load_runset([tmp_path])
 
 

@@ -1,7 +1,8 @@
-"""Plain data types shared by the parser, the statistics and the record-folder code."""
+"""A parsed training run (one trial of a log) and its parts: val and train points, environment, memory."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,11 @@ class Environment:
     settings: dict[str, str] = field(default_factory=dict)  # other `key: value` / `Using k=v` lines
 
     @property
+    def on_cpu(self) -> bool:
+        """Our scripts log `device: cpu` when no GPU was used."""
+        return (self.device or "").strip().lower() == "cpu"
+
+    @property
     def gpu_count(self) -> int | None:
         """GPUs the run used: world_size when logged, else the nvidia-smi rows."""
         if self.world_size is not None:
@@ -97,17 +103,37 @@ class Run:
     trial_count: int
     era: str
     sources: dict[str, str]  # file name -> text; the script itself is first
-    code_hash: str | None
+    code_hash: str | None  # the embedded text byte for byte
+    program_hash: str | None  # the same program with comments, docstrings and layout left out
     env: Environment
     val_points: list[ValPoint]
     train_points: list[TrainPoint]
     peak_memory: PeakMemory | None
     warmup_time_s: float | None
     notes: list[str] = field(default_factory=list)  # repeated lines collapsed, etc.
+    warnings: list[str] = field(default_factory=list)  # lines that look like val lines but could not be read
 
     @property
     def label(self) -> str:
         return self.path.name if self.trial_count == 1 else f"{self.path.name}#trial{self.trial}"
+
+    @property
+    def timed_in_seconds(self) -> bool:
+        """Track 3 scripts log train_time in seconds; Tracks 1 and 2 (and llm.c, untimed) do not."""
+        return any(point.time_unit == "s" for point in self.val_points)
+
+    @property
+    def diverged_at(self) -> int | None:
+        """The first step whose val or train loss is not finite (NaN or inf), or None."""
+        steps = [p.step for p in self.val_points if not math.isfinite(p.val_loss)]
+        steps += [p.step for p in self.train_points if p.train_loss is not None and not math.isfinite(p.train_loss)]
+        return min(steps) if steps else None
+
+    @property
+    def usable_val_points(self) -> list[ValPoint]:
+        """Val points before a divergence: the part of the run that statistics may use."""
+        diverged = self.diverged_at
+        return [p for p in self.val_points if diverged is None or p.step < diverged]
 
     @property
     def final(self) -> ValPoint | None:
@@ -125,9 +151,9 @@ class Run:
 
     @property
     def complete(self) -> bool:
-        """True when the last val line is at the last step (llm.c logs carry no total: trusted)."""
+        """True when the last val line is at the last step and every loss is finite (llm.c logs carry no total: trusted)."""
         final = self.final
-        if final is None:
+        if final is None or self.diverged_at is not None:
             return False
         total = self.total_steps
         return total is None or final.step >= total
@@ -135,6 +161,9 @@ class Run:
     @property
     def status(self) -> str:
         final = self.final
+        diverged = self.diverged_at
+        if diverged is not None:
+            return f"diverged at step {diverged}"
         if final is None:
             return "truncated: no val line"
         if not self.complete:

@@ -1,0 +1,172 @@
+"""`new`: create a record folder from logs; it never overwrites or renames anything.
+
+A folder is a record candidate unless `--not-a-record` files it as our own results. A record candidate
+must come from hardware that can make a record of its track: Tracks 1 and 2 are timed on 8 GPUs, so a
+run on fewer GPUs or on the CPU is refused; Track 3 counts steps, so any GPU count will do, but not the CPU.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .errors import RecordsError
+from .folders import (RESULTS_JSON, STATISTICS_MD, folder_name, results_from_logs, sha256_of, sign, track_dir)
+from .report import render_statistics_md, track_report
+from .runs import Environment
+from .runsets import RunSet, load_runset
+
+RECORD_GPUS = {1: 8, 2: 8, 3: 1}
+
+
+def hardware_problem(env: Environment, track: int) -> str | None:
+    """Why a run on this machine cannot be a record of the track, or None."""
+    if env.on_cpu:
+        return "ran on the CPU"
+    count = env.gpu_count
+    if count is not None and count < RECORD_GPUS[track]:
+        return f"ran on {count} GPU{'s' if count != 1 else ''}, Track {track} records on {RECORD_GPUS[track]}"
+    return None
+
+
+def refuse_non_record_hardware(runset: RunSet, track: int) -> None:
+    problems = [f"{fact.label}: {why}" for fact in runset.runs if fact.run is not None
+                if (why := hardware_problem(fact.run.env, track)) is not None]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise RecordsError(f"{problems[0]}{more}: not a Track {track} record; pass --not-a-record to file the folder as our own results",
+                           detail=problems)
+
+
+def refuse_other_track(runset: RunSet, track: int) -> None:
+    family = 3 if track == 3 else 1
+    if runset.track is not None and runset.track != family:
+        unit, other = ("seconds, as Track 3 logs do", "3") if runset.track == 3 else ("ms, as Track 1/2 logs do", "1")
+        raise RecordsError(f"these logs give train_time in {unit}: not Track {track} logs; pass --track {other}")
+
+
+def create_record(records_root: Path, track: int, name: str, logs: list[Path], date: dt.date | None = None,
+                  hardware: str | None = None, note: str | None = None, allow_incomplete: bool = False,
+                  allow_mixed: bool = False, not_a_record: bool = False) -> Path:
+    """Create a record folder from logs; refuse if the folder or any file in it already exists."""
+    date = date or dt.datetime.now(dt.timezone.utc).date()
+    target = track_dir(records_root, track) / folder_name(track, date, name)
+    if target.exists():
+        raise RecordsError(f"{target}: already exists; records are never overwritten; choose another --name or --date")
+    runset = load_runset(logs, allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
+    refuse_other_track(runset, track)
+    if not not_a_record:
+        refuse_non_record_hardware(runset, track)
+    used_logs = sorted({fact.run.path for fact in runset.runs if fact.run is not None})
+    _refuse_name_clash(used_logs)
+    track_report(runset, track)  # any statistics error surfaces before the folder exists
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.mkdir()  # fails if someone created it meanwhile: never merge into an existing folder
+    try:
+        _fill_folder(target, records_root, track, date, name, used_logs, runset.notes, hardware, note,
+                     {"allow_incomplete": allow_incomplete, "allow_mixed": allow_mixed}, not not_a_record)
+    except BaseException:
+        shutil.rmtree(target)  # only our own half-written folder, created just above
+        raise
+    return target
+
+
+def _fill_folder(target: Path, records_root: Path, track: int, date: dt.date, name: str, logs: list[Path], notes: list[str],
+                 hardware: str | None, note: str | None, flags: dict[str, bool], record: bool) -> None:
+    for log in logs:
+        _copy_exact(log, target / log.name)
+    # Re-read the copies so results.json describes exactly the files in the folder, in the order in which
+    # `load_folder_runset` (and so `check`) reads them back: by file name.
+    copies = sorted(target / log.name for log in logs)
+    copied = load_runset(copies, allow_incomplete=flags["allow_incomplete"], allow_mixed=flags["allow_mixed"])
+    report = track_report(copied, track)
+    results = results_from_logs(track, date, name, copied, report, hardware, note, flags, record)
+    left_out = [line for line in notes if line not in copied.notes]  # logs given but not copied, and why
+    if left_out:
+        results["left_out"] = left_out
+    _write_new(target / RESULTS_JSON, json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    _write_new(target / STATISTICS_MD, sign(render_statistics_md(report, target.name)))
+    _write_new(target / "README.md", readme_skeleton(results, report, target.relative_to(records_root.parent)))
+
+
+def _refuse_name_clash(logs: list[Path]) -> None:
+    seen: dict[str, Path] = {}
+    for log in logs:
+        if log.name in seen:
+            raise RecordsError(f"{log}: same file name as {seen[log.name]}; rename one copy before `new` (logs are copied by name)")
+        seen[log.name] = log
+
+
+def _copy_exact(source: Path, destination: Path) -> None:
+    if destination.exists():
+        raise RecordsError(f"{destination}: already exists; not overwritten")
+    shutil.copyfile(source, destination)
+    if sha256_of(source) != sha256_of(destination):
+        raise RecordsError(f"{destination}: copy differs from {source}; check the disk and retry")
+
+
+def _write_new(path: Path, text: str) -> None:
+    with path.open("x", encoding="utf-8") as handle:  # "x": never replace an existing file
+        handle.write(text)
+
+
+def readme_skeleton(results: dict[str, Any], report: dict[str, Any], folder: Path) -> str:
+    track, summary = results["track"], results["summary"]
+    loss, time = summary["val_loss"], summary["train_time_s"]
+    first_log = results["runs"][0]["log"]
+    processes = results["runs"][0].get("gpu_count") or 8
+    arguments = "".join(f" {shlex.quote(f'--{key}={_cli_value(value)}')}" for key, value in (results["runs"][0].get("overrides") or {}).items())
+    what = ("Runs of this repository's code, added with `python tools/records.py new`; the logs in this folder are ours."
+            if results["record"] else
+            "Our own results, not a record (`python tools/records.py new --not-a-record`); the logs in this folder are ours.")
+    lines = [f"# {results['name']} (Track {track}, {results['date']})", "", what, f"Hardware: {results['hardware']}."]
+    if results.get("note"):
+        lines += ["", f"Note: {results['note']}"]
+    lines += [
+        "",
+        "## What changed",
+        "",
+        "(Describe the change against the prior record in your own words; `python tools/records.py diff` lists it.)",
+        "",
+        "## Results",
+        "",
+        f"- n = {summary['n']}; val loss mean {loss['mean']:.4f}" + (f", sd {loss['std']:.4f}" if loss["std"] is not None else ""),
+    ]
+    if time:
+        lines.append(f"- train time mean {time['mean']:.3f} s" + (f", sd {time['std']:.3f} s" if time["std"] is not None else ""))
+    lines.append(f"- {'passes' if summary['passes'] else 'does not pass'} the Track {track} rule: {report['verdict']}")
+    if results.get("left_out"):
+        lines += ["", "Logs given to `new` but left out of this folder:", ""] + [f"- {line}" for line in results["left_out"]]
+    lines += [
+        "",
+        "Per-run numbers are in `statistics.md`; machine-readable ones in `results.json`.",
+        "",
+        "## Reproduce",
+        "",
+        "```",
+        f"python tools/records.py extract {folder.as_posix()}/{first_log} -o /tmp/repro/train.py",
+        f"torchrun --standalone --nproc_per_node={processes} /tmp/repro/train.py{arguments}",
+        "```",
+    ]
+    if results["record"]:
+        lines += ["", "## Draft table row", "", draft_table_row(results)]
+    return "\n".join(lines) + "\n"
+
+
+def _cli_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def draft_table_row(results: dict[str, Any]) -> str:
+    summary = results["summary"]
+    date = dt.date.fromisoformat(results["date"])
+    if results["track"] == 3:
+        evidence = f"{summary['val_loss']['mean']:.4f} (n={summary['n']}){'✓' if summary['passes'] else 'Ⓧ'}"
+        return f"| ? | {summary['step']} | {evidence} | {results['name']} | {date.strftime('%Y/%m/%d')} | |"
+    minutes = summary["train_time_s"]["mean"] / 60 if summary.get("train_time_s") else None
+    time_text = f"{minutes:.3f} minutes" if minutes is not None else "?"
+    return f"| ? | {time_text} | {results['name']} | {date.strftime('%m/%d/%y')} | |"
