@@ -1,0 +1,94 @@
+"""bench/ab.py, the paired A/B timing runner: its plan and version handling on CPU, and one real (tiny) run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+AB = [sys.executable, str(ROOT / "bench" / "ab.py")]
+TINY_RUN = ["--preset=smoke", "--num_iterations=6", "--iteration_extension=0", "--warmup_steps=1", "--val_tokens=2048"]
+
+
+def run_ab(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([*AB, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+
+
+def test_help_describes_the_method():
+    result = run_ab("--help")
+    assert result.returncode == 0
+    for phrase in ("--baseline", "--candidate", "--nproc", "--rounds", "--dry-run", "interleaved"):
+        assert phrase in result.stdout
+
+
+def test_dry_run_resolves_a_revision_and_the_working_tree(tmp_path):
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", "HEAD", "--rounds", "2", "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode == 0, result.stderr
+    assert "baseline: train_gpt.py at HEAD (" in result.stdout and "[resident], 6 training steps" in result.stdout
+    assert "candidate: the working tree's train_gpt.py" in result.stdout
+    assert "round 1 (seed 1): baseline, candidate; round 2 (seed 2): baseline, candidate" in result.stdout
+    assert (tmp_path / "baseline" / "train_gpt.py").read_text() == subprocess.run(
+        ["git", "show", "HEAD:train_gpt.py"], capture_output=True, text=True, cwd=ROOT
+    ).stdout
+    assert not list(tmp_path.glob("*.ready"))  # nothing ran
+
+
+def test_dry_run_takes_a_record_folder_and_a_log(tmp_path):
+    folder = ROOT / "records" / "track_1_short" / "2026-11-30_H200DocsProxy1GpuE5m2Cast"
+    log = sorted(folder.glob("*.txt"))[0]
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", str(folder), "--candidate", str(log), "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode == 0, result.stderr
+    assert f"baseline: the script embedded in {log}" in result.stdout
+    baseline, candidate = (tmp_path / label / "train_gpt.py" for label in ("baseline", "candidate"))
+    assert baseline.read_text() == candidate.read_text() and "class Hyperparameters" in baseline.read_text()
+
+
+def test_a_script_without_run_and_train_is_timed_whole_run(tmp_path):
+    script = tmp_path / "other.py"
+    script.write_text("print('step:1/2 train_time:5ms')\n")
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", str(script), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    assert result.returncode == 0, result.stderr
+    assert "[whole-run], unknown training steps" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--baseline", "no-such-revision"], "git rev-parse"),
+        (["--nproc", "3"], "--nproc=3: use 1, 2, 4 or 8"),
+        (["--skip", "6"], "--skip=6 leaves no timed steps in a 6-step run"),
+        (["--", "--no_such_flag=1"], "does not accept the overrides"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, message):
+    overrides = [] if "--" in args else ["--", *TINY_RUN]
+    skip = [] if "--skip" in args else ["--skip", "2"]
+    result = run_ab("--dry-run", "--out", str(tmp_path), *skip, *args, *overrides)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2  # argparse adds its usage line
+
+
+@pytest.mark.slow
+def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
+    """Two resident workers (one gloo process each), two rounds. The same script on both sides: the val losses
+    of a round are equal bitwise (same seed, same code) and differ between rounds (seeds 1 and 2)."""
+    result = run_ab(
+        "--baseline", "train_gpt.py", "--candidate", "train_gpt.py", "--rounds", "2", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "ab.json").read_text())
+    baseline, candidate = report["rounds"]["baseline"], report["rounds"]["candidate"]
+    assert [r["seed"] for r in baseline] == [r["seed"] for r in candidate] == [1, 2]
+    for b, c in zip(baseline, candidate):
+        assert b["ms_per_step"] > 0 and c["ms_per_step"] > 0
+        assert b["val_loss"] == c["val_loss"]
+    assert baseline[0]["val_loss"] != baseline[1]["val_loss"]
+    assert len(report["summary"]["ratios"]) == 2
+    assert "ratio B/A: median" in result.stdout and "paired difference B-A +0.0000" in result.stdout
