@@ -903,7 +903,8 @@ class Attention:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, rotary: "Rotary") -> Tensor:
         """q, k, v, result: (1, T, H, d); window is "short" or "long"."""
         if self.backend == "flash3":
-            # UNTESTED here (no FlashAttention-3 build on our machines): the record's varlen call.
+            # The record's varlen call. Tested against a plain-PyTorch stand-in with FA3's semantics
+            # (tests/test_train_gpt_flash3.py); no real FA3 build has run it on our machines.
             y = flash_attn_varlen_func(
                 q[0],
                 k[0],

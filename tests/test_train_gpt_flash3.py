@@ -1,0 +1,112 @@
+"""The FlashAttention-3 backend (the one record runs use) against the reference backend, on CPU.
+
+A stand-in `flash_attn_interface` module is installed before train_gpt is imported: a plain-PyTorch
+`flash_attn_varlen_func` with FA3's signature and semantics (packed (total, heads, dim) tensors, cu_seqlens
+of sequence starts padded with the total length, causal, window_size=(left, 0): key j is visible to query
+i of the same sequence iff i - left <= j <= i). The tiny model then runs once with the `flash3` backend
+(cu_seqlens from the loaders' own helper) and once with the `reference` backend (dense masks from the BOS
+tokens); losses and every parameter's gradient must agree.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, TINY_BOS
+
+CHECKS = r"""
+import json, sys, types
+import numpy as np
+import torch
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                           causal=False, window_size=(-1, -1), **unused):
+    assert causal and window_size[1] == 0 and torch.equal(cu_seqlens_q, cu_seqlens_k)
+    assert q.dim() == 3 and q.shape == k.shape == v.shape and cu_seqlens_q.dtype == torch.int32
+    bounds = cu_seqlens_q.tolist()
+    assert bounds == sorted(bounds) and bounds[-1] == q.size(0), bounds
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:  # the padding at the end of cu_seqlens: empty sequences
+            continue
+        assert end - start <= max_seqlen_q
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * softmax_scale
+        i, j = torch.arange(end - start)[:, None], torch.arange(end - start)[None, :]
+        visible = (j <= i) & (i - j <= window_size[0])
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        pieces.append(torch.einsum("hqk,khd->qhd", probs, v[start:end].float()).to(q.dtype))
+    out = torch.cat(pieces)
+    return (out, None) if RETURN_LSE else out  # FA3 builds differ: some also return the log-sum-exp
+
+stand_in = types.ModuleType("flash_attn_interface")
+stand_in.flash_attn_varlen_func = flash_attn_varlen_func
+sys.modules["flash_attn_interface"] = stand_in
+import train_gpt as tg
+
+BOS, VOCAB, BLOCK, T = %(bos)d, %(vocab)d, 16, 128
+results = {"auto_on_cuda": tg.choose_attention_backend("auto", torch.device("cuda"))}
+
+def model(backend):
+    torch.manual_seed(0)
+    m = tg.GPT(VOCAB, 64, 2, 256, BLOCK, 1, tg.Attention(backend, BLOCK, BOS), torch.float32)
+    with torch.no_grad():  # the zero-initialized output projections, gates and head would hide attention entirely
+        for p in m.parameters():
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.05)
+        for block in m.blocks:
+            if block.attn is not None:
+                block.attn.qkvo_w.view(4, 64, 64)[3].normal_(0, 0.05)
+    return m
+
+def tokens(doc_lengths, start_mid_document):
+    rng = np.random.default_rng(sum(doc_lengths))
+    ids = rng.integers(0, BOS, size=T + 1)
+    starts = np.cumsum([0] + doc_lengths[:-1]) + (7 if start_mid_document else 0)
+    ids[starts[starts <= T]] = BOS
+    return ids
+
+layouts = {
+    "long documents (> windows)": ([100, 29], False),
+    "documents shorter than a block": ([5, 3, 11, 2, 60, 48], False),
+    "batch starting mid-document": ([40, 9, 80], True),
+}
+for RETURN_LSE in (False, True):
+    for name, (lengths, mid) in layouts.items():
+        buffer = tokens(lengths, mid)
+        # as the loaders compute them: train batches start at a BOS, validation windows anywhere
+        doc_starts = np.concatenate([[0], tg.bos_positions(buffer[:-1], BOS)]) if mid else tg.bos_positions(buffer[:-1], BOS)
+        batch = tg._batch(buffer, doc_starts, tg.max_docs_per_batch(T), "test", torch.device("cpu"))
+        for short, long in ((1, 3), (2, 5), (3, 11)):
+            losses, grads = {}, {}
+            for backend in ("flash3", "reference"):
+                m = model(backend)
+                window_short, window_long = m.attention.window_args(short, long, torch.device("cpu"))
+                loss = m(batch.inputs, batch.targets, batch.cu_seqlens if backend == "flash3" else None, window_short, window_long, T)
+                loss.backward()
+                losses[backend] = loss.item()
+                grads[backend] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+            worst = max(((grads["flash3"][n] - g).norm() / g.norm().clamp_min(1e-30)).item() for n, g in grads["reference"].items())
+            results[f"{name}, windows {short}/{long} blocks, lse {RETURN_LSE}"] = dict(
+                loss_flash3=losses["flash3"], loss_reference=losses["reference"], worst_grad_error=worst,
+                same_grads=sorted(grads["flash3"]) == sorted(grads["reference"]),
+                documents=int((batch.cu_seqlens < T).sum()),
+            )
+print(json.dumps(results))
+"""
+
+
+def test_flash3_backend_equals_the_reference_backend():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = CHECKS % dict(bos=TINY_BOS, vocab=TINY_BOS + 1)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    assert results.pop("auto_on_cuda") == "flash3"
+    assert len(results) == 18
+    for case, r in results.items():
+        assert abs(r["loss_flash3"] - r["loss_reference"]) < 1e-5 * r["loss_reference"], (case, r)
+        assert r["same_grads"] and r["worst_grad_error"] < 1e-4, (case, r)
+    # the layouts really differ: many documents in one, a mid-document start (an extra leading piece) in another
+    assert results["documents shorter than a block, windows 1/3 blocks, lse False"]["documents"] == 6
+    assert results["batch starting mid-document, windows 1/3 blocks, lse False"]["documents"] == 4
