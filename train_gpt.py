@@ -612,14 +612,14 @@ if triton is not None:
         row_ok = rows < M
         row_start = logits_ptr + rows[:, None] * N
         inv_divisor = 1.0 / 7.5  # a multiply by the fp32 reciprocal, as CUDA divides by a Python scalar
-        sum_exp = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        partial_sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # summed across columns once, after the loop
         for col0 in range(0, N, BLOCK_N):
             cols = col0 + tl.arange(0, BLOCK_N).to(tl.int64)
             mask = row_ok[:, None] & (cols[None, :] < N)
             logits = tl.load(row_start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             capped = 30.0 * _sigmoid(logits * inv_divisor)
-            sum_exp += tl.sum(tl.where(mask, tl.exp(capped), 0.0), axis=1)
-        log_sum_exp = tl.log(sum_exp)
+            partial_sums += tl.where(mask, tl.exp(capped), 0.0)
+        log_sum_exp = tl.log(tl.sum(partial_sums, axis=1))
         targets = tl.load(targets_ptr + rows, mask=row_ok, other=0)
         target_logit = tl.load(logits_ptr + rows * N + targets, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(loss_ptr + rows, log_sum_exp - 30.0 * _sigmoid(target_logit * inv_divisor), mask=row_ok)
@@ -637,8 +637,8 @@ if triton is not None:
             tl.store(grad_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
-SOFTCAP_CE_BLOCKS = (32, 128)  # rows x columns per tile (fastest of 16-64 x 128-256 on an H200); 32 rows store
-# 32-byte runs of the transposed gradient
+SOFTCAP_CE_TILE = (32, 128, 8)  # rows x columns per tile, warps (fastest of 16-64 x 128-256 with 8 warps on an H200);
+# 32 rows store 32-byte runs of the transposed gradient
 
 
 def softcap_ce_e5m2_eager(logits: Tensor, targets: Tensor, grad_scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -655,7 +655,7 @@ def softcap_ce_e5m2_eager(logits: Tensor, targets: Tensor, grad_scale: float) ->
     return losses, grad_f8, grad_f8.T.contiguous()
 
 
-def softcap_ce_e5m2(logits: Tensor, targets: Tensor, grad_scale: float, blocks: tuple[int, int] = SOFTCAP_CE_BLOCKS) -> tuple[Tensor, Tensor, Tensor]:
+def softcap_ce_e5m2(logits: Tensor, targets: Tensor, grad_scale: float, tile: tuple[int, int, int] = SOFTCAP_CE_TILE) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row loss of softcapped_cross_entropy and its gradient w.r.t. the bf16 logits, divided by grad_scale, in
     e5m2: row-major (M, N) and transposed (N, M), both contiguous. The Triton kernel on CUDA (and under
     TRITON_INTERPRET); softcap_ce_e5m2_eager elsewhere."""
@@ -666,10 +666,10 @@ def softcap_ce_e5m2(logits: Tensor, targets: Tensor, grad_scale: float, blocks: 
     grad = logits.new_empty((M, N), dtype=torch.float8_e5m2)
     grad_t = logits.new_empty((N, M), dtype=torch.float8_e5m2)
     inv_scale = (torch.ones((), dtype=torch.float32) / grad_scale).item()  # the fp32 reciprocal, as torch computes it
-    block_m, block_n = blocks
+    block_m, block_n, warps = tile
     _softcap_ce_e5m2_kernel[(triton.cdiv(M, block_m),)](
         logits, targets, losses, grad.view(torch.uint8), grad_t.view(torch.uint8), M, N, inv_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
     return losses, grad, grad_t
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_gpt as tg  # noqa: E402
 
 TOKENS, VOCAB = 49152, 50304
-TILES = ((32, 256), (32, 128), (16, 256), (64, 128), (64, 256))
+TILES = ((32, 128, 8), (32, 128, 4), (32, 256, 8), (16, 128, 4), (64, 128, 8), (64, 64, 4))  # rows, columns, warps
 
 
 def median_ms(fn: Callable[[], object], repeats: int = 10) -> float:
@@ -66,7 +66,7 @@ def main() -> None:
     print(f"replaced path (compiled CE forward + backward, cast, transposed copy): {median_ms(replaced):.2f} ms")
     for tile in TILES:
         ms = median_ms(lambda: tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile))
-        print(f"softcap_ce_e5m2, {tile[0]}x{tile[1]} tiles: {ms:.2f} ms")
+        print(f"softcap_ce_e5m2, {tile[0]}x{tile[1]} tiles, {tile[2]} warps: {ms:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -95,11 +95,11 @@ SOFTCAP_CE_CHECKS = r"""
 import json, torch, train_gpt as tg
 torch.manual_seed(0)
 results = {}
-for (M, N), blocks in (((70, 300), (32, 64)), ((32, 256), (32, 256)), ((5, 40), (16, 16))):
+for (M, N), tile in (((70, 300), (32, 64, 4)), ((32, 256), (32, 256, 8)), ((5, 40), (16, 16, 1))):
     logits = (torch.randn(M, N) * 4).bfloat16()
     logits[0, :5] = torch.tensor([60.0, -60.0, 0.0, 1e-3, -1e-3])  # saturated and near-zero soft caps
     targets = torch.randint(0, N, (M,))
-    losses, grad, grad_t = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, blocks)
+    losses, grad, grad_t = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile)
     ref_losses, ref_grad, _ = tg.softcap_ce_e5m2_eager(logits, targets, tg.FP8_GRAD_SCALE)
     codes, ref_codes = grad.view(torch.uint8).long(), ref_grad.view(torch.uint8).long()
     differ = codes != ref_codes
