@@ -479,12 +479,12 @@ class TrainLoader:
     def _use_full_index(self) -> None:
         self._bos, self._full_index = self._full_index.result(), None
 
-    def _next_shard(self, batches_since_swap: int) -> None:
+    def _next_shard(self, swaps_without_a_batch: int) -> None:
         if self._upcoming is None:
             raise UserError(
                 f"training data exhausted after {self.served} batches ({len(self.files)} files from the --train_files pattern); add shards or pass --cycle_train_files=true for small proxy datasets"
             )
-        if batches_since_swap > len(self.files):  # cycling through shards that never fit a batch
+        if swaps_without_a_batch > len(self.files):  # cycling through shards that never fit a batch
             raise UserError(
                 f"no --train_files shard holds {self.world_size} x {self.num_tokens_local + 1} tokens of documents that start with BOS ({self.bos_token}); add larger shards"
             )

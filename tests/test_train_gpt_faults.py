@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import train_gpt as tg
 import train_gpt_shampoo as tgs
-from conftest import ROOT, TINY_BOS, TINY_VOCAB, make_shards, tiny_args
+from conftest import ROOT, make_shards, tiny_args
 
 SCRIPT = ROOT / "train_gpt.py"
 NON_FINITE_TRAIN = re.compile(r"step (\d+): non-finite training loss \((nan|inf|-inf)\); stopping")
