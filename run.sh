@@ -81,7 +81,10 @@ status=0
 wait "$launcher_pid" || status=$?
 exec {filtered_stderr}>&-
 wait "$filter_pid" || true
-((status == 0)) && exit 0
+if ((status == 0)); then
+  [[ -f "$launcher_dir/report.txt" ]] && cat "$launcher_dir/report.txt" >&2
+  exit 0
+fi
 
 error_files=$(find "$launcher_dir/torchrun" -name error.json 2>/dev/null | sort || true)
 if [[ -z "$error_files" ]]; then # no worker explained itself: the launcher's report is all there is
