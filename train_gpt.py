@@ -16,8 +16,11 @@ import argparse
 import copy
 import dataclasses
 import glob
+import json
 import math
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +54,14 @@ except ImportError:
 
 class UserError(Exception):
     """A problem with the command line, the environment or the data: reported as one line, no traceback."""
+
+
+class RunStopped(Exception):
+    """Training stopped early (non-finite loss, interrupt): the message is the whole report, one line."""
+
+    def __init__(self, message: str, exit_status: int):
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 def ceil_to(value: int, multiple: int) -> int:
@@ -99,7 +110,10 @@ class Hyperparameters:
     # run
     run_id: str = ""  # empty: a fresh uuid4
     log_dir: str = "logs"
-    save_checkpoint: bool = False
+    save_checkpoint: bool = False  # the record's end-of-run state file, logs/<run_id>/state_step<N>.pt
+    checkpoint_every: int = 0  # 0: never; else a resumable checkpoint every K steps (untimed) and at an interrupt
+    checkpoint_dir: str = ""  # empty: checkpoints/<run_id>
+    resume: str = ""  # a checkpoint directory written by --checkpoint_every; continues that run exactly
     compile: bool = True
     attention_backend: str = "auto"  # auto | flash3 | flex | reference
     disable_fp8: bool = False  # also the DISABLE_FP8 environment variable
@@ -214,6 +228,7 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
     need(hp.num_iterations > 0 and hp.iteration_extension >= 0, "--num_iterations must be positive and --iteration_extension >= 0")
     need(0.0 <= hp.cooldown_frac <= 1.0, f"--cooldown_frac={hp.cooldown_frac} must lie in [0, 1]")
     need(hp.val_loss_every >= 0 and hp.warmup_steps >= 0, "--val_loss_every and --warmup_steps must be >= 0")
+    need(hp.checkpoint_every >= 0, f"--checkpoint_every={hp.checkpoint_every} must be >= 0 (0: no checkpoints)")
 
 
 # ---- schedules (step → value); the spec's boundary steps are tested ----
@@ -267,28 +282,68 @@ def resolve_files(pattern: str, what: str) -> list[str]:
     return files
 
 
+HUB_SHARD_SCRIPTS = {"fineweb10B": "cached_fineweb10B.py", "fineweb100B": "cached_fineweb100B.py", "finewebedu10B": "cached_finewebedu10B.py"}
+
+
+def shard_fix(path: str) -> str:
+    """The real fix for a broken shard: where the download scripts put theirs, download again; shards of
+    the smoke preset are rewritten by the next smoke run; any other shard came from data/fineweb.py."""
+    folder = Path(path).parent.name
+    if folder in HUB_SHARD_SCRIPTS:
+        digits = "".join(ch for ch in Path(path).stem.rsplit("_", 1)[-1] if ch.isdigit())
+        count = max(1, int(digits)) if digits else 1
+        return f"delete it and run `python data/{HUB_SHARD_SCRIPTS[folder]} {count}` again"
+    if folder.startswith("smoke_shards_"):
+        return "delete it; the next smoke run writes it again"
+    return "regenerate it with data/fineweb.py"
+
+
 def read_shard_header(path: str) -> int:
     """Validates magic, version and size; returns the token count."""
-    size = os.path.getsize(path)
+    if os.path.isdir(path):
+        raise UserError(f"{path}: is a directory, not a token shard; move it away or pass a --train_files/--val_files pattern that matches only shard files")
+    try:
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
+    except OSError as error:
+        raise UserError(f"{path}: cannot read it ({error.strerror}); check that it exists and is readable") from None
     if size < 4 * SHARD_HEADER_INTS:
-        raise UserError(f"{path}: {size} bytes is too short for a shard header; re-download or regenerate it")
-    header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
+        raise UserError(f"{path}: {size} bytes is too short for a shard header; {shard_fix(path)}")
     if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
-        raise UserError(f"{path}: not a token shard (magic {header[0]}, version {header[1]}; expected {SHARD_MAGIC}, {SHARD_VERSION})")
+        raise UserError(
+            f"{path}: not a token shard (magic {header[0]}, version {header[1]}; expected {SHARD_MAGIC}, {SHARD_VERSION}); {shard_fix(path)}"
+        )
     num_tokens = int(header[2])
     if size != 4 * SHARD_HEADER_INTS + 2 * num_tokens:
         raise UserError(
-            f"{path}: header says {num_tokens} tokens but the file holds {(size - 4 * SHARD_HEADER_INTS) / 2:g}; the shard is truncated or corrupt"
+            f"{path}: header says {num_tokens} tokens but the file holds {(size - 4 * SHARD_HEADER_INTS) / 2:g}; the shard is truncated or corrupt: {shard_fix(path)}"
         )
     return num_tokens
+
+
+GPT2_VOCAB_SIZE = 50257
 
 
 def read_shard(path: str, vocab_size: int) -> np.ndarray:
     num_tokens = read_shard_header(path)
     tokens = np.fromfile(path, dtype="<u2", count=num_tokens, offset=4 * SHARD_HEADER_INTS)
     if tokens.size and int(tokens.max()) >= vocab_size:
-        raise UserError(f"{path}: token id {int(tokens.max())} >= vocab_size {vocab_size}; wrong tokenizer or --vocab_size")
+        largest = int(tokens.max())
+        fix = (
+            f"pass --vocab_size={GPT2_VOCAB_SIZE} for GPT-2 shards (the record's), or at least {largest + 1}"
+            if largest < GPT2_VOCAB_SIZE
+            else f"pass --vocab_size={largest + 1} or more"
+        )
+        raise UserError(f"{path}: token id {largest} >= --vocab_size={vocab_size}; {fix}")
     return tokens
+
+
+def check_train_data(files: list[str], vocab_size: int) -> int:
+    """Every shard's header and the first shard's tokens, before the run starts (the loader checks the other
+    shards' tokens as it reaches them). Returns the total token count."""
+    total = sum(read_shard_header(path) for path in files)
+    read_shard(files[0], vocab_size)
+    return total
 
 
 def bos_positions(tokens: np.ndarray, bos_token: int) -> np.ndarray:
@@ -351,89 +406,137 @@ def plan_segments(
     return rows, cursor
 
 
-def _shard_paths(files: list[str], cycle: bool) -> Iterator[str]:
-    while True:
-        yield from files
-        if not cycle:
-            return
+class TrainLoader:
+    """BOS-aligned training batches for this rank, an iterator; lazy (the first shard is read at the first batch).
 
-
-def train_loader(
-    files: list[str],
-    num_tokens_local: int,
-    max_seq_len: int,
-    rank: int,
-    world_size: int,
-    bos_token: int,
-    vocab_size: int,
-    cycle: bool,
-    device: torch.device,
-    with_cu_seqlens: bool,
-) -> Iterator[Batch]:
-    """BOS-aligned training batches for this rank; lazy (the first shard is read at the first batch).
-
-    The next shard and its BOS index are loaded in a background thread while the current one is used.
+    Shards are used in order (repeated with cycle=True); the next one is loaded and indexed in a background
+    thread while the current one is planned. When a shard's BOS positions run out, planning restarts at the
+    first BOS of the next shard, in the shard after it if need be: a shard without a BOS is the middle of a
+    document longer than a shard and starts no segment. state_dict() is where the next batch starts.
     """
-    max_num_docs = max_docs_per_batch(num_tokens_local)
-    pool = ThreadPoolExecutor(max_workers=1)
-    paths = _shard_paths(files, cycle)
 
-    def document_starts(path: str, tokens: np.ndarray) -> np.ndarray:
-        bos = bos_positions(tokens, bos_token)
-        if bos.size == 0:
-            raise UserError(f"{path}: no BOS token ({bos_token}) found; training shards must hold documents that each start with it")
-        return bos
+    def __init__(
+        self,
+        files: list[str],
+        num_tokens_local: int,
+        max_seq_len: int,
+        rank: int,
+        world_size: int,
+        bos_token: int,
+        vocab_size: int,
+        cycle: bool,
+        device: torch.device,
+        with_cu_seqlens: bool,
+    ):
+        self.files, self.num_tokens_local, self.max_seq_len = files, num_tokens_local, max_seq_len
+        self.rank, self.world_size, self.bos_token, self.vocab_size = rank, world_size, bos_token, vocab_size
+        self.cycle, self.device, self.with_cu_seqlens = cycle, device, with_cu_seqlens
+        self.max_num_docs = max_docs_per_batch(num_tokens_local)
+        self.shard_number = 0  # index into the sequence of shards (files repeated when cycling)
+        self.cursor = 0  # index into the shard's BOS positions of the next segment's start
+        self.served = 0
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._tokens: np.ndarray | None = None  # the current shard, once the first batch is asked for
+        self._bos = np.empty(0, dtype=np.int64)
+        self._full_index: Future | None = None  # pending complete BOS index while the quick one is used
+        self._upcoming: Future | None = None  # the next shard and its BOS index
 
-    def load(path: str) -> tuple[str, np.ndarray, np.ndarray]:
-        tokens = read_shard(path, vocab_size)
-        return path, tokens, document_starts(path, tokens)
+    def state_dict(self) -> dict[str, int]:
+        return {"shard_number": self.shard_number, "cursor": self.cursor}
 
-    def preload() -> Future | None:
-        path = next(paths, None)
-        return pool.submit(load, path) if path is not None else None
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Only before the first batch: the loader then opens that shard and continues at that BOS."""
+        assert self._tokens is None, "restore a loader before drawing from it"
+        self.shard_number, self.cursor = int(state["shard_number"]), int(state["cursor"])
 
-    path = next(paths)
-    tokens = read_shard(path, vocab_size)
-    index_complete = tokens.size <= QUICK_BOS_SCAN_TOKENS
-    if index_complete:
-        bos, full_index = document_starts(path, tokens), None
-    else:  # index the prefix now and the whole shard in the background
-        bos, full_index = bos_positions(tokens[:QUICK_BOS_SCAN_TOKENS], bos_token), pool.submit(document_starts, path, tokens)
-    upcoming = preload()
-    cursor, served = 0, 0
-    while True:
-        if not index_complete and served >= QUICK_INDEX_BATCHES:
-            bos, index_complete = full_index.result(), True
-        plan = plan_segments(bos, tokens.size, cursor, num_tokens_local, max_seq_len, world_size, index_complete)
-        if plan is None:
-            if not index_complete:  # quick index exhausted early: switch to the full one and replan
-                bos, index_complete = full_index.result(), True
+    def _path(self, number: int) -> str | None:
+        if number >= len(self.files) and not self.cycle:
+            return None
+        return self.files[number % len(self.files)]
+
+    def _load(self, path: str) -> tuple[np.ndarray, np.ndarray]:
+        tokens = read_shard(path, self.vocab_size)
+        return tokens, bos_positions(tokens, self.bos_token)
+
+    def _preload(self, number: int) -> None:
+        path = self._path(number)
+        self._upcoming = self._pool.submit(self._load, path) if path is not None else None
+
+    def _open_first(self) -> None:
+        """The record's quickload: index a prefix now, the whole shard in the background (the quick index is a
+        prefix of the full one, so the cursor carries over)."""
+        path = self._path(self.shard_number)
+        if path is None:
+            raise UserError(f"--resume: the checkpoint's training position is past the last of {len(self.files)} --train_files shards")
+        self._tokens = read_shard(path, self.vocab_size)
+        if self._tokens.size <= QUICK_BOS_SCAN_TOKENS:
+            self._bos = bos_positions(self._tokens, self.bos_token)
+        else:
+            self._bos = bos_positions(self._tokens[:QUICK_BOS_SCAN_TOKENS], self.bos_token)
+            self._full_index = self._pool.submit(bos_positions, self._tokens, self.bos_token)
+        self._preload(self.shard_number + 1)
+
+    def _use_full_index(self) -> None:
+        self._bos, self._full_index = self._full_index.result(), None
+
+    def _next_shard(self, swaps_without_a_batch: int) -> None:
+        if self._upcoming is None:
+            raise UserError(
+                f"training data exhausted after {self.served} batches ({len(self.files)} files from the --train_files pattern); add shards or pass --cycle_train_files=true for small proxy datasets"
+            )
+        if swaps_without_a_batch > len(self.files):  # cycling through shards that never fit a batch
+            raise UserError(
+                f"no --train_files shard holds {self.world_size} x {self.num_tokens_local + 1} tokens of documents that start with BOS ({self.bos_token}); add larger shards"
+            )
+        self._tokens, self._bos = self._upcoming.result()
+        self.shard_number, self.cursor = self.shard_number + 1, 0
+        self._preload(self.shard_number + 1)
+
+    def __iter__(self) -> "TrainLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._tokens is None:
+            self._open_first()
+        swaps = 0
+        while True:
+            if self._full_index is not None and self.served >= QUICK_INDEX_BATCHES:
+                self._use_full_index()
+            plan = plan_segments(
+                self._bos, self._tokens.size, self.cursor, self.num_tokens_local, self.max_seq_len, self.world_size, self._full_index is None
+            )
+            if plan is not None:
+                break
+            if self._full_index is not None:  # quick index exhausted early: switch to the full one and replan
+                self._use_full_index()
                 continue
-            if upcoming is None:
-                raise UserError(
-                    f"training data exhausted after {served} batches ({len(files)} files from the --train_files pattern); add shards or pass --cycle_train_files=true for small proxy datasets"
-                )
-            path, tokens, bos = upcoming.result()
-            upcoming, cursor = preload(), 0
-            continue
-        rows, cursor = plan
-        segments = rows[rank]
-        buffer = np.concatenate([tokens[start:end] for start, end in segments])
-        doc_starts = np.cumsum([0] + [end - start for start, end in segments[:-1]]) if with_cu_seqlens else None
-        served += 1
-        yield _batch(buffer, doc_starts, max_num_docs, path, device)
+            swaps += 1
+            self._next_shard(swaps)
+        rows, self.cursor = plan
+        segments = rows[self.rank]
+        buffer = np.concatenate([self._tokens[start:end] for start, end in segments])
+        doc_starts = np.cumsum([0] + [end - start for start, end in segments[:-1]]) if self.with_cu_seqlens else None
+        self.served += 1
+        return _batch(buffer, doc_starts, self.max_num_docs, self._path(self.shard_number), self.device)
 
 
-def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, grad_accum_steps: int) -> int:
+def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, grad_accum_steps: int, vocab_size: int) -> int:
     """Counts the tokens the windowed reader can use (a read of R = val_batch_size / grad_accum_steps tokens
-    needs R + 2 left in its shard, see val_loader); clear error when too short. Returns the total token count."""
+    needs R + 2 left in its shard, see val_loader); clear error when too short. Also checks the tokens of the
+    shards the evaluations read. Returns the total token count."""
     tokens_per_read = val_batch_size // grad_accum_steps
     counts = [read_shard_header(path) for path in files]
-    usable = sum(max(count - 2, 0) // tokens_per_read * tokens_per_read for count in counts)
-    if usable < val_tokens:
+    usable = [max(count - 2, 0) // tokens_per_read * tokens_per_read for count in counts]
+    if sum(usable) < val_tokens:
         raise UserError(
-            f"validation data too short: {usable} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens (and --val_batch_size)"
+            f"validation data too short: {sum(usable)} usable tokens in {len(files)} files, --val_tokens={val_tokens} needed; add validation shards or lower --val_tokens (and --val_batch_size)"
         )
+    needed = val_tokens
+    for path, count in zip(files, usable):
+        if needed <= 0:
+            break
+        read_shard(path, vocab_size)
+        needed -= count
     return sum(counts)
 
 
@@ -468,13 +571,32 @@ def val_loader(
         yield _batch(buffer, doc_starts, max_num_docs, path, device)
 
 
-def write_shard(path: Path, tokens: np.ndarray) -> None:
-    """Writes a shard in the FineWeb format; never overwrites an existing file."""
+def _shard_bytes(tokens: np.ndarray) -> bytes:
     header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
     header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
-    with open(path, "xb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
+    return header.tobytes() + tokens.astype("<u2").tobytes()
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """A temporary file in the same folder, renamed over path once complete: a crash never leaves a partial
+    file under the final name, and two writers of the same bytes cannot corrupt each other."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(temporary, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """Writes a shard in the FineWeb format, atomically; never overwrites an existing file."""
+    if os.path.lexists(path):
+        raise FileExistsError(f"{path} exists; shards are never overwritten")
+    write_atomically(Path(path), _shard_bytes(tokens))
 
 
 def synthetic_tokens(num_tokens: int, vocab_size: int, bos_token: int, seed: int) -> np.ndarray:
@@ -489,10 +611,20 @@ def synthetic_tokens(num_tokens: int, vocab_size: int, bos_token: int, seed: int
     return tokens
 
 
+def _is_valid_shard(path: Path) -> bool:
+    try:
+        read_shard_header(str(path))
+    except UserError:
+        return False
+    return True
+
+
 def smoke_shards(hp: Hyperparameters, rank: int) -> tuple[str, str]:
     """Small deterministic shards for the smoke preset, written by rank 0 into a folder of log_dir named by
     the settings that size them (reused when already present); returns the train and val patterns. Each of
-    the two train shards alone holds twice the run's tokens: BOS alignment drops the cut remainders of documents."""
+    the two train shards alone holds twice the run's tokens: BOS alignment drops the cut remainders of documents.
+    Writes are atomic, so concurrent smoke runs share the folder safely; an unreadable file there (left by a
+    killed writer) is rewritten."""
     folder = Path(hp.log_dir) / (
         f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.train_steps}_w{hp.warmup_steps}_val{hp.val_tokens}"
     )
@@ -504,8 +636,14 @@ def smoke_shards(hp: Hyperparameters, rank: int) -> tuple[str, str]:
             ("smoke_train_000002.bin", train_tokens, 2),
             ("smoke_val_000000.bin", hp.val_tokens + 2, 3),
         ):
-            if not (folder / name).exists():
-                write_shard(folder / name, synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed))
+            path = folder / name
+            if path.is_file() and _is_valid_shard(path):
+                continue
+            if path.is_dir():
+                raise UserError(f"{path}: is a directory, not a token shard; move it away")
+            if path.exists():
+                print(f"smoke shards: rewriting {path}, which is not a complete shard", flush=True)
+            write_atomically(path, _shard_bytes(synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed)))
     dist.barrier()
     return str(folder / "smoke_train_*.bin"), str(folder / "smoke_val_*.bin")
 
@@ -1567,6 +1705,86 @@ def open_log(log_dir: str, run_id: str) -> tuple[Path, str]:
                 raise UserError(f"{path} already exists; choose another --run_id (logs are never overwritten)")
 
 
+# ---- stopping early: signals, non-finite losses and the one error line ----
+_stop_signal: int | None = None  # the first SIGINT or SIGTERM received
+_defer_stop = False  # while training: a signal is honoured at the next step boundary (see StepHealth)
+_step_reached = 0  # steps completed, for the interrupt message
+
+
+def interrupted(signum: int) -> RunStopped:
+    return RunStopped(f"step {_step_reached}: interrupted by {signal.Signals(signum).name}", 128 + signum)
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    """Training stops at the next step boundary (after a final checkpoint with --checkpoint_every); outside
+    training, or on a second Ctrl-C, at once."""
+    global _stop_signal
+    repeated = _stop_signal is not None
+    if not repeated:
+        _stop_signal = signum
+    if not _defer_stop or (repeated and signum == signal.SIGINT):
+        raise interrupted(signum)
+
+
+def install_stop_handlers() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _on_stop_signal)
+
+
+HEALTH_LAG_CUDA = 2  # steps between a training loss and its check: the GPU finished that step long ago
+
+
+class StepHealth:
+    """Each training step's summed micro-step losses and a stop-request flag, summed over ranks on the device
+    and copied without blocking into pinned host memory, then read `lag` steps later: the check adds no
+    host sync to a step. All ranks read the same sums at the same step, so they stop at the same boundary."""
+
+    def __init__(self, device: torch.device, world_size: int, lag: int):
+        self.world_size, self.lag = world_size, lag
+        self.host = torch.zeros(lag + 1, 2, pin_memory=device.type == "cuda")
+        self.events = [torch.cuda.Event() for _ in range(lag + 1)] if device.type == "cuda" else None
+        self.pending: list[tuple[int, int]] = []  # (step, slot), oldest first
+
+    def push(self, step: int, loss_sum: Tensor, stop_requested: bool) -> None:
+        values = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=loss_sum.device)])
+        if self.world_size > 1:
+            dist.all_reduce(values)
+        slot = step % (self.lag + 1)
+        self.host[slot].copy_(values, non_blocking=True)
+        if self.events is not None:
+            self.events[slot].record()
+        self.pending.append((step, slot))
+
+    def poll(self, keep: int) -> bool:
+        """Reads all but the newest `keep` steps: raises RunStopped on a non-finite loss; True when a rank asked to stop."""
+        stop = False
+        while len(self.pending) > keep:
+            step, slot = self.pending.pop(0)
+            if self.events is not None:
+                self.events[slot].synchronize()
+            loss, flag = self.host[slot].tolist()
+            if not math.isfinite(loss):
+                raise RunStopped(f"step {step + 1}: non-finite training loss ({loss}); stopping", NON_FINITE_EXIT_STATUS)
+            stop = stop or flag > 0
+        return stop
+
+
+NON_FINITE_EXIT_STATUS = 3
+
+
+def report_stop(console_line: str, log_line: str) -> None:
+    """The one line, on stderr and in the log (rank 0; every rank meets these stops together), and in
+    torchrun's per-rank error file (its documented format), from which run.sh knows the line was printed
+    and leaves out the launcher's own report."""
+    if os.environ.get("RANK", "0") == "0":
+        print(console_line, file=sys.stderr, flush=True)
+        print0(log_line)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(Path(error_file), json.dumps({"message": console_line, "timestamp": str(int(time.time()))}).encode())
+
+
 def _command_output(args: list[str]) -> str | None:
     try:
         result = subprocess.run(args, capture_output=True, text=True, timeout=30, cwd=os.path.dirname(os.path.abspath(__file__)))
@@ -1590,6 +1808,7 @@ def log_environment(
     backend: str,
     fp8: bool,
     train_files: list[str],
+    train_token_count: int,
     val_files: list[str],
     val_token_count: int,
 ) -> None:
@@ -1611,7 +1830,7 @@ def log_environment(
     print0(f"git_commit: {git_commit()}")
     print0(f"overrides: {overrides!r}")
     print0(f"hyperparameters: {dataclasses.asdict(hp)!r}")
-    print0(f"train_files: {len(train_files)} files, {sum(read_shard_header(p) for p in train_files)} tokens")
+    print0(f"train_files: {len(train_files)} files, {train_token_count} tokens")
     print0(f"val_files: {len(val_files)} files, {val_token_count} tokens")
 
 
@@ -1624,6 +1843,191 @@ def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime)
     for rank in range(rt.world_size):
         owned = [[p.label for p in g.owned(rank)] for g in muon.layout]
         print0(f"muon_rank{rank}_owns: {owned}")
+
+
+# =============================================================================================
+# Checkpoints and resume
+# =============================================================================================
+# A resumable checkpoint is a folder <checkpoint_dir>/step<N>/: shared.pt (model, loader position, progress)
+# from rank 0, rank<r>.pt (the rank's DistAdam and Muon shards, RNG) from every rank, and manifest.json
+# (settings, step), all staged in a hidden .step<N>.partial-<run_id> folder that rank 0 renames into place:
+# a save is all or nothing, and an existing checkpoint is never replaced.
+CHECKPOINT_FORMAT = "train_gpt/1"
+# Settings that may differ between a checkpointed run and its resumption (the trajectory does not depend on them).
+RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"})
+PARTIAL_MARKER = ".partial-"
+
+
+@dataclass
+class Progress:
+    """Where training stands; checkpointed so that a resumed run continues the step count and the clock."""
+
+    step: int = 0
+    training_time_ms: float = 0.0
+
+
+class ResumePoint(NamedTuple):
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step{step:06d}"
+
+
+def comparable_settings(hp: Hyperparameters) -> dict[str, Any]:
+    """The settings as JSON stores them (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(hp)))
+
+
+def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, start_step: int) -> None:
+    """The periodic checkpoints this run would write must not exist; earlier steps may (a resumed run keeps
+    writing into the folder of the run it continues)."""
+    every = hp.checkpoint_every
+    for step in range((start_step // every + 1) * every, hp.train_steps, every):
+        if checkpoint_path(directory, step).exists():
+            raise UserError(
+                f"checkpoint {checkpoint_path(directory, step)} already exists and this run would write it; pick another --checkpoint_dir (checkpoints are never overwritten)"
+            )
+
+
+def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> list[str]:
+    """Staging folders of saves that never finished (their run was killed), older than this run."""
+    if not directory.is_dir():
+        return []
+    stale = sorted(p for p in directory.glob(f".step*{PARTIAL_MARKER}*") if p.is_dir() and p.stat().st_mtime < run_started)
+    for path in stale:
+        shutil.rmtree(path)
+    return [path.name for path in stale]
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save to a temporary name, then a rename: the final name only ever holds a complete file."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def save_resumable(
+    target: Path,
+    run_id: str,
+    rt: Runtime,
+    settings: dict[str, Any],
+    raw_model: GPT,
+    adam: DistAdam,
+    muon: Muon,
+    loader: TrainLoader,
+    progress: Progress,
+) -> bool:
+    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists."""
+    exists = [target.exists()]
+    dist.broadcast_object_list(exists, 0)  # every rank takes the same branch
+    if exists[0]:
+        return False
+    staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
+    if rt.rank == 0:
+        staging.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    atomic_torch_save(dict(adam=adam.state_dict(), muon=muon.state_dict(), rng=rng_state(rt.device)), staging / f"rank{rt.rank}.pt")
+    if rt.rank == 0:
+        shared = dict(model=raw_model.state_dict(), loader=loader.state_dict(), progress=dataclasses.asdict(progress))
+        atomic_torch_save(shared, staging / "shared.pt")
+    dist.barrier()
+    if rt.rank == 0:
+        manifest = dict(
+            format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, step=progress.step, hyperparameters=settings
+        )
+        write_atomically(staging / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
+        _fsync_directory(staging)
+        os.rename(staging, target)  # target was checked above; rename never merges into an existing folder
+        _fsync_directory(target.parent)
+    dist.barrier()
+    return True
+
+
+def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -> ResumePoint:
+    """Checks, before the run starts, that the checkpoint is complete and continues these settings."""
+    path = Path(path_text)
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise UserError(f"--resume={path_text}: no complete checkpoint there (missing {manifest_path}); pass a step<N> folder written by --checkpoint_every")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"--resume={path_text}: unreadable manifest.json ({error}); pass another checkpoint") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"--resume={path_text}: not a train_gpt.py checkpoint (format {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {CHECKPOINT_FORMAT!r})")
+    if manifest["world_size"] != world_size:
+        raise UserError(
+            f"--resume={path_text}: written by {manifest['world_size']} processes; resume with the same number (this run has {world_size})"
+        )
+    missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
+    if missing:
+        raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
+    saved = manifest["hyperparameters"]
+    differing = [
+        f"{name}={saved.get(name)!r} there, {value!r} here"
+        for name, value in settings.items()
+        if name not in RUNTIME_ONLY_FIELDS and saved.get(name) != value
+    ]
+    if differing:
+        raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
+    return ResumePoint(path, manifest)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Optimizer.load_state_dict casts floating state to its parameter's dtype, but DistAdam keeps bf16 moments
+    of fp32 parameters: the saved dtypes are put back (exactly: bf16 -> fp32 -> bf16 loses nothing)."""
+    optimizer.load_state_dict(state)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, saved in state["state"].items():
+        live = optimizer.state[params[index]]
+        for key, value in saved.items():
+            if isinstance(value, Tensor) and live[key].dtype != value.dtype:
+                live[key] = live[key].to(value.dtype)
+
+
+def load_resumable(point: ResumePoint, rt: Runtime, raw_model: GPT, adam: DistAdam, muon: Muon, loader: TrainLoader) -> Progress:
+    shared = torch.load(point.path / "shared.pt", map_location=rt.device, weights_only=True)
+    own = torch.load(point.path / f"rank{rt.rank}.pt", map_location=rt.device, weights_only=True)
+    raw_model.load_state_dict(shared["model"])
+    load_optimizer_state(adam, own["adam"])
+    load_optimizer_state(muon, own["muon"])
+    loader.load_state_dict(shared["loader"])
+    set_rng_state(own["rng"], rt.device)
+    return Progress(**shared["progress"])
 
 
 # =============================================================================================
@@ -1697,17 +2101,28 @@ def evaluate(
 
 
 def save_checkpoint(log_path: Path, run_id: str, step: int, raw_model: GPT, adam: DistAdam, muon: Muon) -> Path:
+    """The record's end-of-run state file (rank 0's view), written atomically; never overwrites."""
     folder = log_path.parent / run_id
     folder.mkdir(exist_ok=True)
     path = folder / f"state_step{step:06d}.pt"
-    with open(path, "xb") as f:  # never overwrite
-        torch.save(
-            dict(
-                step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()]
-            ),
-            f,
-        )
+    if path.exists():
+        raise UserError(f"{path} already exists; checkpoints are never overwritten")
+    state = dict(step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()])
+    atomic_torch_save(state, path)
     return path
+
+
+def replay_yarn(raw_model: GPT, hp: Hyperparameters, step: int) -> int:
+    """The rotary tables at the start of `step`: the YaRN updates of steps 0 .. step-1 from the reset tables,
+    in order (the same operations as training, so bitwise the same). Returns the long window."""
+    raw_model.rotary.reset()
+    ws_long = window_blocks(0, hp)[1]
+    for past in range(step):
+        new_long = window_blocks(past, hp)[1]
+        if new_long != ws_long:
+            raw_model.rotary.apply_yarn(ws_long, new_long)
+            ws_long = new_long
+    return ws_long
 
 
 def train(
@@ -1717,51 +2132,83 @@ def train(
     muon: Muon,
     hp: Hyperparameters,
     rt: Runtime,
-    make_train_loader: Callable[[], Iterator[Batch]],
+    loader: TrainLoader,
     make_val_loader: Callable[[], Iterator[Batch]],
+    progress: Progress,
+    save_resumable_at: Callable[[Progress], None] | None,
     on_final: Callable[[int], None],
 ) -> float:
-    """The timed run (spec §18): validation and checkpointing are outside the clock. Returns the final val loss."""
-    train_steps = hp.train_steps
-    loader = make_train_loader()
-    training_time_ms = 0.0
-    ws_long = window_blocks(0, hp)[1]  # the long window the rotary tables are set for (YaRN reset)
+    """The timed run (spec §18): validation and checkpointing are outside the clock. Returns the final val loss.
+
+    Starts at progress.step (0, or a checkpoint's). Stops early, raising RunStopped, on a non-finite training
+    or validation loss or at the step boundary after SIGINT/SIGTERM (checkpointing first when enabled)."""
+    global _defer_stop, _step_reached
+    train_steps, start = hp.train_steps, progress.step
+    ws_long = replay_yarn(raw_model, hp, start)  # the long window the rotary tables are set for
+    health = StepHealth(rt.device, rt.world_size, HEALTH_LAG_CUDA if rt.device.type == "cuda" else 0)
     final_loss = float("nan")
+    _defer_stop = True
     synchronize(rt.device)
     t0 = time.perf_counter()
-    for step in range(train_steps + 1):
+
+    def stop_clock() -> None:
+        synchronize(rt.device)
+        progress.training_time_ms += 1000 * (time.perf_counter() - t0)
+
+    for step in range(start, train_steps + 1):
+        progress.step = _step_reached = step
         last_step = step == train_steps
+        if health.poll(keep=0 if last_step else health.lag):
+            if save_resumable_at is not None and step != start:
+                stop_clock()
+                save_resumable_at(progress)
+            raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
         ws_short, new_long = window_blocks(step, hp)
         if new_long != ws_long:
             raw_model.rotary.apply_yarn(ws_long, new_long)
             ws_long = new_long
-        if last_step or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0):
-            synchronize(rt.device)
-            training_time_ms += 1000 * (time.perf_counter() - t0)
-            eval_short, eval_long = (hp.ws_validate // 2, hp.ws_long_validate) if last_step else (ws_short, ws_long)
-            eval_windows = raw_model.attention.window_args(eval_short, eval_long, rt.device)
-            final_loss = evaluate(model, hp, rt, make_val_loader, eval_windows).item()
-            print0(
-                f"step:{step}/{train_steps} val_loss:{final_loss:.4f} train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms",
-                console=True,
-            )
+        validate = last_step or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0)
+        checkpoint = save_resumable_at is not None and not last_step and step != start and step % hp.checkpoint_every == 0
+        if validate or checkpoint:
+            stop_clock()
+            if validate:
+                eval_short, eval_long = (hp.ws_validate // 2, hp.ws_long_validate) if last_step else (ws_short, ws_long)
+                eval_windows = raw_model.attention.window_args(eval_short, eval_long, rt.device)
+                final_loss = evaluate(model, hp, rt, make_val_loader, eval_windows).item()
+                training_time_ms = progress.training_time_ms
+                print0(
+                    f"step:{step}/{train_steps} val_loss:{final_loss:.4f} train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms",
+                    console=True,
+                )
+                if not math.isfinite(final_loss):
+                    raise RunStopped(f"step {step}: non-finite validation loss ({final_loss}); stopping", NON_FINITE_EXIT_STATUS)
+            if checkpoint:
+                stop = health.poll(keep=0)  # never checkpoint a diverged model
+                save_resumable_at(progress)
+                if stop:
+                    raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
             synchronize(rt.device)
             t0 = time.perf_counter()
         if last_step:
             on_final(step)
             break
         windows = raw_model.attention.window_args(ws_short, ws_long, rt.device)
+        step_loss = torch.zeros((), device=rt.device)
         for _ in range(rt.grad_accum_steps):
             batch = next(loader)
-            model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
+            loss = model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len)
+            loss.backward()
+            step_loss += loss.detach()
         set_schedules(step, hp, adam, muon)
         adam.launch_reductions()
         muon.launch_reductions()  # in flight while Adam updates
         adam.step()
         muon.step()
         model.zero_grad(set_to_none=True)
-        approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
+        health.push(step, step_loss, _stop_signal is not None)
+        approx_ms = progress.training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
         print0(f"step:{step + 1}/{train_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms", console=True)
+    _defer_stop = False
     return final_loss
 
 
@@ -1779,8 +2226,11 @@ def configure_torch(device: torch.device) -> None:
 
 
 def run(argv: list[str]) -> float:
+    """Every input check that can fail runs before the log file is created: a refused run leaves no log."""
     global _log_path, _is_master
+    run_started = time.time()
     hp, overrides = parse_args(argv)
+    settings = comparable_settings(hp)  # what a checkpoint of this run records (before the smoke preset's paths)
     rt = setup_distributed()
     _is_master = rt.rank == 0
     configure_torch(rt.device)
@@ -1791,7 +2241,11 @@ def run(argv: list[str]) -> float:
         hp = dataclasses.replace(hp, train_files=smoke_train, val_files=smoke_val)
     train_files = resolve_files(hp.train_files, "train")
     val_files = resolve_files(hp.val_files, "val")
-    val_token_count = check_val_data(val_files, hp.val_tokens, hp.val_batch_size, rt.grad_accum_steps)
+    train_token_count = check_train_data(train_files, hp.vocab_size)
+    val_token_count = check_val_data(val_files, hp.val_tokens, hp.val_batch_size, rt.grad_accum_steps, hp.vocab_size)
+    resume = open_checkpoint(hp.resume, settings, rt.world_size) if hp.resume else None
+    if hp.checkpoint_every and hp.checkpoint_dir:  # the default folder is new: named by the run id
+        check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume.step if resume else 0)
 
     backend = choose_attention_backend(hp.attention_backend, rt.device)
     on_cuda = rt.device.type == "cuda"
@@ -1819,17 +2273,25 @@ def run(argv: list[str]) -> float:
     adam, muon = build_optimizers(raw_model, hp, rt.rank, rt.world_size)
     model: nn.Module = torch.compile(raw_model, dynamic=False, fullgraph=True) if hp.compile else raw_model
 
+    run_ids = [hp.run_id]
     if _is_master:
-        _log_path, run_id = open_log(hp.log_dir, hp.run_id)
+        _log_path, run_ids[0] = open_log(hp.log_dir, hp.run_id)
         print(f"log: {_log_path}", flush=True)
         print0(Path(__file__).read_text())
-    else:
-        run_id = hp.run_id
-    log_environment(rt, hp, overrides, backend, fp8, train_files, val_files, val_token_count)
+    dist.broadcast_object_list(run_ids, 0)
+    run_id = run_ids[0]
+    checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id}")
+    log_environment(rt, hp, overrides, backend, fp8, train_files, train_token_count, val_files, val_token_count)
     log_model_and_muon(raw_model, muon, hp, rt)
+    if resume is not None:
+        print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at step {resume.step}")
+    if hp.checkpoint_every and _is_master:
+        removed = remove_stale_partial_checkpoints(checkpoint_dir, run_started)
+        if removed:
+            print0(f"removed {len(removed)} unfinished checkpoint folder(s) of interrupted saves from {checkpoint_dir}: {', '.join(removed)}", console=True)
     print0("=" * 100)
 
-    make_train_loader = lambda: train_loader(
+    make_train_loader = lambda: TrainLoader(
         train_files,
         train_tokens_local,
         hp.train_max_seq_len,
@@ -1853,7 +2315,19 @@ def run(argv: list[str]) -> float:
         if hp.save_checkpoint and _is_master:
             print0(f"checkpoint: {save_checkpoint(_log_path, run_id, step, raw_model, adam, muon)}", console=True)
 
-    final_loss = train(model, raw_model, adam, muon, hp, rt, make_train_loader, make_val_loader, on_final)
+    loader = make_train_loader()
+    progress = load_resumable(resume, rt, raw_model, adam, muon, loader) if resume is not None else Progress()
+
+    def save_resumable_at(progress: Progress) -> None:
+        target = checkpoint_path(checkpoint_dir, progress.step)
+        if save_resumable(target, run_id, rt, settings, raw_model, adam, muon, loader, progress):
+            print0(f"checkpoint: {target}", console=True)
+        else:
+            print0(f"checkpoint: {target} already exists; not replaced", console=True)
+
+    final_loss = train(
+        model, raw_model, adam, muon, hp, rt, loader, make_val_loader, progress, save_resumable_at if hp.checkpoint_every else None, on_final
+    )
     allocated = torch.cuda.max_memory_allocated(rt.device) // 2**20 if on_cuda else 0
     reserved = torch.cuda.max_memory_reserved(rt.device) // 2**20 if on_cuda else 0
     print0(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB", console=True)
@@ -1862,14 +2336,20 @@ def run(argv: list[str]) -> float:
 
 
 def main() -> None:
+    install_stop_handlers()
     try:
         run(sys.argv[1:])
     except UserError as error:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"train_gpt.py: error: {error}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(2)
+        report_stop(f"train_gpt.py: error: {error}", f"error: {error}")
+        status = 2
+    except RunStopped as stop:
+        report_stop(str(stop), str(stop))
+        status = stop.exit_status
+    else:
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ import glob
 import json
 import math
 import os
+import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -45,19 +48,32 @@ try:
         SingleDeviceDistributedConfig,
         WeightDecayType,
     )
-    from distributed_shampoo.shampoo_types import ShampooRuntimeConfig
+    from distributed_shampoo.shampoo_types import PreconditionerValueError, ShampooRuntimeConfig
 
     SHAMPOO_PACKAGE_DIR: Path | None = Path(distributed_shampoo.__file__).resolve().parent
     SHAMPOO_IMPORT_ERROR: ImportError | None = None
+    NON_FINITE_PRECONDITIONER_ERRORS: tuple[type[Exception], ...] = (PreconditionerValueError,)
 except ImportError as error:  # reported when --matrix_optimizer=shampoo is asked for
     SHAMPOO_PACKAGE_DIR = None
     SHAMPOO_IMPORT_ERROR = error
+    NON_FINITE_PRECONDITIONER_ERRORS = ()  # no Shampoo, nothing to catch
 
 DOWNLOAD_HINT = "python data/cached_fineweb10B.py 9"
 
 
 class UserError(Exception):
     """A problem with the command line, the environment, the data or a checkpoint: one line, exit status 2."""
+
+
+class RunStopped(Exception):
+    """Training stopped early (non-finite loss, interrupt): the message is the whole report, one line.
+
+    every_rank: the cause may show on some ranks only (a Shampoo factor lives on one rank), so each rank that
+    meets it reports it, not only rank 0."""
+
+    def __init__(self, message: str, exit_status: int, every_rank: bool = False):
+        super().__init__(message)
+        self.exit_status, self.every_rank = exit_status, every_rank
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,8 +155,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Fields that may differ between a checkpointed run and its resumption without changing the trajectory.
-RUN_MANAGEMENT_FIELDS = frozenset({"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume"})
+# Fields that may differ between a checkpointed run and its resumption without changing the trajectory
+# (the root streams change only how fast the same eigendecompositions run).
+RUN_MANAGEMENT_FIELDS = frozenset({"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume", "shampoo_root_streams"})
 
 
 class _Parser(argparse.ArgumentParser):
@@ -214,15 +231,38 @@ SHARD_VERSION = 1
 HEADER_INTS = 256
 
 
+HUB_SHARD_SCRIPTS = {"fineweb10B": "cached_fineweb10B.py", "fineweb100B": "cached_fineweb100B.py", "finewebedu10B": "cached_finewebedu10B.py"}
+GPT2_VOCAB_SIZE = 50257
+
+
+def shard_fix(path: Path) -> str:
+    """The real fix for a broken shard: where the download scripts put theirs, download again; the smoke
+    preset's are rewritten by deleting them; any other shard came from data/fineweb.py."""
+    if path.parent.name in HUB_SHARD_SCRIPTS:
+        digits = re.findall(r"\d+", path.stem)
+        count = max(1, int(digits[-1])) if digits else 1
+        return f"delete it and run `python data/{HUB_SHARD_SCRIPTS[path.parent.name]} {count}` again"
+    if path.name.startswith("smoke_"):
+        return "delete it; the next smoke run writes it again"
+    return "regenerate it with data/fineweb.py"
+
+
 def read_shard_header(path: Path) -> int:
     """The shard's token count, after checking its magic, version and byte size."""
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, not a token shard; move it away or pass a --train_files/--val_files "
+                        f"pattern that matches only shard files")
+    try:
+        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+        size = path.stat().st_size
+    except OSError as error:
+        raise UserError(f"{path}: cannot read it ({error.strerror}); check that it exists and is readable") from None
     if len(header) < HEADER_INTS or header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
-        raise UserError(f"{path}: not a token shard (expected header magic {SHARD_MAGIC}, version {SHARD_VERSION})")
+        raise UserError(f"{path}: not a token shard (expected header magic {SHARD_MAGIC}, version {SHARD_VERSION}); {shard_fix(path)}")
     num_tokens = int(header[2])
     expected_bytes = 4 * HEADER_INTS + 2 * num_tokens
-    if path.stat().st_size != expected_bytes:
-        raise UserError(f"{path}: {path.stat().st_size} bytes, header promises {expected_bytes}; re-download it")
+    if size != expected_bytes:
+        raise UserError(f"{path}: {size} bytes, header promises {expected_bytes}; {shard_fix(path)}")
     return num_tokens
 
 
@@ -230,7 +270,10 @@ def load_shard(path: Path, vocab_size: int, pin: bool) -> Tensor:
     num_tokens = read_shard_header(path)
     tokens = np.fromfile(path, dtype="<u2", offset=4 * HEADER_INTS, count=num_tokens)
     if num_tokens and int(tokens.max()) >= vocab_size:
-        raise UserError(f"{path}: token id {int(tokens.max())} >= vocab_size {vocab_size}")
+        largest = int(tokens.max())
+        fix = (f"pass --vocab_size={Hyperparameters.vocab_size} for GPT-2 shards (the record's), or at least {largest + 1}"
+               if largest < GPT2_VOCAB_SIZE else f"pass --vocab_size={largest + 1} or more")
+        raise UserError(f"{path}: token id {largest} >= --vocab_size={vocab_size}; {fix}")
     tensor = torch.from_numpy(tokens.astype(np.uint16, copy=False))
     return tensor.pin_memory() if pin else tensor
 
@@ -246,7 +289,8 @@ def resolve_files(pattern: str) -> list[Path]:
 class TokenLoader:
     """The record's unaligned loader: each step takes the next batch_tokens (+1 for the shifted targets)
     consecutive tokens of the current shard, rank r the r-th slice; a shard's tail shorter than a batch
-    is dropped. Documents are neither aligned nor masked. The position is checkpointable."""
+    is dropped, so is a whole shard shorter than a batch (the last one data/fineweb.py writes may be).
+    Documents are neither aligned nor masked. The position is checkpointable."""
 
     def __init__(self, files: list[Path], batch_tokens: int, seq_len: int, rank: int, world_size: int,
                  vocab_size: int, device: torch.device, cycle: bool = False):
@@ -257,10 +301,10 @@ class TokenLoader:
         self.tokens = self._load(0)
 
     def _load(self, index: int) -> Tensor:
-        tokens = load_shard(self.files[index], self.vocab_size, pin=self.device.type == "cuda")
-        if len(tokens) < self.batch_tokens + 2:
-            raise UserError(f"{self.files[index]}: {len(tokens)} tokens, fewer than one batch of {self.batch_tokens} + 2")
-        return tokens
+        return load_shard(self.files[index], self.vocab_size, pin=self.device.type == "cuda")
+
+    def _fits(self) -> bool:
+        return self.position + self.batch_tokens + 1 < len(self.tokens)
 
     def _advance_shard(self) -> None:
         next_index = self.file_index + 1
@@ -273,8 +317,13 @@ class TokenLoader:
         self.tokens = self._load(next_index)
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
-        if self.position + self.batch_tokens + 1 >= len(self.tokens):
+        skipped = 0
+        while not self._fits():
+            if skipped == len(self.files):  # a full pass of shards, each shorter than a batch
+                raise UserError(f"{self.batch_tokens + 2} tokens needed for one batch, but no file of the pattern holds "
+                                f"that many; use larger shards")
             self._advance_shard()
+            skipped += 1
         start = self.position + self.rank * self.local_tokens
         window = self.tokens[start : start + self.local_tokens + 1]
         inputs = window[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True)
@@ -303,9 +352,13 @@ def write_shard(path: Path, tokens: np.ndarray) -> None:
         if path.read_bytes() != data:
             raise UserError(f"{path} exists with other content; move it away or pass --train_files/--val_files")
         return
-    temporary = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    temporary.write_bytes(data)
-    os.replace(temporary, path)  # every rank may write the same bytes; none sees a partial file
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, path)  # every rank may write the same bytes; none sees a partial file
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def generate_smoke_shards(vocab_size: int, relative_dir: str = "data/smoke") -> tuple[str, str]:
@@ -623,7 +676,8 @@ def create_log_file(log_dir: Path) -> tuple[Path, str]:
             continue
 
 
-_log_path: Path | None = None
+_log_path: Path | None = None  # rank 0's log, written by print0
+_shared_log_path: Path | None = None  # the same path, known to every rank (for errors only one rank meets)
 _is_master = True
 
 
@@ -637,6 +691,92 @@ def print0(s: str, console: bool = False, logfile: bool = True) -> None:
     if logfile and _log_path is not None:
         with open(_log_path, "a", encoding="utf-8") as f:
             f.write(s + "\n")
+
+
+# Stopping early: signals, non-finite losses and the one error line
+
+_stop_signal: int | None = None  # the first SIGINT or SIGTERM received
+_defer_stop = False  # while a trial trains: a signal is honoured at the next step boundary (see StepHealth)
+_step_reached = 0  # steps completed in the current trial, for the interrupt message
+NON_FINITE_EXIT_STATUS = 3
+HEALTH_LAG_CUDA = 2  # steps between a training loss and its check: the GPU finished that step long ago
+
+
+def interrupted(signum: int) -> RunStopped:
+    return RunStopped(f"step {_step_reached}: interrupted by {signal.Signals(signum).name}", 128 + signum)
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    """Training stops at the next step boundary (after a checkpoint with --checkpoint_every); outside
+    training, or on a second Ctrl-C, at once."""
+    global _stop_signal
+    repeated = _stop_signal is not None
+    if not repeated:
+        _stop_signal = signum
+    if not _defer_stop or (repeated and signum == signal.SIGINT):
+        raise interrupted(signum)
+
+
+def install_stop_handlers() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _on_stop_signal)
+
+
+class StepHealth:
+    """Each training step's summed losses and a stop-request flag, summed over ranks on the device and copied
+    without blocking into pinned host memory, then read `lag` steps later: the check adds no host sync to a
+    step. All ranks read the same sums at the same step, so they stop at the same boundary."""
+
+    def __init__(self, device: torch.device, world_size: int, lag: int):
+        self.world_size, self.lag = world_size, lag
+        self.host = torch.zeros(lag + 1, 2, pin_memory=device.type == "cuda")
+        self.events = [torch.cuda.Event() for _ in range(lag + 1)] if device.type == "cuda" else None
+        self.pending: list[tuple[int, int]] = []  # (step, slot), oldest first
+
+    def push(self, step: int, loss_sum: Tensor, stop_requested: bool) -> None:
+        values = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=loss_sum.device)])
+        if self.world_size > 1:
+            dist.all_reduce(values)
+        slot = step % (self.lag + 1)
+        self.host[slot].copy_(values, non_blocking=True)
+        if self.events is not None:
+            self.events[slot].record()
+        self.pending.append((step, slot))
+
+    def poll(self, keep: int) -> bool:
+        """Reads all but the newest `keep` steps: raises RunStopped on a non-finite loss; True when a rank asked to stop."""
+        stop = False
+        while len(self.pending) > keep:
+            step, slot = self.pending.pop(0)
+            if self.events is not None:
+                self.events[slot].synchronize()
+            loss, flag = self.host[slot].tolist()
+            if not math.isfinite(loss):
+                raise RunStopped(f"step {step + 1}: non-finite training loss ({loss}); stopping", NON_FINITE_EXIT_STATUS)
+            stop = stop or flag > 0
+        return stop
+
+
+def preconditioner_failure(error: Exception, step: int, matrix_names: list[str]) -> RunStopped:
+    """Shampoo's own finding as one line, naming the parameter whose factor matrix went non-finite."""
+    text = " ".join(str(error).split())
+    finding = re.split(r"(?<=[!.])\s", text, maxsplit=1)[0]
+    index = re.search(r"factor matrix (\d+)\.", finding)
+    if index and int(index.group(1)) < len(matrix_names):
+        finding += f" ({matrix_names[int(index.group(1))]})"
+    return RunStopped(f"step {step}: Shampoo: {finding}; stopping", NON_FINITE_EXIT_STATUS, every_rank=True)
+
+
+def write_error_file(line: str) -> None:
+    """torchrun's per-rank error file (its documented format), from which run.sh and torchrun's own report
+    take this line."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        path = Path(error_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        temporary.write_text(json.dumps({"message": line, "timestamp": str(int(time.time()))}))
+        os.replace(temporary, path)
 
 
 def _command_output(command: list[str]) -> str | None:
@@ -657,7 +797,7 @@ def git_commit() -> str:
 
 
 def environment_lines(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed,
-                      train_files: list[Path], val_files: list[Path]) -> list[str]:
+                      train_files: list[Path], val_files: list[Path], token_counts: tuple[int, int]) -> list[str]:
     try:
         import triton
 
@@ -675,8 +815,8 @@ def environment_lines(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distr
         f"git_commit: {git_commit()}",
         f"overrides: {overrides!r}",
         f"hyperparameters: {dataclasses.asdict(hp)!r}",
-        f"train_files: {len(train_files)} files, {count_tokens(train_files)} tokens",
-        f"val_files: {len(val_files)} files, {count_tokens(val_files)} tokens",
+        f"train_files: {len(train_files)} files, {token_counts[0]} tokens",
+        f"val_files: {len(val_files)} files, {token_counts[1]} tokens",
     ]
 
 
@@ -711,22 +851,43 @@ def checkpoint_name(trial: int, step: int, num_trials: int) -> str:
     return f"step{step:06d}" if num_trials == 1 else f"trial{trial}_step{step:06d}"
 
 
-def check_checkpoints_are_new(directory: Path, hp: Hyperparameters) -> None:
-    for trial in range(hp.num_trials):
-        for step in range(hp.checkpoint_every, hp.train_steps, hp.checkpoint_every):
+def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, resume: "ResumePoint | None") -> None:
+    """The periodic checkpoints this run would write must not exist; earlier ones may (a resumed run keeps
+    writing into the folder of the run it continues)."""
+    every = hp.checkpoint_every
+    for trial in range(resume.trial if resume else 0, hp.num_trials):
+        first = (resume.step // every + 1) * every if resume and trial == resume.trial else every
+        for step in range(first, hp.train_steps, every):
             path = directory / checkpoint_name(trial, step, hp.num_trials)
             if path.exists():
-                raise UserError(f"checkpoint {path} already exists; pick another --checkpoint_dir "
-                                f"(checkpoints are never overwritten)")
+                raise UserError(f"checkpoint {path} already exists and this run would write it; pick another "
+                                f"--checkpoint_dir (checkpoints are never overwritten)")
+
+
+PARTIAL_MARKER = ".partial-"
+
+
+def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> list[str]:
+    """Staging folders of saves that never finished (their run was killed), older than this run."""
+    if not directory.is_dir():
+        return []
+    stale = sorted(p for p in directory.glob(f".*{PARTIAL_MARKER}*") if p.is_dir() and p.stat().st_mtime < run_started)
+    for path in stale:
+        shutil.rmtree(path)
+    return [path.name for path in stale]
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    temporary = path.with_name(f"{path.name}.tmp")
-    with open(temporary, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def fsync_directory(path: Path) -> None:
@@ -751,10 +912,15 @@ def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
 
 
 def save_checkpoint(target: Path, run_id: str, ddp: Distributed, hp: Hyperparameters, model: GPT,
-                    optimizers: list[torch.optim.Optimizer], loader: TokenLoader, progress: Progress) -> None:
-    staging = target.with_name(f".{target.name}.partial-{run_id}")
+                    optimizers: list[torch.optim.Optimizer], loader: TokenLoader, progress: Progress) -> bool:
+    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists."""
+    exists = [target.exists()]
+    dist.broadcast_object_list(exists, 0)  # every rank takes the same branch
+    if exists[0]:
+        return False
+    staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
     if ddp.rank == 0:
-        staging.mkdir(parents=True)
+        staging.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     rank_state = {"matrix_optimizer": optimizers[1].state_dict(), "rng": rng_state(ddp.device)}
     atomic_torch_save(rank_state, staging / f"rank{ddp.rank}.pt")
@@ -767,13 +933,14 @@ def save_checkpoint(target: Path, run_id: str, ddp: Distributed, hp: Hyperparame
     if ddp.rank == 0:
         manifest = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": ddp.world_size,
                     **dataclasses.asdict(progress)}
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        temporary = staging / ".manifest.json.tmp"
+        temporary.write_text(json.dumps(manifest, indent=1) + "\n")
+        os.replace(temporary, staging / "manifest.json")
         fsync_directory(staging)
-        if target.exists():  # never replace an existing checkpoint
-            raise RuntimeError(f"checkpoint {target} appeared during the save; this one stays in {staging}")
-        os.rename(staging, target)
+        os.rename(staging, target)  # target was checked above; a rename never merges into an existing folder
         fsync_directory(target.parent)
     dist.barrier()
+    return True
 
 
 @dataclass
@@ -867,10 +1034,14 @@ def evaluate(model: nn.Module, val_inputs: Tensor, val_targets: Tensor, micro_ba
 
 
 def train_step(model: GPT, forward: nn.Module, optimizers: list[torch.optim.Optimizer], base_lrs: list[list[float]],
-               inputs: Tensor, targets: Tensor, lr_scale: float, micro_batch_seqs: int, world_size: int) -> None:
+               inputs: Tensor, targets: Tensor, lr_scale: float, micro_batch_seqs: int, world_size: int) -> Tensor:
+    """One optimizer step; returns this rank's summed loss, on the device (nothing waits for it)."""
+    step_loss = torch.zeros((), device=inputs.device)
     for start in range(0, len(inputs), micro_batch_seqs):
         end = start + micro_batch_seqs
-        forward(inputs[start:end], targets[start:end]).backward()
+        loss = forward(inputs[start:end], targets[start:end])
+        loss.backward()
+        step_loss += loss.detach()
     for name, param in model.named_parameters():
         if param.grad is None:
             raise RuntimeError(f"{name} got no gradient")
@@ -881,6 +1052,7 @@ def train_step(model: GPT, forward: nn.Module, optimizers: list[torch.optim.Opti
             group["lr"] = lr * lr_scale
         optimizer.step()
     model.zero_grad(set_to_none=True)
+    return step_loss
 
 
 @dataclass
@@ -914,7 +1086,9 @@ class TrialResult:
 
 def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> TrialResult:
     """Fresh init, optimizers and loader (or a checkpoint's), then train with the clock stopped for
-    validation and checkpoints."""
+    validation and checkpoints. Stops early, raising RunStopped, on a non-finite loss (or Shampoo's finding of
+    one) or at the step boundary after SIGINT/SIGTERM (checkpointing first when enabled)."""
+    global _step_reached
     hp, ddp, model = session.hp, session.ddp, session.model
     init_parameters(model)
     optimizers = build_optimizers(model, hp, ddp.world_size, ddp.device)
@@ -926,12 +1100,31 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
     progress = load_checkpoint(resume, ddp, model, optimizers, loader) if resume else Progress(trial)
 
     val_losses: dict[int, float] = {}
-    start_step = progress.step
+    start_step = _step_reached = progress.step
+    requested = torch.tensor(float(_stop_signal is not None), device=ddp.device)
+    dist.all_reduce(requested)  # a signal during the previous trial's last validation: agree before starting
+    if requested.item() > 0:
+        raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
+    health = StepHealth(ddp.device, ddp.world_size, HEALTH_LAG_CUDA if ddp.device.type == "cuda" else 0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    matrix_names = [names[id(p)] for p in split_parameters(model)["matrices"]]
+
+    def checkpoint_at(step: int) -> None:
+        target = session.checkpoint_dir / checkpoint_name(trial, step, hp.num_trials)
+        saved = save_checkpoint(target, session.run_id, ddp, hp, model, optimizers, loader, progress)
+        print0(f"checkpoint: {target}" + ("" if saved else " already exists; not replaced"), console=True)
+
     synchronize(ddp.device)
     t0 = time.perf_counter()
     for step in range(start_step, hp.train_steps + 1):
-        progress.step = step
+        progress.step = _step_reached = step
         last_step = step == hp.train_steps
+        if health.poll(keep=0 if last_step else health.lag):  # the trial stops here
+            synchronize(ddp.device)
+            progress.training_time += time.perf_counter() - t0
+            if hp.checkpoint_every > 0 and step != start_step:
+                checkpoint_at(step)
+            raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
         validate = is_validation_step(step, hp)
         checkpoint = hp.checkpoint_every > 0 and step % hp.checkpoint_every == 0 and step != start_step and not last_step
         if validate or checkpoint:
@@ -941,17 +1134,25 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
                 val_losses[step] = evaluate(session.forward, session.val_inputs, session.val_targets,
                                             hp.micro_batch_seqs, hp.val_tokens)
                 log_validation(progress, val_losses[step], hp.train_steps)
+                if not math.isfinite(val_losses[step]):
+                    raise RunStopped(f"step {step}: non-finite validation loss ({val_losses[step]}); stopping",
+                                     NON_FINITE_EXIT_STATUS)
             if checkpoint:
-                target = session.checkpoint_dir / checkpoint_name(trial, step, hp.num_trials)
-                save_checkpoint(target, session.run_id, ddp, hp, model, optimizers, loader, progress)
-                print0(f"checkpoint: {target}", console=True)
+                stop = health.poll(keep=0)  # never checkpoint a diverged model
+                checkpoint_at(step)
+                if stop:
+                    raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
             synchronize(ddp.device)
             t0 = time.perf_counter()
         if last_step:
             break
         inputs, targets = loader.next_batch()
-        train_step(model, session.forward, optimizers, base_lrs, inputs, targets, lr_multiplier(step, hp),
-                   hp.micro_batch_seqs, ddp.world_size)
+        try:
+            step_loss = train_step(model, session.forward, optimizers, base_lrs, inputs, targets,
+                                   lr_multiplier(step, hp), hp.micro_batch_seqs, ddp.world_size)
+        except NON_FINITE_PRECONDITIONER_ERRORS as error:
+            raise preconditioner_failure(error, step + 1, matrix_names) from None
+        health.push(step, step_loss, _stop_signal is not None)
         approx_time = progress.training_time + time.perf_counter() - t0
         print0(f"step:{step + 1}/{hp.train_steps} train_time:{approx_time:.3f}s "
                f"step_avg:{1000 * approx_time / (step + 1):.2f}ms", console=True, logfile=False)
@@ -974,12 +1175,14 @@ def check_batch_geometry(hp: Hyperparameters, world_size: int) -> None:
 
 
 def load_validation_data(val_files: list[Path], hp: Hyperparameters, ddp: Distributed) -> tuple[Tensor, Tensor]:
-    """The first val_tokens tokens (the first batch of a loader with batch size val_tokens), loaded once."""
-    try:
-        loader = TokenLoader(val_files, hp.val_tokens, hp.seq_len, ddp.rank, ddp.world_size, hp.vocab_size, ddp.device)
-        return loader.next_batch()
-    except UserError as error:
-        raise UserError(f"validation data ({hp.val_files}): {error}; lower --val_tokens") from None
+    """The first val_tokens tokens of the first validation shard (the first batch of a loader with batch size
+    val_tokens), loaded once."""
+    available = read_shard_header(val_files[0])
+    if available < hp.val_tokens + 2:
+        raise UserError(f"validation data ({hp.val_files}): {val_files[0]} holds {available} tokens, fewer than "
+                        f"--val_tokens={hp.val_tokens} + 2; lower --val_tokens")
+    loader = TokenLoader(val_files[:1], hp.val_tokens, hp.seq_len, ddp.rank, ddp.world_size, hp.vocab_size, ddp.device)
+    return loader.next_batch()
 
 
 def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
@@ -989,27 +1192,44 @@ def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
     if overrides.get("preset") == "smoke" and "train_files" not in overrides and "val_files" not in overrides:
         hp.train_files, hp.val_files = generate_smoke_shards(hp.vocab_size)
     train_files, val_files = resolve_files(hp.train_files), resolve_files(hp.val_files)
+    # every check that can fail runs before the log file is created: a refused run leaves no log
+    token_counts = check_train_data(train_files, hp.vocab_size), count_tokens(val_files)
     if hp.matrix_optimizer == "shampoo":
         require_shampoo()  # before any work
     resume = open_checkpoint(hp.resume, hp, world_size) if hp.resume else None
     if hp.checkpoint_every and hp.checkpoint_dir:  # the default directory is new: named by the run id
-        check_checkpoints_are_new(Path(hp.checkpoint_dir), hp)
+        check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume)
 
-    global _log_path
+    global _log_path, _shared_log_path
     ddp = setup_distributed()
     try:
-        return _train(hp, overrides, ddp, train_files, val_files, resume)
+        return _train(hp, overrides, ddp, train_files, val_files, token_counts, resume)
     except UserError as error:  # e.g. out of data mid-run: the log says why it ends
         print0(f"error: {error}")
         raise
+    except RunStopped as stop:
+        if stop.every_rank and not _is_master and _shared_log_path is not None:  # rank 0 may never see it
+            with open(_shared_log_path, "a", encoding="utf-8") as f:
+                f.write(f"{stop}\n")
+        print0(str(stop))
+        raise
     finally:
-        _log_path = None
+        _log_path = _shared_log_path = None
         dist.destroy_process_group()
 
 
+def check_train_data(files: list[Path], vocab_size: int) -> int:
+    """Every shard's header and the first shard's tokens (the loader checks the others' as it reaches them);
+    returns the total token count."""
+    total = count_tokens(files)
+    load_shard(files[0], vocab_size, pin=False)
+    return total
+
+
 def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, train_files: list[Path],
-           val_files: list[Path], resume: ResumePoint | None) -> RunResult:
-    global _log_path, _is_master
+           val_files: list[Path], token_counts: tuple[int, int], resume: ResumePoint | None) -> RunResult:
+    global _log_path, _is_master, _shared_log_path
+    run_started = time.time()
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     model = GPT(hp.vocab_size, hp.num_layers, hp.model_dim, hp.head_dim).to(ddp.device)
@@ -1022,6 +1242,7 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
         _log_path, run_id[0] = create_log_file(Path(hp.log_dir))
         print(f"log: {_log_path}", flush=True)
     dist.broadcast_object_list(run_id, 0)
+    _shared_log_path = Path(hp.log_dir) / f"{run_id[0]}.txt"
     checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id[0]}")
     session = Session(hp, ddp, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
 
@@ -1029,10 +1250,15 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
         with open(_log_path, "a", encoding="utf-8") as f:
             f.write(program_source())
         print0(SEPARATOR)
-        for line in environment_lines(hp, overrides, ddp, train_files, val_files) + parameter_split_lines(model, hp):
+        for line in environment_lines(hp, overrides, ddp, train_files, val_files, token_counts) + parameter_split_lines(model, hp):
             print0(line)
     if resume is not None:
         print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at trial {resume.trial} step {resume.step}")
+    if hp.checkpoint_every and _is_master:
+        removed = remove_stale_partial_checkpoints(checkpoint_dir, run_started)
+        if removed:
+            print0(f"removed {len(removed)} unfinished checkpoint folder(s) of interrupted saves from {checkpoint_dir}: "
+                   f"{', '.join(removed)}", console=True)
     print0(SEPARATOR)
 
     synchronize(ddp.device)
@@ -1041,9 +1267,14 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
     synchronize(ddp.device)
     print0(f"warmup_time: {time.perf_counter() - t_warmup:.1f}s", console=True)
 
+    global _defer_stop
     first_trial = resume.trial if resume is not None else 0
-    trials = [run_trial(session, trial, resume if resume is not None and trial == resume.trial else None)
-              for trial in range(first_trial, hp.num_trials)]
+    _defer_stop = True
+    try:
+        trials = [run_trial(session, trial, resume if resume is not None and trial == resume.trial else None)
+                  for trial in range(first_trial, hp.num_trials)]
+    finally:
+        _defer_stop = False
 
     if ddp.device.type == "cuda":
         allocated, reserved = torch.cuda.max_memory_allocated(ddp.device), torch.cuda.max_memory_reserved(ddp.device)
@@ -1054,13 +1285,27 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    global _stop_signal
+    _stop_signal = None
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    install_stop_handlers()
     try:
         hp, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         train(hp, overrides)
     except UserError as error:
+        line = f"train_gpt_shampoo.py: error: {error}"
         if os.environ.get("RANK", "0") == "0":
-            print(f"train_gpt_shampoo.py: error: {error}", file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
+        write_error_file(line)
         raise SystemExit(2) from None
+    except RunStopped as stop:  # the log has the line already
+        if os.environ.get("RANK", "0") == "0" or stop.every_rank:
+            print(stop, file=sys.stderr, flush=True)
+        write_error_file(str(stop))
+        raise SystemExit(stop.exit_status) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

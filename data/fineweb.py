@@ -23,6 +23,7 @@ import json
 import lzma
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -47,6 +48,10 @@ SUPPORTED_INPUTS = ".txt, .jsonl, .parquet, .gz, .xz"
 
 class InputError(ValueError):
     """Bad user input (file, flag or environment); the message is one line that says what to do."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM while tokenizing; the message says which shards are complete."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +227,8 @@ _worker_encoding: tiktoken.Encoding | None = None
 
 
 def init_worker(bpe_file: Path | None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool stops its workers with SIGTERM
     global _worker_encoding
     _worker_encoding = gpt2_encoding(bpe_file)
 
@@ -312,7 +319,21 @@ def tokenize_corpus(
             raise InputError(
                 f"{error} ({len(writer.paths)} shards were already written to {out_dir}; delete them before running again)"
             ) from None
+        except KeyboardInterrupt:
+            raise Interrupted(
+                f"interrupted: {len(writer.paths)} complete shards are in {out_dir} (the one being filled was not written); "
+                "delete them before running again"
+            ) from None
     return writer.close()
+
+
+_stop_signal = signal.SIGINT  # what interrupted tokenizing: Ctrl-C unless SIGTERM arrived
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    global _stop_signal
+    _stop_signal = signal.SIGTERM
+    raise KeyboardInterrupt  # SIGTERM stops tokenizing the way Ctrl-C does
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,12 +362,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    previous_sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         documents = local_documents(expand_inputs(args.input)) if args.input else hub_documents(args.hf_sample)
         paths = tokenize_corpus(documents, args.out_dir, args.name, args.shard_size, args.bpe_file, args.workers)
     except InputError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except Interrupted as stop:
+        print(stop, file=sys.stderr)
+        return 128 + _stop_signal
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
     if not paths:
         print(f"error: the input holds no documents, so no shards were written to {args.out_dir}", file=sys.stderr)
         return 1

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,7 +48,7 @@ def run(checkout: Path, *args: str, gpus_present: bool = True, **env: str) -> su
 def test_uses_every_visible_gpu_and_passes_arguments_through(checkout: Path) -> None:
     result = run(checkout, "--num_iterations=10")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "torchrun --standalone --nproc_per_node=4 train_gpt.py --num_iterations=10"
+    assert re.fullmatch(r"torchrun --standalone --nproc_per_node=4 --log-dir=\S+ train_gpt.py --num_iterations=10", result.stdout.strip())
 
 
 @pytest.mark.parametrize(("visible", "expected"), [("0,2", 2), ("1", 1), ("0,1,2,3,4,5", 4)])
@@ -94,3 +96,65 @@ def test_data_path_prefixes_the_default_shards(checkout: Path, tmp_path: Path) -
         (elsewhere / shard).parent.mkdir(parents=True, exist_ok=True)
         (elsewhere / shard).write_bytes(b"")
     assert run(checkout, DATA_PATH=str(elsewhere)).returncode == 0
+
+
+# ----- world size and the workers' own error lines (issue 12) -----
+
+
+@pytest.mark.parametrize("args", [(), ("--preset=smoke",)])
+def test_nproc_that_does_not_divide_8_is_refused_before_launching(checkout: Path, args: tuple[str, ...]) -> None:
+    (checkout / SHARDS[0]).unlink()  # the world size is the first complaint, not the shards
+    result = run(checkout, *args, NPROC="3")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == "run.sh: NPROC=3: train_gpt.py splits its batch over 1, 2, 4 or 8 processes; set NPROC=2\n"
+
+
+def test_visible_gpu_count_that_does_not_divide_8_is_refused(checkout: Path) -> None:
+    result = run(checkout, CUDA_VISIBLE_DEVICES="0,1,2")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "3 GPUs are visible" in result.stderr and "NPROC=2" in result.stderr
+
+
+LAUNCHER_REPORT = """echo "E0101 00:00:00.000000 1 torch/distributed/elastic/multiprocessing/api.py:1] failed (exitcode: 2) local_rank: 0 (pid: 1) of binary: python" >&2
+echo "Traceback (most recent call last):" >&2
+echo "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:" >&2
+exit 1"""
+
+
+def failing_torchrun(checkout: Path, worker_reports: bool) -> None:
+    """A torchrun whose rank 0 stops on a reported error (stderr line and error file, as train_gpt.py does) or crashes."""
+    body = '''log_dir=$(sed -n 's/.*--log-dir=\\([^ ]*\\).*/\\1/p' <<<"$*")''' + "\n"
+    if worker_reports:
+        body += '''mkdir -p "$log_dir/run_x/attempt_0/0"
+echo '{"message": "train_gpt.py: error: --model_dim=100 must be a multiple of --num_heads=6", "timestamp": "1"}' > "$log_dir/run_x/attempt_0/0/error.json"
+echo "train_gpt.py: error: --model_dim=100 must be a multiple of --num_heads=6" >&2
+'''
+    else:
+        body += '''echo "Segmentation fault (core dumped)" >&2\n'''
+    make_executable(checkout / "bin" / "torchrun", body + LAUNCHER_REPORT)
+    (checkout / "bin" / "python3").symlink_to(sys.executable)
+
+
+def test_a_workers_reported_error_is_the_only_line(checkout: Path) -> None:
+    failing_torchrun(checkout, worker_reports=True)
+    result = run(checkout)
+    assert result.stderr == "train_gpt.py: error: --model_dim=100 must be a multiple of --num_heads=6\n"
+    assert result.returncode == 2  # the worker's status, not torchrun's
+
+
+def test_an_unexplained_worker_failure_keeps_the_launchers_report(checkout: Path) -> None:
+    failing_torchrun(checkout, worker_reports=False)
+    result = run(checkout)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0] == "Segmentation fault (core dumped)" and "ChildFailedError" in result.stderr
+
+
+@pytest.mark.slow
+def test_real_torchrun_worker_error_is_one_line() -> None:
+    """Two CPU processes through the real torchrun: the script's own line, no launcher traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(NPROC="2", OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}")
+    result = subprocess.run(["bash", str(REPO / "run.sh"), "--preset=smoke", "--model_dim=100"], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.stderr == "train_gpt.py: error: head dim 50 must be a multiple of 4 (half-truncated rotary)\n"
+    assert result.returncode == 2

@@ -21,7 +21,7 @@ def docs_shard(path: Path, lengths: list[int], first_token: int = 1) -> np.ndarr
 
 
 def loader(files, tokens_local=64, max_seq_len=32, rank=0, world_size=1, cycle=False, cu=True):
-    return tg.train_loader([str(f) for f in files], tokens_local, max_seq_len, rank, world_size, TINY_BOS, TINY_VOCAB, cycle, CPU, cu)
+    return tg.TrainLoader([str(f) for f in files], tokens_local, max_seq_len, rank, world_size, TINY_BOS, TINY_VOCAB, cycle, CPU, cu)
 
 
 def _take(iterator, n):
@@ -120,12 +120,43 @@ def test_quick_bos_index_hands_over_to_the_full_index(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("quick_scan_tokens", [tg.QUICK_BOS_SCAN_TOKENS, 100])
-def test_shard_without_bos_is_rejected(tmp_path, monkeypatch, quick_scan_tokens):
-    monkeypatch.setattr(tg, "QUICK_BOS_SCAN_TOKENS", quick_scan_tokens)  # 100: the background full index finds none
+def test_shard_without_bos_is_the_middle_of_a_document(tmp_path, monkeypatch, quick_scan_tokens):
+    """Such shards are what data/fineweb.py writes when a document is longer than a shard: read as such, the
+    next segment starts at the next BOS, two shards later here."""
+    monkeypatch.setattr(tg, "QUICK_BOS_SCAN_TOKENS", quick_scan_tokens)  # 100: the first shard uses the quick index
+    files = [tmp_path / f"t_00000{i}.bin" for i in (1, 2, 3)]
+    docs_shard(files[0], [100] * 2, first_token=1)
+    tg.write_shard(files[1], np.full(500, 7))
+    docs_shard(files[2], [100] * 2, first_token=100)
+    batches = list(_take(loader(files, tokens_local=64, max_seq_len=128), 10))
+    assert len(batches) == 4  # one per document
+    assert batches[1].inputs[1] == 102 and batches[2].inputs[1] == 101  # doc 2 of shard 1, then doc 1 of shard 3
+    assert all(batch.inputs[0] == TINY_BOS for batch in batches)
+
+
+def test_shards_without_any_bos_give_one_clear_line(tmp_path):
     tg.write_shard(tmp_path / "t_000001.bin", np.full(500, 7))
-    with pytest.raises(tg.UserError, match="no BOS token") as info:
+    with pytest.raises(tg.UserError, match="training data exhausted after 0 batches"):
         next(loader([tmp_path / "t_000001.bin"]))
-    assert "t_000001.bin" in str(info.value)
+    with pytest.raises(tg.UserError, match="no --train_files shard holds 1 x 65 tokens of documents that start with BOS") as info:
+        next(loader([tmp_path / "t_000001.bin"], cycle=True))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("quick_scan_tokens", [tg.QUICK_BOS_SCAN_TOKENS, 150])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_loader_position_restores_the_same_batches(tmp_path, monkeypatch, quick_scan_tokens, world_size):
+    monkeypatch.setattr(tg, "QUICK_BOS_SCAN_TOKENS", quick_scan_tokens)
+    files = [tmp_path / "t_000001.bin", tmp_path / "t_000002.bin"]
+    docs_shard(files[0], [30, 45, 20, 80, 66, 31, 90, 25] * 3, first_token=1)
+    docs_shard(files[1], [50, 70, 33, 90] * 4, first_token=100)
+    for taken in (0, 3, 7):
+        original = loader(files, tokens_local=64, max_seq_len=64, world_size=world_size, rank=world_size - 1, cycle=True)
+        list(_take(original, taken))
+        restored = loader(files, tokens_local=64, max_seq_len=64, world_size=world_size, rank=world_size - 1, cycle=True)
+        restored.load_state_dict(original.state_dict())
+        for a, b in zip(_take(original, 12), _take(restored, 12)):
+            assert torch.equal(a.inputs, b.inputs) and torch.equal(a.cu_seqlens, b.cu_seqlens)
 
 
 def test_val_loader_windows_and_unaligned_documents(tmp_path):
@@ -146,11 +177,11 @@ def test_val_loader_windows_and_unaligned_documents(tmp_path):
 
 def test_val_data_too_short_is_reported(tmp_path):
     docs_shard(tmp_path / "v_000000.bin", [100] * 10)  # 1000 tokens: reads of 256 + 1 tokens fit 3 times
-    assert tg.check_val_data([str(tmp_path / "v_000000.bin")], 512, 512, 2) == 1000
+    assert tg.check_val_data([str(tmp_path / "v_000000.bin")], 512, 512, 2, TINY_VOCAB) == 1000
     with pytest.raises(tg.UserError, match="validation data too short"):
-        tg.check_val_data([str(tmp_path / "v_000000.bin")], 1024, 512, 2)
+        tg.check_val_data([str(tmp_path / "v_000000.bin")], 1024, 512, 2, TINY_VOCAB)
     with pytest.raises(tg.UserError, match="validation data too short"):
-        tg.check_val_data([str(tmp_path / "v_000000.bin")], 1000, 1000, 1)  # one read needs 1001 tokens
+        tg.check_val_data([str(tmp_path / "v_000000.bin")], 1000, 1000, 1, TINY_VOCAB)  # one read needs 1001 tokens
 
 
 def test_too_many_documents_for_fixed_cu_seqlens(tmp_path):

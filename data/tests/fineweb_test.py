@@ -178,6 +178,30 @@ def test_error_after_written_shards_says_so(tmp_path: Path, bpe_file: Path) -> N
     assert any(out.iterdir())
 
 
+def test_interrupt_keeps_the_complete_shards_and_says_so(
+    tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fineweb
+
+    write_corpus(tmp_path / "corpus", "txt", DOCUMENTS * 6)
+    original, calls = fineweb.ShardWriter.add, []
+
+    def add_then_interrupt(self: fineweb.ShardWriter, tokens: np.ndarray) -> None:
+        calls.append(1)
+        if len(calls) == 20:
+            raise KeyboardInterrupt  # what Ctrl-C raises in the parent
+        original(self, tokens)
+
+    monkeypatch.setattr(fineweb.ShardWriter, "add", add_then_interrupt)
+    out = tmp_path / "out"
+    status = main(["--input", str(tmp_path / "corpus"), "--bpe-file", str(bpe_file), "--out-dir", str(out), "--shard-size", "16", "--workers", "1"])
+    assert status == 130
+    last_line = capsys.readouterr().err.splitlines()[-1]  # after tqdm's progress bar
+    written = sorted(out.iterdir())
+    assert last_line == f"interrupted: {len(written)} complete shards are in {out} (the one being filled was not written); delete them before running again"
+    assert len(written) >= 2 and all(read_shard(path).size == 16 for path in written)  # complete shards, no temporary files
+
+
 def test_hub_source_without_datasets_names_the_install_command(
     tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
