@@ -445,9 +445,9 @@ class TrainLoader:
         return {"shard_number": self.shard_number, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Only before the first batch: the loader then opens that shard and continues at that BOS."""
-        assert self._tokens is None, "restore a loader before drawing from it"
-        self.shard_number, self.cursor = int(state["shard_number"]), int(state["cursor"])
+        """The next batch reopens that shard and continues at that BOS (also after batches were drawn)."""
+        self.shard_number, self.cursor, self.served = int(state["shard_number"]), int(state["cursor"]), 0
+        self._tokens, self._bos, self._full_index, self._upcoming = None, np.empty(0, dtype=np.int64), None, None
 
     def _path(self, number: int) -> str | None:
         if number >= len(self.files) and not self.cycle:

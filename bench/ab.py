@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import dataclasses
 import inspect
 import json
 import math
@@ -318,22 +319,32 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
                 dist.broadcast(param.detach(), 0)
 
     def rounds_of_train(*a: Any, **k: Any) -> float:
-        bound = inspect.signature(original_train).bind(*a, **k).arguments
-        raw_model, optimizers = bound["raw_model"], (bound["adam"], bound["muon"])
-        start_states = copy.deepcopy([opt.state_dict() for opt in optimizers])
+        bound = inspect.signature(original_train).bind(*a, **k)
+        raw_model, optimizers = bound.arguments["raw_model"], (bound.arguments["adam"], bound.arguments["muon"])
+        # what a round must start from again: optimizer and loader states (anything with load_state_dict but
+        # the model, which is re-initialised), and plain records of progress (dataclass instances)
+        stateful = {n: v for n, v in bound.arguments.items() if hasattr(v, "load_state_dict") and v is not raw_model}
+        start_states = {n: copy.deepcopy(v.state_dict()) for n, v in stateful.items()}
+        records = {n: v for n, v in bound.arguments.items() if dataclasses.is_dataclass(v) and not isinstance(v, type)}
         if rank == 0:
             control.signal("ready", dict(pid=os.getpid()))
+
+        def start_round(seed: int) -> None:
+            reinitialise(raw_model, seed)
+            for name, value in stateful.items():
+                value.load_state_dict(copy.deepcopy(start_states[name]))
+            for name, value in records.items():
+                bound.arguments[name] = copy.deepcopy(value)
+            raw_model.rotary.reset()
+
         final = math.nan
         for index, seed in enumerate(args.seeds):
             control.wait(f"go{index}")
-            reinitialise(raw_model, seed)
-            for opt, state in zip(optimizers, start_states):
-                opt.load_state_dict(copy.deepcopy(state))
-            raw_model.rotary.reset()
+            start_round(seed)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             timer.marks, timer.eval_inside_s = {}, 0.0
-            final = original_train(*a, **k)
+            final = original_train(*bound.args, **bound.kwargs)
             total = max(timer.marks)
             segment_s = timer.marks[total] - timer.marks[timer.first_step] - timer.eval_inside_s
             peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
@@ -345,13 +356,12 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
                 )
         if args.profile_steps:
             control.wait("go_profile")
-            reinitialise(raw_model, args.seeds[0])
-            raw_model.rotary.reset()
+            start_round(args.seeds[0])
             timer.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
             timer.profile_steps = args.profile_steps
             timer.marks = {}
             try:
-                original_train(*a, **k)
+                original_train(*bound.args, **bound.kwargs)
             except _EndRound:
                 pass
             if rank == 0:
