@@ -1,6 +1,7 @@
 """Track 1 record script: GPT-2 (124M) on FineWeb to 3.28 validation loss.
 
-Implements the 2025-09-23 "MuonCustomSizing" record recipe (modded-nanogpt track 1) from its fact sheet:
+Implements the 2025-09-23 "MuonCustomSizing" record recipe (modded-nanogpt track 1), documented constant by
+constant in docs/track1_recipe.md:
 12 block slots with U-net skips, value embeddings, smear and attention gates, YaRN rotary, sliding-window
 document attention (FlashAttention-3 varlen, FlexAttention, or a plain reference), an FP8 head, Muon with
 custom parameter groups and Triton Newton-Schulz kernels, and a sharded Adam.
@@ -231,7 +232,7 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
     need(hp.checkpoint_every >= 0, f"--checkpoint_every={hp.checkpoint_every} must be >= 0 (0: no checkpoints)")
 
 
-# ---- schedules (step → value); the spec's boundary steps are tested ----
+# ---- schedules (step → value); the boundary steps of docs/track1_recipe.md#schedules are tested ----
 def window_blocks(step: int, hp: Hyperparameters) -> tuple[int, int]:
     """(short, long) attention windows in blocks. Denominator num_iterations + 1 is the record's (1641)."""
     if step == hp.train_steps:
@@ -970,7 +971,8 @@ def _kv_block_table(blocks: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def flex_window_mask(docs: Tensor, window_blocks: int, block_size: int) -> BlockMask:
-    """Token-exact document-causal sliding-window BlockMask (spec §22.2: window in the dense block tables).
+    """Token-exact document-causal sliding-window BlockMask: the window is written into the dense block tables, so
+    the mask equals FlashAttention-3's window exactly (docs/track1_recipe.md#attention-backends).
 
     With d = query block - key block: blocks with d in [1, W-1] inside one document are fully visible;
     the diagonal, document-cut blocks and the band d = W are partial (token rule applied); d > W is empty.
@@ -2138,7 +2140,8 @@ def train(
     save_resumable_at: Callable[[Progress], None] | None,
     on_final: Callable[[int], None],
 ) -> float:
-    """The timed run (spec §18): validation and checkpointing are outside the clock. Returns the final val loss.
+    """The timed run (docs/track1_recipe.md#training-loop-and-timing): validation and checkpointing are outside
+    the clock. Returns the final val loss.
 
     Starts at progress.step (0, or a checkpoint's). Stops early, raising RunStopped, on a non-finite training
     or validation loss or at the step boundary after SIGINT/SIGTERM (checkpointing first when enabled)."""

@@ -5,7 +5,8 @@
     python train_gpt_shampoo.py --preset=smoke                         # a tiny run on CPU, < 1 minute
     python train_gpt_shampoo.py --matrix_optimizer=adamw               # ablation: AdamW on the matrices
 
-Recipe: record #21 of the Track 3 optimization benchmark (modded-nanogpt, @kellerjordan0, 2026-05-13).
+Recipe: record #21 of the Track 3 optimization benchmark (modded-nanogpt, @kellerjordan0, 2026-05-13), documented
+constant by constant in docs/track3_recipe.md.
 """
 
 # ------------------------------------------------------------------------------------------------

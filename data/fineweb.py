@@ -6,7 +6,7 @@ Every document becomes <|endoftext|> followed by its tokens; the token stream is
     # online: the FineWeb sample the speedrun uses (needs `pip install datasets`)
     python data/fineweb.py --hf-sample 10BT
     # offline: local files, with the GPT-2 BPE ranks from a local gpt2.tiktoken file
-    python data/fineweb.py --input corpus/ --bpe-file ../shared/tokenizer/gpt2.tiktoken --out-dir data/mycorpus
+    python data/fineweb.py --input corpus/ --bpe-file path/to/gpt2.tiktoken --out-dir data/mycorpus
 
 Local inputs: .txt (one document per file), .jsonl (one JSON object per line, its "text" field is a
 document), .parquet (its "text" column), and .txt or .jsonl compressed as .gz or .xz (a compressed file

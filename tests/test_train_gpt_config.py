@@ -1,4 +1,5 @@
-"""Command line, schedules (the spec's boundary steps), YaRN and bad-input errors of train_gpt.py."""
+"""Command line, schedules (the boundary steps of docs/track1_recipe.md#schedules and
+docs/track1_recipe.md#attention-windows), YaRN and bad-input errors of train_gpt.py."""
 
 import math
 import subprocess

@@ -237,7 +237,7 @@ def test_lm_head_loss_uses_the_eager_formula_outside_fp8_training():
 
 # ---- optimizers ----
 def plain_adam_reference(param: torch.Tensor, grads: list[torch.Tensor], lr: float, betas=(0.8, 0.95), eps=1e-8) -> torch.Tensor:
-    """The spec's Adam in float64, with moments rounded to bf16 after each update as DistAdam stores them."""
+    """DistAdam's update (docs/track1_recipe.md#distadam) in float64, with moments rounded to bf16 after each update as DistAdam stores them."""
     p = param.double().clone()
     m = torch.zeros_like(p)
     v = torch.zeros_like(p)
