@@ -1130,6 +1130,36 @@ class Block(nn.Module):
         self.mlp = MLP(dim) if layer != 0 else None
 
 
+class Scalars(NamedTuple):
+    """Named views into GPT.scalars, the one fp32 vector that holds every learned scalar (one Parameter, so that
+    DistAdam shards it along dim 0 and checkpoints store it as one tensor; docs/track1_recipe.md#scalars)."""
+
+    skip_gates: Tensor  # (L,): U-net skip k is added with weight sigmoid(skip_gates[k]); 0 .. UNET_SKIP_PAIRS-1 used
+    block_lambdas: Tensor  # (L, 2): layer i starts with x <- a x + b x0, (a, b) = block_lambdas[i]
+    value_mixing: Tensor  # (L, 2): attention layer i mixes v <- s0 v + s1 ve, (s0, s1) = value_mixing[i]
+    smear_lambda: Tensor  # (): weight of the previous token in the smear gate
+
+    @staticmethod
+    def initial(world_size: int) -> Tensor:
+        """The vector in the order of the fields: 6 L values, then padding to a multiple of world_size."""
+        L = NUM_LAYERS
+        return torch.cat(
+            [
+                torch.full((L,), -1.5),  # skip_gates
+                torch.tensor([1.0, 0.0]).repeat(L),  # block_lambdas
+                torch.tensor([0.5, 0.5]).repeat(L),  # value_mixing
+                torch.zeros(L),  # smear_lambda, then L - 1 unused entries
+                torch.ones((-6 * L) % world_size),  # padding (unused)
+            ]
+        )
+
+    @staticmethod
+    def of(vector: Tensor) -> "Scalars":
+        L = NUM_LAYERS
+        skip_gates, block_lambdas, value_mixing, smear = vector[: 6 * L].split([L, 2 * L, 2 * L, L])
+        return Scalars(skip_gates, block_lambdas.view(L, 2), value_mixing.view(L, 2), smear[0])
+
+
 class GPT(nn.Module):
     def __init__(
         self,
@@ -1151,19 +1181,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(layer, dim, num_heads) for layer in range(NUM_LAYERS))
         self.rotary = Rotary(dim // num_heads, max_seq_len, block_size, table_dtype)
         self.lm_head = LMHead(dim, padded_vocab)
-        L = NUM_LAYERS
-        pad = (-6 * L) % world_size  # DistAdam shards the scalars along dim 0
-        self.scalars = nn.Parameter(
-            torch.cat(
-                [
-                    torch.full((L,), -1.5),  # 0..L-1: U-net skip gates (sigmoid), 0-4 used
-                    torch.tensor([1.0, 0.0]).repeat(L),  # 12..35: block lambdas (a_i, b_i)
-                    torch.tensor([0.5, 0.5]).repeat(L),  # 36..59: value mixing (s0, s1)
-                    torch.zeros(L),  # 60..71: smear lambda at 60
-                    torch.ones(pad),
-                ]
-            )
-        )
+        self.scalars = nn.Parameter(Scalars.initial(world_size))  # read through Scalars.of
         for table in (self.embed, *self.value_embeds):
             tag(table.weight, lr_mul=75.0)
         tag(self.smear_gate.weight, "smear_gate")
@@ -1195,27 +1213,25 @@ class GPT(nn.Module):
         self, ids: Tensor, targets: Tensor, cu_seqlens: Tensor | None, ws_short: Window, ws_long: Window, max_seqlen: int
     ) -> Tensor:
         """Sum of token losses in training, mean in eval. Windows in blocks (see Attention.window_args)."""
-        s = self.scalars
+        scalars = Scalars.of(self.scalars)
         inputs = self.attention.prepare(ids, cu_seqlens, {"short": ws_short, "long": ws_long}, max_seqlen)
         value_embeds = [table(ids)[None] for table in self.value_embeds]
         x = self.embed(ids)
         # smear: mix the previous token's embedding into each position, gated by the current token
         gate = torch.sigmoid(self.smear_gate(x[1:, :GATE_INPUT_DIMS]))
-        x = torch.cat([x[:1], x[1:] + s[60] * gate * x[:-1]])
+        x = torch.cat([x[:1], x[1:] + scalars.smear_lambda * gate * x[:-1]])
         x = x0 = rms_norm(x)[None]
         skips = []
         for layer in range(1, NUM_LAYERS):  # block 0 holds nothing and never runs
             if NUM_LAYERS // 2 <= layer < NUM_LAYERS // 2 + UNET_SKIP_PAIRS:
-                x = x + torch.sigmoid(s[layer - NUM_LAYERS // 2]) * skips.pop()
+                x = x + torch.sigmoid(scalars.skip_gates[layer - NUM_LAYERS // 2]) * skips.pop()
             block = self.blocks[layer]
-            x = s[12 + 2 * layer] * x + s[13 + 2 * layer] * x0
+            x = scalars.block_lambdas[layer, 0] * x + scalars.block_lambdas[layer, 1] * x0
             if block.attn is not None:
                 ve_index = VALUE_EMBED_FOR_LAYER[layer]
                 window = "long" if layer in LONG_WINDOW_LAYERS else "short"
-                mix = s[36 + 2 * layer : 38 + 2 * layer]
-                x = x + block.attn(
-                    rms_norm(x), value_embeds[ve_index] if ve_index is not None else None, mix, self.rotary, self.attention, inputs, window
-                )
+                value_embed = value_embeds[ve_index] if ve_index is not None else None
+                x = x + block.attn(rms_norm(x), value_embed, scalars.value_mixing[layer], self.rotary, self.attention, inputs, window)
             x = x + block.mlp(rms_norm(x))
             if layer <= UNET_SKIP_PAIRS:
                 skips.append(x)

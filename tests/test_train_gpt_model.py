@@ -43,6 +43,19 @@ def test_record_parameter_inventory():
     )
 
 
+def test_scalar_views_name_the_record_layout():
+    """Checkpoints and DistAdam's shards see one vector: the views must keep its order and initial values."""
+    views = tg.Scalars.of(torch.arange(72.0))
+    assert views.skip_gates.tolist() == list(range(12))
+    assert views.block_lambdas.tolist() == [[12 + 2 * i, 13 + 2 * i] for i in range(12)]
+    assert views.value_mixing.tolist() == [[36 + 2 * i, 37 + 2 * i] for i in range(12)]
+    assert views.smear_lambda.item() == 60
+    initial = tg.Scalars.initial(world_size=1)
+    assert initial.tolist() == [-1.5] * 12 + [1.0, 0.0] * 12 + [0.5, 0.5] * 12 + [0.0] * 12
+    assert [tg.Scalars.initial(n).numel() for n in (1, 2, 4, 5, 8)] == [72, 72, 72, 75, 72]  # padded to the world size
+    assert tg.Scalars.of(initial).block_lambdas.data_ptr() == initial.data_ptr() + 12 * initial.element_size()  # views
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_muon_groups_of_the_record_model(world_size):
     groups = tg.muon_groups(tg.muon_parameters(record_model(world_size)), world_size)
