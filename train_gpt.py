@@ -31,7 +31,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, BinaryIO, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -54,15 +54,18 @@ except ImportError:
 
 
 class UserError(Exception):
-    """A problem with the command line, the environment or the data: reported as one line, no traceback."""
+    """A problem with the command line, the environment, the data or a checkpoint: one line, exit status 2."""
 
 
 class RunStopped(Exception):
-    """Training stopped early (non-finite loss, interrupt): the message is the whole report, one line."""
+    """Training stopped early (non-finite loss, interrupt): the message is the whole report, one line.
 
-    def __init__(self, message: str, exit_status: int):
+    every_rank: the cause may show on some ranks only (a Shampoo factor lives on one rank), so each rank that
+    meets it reports it, not only rank 0."""
+
+    def __init__(self, message: str, exit_status: int, every_rank: bool = False):
         super().__init__(message)
-        self.exit_status = exit_status
+        self.exit_status, self.every_rank = exit_status, every_rank
 
 
 def ceil_to(value: int, multiple: int) -> int:
@@ -259,10 +262,6 @@ def muon_momentum(step: int, hp: Hyperparameters) -> float:
 # =============================================================================================
 # Data
 # =============================================================================================
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-SHARD_HEADER_INTS = 256
-DOWNLOAD_HINT = "python data/cached_fineweb10B.py 9"
 QUICK_BOS_SCAN_TOKENS = 4_000_000  # the first shard's BOS index is built from this prefix first...
 QUICK_INDEX_BATCHES = 5  # ...and replaced by the full (background-built) index after this many batches
 
@@ -273,36 +272,46 @@ class Batch(NamedTuple):
     cu_seqlens: Tensor | None  # (max_num_docs,) int32, document starts padded with T; only for FlashAttention-3
 
 
+# ---- shards (the same helpers in train_gpt.py and train_gpt_shampoo.py; tests/test_shared_helpers.py) ----
+# A shard: 256 little-endian int32 (magic, version, token count, zeros), then uint16 tokens (docs/shards.md).
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+SHARD_HEADER_INTS = 256
+GPT2_VOCAB_SIZE = 50257
+DOWNLOAD_HINT = "python data/cached_fineweb10B.py 9"
+HUB_SHARD_SCRIPTS = {"fineweb10B": "cached_fineweb10B.py", "fineweb100B": "cached_fineweb100B.py",
+                     "finewebedu10B": "cached_finewebedu10B.py"}
+
+
 def resolve_files(pattern: str, what: str) -> list[str]:
-    full_pattern = os.path.join(os.environ.get("DATA_PATH", "."), pattern) if os.environ.get("DATA_PATH") else pattern
+    """The files of the --train_files or --val_files pattern (what: "train" or "val"), sorted; DATA_PATH, when
+    set, is prefixed."""
+    full_pattern = os.path.join(os.environ.get("DATA_PATH", ""), pattern)
     files = sorted(glob.glob(full_pattern))
     if not files:
-        raise UserError(
-            f"no {what} files match {full_pattern!r}: download FineWeb shards with `{DOWNLOAD_HINT}` or pass --{what}_files=<glob>"
-        )
+        raise UserError(f"no files match {full_pattern!r} (--{what}_files): download FineWeb shards with "
+                        f"`{DOWNLOAD_HINT}` or pass --{what}_files=<glob>")
     return files
 
 
-HUB_SHARD_SCRIPTS = {"fineweb10B": "cached_fineweb10B.py", "fineweb100B": "cached_fineweb100B.py", "finewebedu10B": "cached_finewebedu10B.py"}
-
-
-def shard_fix(path: str) -> str:
-    """The real fix for a broken shard: where the download scripts put theirs, download again; shards of
-    the smoke preset are rewritten by the next smoke run; any other shard came from data/fineweb.py."""
-    folder = Path(path).parent.name
-    if folder in HUB_SHARD_SCRIPTS:
-        digits = "".join(ch for ch in Path(path).stem.rsplit("_", 1)[-1] if ch.isdigit())
+def shard_fix(path: str | Path) -> str:
+    """The real fix for a broken shard: where the download scripts put theirs, download again; the smoke
+    presets' shards are written again by the next smoke run; any other shard came from data/fineweb.py."""
+    path = Path(path)
+    if path.parent.name in HUB_SHARD_SCRIPTS:
+        digits = "".join(ch for ch in path.stem.rsplit("_", 1)[-1] if ch.isdigit())
         count = max(1, int(digits)) if digits else 1
-        return f"delete it and run `python data/{HUB_SHARD_SCRIPTS[folder]} {count}` again"
-    if folder.startswith("smoke_shards_"):
+        return f"delete it and run `python data/{HUB_SHARD_SCRIPTS[path.parent.name]} {count}` again"
+    if path.name.startswith("smoke_"):
         return "delete it; the next smoke run writes it again"
     return "regenerate it with data/fineweb.py"
 
 
-def read_shard_header(path: str) -> int:
-    """Validates magic, version and size; returns the token count."""
+def read_shard_header(path: str | Path) -> int:
+    """The shard's token count, after checking its magic, version and byte size."""
     if os.path.isdir(path):
-        raise UserError(f"{path}: is a directory, not a token shard; move it away or pass a --train_files/--val_files pattern that matches only shard files")
+        raise UserError(f"{path}: is a directory, not a token shard; move it away or pass a --train_files/--val_files "
+                        f"pattern that matches only shard files")
     try:
         size = os.path.getsize(path)
         header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
@@ -311,30 +320,24 @@ def read_shard_header(path: str) -> int:
     if size < 4 * SHARD_HEADER_INTS:
         raise UserError(f"{path}: {size} bytes is too short for a shard header; {shard_fix(path)}")
     if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
-        raise UserError(
-            f"{path}: not a token shard (magic {header[0]}, version {header[1]}; expected {SHARD_MAGIC}, {SHARD_VERSION}); {shard_fix(path)}"
-        )
+        raise UserError(f"{path}: not a token shard (magic {header[0]}, version {header[1]}; expected {SHARD_MAGIC}, "
+                        f"{SHARD_VERSION}); {shard_fix(path)}")
     num_tokens = int(header[2])
-    if size != 4 * SHARD_HEADER_INTS + 2 * num_tokens:
-        raise UserError(
-            f"{path}: header says {num_tokens} tokens but the file holds {(size - 4 * SHARD_HEADER_INTS) / 2:g}; the shard is truncated or corrupt: {shard_fix(path)}"
-        )
+    expected_bytes = 4 * SHARD_HEADER_INTS + 2 * num_tokens
+    if size != expected_bytes:
+        raise UserError(f"{path}: {size} bytes, header promises {expected_bytes} ({num_tokens} tokens); the shard is "
+                        f"truncated or corrupt: {shard_fix(path)}")
     return num_tokens
 
 
-GPT2_VOCAB_SIZE = 50257
-
-
-def read_shard(path: str, vocab_size: int) -> np.ndarray:
+def read_shard(path: str | Path, vocab_size: int) -> np.ndarray:
+    """The shard's tokens (uint16), every one checked against the vocabulary."""
     num_tokens = read_shard_header(path)
     tokens = np.fromfile(path, dtype="<u2", count=num_tokens, offset=4 * SHARD_HEADER_INTS)
     if tokens.size and int(tokens.max()) >= vocab_size:
         largest = int(tokens.max())
-        fix = (
-            f"pass --vocab_size={GPT2_VOCAB_SIZE} for GPT-2 shards (the record's), or at least {largest + 1}"
-            if largest < GPT2_VOCAB_SIZE
-            else f"pass --vocab_size={largest + 1} or more"
-        )
+        fix = (f"pass --vocab_size={Hyperparameters.vocab_size} for GPT-2 shards (the record's), or at least "
+               f"{largest + 1}" if largest < GPT2_VOCAB_SIZE else f"pass --vocab_size={largest + 1} or more")
         raise UserError(f"{path}: token id {largest} >= --vocab_size={vocab_size}; {fix}")
     return tokens
 
@@ -347,6 +350,41 @@ def check_train_data(files: list[str], vocab_size: int) -> int:
     return total
 
 
+def shard_bytes(tokens: np.ndarray) -> bytes:
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
+    return header.tobytes() + tokens.astype("<u2").tobytes()
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object], replace: bool = True) -> None:
+    """write(f) fills a temporary file in the same folder, which is then published under path: a crash never
+    leaves a partial file under the final name. replace=False never replaces an existing path (FileExistsError)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(temporary, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(temporary, path)
+        else:
+            os.link(temporary, path)  # unlike a rename, fails when path exists
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def write_shard(path: str | Path, tokens: np.ndarray) -> None:
+    """Writes a shard atomically and never replaces a file: an existing file with the same bytes is kept (so
+    processes that write the same shard at once agree), one with other bytes is an error."""
+    path, data = Path(path), shard_bytes(tokens)
+    try:
+        write_atomically(path, lambda f: f.write(data), replace=False)
+    except FileExistsError:
+        if not path.is_file() or path.read_bytes() != data:
+            raise UserError(f"{path} exists with other content; move it away (shards are never overwritten)") from None
+
+
+# ---- batches: BOS-aligned training rows, contiguous validation windows ----
 def bos_positions(tokens: np.ndarray, bos_token: int) -> np.ndarray:
     return np.flatnonzero(tokens == bos_token).astype(np.int64)
 
@@ -572,32 +610,6 @@ def val_loader(
         yield _batch(buffer, doc_starts, max_num_docs, path, device)
 
 
-def _shard_bytes(tokens: np.ndarray) -> bytes:
-    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
-    header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
-    return header.tobytes() + tokens.astype("<u2").tobytes()
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """A temporary file in the same folder, renamed over path once complete: a crash never leaves a partial
-    file under the final name, and two writers of the same bytes cannot corrupt each other."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(temporary, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
-def write_shard(path: Path, tokens: np.ndarray) -> None:
-    """Writes a shard in the FineWeb format, atomically; never overwrites an existing file."""
-    if os.path.lexists(path):
-        raise FileExistsError(f"{path} exists; shards are never overwritten")
-    write_atomically(Path(path), _shard_bytes(tokens))
 
 
 def synthetic_tokens(num_tokens: int, vocab_size: int, bos_token: int, seed: int) -> np.ndarray:
@@ -644,7 +656,8 @@ def smoke_shards(hp: Hyperparameters, rank: int) -> tuple[str, str]:
                 raise UserError(f"{path}: is a directory, not a token shard; move it away")
             if path.exists():
                 print(f"smoke shards: rewriting {path}, which is not a complete shard", flush=True)
-            write_atomically(path, _shard_bytes(synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed)))
+            data = shard_bytes(synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed))
+            write_atomically(path, lambda f: f.write(data))  # replaces the broken file: the folder is ours
     dist.barrier()
     return str(folder / "smoke_train_*.bin"), str(folder / "smoke_val_*.bin")
 
@@ -1656,12 +1669,18 @@ def build_optimizers(model: GPT, hp: Hyperparameters, rank: int, world_size: int
 # =============================================================================================
 # Distributed setup and logging
 # =============================================================================================
+# ---- processes, log and stopping (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
 class Runtime(NamedTuple):
+    """This process's place in the run."""
+
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
-    grad_accum_steps: int
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return 8 // self.world_size  # the record's 8 micro-batches per step, split over the ranks
 
 
 def _free_port() -> int:
@@ -1670,16 +1689,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def read_world_size() -> int:
+    text = os.environ.get("WORLD_SIZE", "1")
+    if text not in ("1", "2", "4", "8"):
+        raise UserError(f"WORLD_SIZE={text}: must divide 8 (1, 2, 4 or 8 processes), the record's micro-batches per step")
+    return int(text)
+
+
 def setup_distributed() -> Runtime:
-    """torchrun's environment, or a one-process group when run as plain `python train_gpt.py`."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read once, at CUDA's first allocation
+    """torchrun's environment, or a one-process group when the script runs as plain `python`; NCCL with one GPU
+    per rank, else gloo on CPU."""
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if world_size < 1 or 8 % world_size != 0:
-        raise UserError(f"WORLD_SIZE={world_size}: the record batch needs a world size dividing 8 (1, 2, 4 or 8)")
+    world_size = read_world_size()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -1687,13 +1712,20 @@ def setup_distributed() -> Runtime:
     else:
         device = torch.device("cpu")
         if "OMP_NUM_THREADS" not in os.environ:  # OpenMP spin-waits badly when ranks oversubscribe the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))))
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * local_world_size)))
         dist.init_process_group("gloo")
     dist.barrier()
-    return Runtime(rank, world_size, local_rank, device, 8 // world_size)
+    return Runtime(rank, world_size, local_rank, device)
 
 
-_log_path: Path | None = None
+def synchronize(device: torch.device) -> None:
+    """Waits until the GPU has finished the work queued so far (for the clock); not a barrier between ranks."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+_log_path: Path | None = None  # rank 0's log, once created
 _is_master = True
 
 
@@ -1704,29 +1736,49 @@ def print0(s: str, console: bool = False) -> None:
     if console:
         print(s, flush=True)
     if _log_path is not None:
-        with open(_log_path, "a") as f:
+        with open(_log_path, "a", encoding="utf-8") as f:
             f.write(s + "\n")
 
 
 def open_log(log_dir: str, run_id: str) -> tuple[Path, str]:
-    """Creates logs/<run_id>.txt without ever overwriting a file; a random id is redrawn on collision."""
+    """Creates <log_dir>/<run_id>.txt without ever overwriting a file; an empty run_id draws a uuid4 (again on a
+    collision)."""
     folder = Path(log_dir)
     folder.mkdir(parents=True, exist_ok=True)
     while True:
         rid = run_id or str(uuid.uuid4())
         path = folder / f"{rid}.txt"
         try:
-            with open(path, "x"):
+            with open(path, "x", encoding="utf-8"):
                 return path, rid
         except FileExistsError:
             if run_id:
-                raise UserError(f"{path} already exists; choose another --run_id (logs are never overwritten)")
+                raise UserError(f"{path} already exists; choose another --run_id (logs are never overwritten)") from None
 
 
-# ---- stopping early: signals, non-finite losses and the one error line ----
+def _command_output(args: list[str]) -> str | None:
+    """The command's standard output, run in this script's folder; None when it fails."""
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=30,
+                                cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def git_commit() -> str:
+    """HEAD, marked when tracked files differ from it (the source embedded above is then what ran)."""
+    commit = (_command_output(["git", "rev-parse", "HEAD"]) or "unknown").strip()
+    if (_command_output(["git", "status", "--porcelain", "--untracked-files=no"]) or "").strip():
+        commit += " (modified)"
+    return commit
+
+
 _stop_signal: int | None = None  # the first SIGINT or SIGTERM received
 _defer_stop = False  # while training: a signal is honoured at the next step boundary (see StepHealth)
 _step_reached = 0  # steps completed, for the interrupt message
+NON_FINITE_EXIT_STATUS = 3
+HEALTH_LAG_CUDA = 2  # steps between a training loss and its check: the GPU finished that step long ago
 
 
 def interrupted(signum: int) -> RunStopped:
@@ -1734,8 +1786,8 @@ def interrupted(signum: int) -> RunStopped:
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:
-    """Training stops at the next step boundary (after a final checkpoint with --checkpoint_every); outside
-    training, or on a second Ctrl-C, at once."""
+    """Training stops at the next step boundary (after a checkpoint with --checkpoint_every); outside training,
+    or on a second Ctrl-C, at once."""
     global _stop_signal
     repeated = _stop_signal is not None
     if not repeated:
@@ -1749,13 +1801,10 @@ def install_stop_handlers() -> None:
         signal.signal(signum, _on_stop_signal)
 
 
-HEALTH_LAG_CUDA = 2  # steps between a training loss and its check: the GPU finished that step long ago
-
-
 class StepHealth:
-    """Each training step's summed micro-step losses and a stop-request flag, summed over ranks on the device
-    and copied without blocking into pinned host memory, then read `lag` steps later: the check adds no
-    host sync to a step. All ranks read the same sums at the same step, so they stop at the same boundary."""
+    """Each training step's summed losses and a stop-request flag, summed over ranks on the device and copied
+    without blocking into pinned host memory, then read `lag` steps later: the check adds no host sync to a
+    step. All ranks read the same sums at the same step, so they stop at the same boundary."""
 
     def __init__(self, device: torch.device, world_size: int, lag: int):
         self.world_size, self.lag = world_size, lag
@@ -1774,7 +1823,8 @@ class StepHealth:
         self.pending.append((step, slot))
 
     def poll(self, keep: int) -> bool:
-        """Reads all but the newest `keep` steps: raises RunStopped on a non-finite loss; True when a rank asked to stop."""
+        """Reads all but the newest `keep` steps: raises RunStopped on a non-finite loss; True when a rank asked
+        to stop."""
         stop = False
         while len(self.pending) > keep:
             step, slot = self.pending.pop(0)
@@ -1787,36 +1837,16 @@ class StepHealth:
         return stop
 
 
-NON_FINITE_EXIT_STATUS = 3
-
-
-def report_stop(console_line: str, log_line: str) -> None:
-    """The one line, on stderr and in the log (rank 0; every rank meets these stops together), and in
-    torchrun's per-rank error file (its documented format), from which run.sh knows the line was printed
-    and leaves out the launcher's own report."""
-    if os.environ.get("RANK", "0") == "0":
-        print(console_line, file=sys.stderr, flush=True)
-        print0(log_line)
+def report_stop(line: str, every_rank: bool = False) -> None:
+    """The one line on stderr (rank 0, or every rank that met the cause) and in torchrun's per-rank error file
+    (its documented format), from which run.sh knows the line was printed and leaves out the launcher's report."""
+    if os.environ.get("RANK", "0") == "0" or every_rank:
+        print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         Path(error_file).parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(Path(error_file), json.dumps({"message": console_line, "timestamp": str(int(time.time()))}).encode())
-
-
-def _command_output(args: list[str]) -> str | None:
-    try:
-        result = subprocess.run(args, capture_output=True, text=True, timeout=30, cwd=os.path.dirname(os.path.abspath(__file__)))
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return result.stdout if result.returncode == 0 else None
-
-
-def git_commit() -> str:
-    """HEAD, marked when tracked files differ from it (the source embedded above is then what ran)."""
-    commit = (_command_output(["git", "rev-parse", "HEAD"]) or "unknown").strip()
-    if (_command_output(["git", "status", "--porcelain", "--untracked-files=no"]) or "").strip():
-        commit += " (modified)"
-    return commit
+        message = json.dumps({"message": line, "timestamp": str(int(time.time()))}).encode()
+        write_atomically(Path(error_file), lambda f: f.write(message))
 
 
 def log_environment(
@@ -1873,7 +1903,45 @@ def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime)
 CHECKPOINT_FORMAT = "train_gpt/1"
 # Settings that may differ between a checkpointed run and its resumption (the trajectory does not depend on them).
 RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"})
-PARTIAL_MARKER = ".partial-"
+
+
+# ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
+PARTIAL_MARKER = ".partial-"  # a checkpoint folder is staged as .<name>.partial-<run id>, then renamed
+
+
+def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> list[str]:
+    """Staging folders of saves that never finished (their run was killed), older than this run."""
+    if not directory.is_dir():
+        return []
+    stale = sorted(p for p in directory.glob(f".*{PARTIAL_MARKER}*") if p.is_dir() and p.stat().st_mtime < run_started)
+    for path in stale:
+        shutil.rmtree(path)
+    return [path.name for path in stale]
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    write_atomically(path, lambda f: torch.save(obj, f))
+
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
 @dataclass
@@ -1913,51 +1981,6 @@ def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, start_step: 
             )
 
 
-def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> list[str]:
-    """Staging folders of saves that never finished (their run was killed), older than this run."""
-    if not directory.is_dir():
-        return []
-    stale = sorted(p for p in directory.glob(f".step*{PARTIAL_MARKER}*") if p.is_dir() and p.stat().st_mtime < run_started)
-    for path in stale:
-        shutil.rmtree(path)
-    return [path.name for path in stale]
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save to a temporary name, then a rename: the final name only ever holds a complete file."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def rng_state(device: torch.device) -> dict[str, Tensor]:
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"].cpu())
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-
-
 def save_resumable(
     target: Path,
     run_id: str,
@@ -1987,10 +2010,10 @@ def save_resumable(
         manifest = dict(
             format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, step=progress.step, hyperparameters=settings
         )
-        write_atomically(staging / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
-        _fsync_directory(staging)
+        write_atomically(staging / "manifest.json", lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
+        fsync_directory(staging)
         os.rename(staging, target)  # target was checked above; rename never merges into an existing folder
-        _fsync_directory(target.parent)
+        fsync_directory(target.parent)
     dist.barrier()
     return True
 
@@ -2093,11 +2116,6 @@ def warmup_kernels(
 # =============================================================================================
 # Train / validate loop
 # =============================================================================================
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module, hp: Hyperparameters, rt: Runtime, make_val_loader: Callable[[], Iterator[Batch]], windows: tuple[Window, Window]
@@ -2250,6 +2268,7 @@ def run(argv: list[str]) -> float:
     run_started = time.time()
     hp, overrides = parse_args(argv)
     settings = comparable_settings(hp)  # what a checkpoint of this run records (before the smoke preset's paths)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read at CUDA's first allocation
     rt = setup_distributed()
     _is_master = rt.rank == 0
     configure_torch(rt.device)
@@ -2359,10 +2378,12 @@ def main() -> None:
     try:
         run(sys.argv[1:])
     except UserError as error:
-        report_stop(f"train_gpt.py: error: {error}", f"error: {error}")
+        print0(f"error: {error}")
+        report_stop(f"train_gpt.py: error: {error}")
         status = 2
     except RunStopped as stop:
-        report_stop(str(stop), str(stop))
+        print0(str(stop))
+        report_stop(str(stop), stop.every_rank)
         status = stop.exit_status
     else:
         return

@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, BinaryIO, Callable, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -58,9 +58,6 @@ except ImportError as error:  # reported when --matrix_optimizer=shampoo is aske
     SHAMPOO_PACKAGE_DIR = None
     SHAMPOO_IMPORT_ERROR = error
     NON_FINITE_PRECONDITIONER_ERRORS = ()  # no Shampoo, nothing to catch
-
-DOWNLOAD_HINT = "python data/cached_fineweb10B.py 9"
-
 
 class UserError(Exception):
     """A problem with the command line, the environment, the data or a checkpoint: one line, exit status 2."""
@@ -225,75 +222,128 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Data: shards of 256 int32 header + uint16 GPT-2 tokens, read by the record's unaligned loader
+# Data: token shards, read by the record's unaligned loader
 
+# ---- shards (the same helpers in train_gpt.py and train_gpt_shampoo.py; tests/test_shared_helpers.py) ----
+# A shard: 256 little-endian int32 (magic, version, token count, zeros), then uint16 tokens (docs/shards.md).
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
-HEADER_INTS = 256
-
-
-HUB_SHARD_SCRIPTS = {"fineweb10B": "cached_fineweb10B.py", "fineweb100B": "cached_fineweb100B.py", "finewebedu10B": "cached_finewebedu10B.py"}
+SHARD_HEADER_INTS = 256
 GPT2_VOCAB_SIZE = 50257
+DOWNLOAD_HINT = "python data/cached_fineweb10B.py 9"
+HUB_SHARD_SCRIPTS = {"fineweb10B": "cached_fineweb10B.py", "fineweb100B": "cached_fineweb100B.py",
+                     "finewebedu10B": "cached_finewebedu10B.py"}
 
 
-def shard_fix(path: Path) -> str:
+def resolve_files(pattern: str, what: str) -> list[str]:
+    """The files of the --train_files or --val_files pattern (what: "train" or "val"), sorted; DATA_PATH, when
+    set, is prefixed."""
+    full_pattern = os.path.join(os.environ.get("DATA_PATH", ""), pattern)
+    files = sorted(glob.glob(full_pattern))
+    if not files:
+        raise UserError(f"no files match {full_pattern!r} (--{what}_files): download FineWeb shards with "
+                        f"`{DOWNLOAD_HINT}` or pass --{what}_files=<glob>")
+    return files
+
+
+def shard_fix(path: str | Path) -> str:
     """The real fix for a broken shard: where the download scripts put theirs, download again; the smoke
-    preset's are rewritten by deleting them; any other shard came from data/fineweb.py."""
+    presets' shards are written again by the next smoke run; any other shard came from data/fineweb.py."""
+    path = Path(path)
     if path.parent.name in HUB_SHARD_SCRIPTS:
-        digits = re.findall(r"\d+", path.stem)
-        count = max(1, int(digits[-1])) if digits else 1
+        digits = "".join(ch for ch in path.stem.rsplit("_", 1)[-1] if ch.isdigit())
+        count = max(1, int(digits)) if digits else 1
         return f"delete it and run `python data/{HUB_SHARD_SCRIPTS[path.parent.name]} {count}` again"
     if path.name.startswith("smoke_"):
         return "delete it; the next smoke run writes it again"
     return "regenerate it with data/fineweb.py"
 
 
-def read_shard_header(path: Path) -> int:
+def read_shard_header(path: str | Path) -> int:
     """The shard's token count, after checking its magic, version and byte size."""
-    if path.is_dir():
+    if os.path.isdir(path):
         raise UserError(f"{path}: is a directory, not a token shard; move it away or pass a --train_files/--val_files "
                         f"pattern that matches only shard files")
     try:
-        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-        size = path.stat().st_size
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
     except OSError as error:
         raise UserError(f"{path}: cannot read it ({error.strerror}); check that it exists and is readable") from None
-    if len(header) < HEADER_INTS or header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
-        raise UserError(f"{path}: not a token shard (expected header magic {SHARD_MAGIC}, version {SHARD_VERSION}); {shard_fix(path)}")
+    if size < 4 * SHARD_HEADER_INTS:
+        raise UserError(f"{path}: {size} bytes is too short for a shard header; {shard_fix(path)}")
+    if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
+        raise UserError(f"{path}: not a token shard (magic {header[0]}, version {header[1]}; expected {SHARD_MAGIC}, "
+                        f"{SHARD_VERSION}); {shard_fix(path)}")
     num_tokens = int(header[2])
-    expected_bytes = 4 * HEADER_INTS + 2 * num_tokens
+    expected_bytes = 4 * SHARD_HEADER_INTS + 2 * num_tokens
     if size != expected_bytes:
-        raise UserError(f"{path}: {size} bytes, header promises {expected_bytes}; {shard_fix(path)}")
+        raise UserError(f"{path}: {size} bytes, header promises {expected_bytes} ({num_tokens} tokens); the shard is "
+                        f"truncated or corrupt: {shard_fix(path)}")
     return num_tokens
 
 
-def load_shard(path: Path, vocab_size: int, pin: bool) -> Tensor:
+def read_shard(path: str | Path, vocab_size: int) -> np.ndarray:
+    """The shard's tokens (uint16), every one checked against the vocabulary."""
     num_tokens = read_shard_header(path)
-    tokens = np.fromfile(path, dtype="<u2", offset=4 * HEADER_INTS, count=num_tokens)
-    if num_tokens and int(tokens.max()) >= vocab_size:
+    tokens = np.fromfile(path, dtype="<u2", count=num_tokens, offset=4 * SHARD_HEADER_INTS)
+    if tokens.size and int(tokens.max()) >= vocab_size:
         largest = int(tokens.max())
-        fix = (f"pass --vocab_size={Hyperparameters.vocab_size} for GPT-2 shards (the record's), or at least {largest + 1}"
-               if largest < GPT2_VOCAB_SIZE else f"pass --vocab_size={largest + 1} or more")
+        fix = (f"pass --vocab_size={Hyperparameters.vocab_size} for GPT-2 shards (the record's), or at least "
+               f"{largest + 1}" if largest < GPT2_VOCAB_SIZE else f"pass --vocab_size={largest + 1} or more")
         raise UserError(f"{path}: token id {largest} >= --vocab_size={vocab_size}; {fix}")
-    tensor = torch.from_numpy(tokens.astype(np.uint16, copy=False))
-    return tensor.pin_memory() if pin else tensor
+    return tokens
 
 
-def resolve_files(pattern: str) -> list[Path]:
-    full_pattern = os.path.join(os.environ.get("DATA_PATH", ""), pattern)
-    files = sorted(Path(p) for p in glob.glob(full_pattern))
-    if not files:
-        raise UserError(f"no files match {full_pattern!r}; download the data with `{DOWNLOAD_HINT}`")
-    return files
+def check_train_data(files: list[str], vocab_size: int) -> int:
+    """Every shard's header and the first shard's tokens, before the run starts (the loader checks the other
+    shards' tokens as it reaches them). Returns the total token count."""
+    total = sum(read_shard_header(path) for path in files)
+    read_shard(files[0], vocab_size)
+    return total
 
 
+def shard_bytes(tokens: np.ndarray) -> bytes:
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
+    return header.tobytes() + tokens.astype("<u2").tobytes()
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object], replace: bool = True) -> None:
+    """write(f) fills a temporary file in the same folder, which is then published under path: a crash never
+    leaves a partial file under the final name. replace=False never replaces an existing path (FileExistsError)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(temporary, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(temporary, path)
+        else:
+            os.link(temporary, path)  # unlike a rename, fails when path exists
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def write_shard(path: str | Path, tokens: np.ndarray) -> None:
+    """Writes a shard atomically and never replaces a file: an existing file with the same bytes is kept (so
+    processes that write the same shard at once agree), one with other bytes is an error."""
+    path, data = Path(path), shard_bytes(tokens)
+    try:
+        write_atomically(path, lambda f: f.write(data), replace=False)
+    except FileExistsError:
+        if not path.is_file() or path.read_bytes() != data:
+            raise UserError(f"{path} exists with other content; move it away (shards are never overwritten)") from None
+
+
+# ---- the record's unaligned loader ----
 class TokenLoader:
     """The record's unaligned loader: each step takes the next batch_tokens (+1 for the shifted targets)
     consecutive tokens of the current shard, rank r the r-th slice; a shard's tail shorter than a batch
     is dropped, so is a whole shard shorter than a batch (the last one data/fineweb.py writes may be).
     Documents are neither aligned nor masked. The position is checkpointable."""
 
-    def __init__(self, files: list[Path], batch_tokens: int, seq_len: int, rank: int, world_size: int,
+    def __init__(self, files: list[str], batch_tokens: int, seq_len: int, rank: int, world_size: int,
                  vocab_size: int, device: torch.device, cycle: bool = False):
         self.files, self.batch_tokens, self.seq_len = files, batch_tokens, seq_len
         self.rank, self.local_tokens = rank, batch_tokens // world_size
@@ -302,7 +352,8 @@ class TokenLoader:
         self.tokens = self._load(0)
 
     def _load(self, index: int) -> Tensor:
-        return load_shard(self.files[index], self.vocab_size, pin=self.device.type == "cuda")
+        tokens = torch.from_numpy(read_shard(self.files[index], self.vocab_size))
+        return tokens.pin_memory() if self.device.type == "cuda" else tokens
 
     def _fits(self) -> bool:
         return self.position + self.batch_tokens + 1 < len(self.tokens)
@@ -338,28 +389,6 @@ class TokenLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.file_index, self.position, self.passes = state["file_index"], state["position"], state["passes"]
         self.tokens = self._load(self.file_index)
-
-
-def count_tokens(files: list[Path]) -> int:
-    return sum(read_shard_header(path) for path in files)
-
-
-def write_shard(path: Path, tokens: np.ndarray) -> None:
-    """Writes a shard atomically; an existing file is kept if identical and otherwise never replaced."""
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    data = header.tobytes() + tokens.astype("<u2").tobytes()
-    if path.exists():
-        if path.read_bytes() != data:
-            raise UserError(f"{path} exists with other content; move it away or pass --train_files/--val_files")
-        return
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        temporary.write_bytes(data)
-        os.replace(temporary, path)  # every rank may write the same bytes; none sees a partial file
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def generate_smoke_shards(vocab_size: int, relative_dir: str = "data/smoke") -> tuple[str, str]:
@@ -587,16 +616,18 @@ def lr_multiplier(step: int, hp: Hyperparameters) -> float:
 # Distributed setup and logging
 
 
-@dataclass
-class Distributed:
+# ---- processes, log and stopping (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
+class Runtime(NamedTuple):
+    """This process's place in the run."""
+
     rank: int
-    local_rank: int
     world_size: int
+    local_rank: int
     device: torch.device
 
     @property
     def grad_accum_steps(self) -> int:
-        return 8 // self.world_size
+        return 8 // self.world_size  # the record's 8 micro-batches per step, split over the ranks
 
 
 def _free_port() -> int:
@@ -607,18 +638,19 @@ def _free_port() -> int:
 
 def read_world_size() -> int:
     text = os.environ.get("WORLD_SIZE", "1")
-    if not text.isdigit() or int(text) not in (1, 2, 4, 8):
-        raise UserError(f"WORLD_SIZE={text}: must divide 8 (1, 2, 4 or 8 processes)")
+    if text not in ("1", "2", "4", "8"):
+        raise UserError(f"WORLD_SIZE={text}: must divide 8 (1, 2, 4 or 8 processes), the record's micro-batches per step")
     return int(text)
 
 
-def setup_distributed() -> Distributed:
-    """torchrun's environment, or a single process; NCCL with one GPU per rank, else gloo on CPU."""
+def setup_distributed() -> Runtime:
+    """torchrun's environment, or a one-process group when the script runs as plain `python`; NCCL with one GPU
+    per rank, else gloo on CPU."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     world_size = read_world_size()
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -626,79 +658,72 @@ def setup_distributed() -> Distributed:
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # OpenMP spin-waits badly when ranks oversubscribe the cores
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * local_world_size)))
         dist.init_process_group("gloo")
-    return Distributed(rank, local_rank, world_size, device)
+    dist.barrier()
+    return Runtime(rank, world_size, local_rank, device)
 
 
 def synchronize(device: torch.device) -> None:
+    """Waits until the GPU has finished the work queued so far (for the clock); not a barrier between ranks."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    dist.barrier()
 
 
-PACKAGE_BANNER = "# ===== {} ====="
-SEPARATOR = "=" * 100
-
-
-def shampoo_source_files() -> list[Path]:
-    """Every module of the distributed_shampoo package, sorted by path, its tests excluded. All of them,
-    not only those this process imported: what a process has imported depends on what ran before in it
-    (a test runner, say), and the log must rebuild the same program every time."""
-    if SHAMPOO_PACKAGE_DIR is None:
-        return []
-    return sorted(f for f in SHAMPOO_PACKAGE_DIR.rglob("*.py")
-                  if not {"tests", "gpu_tests"} & set(f.relative_to(SHAMPOO_PACKAGE_DIR).parts))
-
-
-def program_source() -> str:
-    """This script's source, then each package module behind a banner naming it: the log alone
-    rebuilds the program (tools/records.py extract)."""
-    parts = [Path(__file__).read_text(encoding="utf-8")]
-    for path in shampoo_source_files():
-        assert SHAMPOO_PACKAGE_DIR is not None
-        text = path.read_text(encoding="utf-8")
-        parts.append(PACKAGE_BANNER.format(path.relative_to(SHAMPOO_PACKAGE_DIR.parent).as_posix()) + "\n")
-        parts.append(text if text.endswith("\n") or not text else text + "\n")
-    if not parts[0].endswith("\n"):
-        parts[0] += "\n"
-    return "".join(parts)
-
-
-def create_log_file(log_dir: Path) -> tuple[Path, str]:
-    """A new logs/<uuid4>.txt; an existing file is never reused."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    while True:
-        run_id = str(uuid.uuid4())
-        path = log_dir / f"{run_id}.txt"
-        try:
-            with open(path, "x", encoding="utf-8"):
-                return path, run_id
-        except FileExistsError:
-            continue
-
-
-_log_path: Path | None = None  # rank 0's log, written by print0
-_shared_log_path: Path | None = None  # the same path, known to every rank (for errors only one rank meets)
+_log_path: Path | None = None  # rank 0's log, once created
 _is_master = True
 
 
-def print0(s: str, console: bool = False, logfile: bool = True) -> None:
-    """Rank 0 appends s to the run log (flushed at once) and, with console=True, prints it;
-    logfile=False is for the console-only train-step lines of the record's format."""
+def print0(s: str, console: bool = False) -> None:
+    """Rank 0 appends s to the run log (flushed at once) and, with console=True, prints it."""
     if not _is_master:
         return
     if console:
         print(s, flush=True)
-    if logfile and _log_path is not None:
+    if _log_path is not None:
         with open(_log_path, "a", encoding="utf-8") as f:
             f.write(s + "\n")
 
 
-# Stopping early: signals, non-finite losses and the one error line
+def open_log(log_dir: str, run_id: str) -> tuple[Path, str]:
+    """Creates <log_dir>/<run_id>.txt without ever overwriting a file; an empty run_id draws a uuid4 (again on a
+    collision)."""
+    folder = Path(log_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    while True:
+        rid = run_id or str(uuid.uuid4())
+        path = folder / f"{rid}.txt"
+        try:
+            with open(path, "x", encoding="utf-8"):
+                return path, rid
+        except FileExistsError:
+            if run_id:
+                raise UserError(f"{path} already exists; choose another --run_id (logs are never overwritten)") from None
+
+
+def _command_output(args: list[str]) -> str | None:
+    """The command's standard output, run in this script's folder; None when it fails."""
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=30,
+                                cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def git_commit() -> str:
+    """HEAD, marked when tracked files differ from it (the source embedded above is then what ran)."""
+    commit = (_command_output(["git", "rev-parse", "HEAD"]) or "unknown").strip()
+    if (_command_output(["git", "status", "--porcelain", "--untracked-files=no"]) or "").strip():
+        commit += " (modified)"
+    return commit
+
 
 _stop_signal: int | None = None  # the first SIGINT or SIGTERM received
-_defer_stop = False  # while a trial trains: a signal is honoured at the next step boundary (see StepHealth)
-_step_reached = 0  # steps completed in the current trial, for the interrupt message
+_defer_stop = False  # while training: a signal is honoured at the next step boundary (see StepHealth)
+_step_reached = 0  # steps completed, for the interrupt message
 NON_FINITE_EXIT_STATUS = 3
 HEALTH_LAG_CUDA = 2  # steps between a training loss and its check: the GPU finished that step long ago
 
@@ -708,8 +733,8 @@ def interrupted(signum: int) -> RunStopped:
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:
-    """Training stops at the next step boundary (after a checkpoint with --checkpoint_every); outside
-    training, or on a second Ctrl-C, at once."""
+    """Training stops at the next step boundary (after a checkpoint with --checkpoint_every); outside training,
+    or on a second Ctrl-C, at once."""
     global _stop_signal
     repeated = _stop_signal is not None
     if not repeated:
@@ -745,7 +770,8 @@ class StepHealth:
         self.pending.append((step, slot))
 
     def poll(self, keep: int) -> bool:
-        """Reads all but the newest `keep` steps: raises RunStopped on a non-finite loss; True when a rank asked to stop."""
+        """Reads all but the newest `keep` steps: raises RunStopped on a non-finite loss; True when a rank asked
+        to stop."""
         stop = False
         while len(self.pending) > keep:
             step, slot = self.pending.pop(0)
@@ -758,6 +784,21 @@ class StepHealth:
         return stop
 
 
+def report_stop(line: str, every_rank: bool = False) -> None:
+    """The one line on stderr (rank 0, or every rank that met the cause) and in torchrun's per-rank error file
+    (its documented format), from which run.sh knows the line was printed and leaves out the launcher's report."""
+    if os.environ.get("RANK", "0") == "0" or every_rank:
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+        message = json.dumps({"message": line, "timestamp": str(int(time.time()))}).encode()
+        write_atomically(Path(error_file), lambda f: f.write(message))
+
+
+_shared_log_path: Path | None = None  # the log's path on every rank (for a stop that only some ranks meet)
+
+
 def preconditioner_failure(error: Exception, step: int, matrix_names: list[str]) -> RunStopped:
     """Shampoo's own finding as one line, naming the parameter whose factor matrix went non-finite."""
     text = " ".join(str(error).split())
@@ -768,37 +809,36 @@ def preconditioner_failure(error: Exception, step: int, matrix_names: list[str])
     return RunStopped(f"step {step}: Shampoo: {finding}; stopping", NON_FINITE_EXIT_STATUS, every_rank=True)
 
 
-def write_error_file(line: str) -> None:
-    """torchrun's per-rank error file (its documented format), from which run.sh and torchrun's own report
-    take this line."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        path = Path(error_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        temporary.write_text(json.dumps({"message": line, "timestamp": str(int(time.time()))}))
-        os.replace(temporary, path)
+PACKAGE_BANNER = "# ===== {} ====="
+SEPARATOR = "=" * 100
 
 
-def _command_output(command: list[str]) -> str | None:
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=30,
-                                cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return result.stdout.strip() if result.returncode == 0 else None
+def shampoo_source_files() -> list[Path]:
+    """Every module of the distributed_shampoo package, sorted by path, its tests excluded. All of them,
+    not only those this process imported: what a process has imported depends on what ran before in it
+    (a test runner, say), and the log must rebuild the same program every time."""
+    if SHAMPOO_PACKAGE_DIR is None:
+        return []
+    return sorted(f for f in SHAMPOO_PACKAGE_DIR.rglob("*.py")
+                  if not {"tests", "gpu_tests"} & set(f.relative_to(SHAMPOO_PACKAGE_DIR).parts))
 
 
-def git_commit() -> str:
-    """HEAD, marked when tracked files differ from it (the source embedded above is then what ran)."""
-    commit = _command_output(["git", "rev-parse", "HEAD"]) or "unknown"
-    if _command_output(["git", "status", "--porcelain", "--untracked-files=no"]):
-        commit += " (modified)"
-    return commit
+def program_source() -> str:
+    """This script's source, then each package module behind a banner naming it: the log alone
+    rebuilds the program (tools/records.py extract)."""
+    parts = [Path(__file__).read_text(encoding="utf-8")]
+    for path in shampoo_source_files():
+        assert SHAMPOO_PACKAGE_DIR is not None
+        text = path.read_text(encoding="utf-8")
+        parts.append(PACKAGE_BANNER.format(path.relative_to(SHAMPOO_PACKAGE_DIR.parent).as_posix()) + "\n")
+        parts.append(text if text.endswith("\n") or not text else text + "\n")
+    if not parts[0].endswith("\n"):
+        parts[0] += "\n"
+    return "".join(parts)
 
 
-def environment_lines(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed,
-                      train_files: list[Path], val_files: list[Path], token_counts: tuple[int, int]) -> list[str]:
+def environment_lines(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime,
+                      train_files: list[str], val_files: list[str], token_counts: tuple[int, int]) -> list[str]:
     try:
         import triton
 
@@ -809,10 +849,10 @@ def environment_lines(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distr
         f"Running Python {sys.version}",
         f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
         f"Running Triton version {triton_version}",
-        _command_output(["nvidia-smi"]) or "nvidia-smi: not available",
-        f"device: {ddp.world_size}x {torch.cuda.get_device_name(ddp.device)}" if ddp.device.type == "cuda" else "device: cpu",
-        f"world_size: {ddp.world_size}",
-        f"grad_accum_steps: {ddp.grad_accum_steps}",
+        (_command_output(["nvidia-smi"]) or "nvidia-smi: not available").rstrip("\n"),
+        f"device: {rt.world_size}x {torch.cuda.get_device_name(rt.device)}" if rt.device.type == "cuda" else "device: cpu",
+        f"world_size: {rt.world_size}",
+        f"grad_accum_steps: {rt.grad_accum_steps}",
         f"git_commit: {git_commit()}",
         f"overrides: {overrides!r}",
         f"hyperparameters: {dataclasses.asdict(hp)!r}",
@@ -835,6 +875,45 @@ def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
 # rank 0 renames into place after a barrier, so a save is all-or-nothing and never touches another.
 
 CHECKPOINT_FORMAT = "train_gpt_shampoo/1"
+
+
+# ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
+PARTIAL_MARKER = ".partial-"  # a checkpoint folder is staged as .<name>.partial-<run id>, then renamed
+
+
+def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> list[str]:
+    """Staging folders of saves that never finished (their run was killed), older than this run."""
+    if not directory.is_dir():
+        return []
+    stale = sorted(p for p in directory.glob(f".*{PARTIAL_MARKER}*") if p.is_dir() and p.stat().st_mtime < run_started)
+    for path in stale:
+        shutil.rmtree(path)
+    return [path.name for path in stale]
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    write_atomically(path, lambda f: torch.save(obj, f))
+
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
 @dataclass
@@ -865,54 +944,7 @@ def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, resume: "Res
                                 f"--checkpoint_dir (checkpoints are never overwritten)")
 
 
-PARTIAL_MARKER = ".partial-"
-
-
-def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> list[str]:
-    """Staging folders of saves that never finished (their run was killed), older than this run."""
-    if not directory.is_dir():
-        return []
-    stale = sorted(p for p in directory.glob(f".*{PARTIAL_MARKER}*") if p.is_dir() and p.stat().st_mtime < run_started)
-    for path in stale:
-        shutil.rmtree(path)
-    return [path.name for path in stale]
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
-def fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def rng_state(device: torch.device) -> dict[str, Tensor]:
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"].cpu())
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-
-
-def save_checkpoint(target: Path, run_id: str, ddp: Distributed, hp: Hyperparameters, model: GPT,
+def save_checkpoint(target: Path, run_id: str, rt: Runtime, hp: Hyperparameters, model: GPT,
                     optimizers: list[torch.optim.Optimizer], loader: TokenLoader, progress: Progress) -> bool:
     """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists."""
     exists = [target.exists()]
@@ -920,23 +952,21 @@ def save_checkpoint(target: Path, run_id: str, ddp: Distributed, hp: Hyperparame
     if exists[0]:
         return False
     staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
-    if ddp.rank == 0:
+    if rt.rank == 0:
         staging.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    rank_state = {"matrix_optimizer": optimizers[1].state_dict(), "rng": rng_state(ddp.device)}
-    atomic_torch_save(rank_state, staging / f"rank{ddp.rank}.pt")
-    if ddp.rank == 0:
-        shared = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": ddp.world_size,
+    rank_state = {"matrix_optimizer": optimizers[1].state_dict(), "rng": rng_state(rt.device)}
+    atomic_torch_save(rank_state, staging / f"rank{rt.rank}.pt")
+    if rt.rank == 0:
+        shared = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": rt.world_size,
                   "hyperparameters": dataclasses.asdict(hp), "progress": dataclasses.asdict(progress), "loader": loader.state_dict(),
                   "model": model.state_dict(), "adamw": optimizers[0].state_dict()}
         atomic_torch_save(shared, staging / "shared.pt")
     dist.barrier()
-    if ddp.rank == 0:
-        manifest = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": ddp.world_size,
+    if rt.rank == 0:
+        manifest = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": rt.world_size,
                     **dataclasses.asdict(progress)}
-        temporary = staging / ".manifest.json.tmp"
-        temporary.write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(temporary, staging / "manifest.json")
+        write_atomically(staging / "manifest.json", lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
         fsync_directory(staging)
         os.rename(staging, target)  # target was checked above; a rename never merges into an existing folder
         fsync_directory(target.parent)
@@ -984,15 +1014,15 @@ def open_checkpoint(path_text: str, hp: Hyperparameters, world_size: int) -> Res
     return ResumePoint(path, manifest)
 
 
-def load_checkpoint(point: ResumePoint, ddp: Distributed, model: GPT, optimizers: list[torch.optim.Optimizer],
+def load_checkpoint(point: ResumePoint, rt: Runtime, model: GPT, optimizers: list[torch.optim.Optimizer],
                     loader: TokenLoader) -> Progress:
-    shared = torch.load(point.path / "shared.pt", map_location=ddp.device, weights_only=False)
-    rank_state = torch.load(point.path / f"rank{ddp.rank}.pt", map_location=ddp.device, weights_only=False)
+    shared = torch.load(point.path / "shared.pt", map_location=rt.device, weights_only=False)
+    rank_state = torch.load(point.path / f"rank{rt.rank}.pt", map_location=rt.device, weights_only=False)
     model.load_state_dict(shared["model"])
     optimizers[0].load_state_dict(shared["adamw"])
     optimizers[1].load_state_dict(rank_state["matrix_optimizer"])
     loader.load_state_dict(shared["loader"])
-    set_rng_state(rank_state["rng"], ddp.device)
+    set_rng_state(rank_state["rng"], rt.device)
     return Progress(**shared["progress"])
 
 
@@ -1061,14 +1091,14 @@ class Session:
     """What every trial of one launch shares."""
 
     hp: Hyperparameters
-    ddp: Distributed
+    rt: Runtime
     run_id: str
     checkpoint_dir: Path
     model: GPT  # parameters, state dicts
     forward: nn.Module  # the model, compiled unless --compile=false
     val_inputs: Tensor
     val_targets: Tensor
-    train_files: list[Path]
+    train_files: list[str]
 
 
 def log_validation(progress: Progress, val_loss: float, train_steps: int) -> None:
@@ -1090,38 +1120,38 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
     validation and checkpoints. Stops early, raising RunStopped, on a non-finite loss (or Shampoo's finding of
     one) or at the step boundary after SIGINT/SIGTERM (checkpointing first when enabled)."""
     global _step_reached
-    hp, ddp, model = session.hp, session.ddp, session.model
+    hp, rt, model = session.hp, session.rt, session.model
     init_parameters(model)
-    optimizers = build_optimizers(model, hp, ddp.world_size, ddp.device)
+    optimizers = build_optimizers(model, hp, rt.world_size, rt.device)
     base_lrs = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
-    loader = TokenLoader(session.train_files, 8 * hp.micro_batch_seqs * hp.seq_len, hp.seq_len, ddp.rank,
-                         ddp.world_size, hp.vocab_size, ddp.device, hp.cycle_train_files)
+    loader = TokenLoader(session.train_files, 8 * hp.micro_batch_seqs * hp.seq_len, hp.seq_len, rt.rank,
+                         rt.world_size, hp.vocab_size, rt.device, hp.cycle_train_files)
     for param in model.parameters():
         dist.broadcast(param.detach(), 0)
-    progress = load_checkpoint(resume, ddp, model, optimizers, loader) if resume else Progress(trial)
+    progress = load_checkpoint(resume, rt, model, optimizers, loader) if resume else Progress(trial)
 
     val_losses: dict[int, float] = {}
     start_step = _step_reached = progress.step
-    requested = torch.tensor(float(_stop_signal is not None), device=ddp.device)
+    requested = torch.tensor(float(_stop_signal is not None), device=rt.device)
     dist.all_reduce(requested)  # a signal during the previous trial's last validation: agree before starting
     if requested.item() > 0:
         raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
-    health = StepHealth(ddp.device, ddp.world_size, HEALTH_LAG_CUDA if ddp.device.type == "cuda" else 0)
+    health = StepHealth(rt.device, rt.world_size, HEALTH_LAG_CUDA if rt.device.type == "cuda" else 0)
     names = {id(p): n for n, p in model.named_parameters()}
     matrix_names = [names[id(p)] for p in split_parameters(model)["matrices"]]
 
     def checkpoint_at(step: int) -> None:
         target = session.checkpoint_dir / checkpoint_name(trial, step, hp.num_trials)
-        saved = save_checkpoint(target, session.run_id, ddp, hp, model, optimizers, loader, progress)
+        saved = save_checkpoint(target, session.run_id, rt, hp, model, optimizers, loader, progress)
         print0(f"checkpoint: {target}" + ("" if saved else " already exists; not replaced"), console=True)
 
-    synchronize(ddp.device)
+    synchronize(rt.device)
     t0 = time.perf_counter()
     for step in range(start_step, hp.train_steps + 1):
         progress.step = _step_reached = step
         last_step = step == hp.train_steps
         if health.poll(keep=0 if last_step else health.lag):  # the trial stops here
-            synchronize(ddp.device)
+            synchronize(rt.device)
             progress.training_time += time.perf_counter() - t0
             if hp.checkpoint_every > 0 and step != start_step:
                 checkpoint_at(step)
@@ -1129,7 +1159,7 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
         validate = is_validation_step(step, hp)
         checkpoint = hp.checkpoint_every > 0 and step % hp.checkpoint_every == 0 and step != start_step and not last_step
         if validate or checkpoint:
-            synchronize(ddp.device)
+            synchronize(rt.device)
             progress.training_time += time.perf_counter() - t0
             if validate:
                 val_losses[step] = evaluate(session.forward, session.val_inputs, session.val_targets,
@@ -1143,20 +1173,21 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
                 checkpoint_at(step)
                 if stop:
                     raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
-            synchronize(ddp.device)
+            synchronize(rt.device)
             t0 = time.perf_counter()
         if last_step:
             break
         inputs, targets = loader.next_batch()
         try:
             step_loss = train_step(model, session.forward, optimizers, base_lrs, inputs, targets,
-                                   lr_multiplier(step, hp), hp.micro_batch_seqs, ddp.world_size)
+                                   lr_multiplier(step, hp), hp.micro_batch_seqs, rt.world_size)
         except NON_FINITE_PRECONDITIONER_ERRORS as error:
             raise preconditioner_failure(error, step + 1, matrix_names) from None
         health.push(step, step_loss, _stop_signal is not None)
         approx_time = progress.training_time + time.perf_counter() - t0
-        print0(f"step:{step + 1}/{hp.train_steps} train_time:{approx_time:.3f}s "
-               f"step_avg:{1000 * approx_time / (step + 1):.2f}ms", console=True, logfile=False)
+        if _is_master:  # the console only, as in the record
+            print(f"step:{step + 1}/{hp.train_steps} train_time:{approx_time:.3f}s "
+                  f"step_avg:{1000 * approx_time / (step + 1):.2f}ms", flush=True)
     return TrialResult(val_losses)
 
 
@@ -1175,14 +1206,14 @@ def check_batch_geometry(hp: Hyperparameters, world_size: int) -> None:
                             f"{hp.micro_batch_seqs} x {hp.seq_len} tokens")
 
 
-def load_validation_data(val_files: list[Path], hp: Hyperparameters, ddp: Distributed) -> tuple[Tensor, Tensor]:
+def load_validation_data(val_files: list[str], hp: Hyperparameters, rt: Runtime) -> tuple[Tensor, Tensor]:
     """The first val_tokens tokens of the first validation shard (the first batch of a loader with batch size
     val_tokens), loaded once."""
     available = read_shard_header(val_files[0])
     if available < hp.val_tokens + 2:
         raise UserError(f"validation data ({hp.val_files}): {val_files[0]} holds {available} tokens, fewer than "
                         f"--val_tokens={hp.val_tokens} + 2; lower --val_tokens")
-    loader = TokenLoader(val_files[:1], hp.val_tokens, hp.seq_len, ddp.rank, ddp.world_size, hp.vocab_size, ddp.device)
+    loader = TokenLoader(val_files[:1], hp.val_tokens, hp.seq_len, rt.rank, rt.world_size, hp.vocab_size, rt.device)
     return loader.next_batch()
 
 
@@ -1192,9 +1223,9 @@ def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
     check_batch_geometry(hp, world_size)
     if overrides.get("preset") == "smoke" and "train_files" not in overrides and "val_files" not in overrides:
         hp.train_files, hp.val_files = generate_smoke_shards(hp.vocab_size)
-    train_files, val_files = resolve_files(hp.train_files), resolve_files(hp.val_files)
+    train_files, val_files = resolve_files(hp.train_files, "train"), resolve_files(hp.val_files, "val")
     # every check that can fail runs before the log file is created: a refused run leaves no log
-    token_counts = check_train_data(train_files, hp.vocab_size), count_tokens(val_files)
+    token_counts = check_train_data(train_files, hp.vocab_size), sum(read_shard_header(path) for path in val_files)
     if hp.matrix_optimizer == "shampoo":
         require_shampoo()  # before any work
     resume = open_checkpoint(hp.resume, hp, world_size) if hp.resume else None
@@ -1202,9 +1233,9 @@ def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume)
 
     global _log_path, _shared_log_path
-    ddp = setup_distributed()
+    rt = setup_distributed()
     try:
-        return _train(hp, overrides, ddp, train_files, val_files, token_counts, resume)
+        return _train(hp, overrides, rt, train_files, val_files, token_counts, resume)
     except UserError as error:  # e.g. out of data mid-run: the log says why it ends
         print0(f"error: {error}")
         raise
@@ -1219,39 +1250,31 @@ def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
         dist.destroy_process_group()
 
 
-def check_train_data(files: list[Path], vocab_size: int) -> int:
-    """Every shard's header and the first shard's tokens (the loader checks the others' as it reaches them);
-    returns the total token count."""
-    total = count_tokens(files)
-    load_shard(files[0], vocab_size, pin=False)
-    return total
-
-
-def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, train_files: list[Path],
-           val_files: list[Path], token_counts: tuple[int, int], resume: ResumePoint | None) -> RunResult:
+def _train(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime, train_files: list[str],
+           val_files: list[str], token_counts: tuple[int, int], resume: ResumePoint | None) -> RunResult:
     global _log_path, _is_master, _shared_log_path
     run_started = time.time()
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
-    model = GPT(hp.vocab_size, hp.num_layers, hp.model_dim, hp.head_dim).to(ddp.device)
+    model = GPT(hp.vocab_size, hp.num_layers, hp.model_dim, hp.head_dim).to(rt.device)
     forward = cast(nn.Module, torch.compile(model, dynamic=False)) if hp.compile else model
-    val_inputs, val_targets = load_validation_data(val_files, hp, ddp)
+    val_inputs, val_targets = load_validation_data(val_files, hp, rt)
 
-    _is_master = ddp.rank == 0
+    _is_master = rt.rank == 0
     run_id = [""]
     if _is_master:
-        _log_path, run_id[0] = create_log_file(Path(hp.log_dir))
+        _log_path, run_id[0] = open_log(hp.log_dir, "")
         print(f"log: {_log_path}", flush=True)
     dist.broadcast_object_list(run_id, 0)
     _shared_log_path = Path(hp.log_dir) / f"{run_id[0]}.txt"
     checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id[0]}")
-    session = Session(hp, ddp, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
+    session = Session(hp, rt, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
 
     if _log_path is not None:  # rank 0 only: nvidia-smi, git and the shard headers are read once
         with open(_log_path, "a", encoding="utf-8") as f:
             f.write(program_source())
         print0(SEPARATOR)
-        for line in environment_lines(hp, overrides, ddp, train_files, val_files, token_counts) + parameter_split_lines(model, hp):
+        for line in environment_lines(hp, overrides, rt, train_files, val_files, token_counts) + parameter_split_lines(model, hp):
             print0(line)
     if resume is not None:
         print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at trial {resume.trial} step {resume.step}")
@@ -1262,10 +1285,10 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
                    f"{', '.join(removed)}", console=True)
     print0(SEPARATOR)
 
-    synchronize(ddp.device)
+    synchronize(rt.device)
     t_warmup = time.perf_counter()
     warm_up(forward, val_inputs, val_targets, hp.micro_batch_seqs)
-    synchronize(ddp.device)
+    synchronize(rt.device)
     print0(f"warmup_time: {time.perf_counter() - t_warmup:.1f}s", console=True)
 
     global _defer_stop
@@ -1277,8 +1300,8 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], ddp: Distributed, tra
     finally:
         _defer_stop = False
 
-    if ddp.device.type == "cuda":
-        allocated, reserved = torch.cuda.max_memory_allocated(ddp.device), torch.cuda.max_memory_reserved(ddp.device)
+    if rt.device.type == "cuda":
+        allocated, reserved = torch.cuda.max_memory_allocated(rt.device), torch.cuda.max_memory_reserved(rt.device)
     else:
         allocated = reserved = 0  # no allocator statistics on CPU
     print0(f"peak memory allocated: {allocated // 2**20} MiB reserved: {reserved // 2**20} MiB", console=True)
@@ -1293,16 +1316,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         hp, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         train(hp, overrides)
-    except UserError as error:
-        line = f"train_gpt_shampoo.py: error: {error}"
-        if os.environ.get("RANK", "0") == "0":
-            print(line, file=sys.stderr, flush=True)
-        write_error_file(line)
+    except UserError as error:  # train() has written the log's line
+        report_stop(f"train_gpt_shampoo.py: error: {error}")
         raise SystemExit(2) from None
-    except RunStopped as stop:  # the log has the line already
-        if os.environ.get("RANK", "0") == "0" or stop.every_rank:
-            print(stop, file=sys.stderr, flush=True)
-        write_error_file(str(stop))
+    except RunStopped as stop:
+        report_stop(str(stop), stop.every_rank)
         raise SystemExit(stop.exit_status) from None
     finally:
         for signum, handler in previous.items():

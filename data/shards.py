@@ -81,10 +81,12 @@ def _header_for(num_tokens: int) -> np.ndarray:
 
 
 def write_shard(path: str | os.PathLike[str], tokens: np.ndarray) -> None:
-    """Write `tokens` as a shard at `path`, atomically: a crash never leaves a partial file there.
+    """Write `tokens` as a shard at `path`, atomically, never replacing a file.
 
-    The data goes to a temporary file in the same directory, which is then renamed over `path`
-    (a rename within one file system is atomic).
+    The data goes to a temporary file in the same directory, which is then hard-linked to `path`: the shard
+    appears complete or not at all, and unlike a rename a link fails when `path` exists. An existing file
+    with exactly these bytes is kept (writing the same shard twice is harmless); one with other bytes raises
+    FileExistsError. The training scripts' own copies of write_shard behave the same way.
     """
     path = Path(path)
     tokens = np.asarray(tokens)
@@ -95,14 +97,18 @@ def write_shard(path: str | os.PathLike[str], tokens: np.ndarray) -> None:
             f"{path}: token ids must lie in [0, {MAX_TOKEN}] to fit in uint16, got "
             f"[{int(tokens.min())}, {int(tokens.max())}]; use a tokenizer with fewer than 65536 tokens"
         )
+    content = _header_for(tokens.size).tobytes() + tokens.astype(TOKEN_DTYPE, copy=False).tobytes()
     temp_path = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with temp_path.open("xb") as f:
-            f.write(_header_for(tokens.size).tobytes())
-            f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+            f.write(content)
             f.flush()
-            os.fsync(f.fileno())  # the data must be on disk before the rename makes it visible
-        os.replace(temp_path, path)
-    except BaseException:
+            os.fsync(f.fileno())  # the data must be on disk before the link makes it visible
+        os.link(temp_path, path)
+    except FileExistsError:
+        if not path.is_file() or path.read_bytes() != content:
+            raise FileExistsError(
+                f"{path}: exists with other content; move it away or write elsewhere (shards are never replaced)"
+            ) from None
+    finally:
         temp_path.unlink(missing_ok=True)
-        raise

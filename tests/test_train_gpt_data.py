@@ -47,8 +47,9 @@ def test_shard_roundtrip_and_header_errors(tmp_path):
         assert name in str(info.value)
     with pytest.raises(tg.UserError, match="vocab_size"):
         tg.read_shard(str(tmp_path / "ok.bin"), 100)
-    with pytest.raises(FileExistsError):
-        tg.write_shard(tmp_path / "ok.bin", tokens)
+    with pytest.raises(tg.UserError, match="ok.bin exists with other content"):
+        tg.write_shard(tmp_path / "ok.bin", tokens[:-1])
+    np.testing.assert_array_equal(tg.read_shard(str(tmp_path / "ok.bin"), TINY_VOCAB), tokens)  # never replaced
 
 
 def test_resolve_files_uses_data_path_and_explains_missing_data(tmp_path, monkeypatch):

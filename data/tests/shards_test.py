@@ -40,11 +40,15 @@ def test_empty_token_array_is_a_valid_shard(tmp_path: Path) -> None:
     assert read_shard(path).size == 0
 
 
-def test_write_replaces_atomically_and_leaves_no_temp_file(tmp_path: Path) -> None:
+def test_write_never_replaces_a_file_and_leaves_no_temp_file(tmp_path: Path) -> None:
     path = tmp_path / "s.bin"
     write_shard(path, np.array([1, 2, 3]))
-    write_shard(path, np.array([4]))
-    np.testing.assert_array_equal(read_shard(path), [4])
+    inode = path.stat().st_ino
+    write_shard(path, np.array([1, 2, 3]))  # the same bytes: the file is kept
+    assert path.stat().st_ino == inode
+    with pytest.raises(FileExistsError, match="s.bin: exists with other content"):
+        write_shard(path, np.array([4]))
+    np.testing.assert_array_equal(read_shard(path), [1, 2, 3])
     assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]
 
 

@@ -1,0 +1,138 @@
+"""The helpers train_gpt.py and train_gpt_shampoo.py both carry stay the same.
+
+Each script is self-contained (its log holds its whole program), so the shared helpers are copied on purpose;
+this test fails when a copy drifts. Every name the two scripts both define at module level is listed once:
+in SHARED (the same code, compared after parsing: formatting and line wrapping may differ, code, docstrings
+and comments may not) or in DIFFERENT with the reason the two definitions differ.
+"""
+
+import ast
+import io
+import re
+import tokenize
+
+import numpy as np
+import pytest
+
+import train_gpt as tg
+import train_gpt_shampoo as tgs
+from conftest import ROOT
+
+SCRIPTS = (ROOT / "train_gpt.py", ROOT / "train_gpt_shampoo.py")
+
+SHARED = (
+    # errors
+    "UserError", "RunStopped",
+    # shards
+    "SHARD_MAGIC", "SHARD_VERSION", "SHARD_HEADER_INTS", "GPT2_VOCAB_SIZE", "DOWNLOAD_HINT", "HUB_SHARD_SCRIPTS",
+    "resolve_files", "shard_fix", "read_shard_header", "read_shard", "check_train_data", "shard_bytes",
+    "write_atomically", "write_shard",
+    # processes, log and stopping
+    "Runtime", "_free_port", "read_world_size", "setup_distributed", "synchronize", "_log_path", "_is_master",
+    "print0", "open_log", "_command_output", "git_commit", "_stop_signal", "_defer_stop", "_step_reached",
+    "NON_FINITE_EXIT_STATUS", "HEALTH_LAG_CUDA", "interrupted", "_on_stop_signal", "install_stop_handlers",
+    "StepHealth", "report_stop",
+    # checkpoint files
+    "PARTIAL_MARKER", "remove_stale_partial_checkpoints", "atomic_torch_save", "fsync_directory", "rng_state",
+    "set_rng_state",
+)
+
+DIFFERENT = {
+    "Hyperparameters": "each track's record settings",
+    "PRESETS": "each track's smoke configuration",
+    "parse_args": "Track 1 takes tuple fields and the DISABLE_FP8 variable",
+    "validate_hyperparameters": "each track's settings",
+    "_parse_bool": "argument parsing, outside this list until the command-line work settles",
+    "lr_multiplier": "each record's schedule",
+    "Rotary": "Track 1 adds YaRN and precomputed tables",
+    "Attention": "Track 1's backends versus Track 3's attention module",
+    "MLP": "each record's architecture",
+    "Block": "each record's architecture",
+    "GPT": "each record's architecture",
+    "build_optimizers": "Muon and DistAdam versus AdamW and Shampoo",
+    "evaluate": "each track's validation data and reduction",
+    "train": "Track 1's timed loop versus Track 3's whole run (trials)",
+    "main": "each script's entry point",
+    "CHECKPOINT_FORMAT": "each script's own checkpoint format",
+    "Progress": "Track 3 also tracks the trial and the last validation",
+    "ResumePoint": "Track 3 checkpoints also name the trial",
+    "check_checkpoints_are_new": "Track 3 checkpoint names include the trial",
+    "open_checkpoint": "each script's checkpoint contents",
+    "save_checkpoint": "Track 1's end-of-run state file versus Track 3's resumable checkpoint",
+}
+
+
+def definitions(source: str) -> dict[str, ast.AST]:
+    """Module-level functions, classes and assigned names (also inside a top-level try)."""
+    found: dict[str, ast.AST] = {}
+    for node in ast.parse(source).body:
+        for inner in node.body + [s for h in node.handlers for s in h.body] if isinstance(node, ast.Try) else [node]:
+            if isinstance(inner, (ast.FunctionDef, ast.ClassDef)):
+                found[inner.name] = inner
+            elif isinstance(inner, ast.Assign):
+                found.update((t.id, inner) for t in inner.targets if isinstance(t, ast.Name))
+            elif isinstance(inner, ast.AnnAssign) and isinstance(inner.target, ast.Name):
+                found[inner.target.id] = inner
+    return found
+
+
+def normalized(source: str, name: str) -> tuple[str, str]:
+    """The definition's code as parsed (blind to formatting and wrapping) and the words of its comments."""
+    node = definitions(source)[name]
+    lines = "".join(source.splitlines(keepends=True)[node.lineno - 1 : node.end_lineno])  # whole lines: end comments too
+    tokens = tokenize.generate_tokens(io.StringIO(lines).readline)
+    comments = " ".join(tok.string.lstrip("#") for tok in tokens if tok.type == tokenize.COMMENT)
+    return ast.dump(node, include_attributes=False), " ".join(comments.split())
+
+
+def sources() -> tuple[str, str]:
+    return tuple(path.read_text(encoding="utf-8") for path in SCRIPTS)
+
+
+def test_every_name_both_scripts_define_is_listed_once():
+    first, second = sources()
+    common = set(definitions(first)) & set(definitions(second))
+    assert not set(SHARED) & set(DIFFERENT)
+    assert sorted(common - set(SHARED) - set(DIFFERENT)) == [], "list each new common name in SHARED or DIFFERENT"
+    assert sorted((set(SHARED) | set(DIFFERENT)) - common) == [], "a listed name is no longer in both scripts"
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_shared_helper_is_the_same_in_both_scripts(name):
+    first, second = sources()
+    assert normalized(first, name) == normalized(second, name), (
+        f"{name} differs between train_gpt.py and train_gpt_shampoo.py: change both copies"
+    )
+
+
+def test_the_comparison_sees_code_and_comments_but_not_wrapping():
+    original = 'def f(x):\n    """Doc."""\n    return g("a" "b", x)  # why\n'
+    rewrapped = 'def f(x):\n    """Doc."""\n    return g(\n        "ab",\n        x,\n    )  # why\n'
+    same = lambda a, b: normalized(a, "f") == normalized(b, "f")
+    assert same(original, rewrapped)
+    assert not same(original, original.replace(", x)", ", x + 1)"))
+    assert not same(original, original.replace("# why", "# other reason"))
+    assert not same(original, original.replace("Doc.", "Other doc."))
+
+
+# ---- the shared behaviour itself, run in both scripts ----
+@pytest.mark.parametrize("script", [tg, tgs], ids=["train_gpt", "train_gpt_shampoo"])
+def test_write_shard_never_replaces_a_file(script, tmp_path):
+    path = tmp_path / "a_train_000001.bin"
+    script.write_shard(path, np.arange(10))
+    stamp = path.stat().st_mtime_ns, path.stat().st_ino
+    script.write_shard(path, np.arange(10))  # the same bytes (another rank writing the same shard): kept as is
+    assert (path.stat().st_mtime_ns, path.stat().st_ino) == stamp
+    with pytest.raises(script.UserError, match=re.escape(f"{path} exists with other content")):
+        script.write_shard(path, np.arange(11))
+    assert script.read_shard(path, 100).tolist() == list(range(10))
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("script", [tg, tgs], ids=["train_gpt", "train_gpt_shampoo"])
+def test_synchronize_is_no_barrier(script, monkeypatch):
+    """One meaning in both scripts: wait for this process's GPU, never for the other ranks."""
+    calls = []
+    monkeypatch.setattr(script.dist, "barrier", lambda *args, **kwargs: calls.append("barrier"))
+    script.synchronize(script.torch.device("cpu"))
+    assert calls == []
