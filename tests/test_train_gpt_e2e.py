@@ -1,5 +1,6 @@
 """End-to-end runs of train_gpt.py on tiny generated shards: one process, and two gloo processes."""
 
+import math
 import os
 import re
 import subprocess
@@ -64,7 +65,7 @@ def test_single_process_run_trains_and_logs_exactly(tiny_shards, tmp_path):
     assert [int(m[1]) for m in train] == list(range(1, 11))
     assert all(int(m[2]) == 10 for m in val + train)
     losses = [float(m[3]) for m in val]
-    assert losses[0] == pytest.approx(10.8258, abs=2e-4) or losses[0] == pytest.approx(float(torch.tensor(512.0).log()), abs=2e-4)
+    assert losses[0] == pytest.approx(math.log(512), abs=1e-4)  # zero head: uniform over the 512-token vocabulary
     assert losses[-1] < losses[1] < losses[0] - 1.0, losses
     lines = text.splitlines()
     for key in (

@@ -102,9 +102,14 @@ def test_every_parameter_gets_a_gradient_path_after_two_updates():
         muon.step()
     model(ids, ids.long(), None, 1, 3, 128).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
-    assert missing == ["scalars"] or missing == [], missing
-    used = model.scalars.grad != 0
-    assert used[:5].all() and not used[5:12].any() and used[60] and not used[61:].any()
+    assert missing == [], missing
+    used = tg.Scalars.of(model.scalars.grad != 0)  # which scalars the forward reads
+    assert used.skip_gates.tolist() == [True] * 5 + [False] * 7
+    assert used.block_lambdas.tolist() == [[False, False]] + [[True, True]] * 11  # layer 0 never runs
+    attention_layers = [layer not in tg.ATTENTION_LAYERS_SKIPPED for layer in range(12)]
+    assert used.value_mixing[:, 0].tolist() == attention_layers  # s0 in every attention layer
+    assert used.value_mixing[:, 1].tolist() == [ve is not None for ve in tg.VALUE_EMBED_FOR_LAYER]  # s1 with a value embedding
+    assert used.smear_lambda and not (model.scalars.grad[61:] != 0).any()
 
 
 # ---- attention masks ----
