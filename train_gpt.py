@@ -419,7 +419,7 @@ def _batch(buffer: np.ndarray, doc_starts: np.ndarray | None, max_num_docs: int,
 
 
 def plan_segments(
-    bos: np.ndarray, shard_len: int, cursor: int, num_tokens_local: int, max_seq_len: int, world_size: int, index_is_complete: bool
+    bos: np.ndarray, shard_len: int, cursor: int, *, num_tokens_local: int, max_seq_len: int, world_size: int, index_is_complete: bool
 ) -> tuple[list[list[tuple[int, int]]], int] | None:
     """Cuts the next world_size rows of BOS-aligned segments (each row num_tokens_local + 1 tokens).
 
@@ -457,6 +457,7 @@ class TrainLoader:
     def __init__(
         self,
         files: list[str],
+        *,
         num_tokens_local: int,
         max_seq_len: int,
         rank: int,
@@ -542,7 +543,13 @@ class TrainLoader:
             if self._full_index is not None and self.served >= QUICK_INDEX_BATCHES:
                 self._use_full_index()
             plan = plan_segments(
-                self._bos, self._tokens.size, self.cursor, self.num_tokens_local, self.max_seq_len, self.world_size, self._full_index is None
+                self._bos,
+                self._tokens.size,
+                self.cursor,
+                num_tokens_local=self.num_tokens_local,
+                max_seq_len=self.max_seq_len,
+                world_size=self.world_size,
+                index_is_complete=self._full_index is None,
             )
             if plan is not None:
                 break
@@ -559,7 +566,7 @@ class TrainLoader:
         return _batch(buffer, doc_starts, self.max_num_docs, self._path(self.shard_number), self.device)
 
 
-def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, grad_accum_steps: int, vocab_size: int) -> int:
+def check_val_data(files: list[str], *, val_tokens: int, val_batch_size: int, grad_accum_steps: int, vocab_size: int) -> int:
     """Counts the tokens the windowed reader can use (a read of R = val_batch_size / grad_accum_steps tokens
     needs R + 2 left in its shard, see val_loader); clear error when too short. Also checks the tokens of the
     shards the evaluations read. Returns the total token count."""
@@ -581,6 +588,7 @@ def check_val_data(files: list[str], val_tokens: int, val_batch_size: int, grad_
 
 def val_loader(
     files: list[str],
+    *,
     num_tokens_local: int,
     rank: int,
     world_size: int,
@@ -919,7 +927,7 @@ class Rotary(nn.Module):
         self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
         self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
         # attn_scale as a float (FA3, reference) and as a 0-dim tensor updated in place (FlexAttention's
-        # score_mod), so YaRN updates do not recompile the FlexAttention graph
+        # score_mod), so YaRN updates do not recompile the FlexAttention graph; see softmax_scale
         self.register_buffer("attn_scale_tensor", torch.tensor(BASE_ATTN_SCALE), persistent=False)
         self.block_size = block_size
         self.attn_scale = BASE_ATTN_SCALE
@@ -948,6 +956,11 @@ class Rotary(nn.Module):
         self._refresh_tables()
         self.attn_scale *= 0.2 * math.log(new_window / old_window) + 1
         self.attn_scale_tensor.fill_(self.attn_scale)
+
+    def softmax_scale(self, as_tensor: bool) -> float | Tensor:
+        """attn_scale as the attention backend takes it (Attention.takes_tensors); only that form is read, so a
+        compiled graph is specialized on the float only where the float is used."""
+        return self.attn_scale_tensor if as_tensor else self.attn_scale
 
     def forward(self, x: Tensor) -> Tensor:  # x: (1, T, H, d)
         cos = self.cos[None, : x.size(1), None, :]
@@ -1022,65 +1035,105 @@ class AttentionInputs(NamedTuple):
 
 
 class Attention:
-    """The attention implementation chosen once per run (choose_attention_backend); its name is logged.
+    """Document-causal sliding-window attention on (1, T, H, d) tensors, one subclass per backend; the backend is
+    chosen once per run by name (choose_attention_backend) and logged. Attention(name, block_size, bos_token)
+    builds that backend's subclass.
 
-    Recompiles: FA3 takes windows and attn_scale as Python numbers, so (as in the record) each
-    (window, attn_scale) pair compiles its own graph: 3 in training, a few more in eval. FlexAttention
-    takes them as device tensors (windows memoized per value, attn_scale a buffer updated in place), so
-    one training graph and one eval graph serve the whole schedule.
+    Per forward, prepare() builds what every layer needs (masks or cu_seqlens); per layer, the call attends with
+    the window "short" or "long" and the softmax scale. Windows and scale are Python numbers, except where the
+    backend takes_tensors (FlexAttention): then 0-dim device tensors (see window_args), so that a schedule's
+    changes do not recompile. FA3 takes numbers, so (as in the record) each (window, scale) pair compiles its
+    own graph: 3 in training, a few more in eval.
     """
 
-    def __init__(self, backend: str, block_size: int, bos_token: int):
-        self.backend, self.block_size, self.bos_token = backend, block_size, bos_token
+    name: str  # as in --attention_backend and the log
+    takes_tensors = False
+
+    def __new__(cls, name: str, block_size: int, bos_token: int) -> "Attention":
+        return super().__new__(ATTENTION_BACKEND_CLASSES[name] if cls is Attention else cls)
+
+    def __init__(self, name: str, block_size: int, bos_token: int):
+        self.block_size, self.bos_token = block_size, bos_token
+
+    def window_args(self, ws_short: int, ws_long: int, device: torch.device) -> tuple[Window, Window]:
+        """The forward's window arguments, in blocks."""
+        return ws_short, ws_long
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
+        raise NotImplementedError
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class FlashAttention3(Attention):
+    """The record's varlen call, with the loader's cu_seqlens. Tested against a plain-PyTorch stand-in with FA3's
+    semantics (tests/test_train_gpt_flash3.py); no real FA3 build has run it on our machines."""
+
+    name = "flash3"
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
+        return AttentionInputs(windows, {}, cu_seqlens, max_seqlen)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
+        y = flash_attn_varlen_func(
+            q[0],
+            k[0],
+            v[0],
+            cu_seqlens_q=inputs.cu_seqlens,
+            cu_seqlens_k=inputs.cu_seqlens,
+            max_seqlen_q=inputs.max_seqlen,
+            max_seqlen_k=inputs.max_seqlen,
+            softmax_scale=scale,
+            causal=True,
+            window_size=(inputs.windows[window] * self.block_size, 0),
+        )
+        return (y[0] if isinstance(y, tuple) else y).unsqueeze(0)  # some FA3 builds also return the LSE
+
+
+class FlexAttentionBackend(Attention):
+    """flex_attention with a token-exact block mask per window (flex_window_mask): one training graph and one eval
+    graph serve the whole schedule (windows memoized per value, the scale a buffer updated in place)."""
+
+    name = "flex"
+    takes_tensors = True
+
+    def __init__(self, name: str, block_size: int, bos_token: int):
+        super().__init__(name, block_size, bos_token)
         self._window_tensors: dict[tuple[int, torch.device], Tensor] = {}
 
     def window_args(self, ws_short: int, ws_long: int, device: torch.device) -> tuple[Window, Window]:
-        """The forward's window arguments: ints, or memoized 0-dim tensors for FlexAttention."""
-        if self.backend != "flex":
-            return ws_short, ws_long
         for ws in (ws_short, ws_long):
             if (ws, device) not in self._window_tensors:
                 self._window_tensors[ws, device] = torch.tensor(ws, dtype=torch.int32, device=device)
         return self._window_tensors[ws_short, device], self._window_tensors[ws_long, device]
 
     def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
-        if self.backend == "flash3":
-            return AttentionInputs(windows, {}, cu_seqlens, max_seqlen)
         docs = document_ids(ids, self.bos_token)
-        if self.backend == "flex":
-            masks = {key: flex_window_mask(docs, w, self.block_size) for key, w in windows.items()}
-        else:
-            masks = {key: dense_window_mask(docs, w * self.block_size) for key, w in windows.items()}
-        return AttentionInputs(windows, masks, None, max_seqlen)
+        return AttentionInputs(windows, {key: flex_window_mask(docs, w, self.block_size) for key, w in windows.items()}, None, max_seqlen)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, rotary: "Rotary") -> Tensor:
-        """q, k, v, result: (1, T, H, d); window is "short" or "long"."""
-        if self.backend == "flash3":
-            # The record's varlen call. Tested against a plain-PyTorch stand-in with FA3's semantics
-            # (tests/test_train_gpt_flash3.py); no real FA3 build has run it on our machines.
-            y = flash_attn_varlen_func(
-                q[0],
-                k[0],
-                v[0],
-                cu_seqlens_q=inputs.cu_seqlens,
-                cu_seqlens_k=inputs.cu_seqlens,
-                max_seqlen_q=inputs.max_seqlen,
-                max_seqlen_k=inputs.max_seqlen,
-                softmax_scale=rotary.attn_scale,
-                causal=True,
-                window_size=(inputs.windows[window] * self.block_size, 0),
-            )
-            return (y[0] if isinstance(y, tuple) else y).unsqueeze(0)  # some FA3 builds also return the LSE
-        mask = inputs.masks[window]
-        if self.backend == "flex":
-            scale = rotary.attn_scale_tensor
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
+        def scaled(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score * scale  # fp32 inside the kernel, like FA3's softmax_scale
 
-            def scaled(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return score * scale  # fp32 inside the kernel, like FA3's softmax_scale
+        y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=scaled, block_mask=inputs.masks[window], scale=1.0)
+        return y.transpose(1, 2)
 
-            y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=scaled, block_mask=mask, scale=1.0)
-            return y.transpose(1, 2)
-        return reference_attention(q, k, v, mask, rotary.attn_scale)
+
+class ReferenceAttention(Attention):
+    """Dense masked softmax (reference_attention): the CPU path and the tests' oracle."""
+
+    name = "reference"
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
+        docs = document_ids(ids, self.bos_token)
+        return AttentionInputs(windows, {key: dense_window_mask(docs, w * self.block_size) for key, w in windows.items()}, None, max_seqlen)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
+        return reference_attention(q, k, v, inputs.masks[window], scale)
+
+
+ATTENTION_BACKEND_CLASSES: dict[str, type[Attention]] = {cls.name: cls for cls in (FlashAttention3, FlexAttentionBackend, ReferenceAttention)}
 
 
 def choose_attention_backend(requested: str, device: torch.device) -> str:
@@ -1114,6 +1167,7 @@ class CausalSelfAttention(nn.Module):
         attention: Attention,
         inputs: AttentionInputs,
         window: str,
+        scale: float | Tensor,
     ) -> Tensor:
         T, D = x.size(1), x.size(2)
         weights = self.qkvo_w.view(4, D, D).type_as(x)
@@ -1121,7 +1175,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=-2)
         q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
         v = mix[0] * v + mix[1] * value_embed.view_as(v) if value_embed is not None else mix[0] * v
-        y = attention(q, k, v, inputs, window, rotary)
+        y = attention(q, k, v, inputs, window, scale)
         y = y * torch.sigmoid(self.attn_gate(x[..., :GATE_INPUT_DIMS])).unsqueeze(-1)  # sparse per-head gate
         return F.linear(y.reshape(1, T, D), weights[3])
 
@@ -1228,6 +1282,7 @@ class GPT(nn.Module):
         """Sum of token losses in training, mean in eval. Windows in blocks (see Attention.window_args)."""
         scalars = Scalars.of(self.scalars)
         inputs = self.attention.prepare(ids, cu_seqlens, {"short": ws_short, "long": ws_long}, max_seqlen)
+        scale = self.rotary.softmax_scale(self.attention.takes_tensors)
         value_embeds = [table(ids)[None] for table in self.value_embeds]
         x = self.embed(ids)
         # smear: mix the previous token's embedding into each position, gated by the current token
@@ -1244,7 +1299,8 @@ class GPT(nn.Module):
                 ve_index = VALUE_EMBED_FOR_LAYER[layer]
                 window = "long" if layer in LONG_WINDOW_LAYERS else "short"
                 value_embed = value_embeds[ve_index] if ve_index is not None else None
-                x = x + block.attn(rms_norm(x), value_embed, scalars.value_mixing[layer], self.rotary, self.attention, inputs, window)
+                mix = scalars.value_mixing[layer]
+                x = x + block.attn(rms_norm(x), value_embed, mix, self.rotary, self.attention, inputs, window, scale)
             x = x + block.mlp(rms_norm(x))
             if layer <= UNET_SKIP_PAIRS:
                 skips.append(x)
@@ -2172,7 +2228,6 @@ def train(
     make_val_loader: Callable[[], Iterator[Batch]],
     progress: Progress,
     save_resumable_at: Callable[[Progress], None] | None,
-    on_final: Callable[[int], None],
 ) -> float:
     """The timed run (docs/track1_recipe.md#training-loop-and-timing): validation and checkpointing are outside
     the clock. Returns the final val loss.
@@ -2227,7 +2282,6 @@ def train(
             synchronize(rt.device)
             t0 = time.perf_counter()
         if last_step:
-            on_final(step)
             break
         windows = raw_model.attention.window_args(ws_short, ws_long, rt.device)
         step_loss = torch.zeros((), device=rt.device)
@@ -2262,9 +2316,40 @@ def configure_torch(device: torch.device) -> None:
         torch.empty(1, device=device, requires_grad=True).backward()  # early autograd/driver init (record practice)
 
 
+def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GPT:
+    """The record model on this rank's device, every parameter broadcast from rank 0: on CUDA the embeddings and
+    linears (head, gates) in bf16, the raw matrices and scalars fp32, and the FP8 head in training when fp8."""
+    on_cuda = rt.device.type == "cuda"
+    rotary_positions = max(hp.train_batch_size, hp.val_batch_size) // (rt.grad_accum_steps * rt.world_size)
+    attention = Attention(backend, hp.block_size, hp.bos_token)
+    table_dtype = torch.bfloat16 if on_cuda else torch.float32
+    raw_model = GPT(hp.vocab_size, hp.model_dim, hp.num_heads, rotary_positions, hp.block_size, rt.world_size, attention, table_dtype)
+    raw_model.to(rt.device)
+    if on_cuda:
+        for module in raw_model.modules():
+            if isinstance(module, (nn.Embedding, nn.Linear)):
+                module.bfloat16()
+    raw_model.lm_head.use_fp8 = fp8
+    for param in raw_model.parameters():
+        dist.broadcast(param.detach(), 0)
+    return raw_model
+
+
+def open_run_log(hp: Hyperparameters) -> str:
+    """Rank 0 creates the log and writes this script's source into it; returns the run id, on every rank."""
+    global _log_path
+    run_ids = [hp.run_id]
+    if _is_master:
+        _log_path, run_ids[0] = open_log(hp.log_dir, hp.run_id)
+        print(f"log: {_log_path}", flush=True)
+        print0(Path(__file__).read_text())
+    dist.broadcast_object_list(run_ids, 0)
+    return run_ids[0]
+
+
 def run(argv: list[str]) -> float:
     """Every input check that can fail runs before the log file is created: a refused run leaves no log."""
-    global _log_path, _is_master
+    global _is_master
     run_started = time.time()
     hp, overrides = parse_args(argv)
     settings = comparable_settings(hp)  # what a checkpoint of this run records (before the smoke preset's paths)
@@ -2280,44 +2365,20 @@ def run(argv: list[str]) -> float:
     train_files = resolve_files(hp.train_files, "train")
     val_files = resolve_files(hp.val_files, "val")
     train_token_count = check_train_data(train_files, hp.vocab_size)
-    val_token_count = check_val_data(val_files, hp.val_tokens, hp.val_batch_size, rt.grad_accum_steps, hp.vocab_size)
+    val_token_count = check_val_data(
+        val_files, val_tokens=hp.val_tokens, val_batch_size=hp.val_batch_size, grad_accum_steps=rt.grad_accum_steps, vocab_size=hp.vocab_size
+    )
     resume = open_checkpoint(hp.resume, settings, rt.world_size) if hp.resume else None
     if hp.checkpoint_every and hp.checkpoint_dir:  # the default folder is new: named by the run id
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume.step if resume else 0)
 
     backend = choose_attention_backend(hp.attention_backend, rt.device)
-    on_cuda = rt.device.type == "cuda"
-    fp8 = on_cuda and not hp.disable_fp8 and torch.cuda.get_device_capability(rt.device) >= (8, 9)
-    train_tokens_local = hp.train_batch_size // (rt.grad_accum_steps * rt.world_size)
-    val_tokens_local = hp.val_batch_size // (rt.grad_accum_steps * rt.world_size)
-    attention = Attention(backend, hp.block_size, hp.bos_token)
-    raw_model = GPT(
-        hp.vocab_size,
-        hp.model_dim,
-        hp.num_heads,
-        max(train_tokens_local, val_tokens_local),
-        hp.block_size,
-        rt.world_size,
-        attention,
-        torch.bfloat16 if on_cuda else torch.float32,
-    ).to(rt.device)
-    if on_cuda:  # embeddings and linears (head, gates) in bf16; raw matrices and scalars stay fp32
-        for module in raw_model.modules():
-            if isinstance(module, (nn.Embedding, nn.Linear)):
-                module.bfloat16()
-    raw_model.lm_head.use_fp8 = fp8
-    for param in raw_model.parameters():
-        dist.broadcast(param.detach(), 0)
+    fp8 = rt.device.type == "cuda" and not hp.disable_fp8 and torch.cuda.get_device_capability(rt.device) >= (8, 9)
+    raw_model = build_model(hp, rt, backend, fp8)
     adam, muon = build_optimizers(raw_model, hp, rt.rank, rt.world_size)
     model: nn.Module = torch.compile(raw_model, dynamic=False, fullgraph=True) if hp.compile else raw_model
 
-    run_ids = [hp.run_id]
-    if _is_master:
-        _log_path, run_ids[0] = open_log(hp.log_dir, hp.run_id)
-        print(f"log: {_log_path}", flush=True)
-        print0(Path(__file__).read_text())
-    dist.broadcast_object_list(run_ids, 0)
-    run_id = run_ids[0]
+    run_id = open_run_log(hp)
     checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id}")
     log_environment(rt, hp, overrides, backend, fp8, train_files, train_token_count, val_files, val_token_count)
     log_model_and_muon(raw_model, muon, hp, rt)
@@ -2329,29 +2390,22 @@ def run(argv: list[str]) -> float:
             print0(f"removed {len(removed)} unfinished checkpoint folder(s) of interrupted saves from {checkpoint_dir}: {', '.join(removed)}", console=True)
     print0("=" * 100)
 
+    micro_batches = rt.grad_accum_steps * rt.world_size  # per step, all ranks together
+    both_loaders = dict(
+        rank=rt.rank, world_size=rt.world_size, bos_token=hp.bos_token, vocab_size=hp.vocab_size, device=rt.device, with_cu_seqlens=backend == "flash3"
+    )
     make_train_loader = lambda: TrainLoader(
         train_files,
-        train_tokens_local,
-        hp.train_max_seq_len,
-        rt.rank,
-        rt.world_size,
-        hp.bos_token,
-        hp.vocab_size,
-        hp.cycle_train_files,
-        rt.device,
-        backend == "flash3",
+        num_tokens_local=hp.train_batch_size // micro_batches,
+        max_seq_len=hp.train_max_seq_len,
+        cycle=hp.cycle_train_files,
+        **both_loaders,
     )
-    make_val_loader = lambda: val_loader(
-        val_files, val_tokens_local, rt.rank, rt.world_size, hp.bos_token, hp.vocab_size, rt.device, backend == "flash3"
-    )
+    make_val_loader = lambda: val_loader(val_files, num_tokens_local=hp.val_batch_size // micro_batches, **both_loaders)
     warmup_start = time.perf_counter()
     warmup_kernels(model, raw_model, adam, muon, hp, make_train_loader)
     synchronize(rt.device)
     print0(f"warmup_time: {time.perf_counter() - warmup_start:.1f}s", console=True)
-
-    def on_final(step: int) -> None:
-        if hp.save_checkpoint and _is_master:
-            print0(f"checkpoint: {save_checkpoint(_log_path, run_id, step, raw_model, adam, muon)}", console=True)
 
     loader = make_train_loader()
     progress = load_resumable(resume, rt, raw_model, adam, muon, loader) if resume is not None else Progress()
@@ -2363,9 +2417,10 @@ def run(argv: list[str]) -> float:
         else:
             print0(f"checkpoint: {target} already exists; not replaced", console=True)
 
-    final_loss = train(
-        model, raw_model, adam, muon, hp, rt, loader, make_val_loader, progress, save_resumable_at if hp.checkpoint_every else None, on_final
-    )
+    final_loss = train(model, raw_model, adam, muon, hp, rt, loader, make_val_loader, progress, save_resumable_at if hp.checkpoint_every else None)
+    if hp.save_checkpoint and _is_master:
+        print0(f"checkpoint: {save_checkpoint(_log_path, run_id, hp.train_steps, raw_model, adam, muon)}", console=True)
+    on_cuda = rt.device.type == "cuda"
     allocated = torch.cuda.max_memory_allocated(rt.device) // 2**20 if on_cuda else 0
     reserved = torch.cuda.max_memory_reserved(rt.device) // 2**20 if on_cuda else 0
     print0(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB", console=True)

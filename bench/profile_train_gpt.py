@@ -32,16 +32,12 @@ def main() -> None:
     tg.configure_torch(rt.device)
     backend = tg.choose_attention_backend(hp.attention_backend, rt.device)
     tokens_local = hp.train_batch_size // (rt.grad_accum_steps * rt.world_size)
-    model = tg.GPT(hp.vocab_size, hp.model_dim, hp.num_heads, tokens_local, hp.block_size, rt.world_size,
-                   tg.Attention(backend, hp.block_size, hp.bos_token)).to(rt.device)
-    for module in model.modules():
-        if isinstance(module, (torch.nn.Embedding, torch.nn.Linear)):
-            module.bfloat16()
-    model.lm_head.use_fp8 = not hp.disable_fp8
+    model = tg.build_model(hp, rt, backend, fp8=not hp.disable_fp8)
     adam, muon = tg.build_optimizers(model, hp, rt.rank, rt.world_size)
     compiled = torch.compile(model, dynamic=False, fullgraph=True) if hp.compile else model
-    loader = tg.train_loader(tg.resolve_files(hp.train_files, "train"), tokens_local, hp.train_max_seq_len, rt.rank,
-                             rt.world_size, hp.bos_token, hp.vocab_size, True, rt.device, backend == "flash3")
+    loader = tg.TrainLoader(tg.resolve_files(hp.train_files, "train"), num_tokens_local=tokens_local,
+                            max_seq_len=hp.train_max_seq_len, rank=rt.rank, world_size=rt.world_size, bos_token=hp.bos_token,
+                            vocab_size=hp.vocab_size, cycle=True, device=rt.device, with_cu_seqlens=backend == "flash3")
     ws_short, ws_long = model.attention.window_args(*tg.window_blocks(0, hp), rt.device)
 
     def step() -> None:

@@ -147,6 +147,9 @@ def test_attention_backend_choice_and_errors():
         tg.choose_attention_backend("flex", cpu)
     with pytest.raises(tg.UserError, match="flash3"):
         tg.choose_attention_backend("flash3", cpu)
+    for name, backend in (("flash3", tg.FlashAttention3), ("flex", tg.FlexAttentionBackend), ("reference", tg.ReferenceAttention)):
+        attention = tg.Attention(name, 16, 1)
+        assert type(attention) is backend and attention.name == name and attention.takes_tensors == (name == "flex")
 
 
 @pytest.mark.parametrize(

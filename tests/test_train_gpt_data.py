@@ -21,7 +21,18 @@ def docs_shard(path: Path, lengths: list[int], first_token: int = 1) -> np.ndarr
 
 
 def loader(files, tokens_local=64, max_seq_len=32, rank=0, world_size=1, cycle=False, cu=True):
-    return tg.TrainLoader([str(f) for f in files], tokens_local, max_seq_len, rank, world_size, TINY_BOS, TINY_VOCAB, cycle, CPU, cu)
+    return tg.TrainLoader(
+        [str(f) for f in files],
+        num_tokens_local=tokens_local,
+        max_seq_len=max_seq_len,
+        rank=rank,
+        world_size=world_size,
+        bos_token=TINY_BOS,
+        vocab_size=TINY_VOCAB,
+        cycle=cycle,
+        device=CPU,
+        with_cu_seqlens=cu,
+    )
 
 
 def _take(iterator, n):
@@ -67,10 +78,11 @@ def test_plan_segments_exact_counts_truncation_and_bos_starts():
     assert rows[0] == [(0, 10), (10, 42), (100, 103), (103, 109)]  # doc 2 truncated at 32, last cut to fit 51
     assert rows[1] == [(300, 320), (320, 351)]  # the next rank starts at the next BOS; cut remainders dropped
     assert [sum(e - s for s, e in row) for row in rows] == [51, 51] and cursor == 6
-    assert tg.plan_segments(bos, 400, 0, 50, 32, world_size=3, index_is_complete=True) is None
+    assert tg.plan_segments(bos, 400, 0, num_tokens_local=50, max_seq_len=32, world_size=3, index_is_complete=True) is None
     # with a quick (partial) index the last known BOS cannot start a segment: its end is unknown
-    assert tg.plan_segments(np.array([0, 10]), 400, 0, 5, 32, 1, index_is_complete=False) == ([[(0, 6)]], 1)
-    assert tg.plan_segments(np.array([0, 10]), 400, 1, 5, 32, 1, index_is_complete=False) is None
+    quick = dict(num_tokens_local=5, max_seq_len=32, world_size=1, index_is_complete=False)
+    assert tg.plan_segments(np.array([0, 10]), 400, 0, **quick) == ([[(0, 6)]], 1)
+    assert tg.plan_segments(np.array([0, 10]), 400, 1, **quick) is None
 
 
 def test_train_batches_shift_targets_and_pad_cu_seqlens(tmp_path):
@@ -163,7 +175,9 @@ def test_loader_position_restores_the_same_batches(tmp_path, monkeypatch, quick_
 def test_val_loader_windows_and_unaligned_documents(tmp_path):
     tokens = docs_shard(tmp_path / "v_000000.bin", [13, 40, 7, 40, 50, 60, 50])  # 260 tokens, BOS at 0
     files = [str(tmp_path / "v_000000.bin")]
-    make = lambda rank: tg.val_loader(files, 64, rank, 2, TINY_BOS, TINY_VOCAB, CPU, True)
+    make = lambda rank: tg.val_loader(
+        files, num_tokens_local=64, rank=rank, world_size=2, bos_token=TINY_BOS, vocab_size=TINY_VOCAB, device=CPU, with_cu_seqlens=True
+    )
     r0, r1 = make(0), make(1)
     a, b = next(r0), next(r1)
     np.testing.assert_array_equal(a.inputs.numpy(), tokens[0:64])
@@ -176,20 +190,30 @@ def test_val_loader_windows_and_unaligned_documents(tmp_path):
         next(r0)  # 256 + 1 > 260 tokens needed for a third window
 
 
+def val_sizes(val_tokens: int, val_batch_size: int, grad_accum_steps: int) -> dict[str, int]:
+    return dict(val_tokens=val_tokens, val_batch_size=val_batch_size, grad_accum_steps=grad_accum_steps, vocab_size=TINY_VOCAB)
+
+
+def one_rank_windows(num_tokens_local: int, cu: bool) -> dict:
+    return dict(
+        num_tokens_local=num_tokens_local, rank=0, world_size=1, bos_token=TINY_BOS, vocab_size=TINY_VOCAB, device=CPU, with_cu_seqlens=cu
+    )
+
+
 def test_val_data_too_short_is_reported(tmp_path):
     docs_shard(tmp_path / "v_000000.bin", [100] * 10)  # 1000 tokens: reads of 256 + 1 tokens fit 3 times
-    assert tg.check_val_data([str(tmp_path / "v_000000.bin")], 512, 512, 2, TINY_VOCAB) == 1000
+    assert tg.check_val_data([str(tmp_path / "v_000000.bin")], **val_sizes(512, 512, 2)) == 1000
     with pytest.raises(tg.UserError, match="validation data too short"):
-        tg.check_val_data([str(tmp_path / "v_000000.bin")], 1024, 512, 2, TINY_VOCAB)
+        tg.check_val_data([str(tmp_path / "v_000000.bin")], **val_sizes(1024, 512, 2))
     with pytest.raises(tg.UserError, match="validation data too short"):
-        tg.check_val_data([str(tmp_path / "v_000000.bin")], 1000, 1000, 1, TINY_VOCAB)  # one read needs 1001 tokens
+        tg.check_val_data([str(tmp_path / "v_000000.bin")], **val_sizes(1000, 1000, 1))  # one read needs 1001 tokens
 
 
 def test_too_many_documents_for_fixed_cu_seqlens(tmp_path):
     docs_shard(tmp_path / "v_000000.bin", [2] * 200)
     with pytest.raises(tg.UserError, match="documents"):
-        next(tg.val_loader([str(tmp_path / "v_000000.bin")], 300, 0, 1, TINY_BOS, TINY_VOCAB, CPU, True))
-    assert next(tg.val_loader([str(tmp_path / "v_000000.bin")], 300, 0, 1, TINY_BOS, TINY_VOCAB, CPU, False)).cu_seqlens is None
+        next(tg.val_loader([str(tmp_path / "v_000000.bin")], **one_rank_windows(300, cu=True)))
+    assert next(tg.val_loader([str(tmp_path / "v_000000.bin")], **one_rank_windows(300, cu=False))).cu_seqlens is None
 
 
 def test_max_docs_matches_the_record():

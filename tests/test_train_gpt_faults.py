@@ -181,7 +181,10 @@ def test_every_shard_fineweb_py_writes_is_read_by_both_scripts(tmp_path):
     assert not (tokens[0] == 50256).any() and (tokens[-1] == 50256).any()  # the case as reported
     assert tokens[-1].size < 4096 + 2  # shorter than the Track 3 batch below
 
-    track1 = tg.TrainLoader([str(p) for p in train], 256, 128, 0, 1, 50256, tg.GPT2_VOCAB_SIZE, False, torch.device("cpu"), True)
+    track1 = tg.TrainLoader(
+        [str(p) for p in train], num_tokens_local=256, max_seq_len=128, rank=0, world_size=1, bos_token=50256,
+        vocab_size=tg.GPT2_VOCAB_SIZE, cycle=False, device=torch.device("cpu"), with_cu_seqlens=True,
+    )
     batches = []
     with pytest.raises(tg.UserError, match="training data exhausted"):
         while True:

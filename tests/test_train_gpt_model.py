@@ -156,8 +156,8 @@ def test_flex_attention_eager_matches_reference_on_packed_documents():
     for window in (1, 3, 4):
         flex_window = flex.window_args(window, window, torch.device("cpu"))[0]
         assert isinstance(flex_window, torch.Tensor)
-        out_flex = flex(q, k, v, flex.prepare(ids, None, {"short": flex_window}, 256), "short", rotary)
-        out_ref = ref(q, k, v, ref.prepare(ids, None, {"short": window}, 256), "short", rotary)
+        out_flex = flex(q, k, v, flex.prepare(ids, None, {"short": flex_window}, 256), "short", rotary.softmax_scale(True))
+        out_ref = ref(q, k, v, ref.prepare(ids, None, {"short": window}, 256), "short", rotary.softmax_scale(False))
         torch.testing.assert_close(out_flex, out_ref, atol=1e-5, rtol=1e-5)
 
 
