@@ -21,18 +21,8 @@ def docs_shard(path: Path, lengths: list[int], first_token: int = 1) -> np.ndarr
 
 
 def loader(files, tokens_local=64, max_seq_len=32, rank=0, world_size=1, cycle=False, cu=True):
-    return tg.TrainLoader(
-        [str(f) for f in files],
-        num_tokens_local=tokens_local,
-        max_seq_len=max_seq_len,
-        rank=rank,
-        world_size=world_size,
-        bos_token=TINY_BOS,
-        vocab_size=TINY_VOCAB,
-        cycle=cycle,
-        device=CPU,
-        with_cu_seqlens=cu,
-    )
+    sizes = dict(num_tokens_local=tokens_local, max_seq_len=max_seq_len, rank=rank, world_size=world_size)
+    return tg.TrainLoader([str(f) for f in files], **sizes, bos_token=TINY_BOS, vocab_size=TINY_VOCAB, cycle=cycle, device=CPU, with_cu_seqlens=cu)
 
 
 def _take(iterator, n):
