@@ -235,6 +235,24 @@ def test_lm_head_loss_uses_the_eager_formula_outside_fp8_training():
         assert torch.equal(head.loss(x, targets), want)
 
 
+# ---- MLP: the fused ReLU² op against autograd of the eager formula ----
+def test_relu2_mlp_op_forward_and_backward_equal_the_eager_formula():
+    """The op's written-out backward (grad_h from sqrt(a)) against autograd, all in float64."""
+    torch.manual_seed(4)
+    x = torch.randn(50, 32, dtype=torch.float64, requires_grad=True)
+    w_fc = (torch.randn(32, 128, dtype=torch.float64) / 32**0.5).requires_grad_()
+    w_proj = (torch.randn(32, 128, dtype=torch.float64) / 128**0.5).requires_grad_()
+    out, act = tg.relu2_mlp(x, w_fc, w_proj)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, w_fc, w_proj), grad_out)
+    reference = F.linear(F.relu(x @ w_fc).square(), w_proj)
+    want_grads = torch.autograd.grad(reference, (x, w_fc, w_proj), grad_out)
+    torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
+    assert (act == 0).any() and (act > 0).any()  # both sides of the ReLU are exercised
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 # ---- optimizers ----
 def plain_adam_reference(param: torch.Tensor, grads: list[torch.Tensor], lr: float, betas=(0.8, 0.95), eps=1e-8) -> torch.Tensor:
     """The spec's Adam in float64, with moments rounded to bf16 after each update as DistAdam stores them."""
