@@ -1,0 +1,87 @@
+"""FlexAttention at the record's shapes, forward + backward, under several kernel options, on one GPU.
+
+One attention call of train_gpt.py's FlexAttention path (49,152 tokens, 6 heads of 128, bf16, documents of
+the docs-proxy lengths or FineWeb-like random lengths, the token-exact window block mask of
+`train_gpt.flex_window_mask`, the softmax scale as a score_mod) is compiled once per kernel-options variant;
+the median time of forward + backward is printed for the short and the long window of each schedule stage.
+The variants leave the math alone: ROWS_GUARANTEED_SAFE holds because every query sees itself.
+
+    python bench/bench_flex.py            # one GPU; a few minutes (one compilation per variant)
+"""
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch._dynamo.exc
+import torch._inductor.exc
+from torch.nn.attention.flex_attention import flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import train_gpt as tg  # noqa: E402
+
+TOKENS, HEADS, HEAD_DIM, BLOCK, BOS = 49152, 6, 128, 128, 50256
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "rows guaranteed safe": dict(ROWS_GUARANTEED_SAFE=True),
+    "TMA": dict(USE_TMA=True),
+    "safe + TMA": dict(ROWS_GUARANTEED_SAFE=True, USE_TMA=True),
+    "fwd 128x64 w8 s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    "bwd 64x128 / 128x64": dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64),
+}
+WINDOWS = ((1, 3), (3, 7), (5, 11))  # (short, long) in blocks at the three schedule stages
+
+
+def median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[repeats // 2]
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_flex.py: needs a CUDA GPU.")
+    torch.manual_seed(0)
+    ids = torch.randint(0, BOS, (TOKENS,), device="cuda", dtype=torch.int32)
+    starts = torch.cumsum(torch.randint(100, 1500, (TOKENS // 100,), device="cuda"), 0)  # document lengths 100-1500
+    ids[0] = BOS
+    ids[starts[starts < TOKENS]] = BOS
+    docs = tg.document_ids(ids, BOS)
+    q, k, v = (torch.randn(1, HEADS, TOKENS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn_like(q)
+    scale = torch.tensor(0.12, device="cuda")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {TOKENS} tokens, {HEADS} heads x {HEAD_DIM}, {int(ids.eq(BOS).sum())} documents")
+    for name, options in VARIANTS.items():
+        attend = torch.compile(
+            lambda q, k, v, mask: flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * scale, block_mask=mask, scale=1.0, kernel_options=options),
+            fullgraph=True,
+        )
+        figures = []
+        try:
+            for short, long in WINDOWS:
+                for window in (short, long):
+                    mask = tg.flex_window_mask(docs, window, BLOCK)
+
+                    def step() -> None:
+                        out = attend(q, k, v, mask)
+                        torch.autograd.grad(out, (q, k, v), grad)
+
+                    figures.append(f"{window:>2} blocks {median_ms(step):6.2f} ms")
+        except (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError) as error:
+            # a variant the installed torch cannot compile is reported, the others still run
+            figures.append(f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+        print(f"{name:<22} " + " | ".join(figures), flush=True)
+
+
+if __name__ == "__main__":
+    main()
