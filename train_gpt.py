@@ -1958,7 +1958,10 @@ NON_FINITE_EXIT_STATUS = 3
 HEALTH_LAG_CUDA = 2  # steps between a training loss and its check: the GPU finished that step long ago
 
 
-def interrupted(signum: int) -> RunStopped:
+def interrupted(signum: int | None = None) -> RunStopped:
+    """The stop for a signal; by default the one this process received, or SIGTERM when another rank received it."""
+    if signum is None:
+        signum = _stop_signal if _stop_signal is not None else signal.SIGTERM
     return RunStopped(f"step {_step_reached}: interrupted by {signal.Signals(signum).name}", 128 + signum)
 
 
@@ -2073,17 +2076,17 @@ def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime)
 # =============================================================================================
 # Checkpoints and resume
 # =============================================================================================
-# A resumable checkpoint is a folder <checkpoint_dir>/step<N>/: shared.pt (model, loader position, progress)
-# from rank 0, rank<r>.pt (the rank's DistAdam and Muon shards, RNG) from every rank, and manifest.json
-# (settings, step), all staged in a hidden .step<N>.partial-<run_id> folder that rank 0 renames into place:
-# a save is all or nothing, and an existing checkpoint is never replaced.
 CHECKPOINT_FORMAT = "train_gpt/1"
 # Settings that may differ between a checkpointed run and its resumption (the trajectory does not depend on them).
 RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"})
 
 
 # ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
-PARTIAL_MARKER = ".partial-"  # a checkpoint folder is staged as .<name>.partial-<run id>, then renamed
+# A resumable checkpoint is a folder: rank<r>.pt from every rank (its optimizer state, RNG), shared.pt from rank 0
+# (model, loader position, progress) and manifest.json (format, run id, world size, progress, settings), staged
+# in a hidden .<name>.partial-<run id> folder that rank 0 renames into place: a save is all or nothing, and an
+# existing checkpoint is never replaced.
+PARTIAL_MARKER = ".partial-"
 
 
 def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> list[str]:
@@ -2121,12 +2124,35 @@ def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
-@dataclass
-class Progress:
-    """Where training stands; checkpointed so that a resumed run continues the step count and the clock."""
+def comparable_settings(hp: Hyperparameters) -> dict[str, Any]:
+    """The settings as the manifest stores them (JSON: tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(hp)))
 
-    step: int = 0
-    training_time_ms: float = 0.0
+
+def write_checkpoint(target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], progress: dict[str, Any],
+                     rank_state: dict[str, Any], shared_state: dict[str, Any]) -> bool:
+    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists."""
+    exists = [target.exists()]
+    dist.broadcast_object_list(exists, 0)  # every rank takes the same branch
+    if exists[0]:
+        return False
+    staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
+    if rt.rank == 0:
+        staging.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    atomic_torch_save(dict(rank_state, rng=rng_state(rt.device)), staging / f"rank{rt.rank}.pt")
+    if rt.rank == 0:
+        atomic_torch_save(dict(shared_state, progress=progress), staging / "shared.pt")
+    dist.barrier()
+    if rt.rank == 0:
+        manifest = dict(format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, **progress, hyperparameters=settings)
+        text = json.dumps(manifest, indent=1) + "\n"
+        write_atomically(staging / "manifest.json", lambda f: f.write(text.encode()))
+        fsync_directory(staging)
+        os.rename(staging, target)  # target was checked above; a rename never merges into an existing folder
+        fsync_directory(target.parent)
+    dist.barrier()
+    return True
 
 
 class ResumePoint(NamedTuple):
@@ -2137,14 +2163,51 @@ class ResumePoint(NamedTuple):
     def step(self) -> int:
         return int(self.manifest["step"])
 
+    @property
+    def trial(self) -> int:
+        return int(self.manifest.get("trial", 0))  # a launch of train_gpt_shampoo.py may run several trials
+
+
+def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -> ResumePoint:
+    """Checks, before the run starts, that the checkpoint is complete and continues these settings."""
+    path = Path(path_text)
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise UserError(f"--resume={path_text}: no complete checkpoint there (missing {manifest_path}); pass a folder "
+                        f"written by --checkpoint_every")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"--resume={path_text}: unreadable manifest.json ({error}); pass another checkpoint") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != CHECKPOINT_FORMAT:
+        raise UserError(f"--resume={path_text}: not a checkpoint of this script's version (format {found!r}, expected "
+                        f"{CHECKPOINT_FORMAT!r})")
+    if manifest["world_size"] != world_size:
+        raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; resume with the same "
+                        f"number (this run has {world_size})")
+    missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
+    if missing:
+        raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
+    saved = manifest["hyperparameters"]
+    differing = [f"{name}={saved.get(name)!r} there, {value!r} here" for name, value in settings.items()
+                 if name not in RUNTIME_ONLY_FIELDS and saved.get(name) != value]
+    if differing:
+        raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
+    return ResumePoint(path, manifest)
+
+
+# ---- Track 1's checkpoints: <checkpoint_dir>/step<N> ----
+@dataclass
+class Progress:
+    """Where training stands; checkpointed so that a resumed run continues the step count and the clock."""
+
+    step: int = 0
+    training_time_ms: float = 0.0
+
 
 def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"step{step:06d}"
-
-
-def comparable_settings(hp: Hyperparameters) -> dict[str, Any]:
-    """The settings as JSON stores them (tuples become lists)."""
-    return json.loads(json.dumps(dataclasses.asdict(hp)))
 
 
 def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, start_step: int) -> None:
@@ -2159,70 +2222,24 @@ def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, start_step: 
 
 
 def save_resumable(
-    target: Path,
-    run_id: str,
-    rt: Runtime,
-    settings: dict[str, Any],
-    raw_model: GPT,
-    adam: DistAdam,
-    muon: Muon,
-    loader: TrainLoader,
-    progress: Progress,
+    target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], raw_model: GPT, adam: DistAdam, muon: Muon, loader: TrainLoader, progress: Progress
 ) -> bool:
-    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists."""
-    exists = [target.exists()]
-    dist.broadcast_object_list(exists, 0)  # every rank takes the same branch
-    if exists[0]:
-        return False
-    staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
-    if rt.rank == 0:
-        staging.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    atomic_torch_save(dict(adam=adam.state_dict(), muon=muon.state_dict(), rng=rng_state(rt.device)), staging / f"rank{rt.rank}.pt")
-    if rt.rank == 0:
-        shared = dict(model=raw_model.state_dict(), loader=loader.state_dict(), progress=dataclasses.asdict(progress))
-        atomic_torch_save(shared, staging / "shared.pt")
-    dist.barrier()
-    if rt.rank == 0:
-        manifest = dict(
-            format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, step=progress.step, hyperparameters=settings
-        )
-        write_atomically(staging / "manifest.json", lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
-        fsync_directory(staging)
-        os.rename(staging, target)  # target was checked above; rename never merges into an existing folder
-        fsync_directory(target.parent)
-    dist.barrier()
-    return True
+    rank_state = dict(adam=adam.state_dict(), muon=muon.state_dict())  # each rank's DistAdam and Muon shards
+    shared_state = dict(model=raw_model.state_dict(), loader=loader.state_dict())
+    return write_checkpoint(target, run_id, rt, settings, dataclasses.asdict(progress), rank_state, shared_state)
 
 
-def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -> ResumePoint:
-    """Checks, before the run starts, that the checkpoint is complete and continues these settings."""
-    path = Path(path_text)
-    manifest_path = path / "manifest.json"
-    if not manifest_path.is_file():
-        raise UserError(f"--resume={path_text}: no complete checkpoint there (missing {manifest_path}); pass a step<N> folder written by --checkpoint_every")
+def save_checkpoint(log_path: Path, run_id: str, step: int, raw_model: GPT, adam: DistAdam, muon: Muon) -> Path:
+    """The record's end-of-run state file (rank 0's view; not resumable), written atomically; never overwrites."""
+    folder = log_path.parent / run_id
+    folder.mkdir(exist_ok=True)
+    path = folder / f"state_step{step:06d}.pt"
+    state = dict(step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()])
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as error:
-        raise UserError(f"--resume={path_text}: unreadable manifest.json ({error}); pass another checkpoint") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-        raise UserError(f"--resume={path_text}: not a train_gpt.py checkpoint (format {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {CHECKPOINT_FORMAT!r})")
-    if manifest["world_size"] != world_size:
-        raise UserError(
-            f"--resume={path_text}: written by {manifest['world_size']} processes; resume with the same number (this run has {world_size})"
-        )
-    missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
-    if missing:
-        raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
-    saved = manifest["hyperparameters"]
-    differing = [
-        f"{name}={saved.get(name)!r} there, {value!r} here"
-        for name, value in settings.items()
-        if name not in RUNTIME_ONLY_FIELDS and saved.get(name) != value
-    ]
-    if differing:
-        raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
-    return ResumePoint(path, manifest)
+        write_atomically(path, lambda f: torch.save(state, f), replace=False)
+    except FileExistsError:
+        raise UserError(f"{path} already exists; checkpoints are never overwritten") from None
+    return path
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -2313,18 +2330,6 @@ def evaluate(
     return total
 
 
-def save_checkpoint(log_path: Path, run_id: str, step: int, raw_model: GPT, adam: DistAdam, muon: Muon) -> Path:
-    """The record's end-of-run state file (rank 0's view), written atomically; never overwrites."""
-    folder = log_path.parent / run_id
-    folder.mkdir(exist_ok=True)
-    path = folder / f"state_step{step:06d}.pt"
-    if path.exists():
-        raise UserError(f"{path} already exists; checkpoints are never overwritten")
-    state = dict(step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()])
-    atomic_torch_save(state, path)
-    return path
-
-
 def replay_yarn(raw_model: GPT, hp: Hyperparameters, step: int) -> int:
     """The rotary tables at the start of `step`: the YaRN updates of steps 0 .. step-1 from the reset tables,
     in order (the same operations as training, so bitwise the same). Returns the long window."""
@@ -2375,7 +2380,7 @@ def train(
             if save_resumable_at is not None and step != start:
                 stop_clock()
                 save_resumable_at(progress)
-            raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
+            raise interrupted()
         ws_short, new_long = window_blocks(step, hp)
         if new_long != ws_long:
             raw_model.rotary.apply_yarn(ws_long, new_long)
@@ -2399,7 +2404,7 @@ def train(
                 stop = health.poll(keep=0)  # never checkpoint a diverged model
                 save_resumable_at(progress)
                 if stop:
-                    raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
+                    raise interrupted()
             synchronize(rt.device)
             t0 = time.perf_counter()
         if last_step:

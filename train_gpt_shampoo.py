@@ -153,11 +153,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Fields that may differ between a checkpointed run and its resumption without changing the trajectory
-# (the root streams change only how fast the same eigendecompositions run).
-RUN_MANAGEMENT_FIELDS = frozenset({"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume", "shampoo_root_streams"})
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line instead of usage + message
         raise UserError(f"{message} (see --help)")
@@ -728,7 +723,10 @@ NON_FINITE_EXIT_STATUS = 3
 HEALTH_LAG_CUDA = 2  # steps between a training loss and its check: the GPU finished that step long ago
 
 
-def interrupted(signum: int) -> RunStopped:
+def interrupted(signum: int | None = None) -> RunStopped:
+    """The stop for a signal; by default the one this process received, or SIGTERM when another rank received it."""
+    if signum is None:
+        signum = _stop_signal if _stop_signal is not None else signal.SIGTERM
     return RunStopped(f"step {_step_reached}: interrupted by {signal.Signals(signum).name}", 128 + signum)
 
 
@@ -871,14 +869,20 @@ def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Checkpoints: a directory per save; each rank writes its own file into a temporary directory that
-# rank 0 renames into place after a barrier, so a save is all-or-nothing and never touches another.
+# Checkpoints and resume
 
-CHECKPOINT_FORMAT = "train_gpt_shampoo/1"
+CHECKPOINT_FORMAT = "train_gpt_shampoo/2"  # /2: the settings moved from shared.pt to manifest.json
+# Settings that may differ between a checkpointed run and its resumption without changing the trajectory
+# (the root streams change only how fast the same eigendecompositions run).
+RUNTIME_ONLY_FIELDS = frozenset({"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume", "shampoo_root_streams"})
 
 
 # ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
-PARTIAL_MARKER = ".partial-"  # a checkpoint folder is staged as .<name>.partial-<run id>, then renamed
+# A resumable checkpoint is a folder: rank<r>.pt from every rank (its optimizer state, RNG), shared.pt from rank 0
+# (model, loader position, progress) and manifest.json (format, run id, world size, progress, settings), staged
+# in a hidden .<name>.partial-<run id> folder that rank 0 renames into place: a save is all or nothing, and an
+# existing checkpoint is never replaced.
+PARTIAL_MARKER = ".partial-"
 
 
 def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> list[str]:
@@ -916,6 +920,80 @@ def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
+def comparable_settings(hp: Hyperparameters) -> dict[str, Any]:
+    """The settings as the manifest stores them (JSON: tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(hp)))
+
+
+def write_checkpoint(target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], progress: dict[str, Any],
+                     rank_state: dict[str, Any], shared_state: dict[str, Any]) -> bool:
+    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists."""
+    exists = [target.exists()]
+    dist.broadcast_object_list(exists, 0)  # every rank takes the same branch
+    if exists[0]:
+        return False
+    staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
+    if rt.rank == 0:
+        staging.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    atomic_torch_save(dict(rank_state, rng=rng_state(rt.device)), staging / f"rank{rt.rank}.pt")
+    if rt.rank == 0:
+        atomic_torch_save(dict(shared_state, progress=progress), staging / "shared.pt")
+    dist.barrier()
+    if rt.rank == 0:
+        manifest = dict(format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, **progress, hyperparameters=settings)
+        text = json.dumps(manifest, indent=1) + "\n"
+        write_atomically(staging / "manifest.json", lambda f: f.write(text.encode()))
+        fsync_directory(staging)
+        os.rename(staging, target)  # target was checked above; a rename never merges into an existing folder
+        fsync_directory(target.parent)
+    dist.barrier()
+    return True
+
+
+class ResumePoint(NamedTuple):
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def trial(self) -> int:
+        return int(self.manifest.get("trial", 0))  # a launch of train_gpt_shampoo.py may run several trials
+
+
+def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -> ResumePoint:
+    """Checks, before the run starts, that the checkpoint is complete and continues these settings."""
+    path = Path(path_text)
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise UserError(f"--resume={path_text}: no complete checkpoint there (missing {manifest_path}); pass a folder "
+                        f"written by --checkpoint_every")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"--resume={path_text}: unreadable manifest.json ({error}); pass another checkpoint") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != CHECKPOINT_FORMAT:
+        raise UserError(f"--resume={path_text}: not a checkpoint of this script's version (format {found!r}, expected "
+                        f"{CHECKPOINT_FORMAT!r})")
+    if manifest["world_size"] != world_size:
+        raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; resume with the same "
+                        f"number (this run has {world_size})")
+    missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
+    if missing:
+        raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
+    saved = manifest["hyperparameters"]
+    differing = [f"{name}={saved.get(name)!r} there, {value!r} here" for name, value in settings.items()
+                 if name not in RUNTIME_ONLY_FIELDS and saved.get(name) != value]
+    if differing:
+        raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
+    return ResumePoint(path, manifest)
+
+
+# ---- Track 3's checkpoints: <checkpoint_dir>/step<N>, or trial<k>_step<N> with several trials ----
 @dataclass
 class Progress:
     """Where a trial stands; checkpointed so that a resumed run continues its clock and step_avg intervals."""
@@ -944,78 +1022,16 @@ def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, resume: "Res
                                 f"--checkpoint_dir (checkpoints are never overwritten)")
 
 
-def save_checkpoint(target: Path, run_id: str, rt: Runtime, hp: Hyperparameters, model: GPT,
-                    optimizers: list[torch.optim.Optimizer], loader: TokenLoader, progress: Progress) -> bool:
-    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists."""
-    exists = [target.exists()]
-    dist.broadcast_object_list(exists, 0)  # every rank takes the same branch
-    if exists[0]:
-        return False
-    staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
-    if rt.rank == 0:
-        staging.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    rank_state = {"matrix_optimizer": optimizers[1].state_dict(), "rng": rng_state(rt.device)}
-    atomic_torch_save(rank_state, staging / f"rank{rt.rank}.pt")
-    if rt.rank == 0:
-        shared = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": rt.world_size,
-                  "hyperparameters": dataclasses.asdict(hp), "progress": dataclasses.asdict(progress), "loader": loader.state_dict(),
-                  "model": model.state_dict(), "adamw": optimizers[0].state_dict()}
-        atomic_torch_save(shared, staging / "shared.pt")
-    dist.barrier()
-    if rt.rank == 0:
-        manifest = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "world_size": rt.world_size,
-                    **dataclasses.asdict(progress)}
-        write_atomically(staging / "manifest.json", lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
-        fsync_directory(staging)
-        os.rename(staging, target)  # target was checked above; a rename never merges into an existing folder
-        fsync_directory(target.parent)
-    dist.barrier()
-    return True
+def save_resumable(target: Path, run_id: str, rt: Runtime, hp: Hyperparameters, model: GPT,
+                   optimizers: list[torch.optim.Optimizer], loader: TokenLoader, progress: Progress) -> bool:
+    rank_state = dict(matrix_optimizer=optimizers[1].state_dict())  # each rank's Shampoo blocks
+    shared_state = dict(model=model.state_dict(), adamw=optimizers[0].state_dict(), loader=loader.state_dict())
+    return write_checkpoint(target, run_id, rt, comparable_settings(hp), dataclasses.asdict(progress), rank_state, shared_state)
 
 
-@dataclass
-class ResumePoint:
-    path: Path
-    manifest: dict[str, Any]
-
-    @property
-    def trial(self) -> int:
-        return self.manifest["trial"]
-
-    @property
-    def step(self) -> int:
-        return self.manifest["step"]
-
-
-def open_checkpoint(path_text: str, hp: Hyperparameters, world_size: int) -> ResumePoint:
-    """Checks, before anything runs, that the checkpoint is complete and continues this configuration."""
-    path = Path(path_text)
-    manifest_path = path / "manifest.json"
-    if not manifest_path.is_file():
-        raise UserError(f"--resume={path_text}: no complete checkpoint there (missing {manifest_path})")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != CHECKPOINT_FORMAT:
-        raise UserError(f"--resume={path_text}: format {manifest.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
-    if manifest["world_size"] != world_size:
-        raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; "
-                        f"resume with the same number (this run has {world_size})")
-    missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
-    if missing:
-        raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
-    saved = torch.load(path / "shared.pt", map_location="cpu", weights_only=False)["hyperparameters"]
-    current = dataclasses.asdict(hp)
-    differing = [f"{k}={saved.get(k)!r} there, {v!r} here" for k, v in current.items()
-                 if k not in RUN_MANAGEMENT_FIELDS and saved.get(k) != v]
-    if differing:
-        raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
-    if manifest["trial"] >= hp.num_trials:
-        raise UserError(f"--resume={path_text}: checkpoint of trial {manifest['trial']}, but --num_trials={hp.num_trials}")
-    return ResumePoint(path, manifest)
-
-
-def load_checkpoint(point: ResumePoint, rt: Runtime, model: GPT, optimizers: list[torch.optim.Optimizer],
-                    loader: TokenLoader) -> Progress:
+def load_resumable(point: ResumePoint, rt: Runtime, model: GPT, optimizers: list[torch.optim.Optimizer],
+                   loader: TokenLoader) -> Progress:
+    # weights_only=False: Shampoo's state dict holds its config objects, not only tensors
     shared = torch.load(point.path / "shared.pt", map_location=rt.device, weights_only=False)
     rank_state = torch.load(point.path / f"rank{rt.rank}.pt", map_location=rt.device, weights_only=False)
     model.load_state_dict(shared["model"])
@@ -1128,21 +1144,21 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
                          rt.world_size, hp.vocab_size, rt.device, hp.cycle_train_files)
     for param in model.parameters():
         dist.broadcast(param.detach(), 0)
-    progress = load_checkpoint(resume, rt, model, optimizers, loader) if resume else Progress(trial)
+    progress = load_resumable(resume, rt, model, optimizers, loader) if resume else Progress(trial)
 
     val_losses: dict[int, float] = {}
     start_step = _step_reached = progress.step
     requested = torch.tensor(float(_stop_signal is not None), device=rt.device)
     dist.all_reduce(requested)  # a signal during the previous trial's last validation: agree before starting
     if requested.item() > 0:
-        raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
+        raise interrupted()
     health = StepHealth(rt.device, rt.world_size, HEALTH_LAG_CUDA if rt.device.type == "cuda" else 0)
     names = {id(p): n for n, p in model.named_parameters()}
     matrix_names = [names[id(p)] for p in split_parameters(model)["matrices"]]
 
     def checkpoint_at(step: int) -> None:
         target = session.checkpoint_dir / checkpoint_name(trial, step, hp.num_trials)
-        saved = save_checkpoint(target, session.run_id, rt, hp, model, optimizers, loader, progress)
+        saved = save_resumable(target, session.run_id, rt, hp, model, optimizers, loader, progress)
         print0(f"checkpoint: {target}" + ("" if saved else " already exists; not replaced"), console=True)
 
     synchronize(rt.device)
@@ -1155,7 +1171,7 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
             progress.training_time += time.perf_counter() - t0
             if hp.checkpoint_every > 0 and step != start_step:
                 checkpoint_at(step)
-            raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
+            raise interrupted()
         validate = is_validation_step(step, hp)
         checkpoint = hp.checkpoint_every > 0 and step % hp.checkpoint_every == 0 and step != start_step and not last_step
         if validate or checkpoint:
@@ -1172,7 +1188,7 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
                 stop = health.poll(keep=0)  # never checkpoint a diverged model
                 checkpoint_at(step)
                 if stop:
-                    raise interrupted(_stop_signal if _stop_signal is not None else signal.SIGTERM)
+                    raise interrupted()
             synchronize(rt.device)
             t0 = time.perf_counter()
         if last_step:
@@ -1228,7 +1244,9 @@ def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
     token_counts = check_train_data(train_files, hp.vocab_size), sum(read_shard_header(path) for path in val_files)
     if hp.matrix_optimizer == "shampoo":
         require_shampoo()  # before any work
-    resume = open_checkpoint(hp.resume, hp, world_size) if hp.resume else None
+    resume = open_checkpoint(hp.resume, comparable_settings(hp), world_size) if hp.resume else None
+    if resume is not None and resume.trial >= hp.num_trials:
+        raise UserError(f"--resume={hp.resume}: checkpoint of trial {resume.trial}, but --num_trials={hp.num_trials}")
     if hp.checkpoint_every and hp.checkpoint_dir:  # the default directory is new: named by the run id
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume)
 

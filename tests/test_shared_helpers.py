@@ -34,7 +34,7 @@ SHARED = (
     "StepHealth", "report_stop",
     # checkpoint files
     "PARTIAL_MARKER", "remove_stale_partial_checkpoints", "atomic_torch_save", "fsync_directory", "rng_state",
-    "set_rng_state",
+    "set_rng_state", "comparable_settings", "write_checkpoint", "ResumePoint", "open_checkpoint",
 )
 
 DIFFERENT = {
@@ -55,10 +55,10 @@ DIFFERENT = {
     "main": "each script's entry point",
     "CHECKPOINT_FORMAT": "each script's own checkpoint format",
     "Progress": "Track 3 also tracks the trial and the last validation",
-    "ResumePoint": "Track 3 checkpoints also name the trial",
+    "RUNTIME_ONLY_FIELDS": "each script's settings that a resumed run may change",
+    "save_resumable": "each script's optimizers and loader",
+    "load_resumable": "each script's optimizers and loader",
     "check_checkpoints_are_new": "Track 3 checkpoint names include the trial",
-    "open_checkpoint": "each script's checkpoint contents",
-    "save_checkpoint": "Track 1's end-of-run state file versus Track 3's resumable checkpoint",
 }
 
 
