@@ -191,10 +191,11 @@ def test_record_like_trajectory_and_state() -> None:
 
     block = optimizer.state_dict()["state"][0]["block_0"]
     close = lambda got, want: torch.testing.assert_close(got, torch.tensor(want), atol=1e-5, rtol=0)  # noqa: E731
-    close(block["shampoo"]["factor_matrices"][0], [[0.596969, 0.509306], [0.509306, 1.592344]])
-    close(block["shampoo"]["factor_matrices"][1], [[0.761312, 0.512412], [0.512412, 1.428000]])
-    close(block["shampoo"]["inv_factor_matrices"][0], [[0.794056, -0.095987], [-0.095987, 0.606463]])
-    close(block["shampoo"]["inv_factor_matrices"][1], [[0.738685, -0.089204], [-0.089204, 0.622624]])
+    # Stored as packed upper triangles (the default use_symmetric_packing=True).
+    close(block["shampoo"]["factor_matrices"][0], [0.596969, 0.509306, 1.592344])
+    close(block["shampoo"]["factor_matrices"][1], [0.761312, 0.512412, 1.428000])
+    close(block["shampoo"]["inv_factor_matrices"][0], [0.794056, -0.095987, 0.606463])
+    close(block["shampoo"]["inv_factor_matrices"][1], [0.738685, -0.089204, 0.622624])
     close(block["adagrad"], [[0.282869, 0.314100], [0.478444, 1.113900]])
     close(block["filtered_grad"], [[0.3529, 0.2368], [0.2277, 0.3436]])
 
@@ -306,9 +307,9 @@ def test_runtime_config_streams_reach_the_root_computation(monkeypatch: pytest.M
     requested = []
     run_on_side_streams = shampoo_preconditioner_list.run_on_side_streams
 
-    def spy(tasks: Any, num_streams: int, device: torch.device) -> Any:
+    def spy(tasks: Any, num_streams: int, device: torch.device, *args: Any) -> Any:
         requested.append((len(tasks), num_streams, device.type))
-        return run_on_side_streams(tasks, num_streams, device)
+        return run_on_side_streams(tasks, num_streams, device, *args)
 
     monkeypatch.setattr(shampoo_preconditioner_list, "run_on_side_streams", spy)
     weights = [torch.nn.Parameter(torch.zeros(6, 5)), torch.nn.Parameter(torch.zeros(3, 4))]
@@ -449,21 +450,33 @@ def test_parameters_without_gradient_are_skipped() -> None:
     assert optimizer.state_dict()["state"][0]["step"].item() == 1
 
 
-def test_state_dict_layout() -> None:
+@pytest.mark.parametrize("use_symmetric_packing", [True, False])
+def test_state_dict_layout(use_symmetric_packing: bool) -> None:
     linear = torch.nn.Linear(5, 10)
     optimizer = DistributedShampoo(
-        linear.parameters(), max_preconditioner_dim=5, grafting_config=AdaGradPreconditionerConfig(), betas=(0.9, 1.0)
+        linear.parameters(),
+        max_preconditioner_dim=5,
+        grafting_config=AdaGradPreconditionerConfig(),
+        betas=(0.9, 1.0),
+        preconditioner_config=RootInvShampooPreconditionerConfig(use_symmetric_packing=use_symmetric_packing),
     )
     state_dict = optimizer.state_dict()
     weight_state = state_dict["state"][0]
-    assert sorted(weight_state) == ["block_0", "block_1", "step"]
+    assert list(weight_state) == ["block_0", "block_1", "step"]
     block = weight_state["block_0"]
-    assert sorted(block) == ["adagrad", "filtered_grad", "shampoo"]
-    assert sorted(block["shampoo"]) == ["factor_matrices", "inv_factor_matrices"]
-    assert block["shampoo"]["factor_matrices"][0].shape == (5, 5)
-    assert torch.equal(block["shampoo"]["inv_factor_matrices"][1], torch.eye(5))
+    assert list(block) == ["shampoo", "adagrad", "filtered_grad"]
+    assert list(block["shampoo"]) == ["factor_matrices", "inv_factor_matrices"]
+    if use_symmetric_packing:  # upper triangle, row by row: 5·6/2 entries; the identity has ones at 0, 5, 9, 12, 14
+        assert block["shampoo"]["factor_matrices"][0].shape == (15,)
+        assert block["shampoo"]["inv_factor_matrices"][1].nonzero().flatten().tolist() == [0, 5, 9, 12, 14]
+        assert block["shampoo"]["inv_factor_matrices"][1].sum() == 5
+    else:
+        assert block["shampoo"]["factor_matrices"][0].shape == (5, 5)
+        assert torch.equal(block["shampoo"]["inv_factor_matrices"][1], torch.eye(5))
     assert weight_state["step"].dtype == torch.int64
-    assert sorted(state_dict["state"][1]) == ["block_0", "block_1"]  # bias (10,) split into two (5,) blocks
+    # The bias (10,) is split into two (5,) blocks; the group's step counter is one tensor under every parameter.
+    assert list(state_dict["state"][1]) == ["block_0", "block_1", "step"]
+    assert state_dict["state"][1]["step"] is weight_state["step"]
     group = state_dict["param_groups"][0]
     assert group["params"] == [0, 1] and group["beta3"] == 0.9 and group["start_preconditioning_step"] == 1
 

@@ -1,7 +1,6 @@
 import math
 import threading
 from contextlib import contextmanager
-from operator import methodcaller
 
 import pytest
 import torch
@@ -9,14 +8,12 @@ import torch
 from distributed_shampoo.shampoo_types import LoadBalancingConfig
 from distributed_shampoo.utils.load_balancing_utils import PolynomialComputationalCostModel
 from distributed_shampoo.utils.shampoo_utils import (
-    ParameterizeEnterExitContext,
     compress_list,
     distribute_buffer_sizes,
     generate_pairwise_indices,
     get_dtype_size,
     merge_small_dims,
     multi_dim_split,
-    prepare_update_param_buffers,
     run_concurrently,
     run_on_side_streams,
 )
@@ -169,33 +166,6 @@ def test_generate_pairwise_indices(counts: tuple[int, ...], expected: list[tuple
     assert list(generate_pairwise_indices(counts)) == expected
 
 
-class _Toggle:
-    def __init__(self) -> None:
-        self._test_var = 0
-
-    def enter(self) -> None:
-        self._test_var = 1
-
-    def exit(self) -> None:
-        self._test_var = -1
-
-
-def test_parameterize_enter_exit_context() -> None:
-    toggle = _Toggle()
-    with ParameterizeEnterExitContext(toggle, methodcaller("enter"), methodcaller("exit")) as context:
-        assert isinstance(context, ParameterizeEnterExitContext)
-        assert toggle._test_var == 1
-    assert toggle._test_var == -1
-
-
-def test_parameterize_enter_exit_context_exits_on_exception() -> None:
-    toggle = _Toggle()
-    with pytest.raises(RuntimeError, match="boom"):
-        with ParameterizeEnterExitContext(toggle, methodcaller("enter"), methodcaller("exit")):
-            raise RuntimeError("boom")
-    assert toggle._test_var == -1
-
-
 def _meta(sizes: tuple[int, ...], dtype: torch.dtype = torch.bool) -> tuple[torch.Tensor, ...]:
     return tuple(torch.empty(size, dtype=dtype, device="meta") for size in sizes)
 
@@ -258,62 +228,6 @@ def test_distribute_buffer_sizes_record_blocks_on_eight_ranks() -> None:
         owned = [size for size, owner in assignment if owner == rank]
         assert sorted(owned) == [2359296] * 6 + [9437184] * 3
         assert sum(owned) == 42_467_328
-
-
-def test_prepare_update_param_buffers_pads_to_group_multiple() -> None:
-    params = (torch.ones(100), torch.ones(20, 10), torch.ones(300))
-    buffers = prepare_update_param_buffers(params, 4)
-    assert [buffer.numel() for buffer in buffers] == [100, 200, 300, 0]
-    assert all(buffer.dtype == torch.float32 and not buffer.any() for buffer in buffers)
-
-
-def test_prepare_update_param_buffers_rejects_mixed_dtypes() -> None:
-    with pytest.raises(NotImplementedError, match="mixed dtypes"):
-        prepare_update_param_buffers((torch.ones(2), torch.ones(2, dtype=torch.float16)), 2)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _redistribute_worker(rank: int, world_size: int, port: int) -> None:
-    import os
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from distributed_shampoo.utils.shampoo_utils import redistribute_and_update_params
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        num_params = 2 * world_size  # gloo's all_to_all needs equal chunk sizes, so no padding slots here
-
-        def full_value(index: int) -> torch.Tensor:
-            return torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * index
-
-        params = tuple(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]) for _ in range(num_params))
-        owned = [full_value(index) for index in range(rank, num_params, world_size)]
-        buffers = prepare_update_param_buffers(params, world_size)
-        redistribute_and_update_params(params, owned, buffers, None)
-        for index, param in enumerate(params):
-            assert torch.equal(param.full_tensor(), full_value(index)), f"param {index} on rank {rank}"
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_redistribute_and_update_params_on_two_gloo_ranks() -> None:
-    import torch.multiprocessing as mp
-
-    # fork: the children reuse the already-imported torch instead of paying for a fresh import each.
-    mp.start_processes(_redistribute_worker, args=(2, _free_port()), nprocs=2, start_method="fork")
 
 
 # ------------------------------------------------------------------------------------------- concurrent tasks
