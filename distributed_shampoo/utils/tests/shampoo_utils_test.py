@@ -1,5 +1,6 @@
 import math
 import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -14,8 +15,11 @@ from distributed_shampoo.utils.shampoo_utils import (
     get_dtype_size,
     merge_small_dims,
     multi_dim_split,
+    pack_upper_triangular,
+    packed_dimension,
     run_concurrently,
     run_on_side_streams,
+    unpack_upper_triangular,
 )
 
 CONV_SHAPE = (32, 3, 64, 64)
@@ -299,6 +303,91 @@ def test_run_on_side_streams_on_cpu_runs_in_order_on_the_calling_thread() -> Non
     assert set(threads) == {threading.get_ident()}
 
 
+def _track_cost_in_flight(costs: list[float], budget: float, num_workers: int) -> tuple[list[int], float, list[set[int]]]:
+    """Run tasks of the given costs on `num_workers` threads; return the results, the largest total cost of tasks
+    running at once, and which tasks ran beside each task."""
+    lock = threading.Lock()
+    running: dict[int, float] = {}
+    peak = 0.0
+    company: list[set[int]] = [set() for _ in costs]
+
+    def task(i: int) -> int:
+        nonlocal peak
+        with lock:
+            running[i] = costs[i]
+            peak = max(peak, sum(running.values()))
+            for other in running:
+                company[other] |= set(running) - {other}
+        time.sleep(0.01)
+        with lock:
+            del running[i]
+        return i
+
+    @contextmanager
+    def worker():  # type: ignore[no-untyped-def]
+        yield
+
+    results = run_concurrently([lambda i=i: task(i) for i in range(len(costs))], [worker] * num_workers, costs, budget)
+    return results, peak, company
+
+
+def test_run_concurrently_keeps_the_cost_in_flight_within_the_budget() -> None:
+    costs = [100.0, 100.0, 100.0] + [10.0] * 12  # large tasks first, as the root step orders them
+    results, peak, company = _track_cost_in_flight(costs, budget=130.0, num_workers=4)
+    assert results == list(range(len(costs)))
+    assert peak <= 130.0
+    assert not company[0] & {1, 2}  # two large tasks never run together...
+    assert any(company[i] & {3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14} for i in range(3))  # ...but small ones join them
+
+
+def test_run_concurrently_runs_a_task_larger_than_the_budget_alone() -> None:
+    results, peak, company = _track_cost_in_flight([500.0, 1.0, 1.0, 1.0], budget=100.0, num_workers=3)
+    assert results == [0, 1, 2, 3]
+    assert company[0] == set() and peak <= 500.0
+
+
+def test_run_concurrently_rejects_costs_of_the_wrong_length() -> None:
+    with pytest.raises(ValueError, match="len\\(costs\\)=1 must equal len\\(tasks\\)=2"):
+        run_concurrently([lambda: 1, lambda: 2], [contextmanager(lambda: (yield))], [1.0], 10.0)
+
+
 def test_run_on_side_streams_rejects_zero_streams() -> None:
     with pytest.raises(ValueError, match="num_streams=0 must be at least 1"):
         run_on_side_streams([lambda: 1], 0, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------------ symmetric packing
+
+
+def test_pack_upper_triangular_layout() -> None:
+    matrix = torch.arange(16.0).reshape(4, 4)
+    packed = pack_upper_triangular(matrix)
+    # (0,0) (0,1) (0,2) (0,3) (1,1) (1,2) (1,3) (2,2) (2,3) (3,3): diagonal entry i at i·d - i·(i-1)/2.
+    assert packed.tolist() == [0, 1, 2, 3, 5, 6, 7, 10, 11, 15]
+    assert [packed[i * 4 - i * (i - 1) // 2].item() for i in range(4)] == [0, 5, 10, 15]
+    assert pack_upper_triangular(torch.tensor([[7.0]])).shape == (1,)
+
+
+def test_unpack_mirrors_the_upper_triangle_exactly() -> None:
+    generator = torch.Generator().manual_seed(0)
+    matrix = torch.randn(5, 5, generator=generator, dtype=torch.float64)
+    unpacked = unpack_upper_triangular(pack_upper_triangular(matrix))
+    upper = torch.ones(5, 5, dtype=torch.bool).triu()
+    assert torch.equal(unpacked[upper], matrix[upper])
+    assert torch.equal(unpacked, unpacked.T)  # bitwise symmetric: the lower triangle is the upper one plus zero
+    symmetric = matrix + matrix.T
+    assert torch.equal(unpack_upper_triangular(pack_upper_triangular(symmetric)), symmetric)
+
+
+@pytest.mark.parametrize(("num_packed", "dimension"), [(1, 1), (3, 2), (6, 3), (4_720_128, 3072)])
+def test_packed_dimension(num_packed: int, dimension: int) -> None:
+    assert packed_dimension(num_packed) == dimension
+
+
+def test_bad_packed_shapes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="5 entries are not the upper triangle"):
+        unpack_upper_triangular(torch.zeros(5))
+    with pytest.raises(ValueError, match="packed upper triangle is 1-D"):
+        unpack_upper_triangular(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="Only square matrices"):
+        pack_upper_triangular(torch.zeros(2, 3))
