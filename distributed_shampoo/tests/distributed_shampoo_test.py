@@ -1,5 +1,5 @@
-"""DistributedShampoo on one process: equality with a plain float64 reference, the spec's trajectories,
-torch-optimizer equivalences, argument validation and checkpoint round trips."""
+"""DistributedShampoo on one process: equality with plain float64 references, trajectories printed by the
+published optimizer, torch-optimizer equivalences, argument validation and checkpoint round trips."""
 
 import io
 import logging
@@ -34,7 +34,7 @@ RECORD_GRADS = [[[1, 2], [3, 4]], [[0, 1], [-1, 2]], [[2, -1], [1, 1]], [[1, 1],
 
 
 def record_config(**overrides: Any) -> dict[str, Any]:
-    """Track 3 record hyperparameters (spec §8), with overrides."""
+    """The Track 3 record's DistributedShampoo arguments (train_gpt_shampoo.py, build_shampoo), with overrides."""
     config = dict(
         lr=0.0015,
         betas=(0.9, 0.95),
@@ -166,7 +166,7 @@ def test_matches_plain_float64_reference(num_steps: int, dtype: torch.dtype) -> 
         torch.testing.assert_close(param.detach().to(torch.float64), weight, **tolerance)
 
 
-# ------------------------------------------------------------------------------ spec §8 trajectories (reference)
+# ------------------------------------------------ trajectories printed by the published optimizer (May 2026 copy)
 
 
 def test_muon_equivalence_without_momentum_and_statistics() -> None:

@@ -191,7 +191,8 @@ def test_ddp_ranks_share_state_dict_keys_and_split_the_blocks(
     assert all(ddp_results[rank][f"state_keys_{communicate_params}"] == list(range(len(SHAPES))) for rank in range(WORLD_SIZE))
     assert not owned[0] & owned[1]
     assert len(owned[0] | owned[1]) == 11
-    # Equal aligned costs (64 B each) are dealt alternately in global block order (spec §8.7).
+    # Equal aligned costs (64 B each) are dealt alternately in global block order: the load balancer gives each
+    # block, heaviest first, to the least loaded rank, ties to the lowest (README.md, "Distribution").
     assert sorted(owned[0]) == [(0, "block_0"), (0, "block_2"), (1, "block_0"), (2, "block_0"), (3, "block_1"), (4, "block_0")]
 
 

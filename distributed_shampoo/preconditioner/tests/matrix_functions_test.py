@@ -196,7 +196,7 @@ def test_a_runtime_error_is_not_retried_in_double_precision(caplog: pytest.LogCa
 
 def test_eigendecomposition_methods() -> None:
     L, Q = matrix_eigendecomposition(ILL_CONDITIONED)
-    # The spec's values (≈ 2.9009e-3, 1.7424e-1, 1.98282e3) came from float32; the smallest is ill-conditioned.
+    # The published optimizer's values (≈ 2.9009e-3, 1.7424e-1, 1.98282e3) came from float32; the smallest is ill-conditioned.
     torch.testing.assert_close(L, torch.tensor([2.9009e-3, 1.7424e-1, 1.98282e3], dtype=torch.float64), rtol=2e-3, atol=0)
     torch.testing.assert_close(Q @ torch.diag(L) @ Q.T, ILL_CONDITIONED)
     L_offloaded, _ = matrix_eigendecomposition(ILL_CONDITIONED, eigendecomposition_config=EighEigendecompositionConfig(eigendecomposition_offload_device="cpu"))
