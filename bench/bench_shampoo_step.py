@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train_gpt_shampoo as tgs  # noqa: E402
 from distributed_shampoo import DistributedShampoo, RootInvShampooPreconditionerConfig  # noqa: E402
+from distributed_shampoo.utils.shampoo_utils import packed_dimension  # noqa: E402
 
 RECORD = tgs.Hyperparameters()
 
@@ -133,20 +134,11 @@ def largest_root_computation_bytes(optimizer: torch.optim.Optimizer) -> int:
         for param_state in optimizer.state.values()
         for block in param_state.values()
         if isinstance(block, dict) and "shampoo" in block
-        for d in _factor_dims(block["shampoo"])
+        for factor in block["shampoo"].factor_matrices
+        for d in [factor.shape[0] if factor.dim() == 2 else packed_dimension(factor.numel())]
     ]
     largest = max(dims, default=0)
     return 5 * largest * largest * 4
-
-
-def _factor_dims(shampoo_state: Any) -> list[int]:
-    dims = []
-    for factor in shampoo_state.factor_matrices:
-        if factor.dim() == 2:
-            dims.append(factor.shape[0])
-        else:  # packed: d(d+1)/2 entries
-            dims.append((math.isqrt(1 + 8 * factor.numel()) - 1) // 2)
-    return dims
 
 
 def make_adamw(params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.AdamW:

@@ -7,7 +7,6 @@ from unittest import mock
 import pytest
 import torch
 
-from distributed_shampoo.preconditioner import matrix_functions
 from distributed_shampoo.preconditioner.matrix_functions import (
     _matrix_perturbation,
     matrix_eigendecomposition,
