@@ -186,14 +186,16 @@ def pack_upper_triangular(matrix: Tensor) -> Tensor:
 def unpack_upper_triangular(packed: Tensor) -> Tensor:
     """The symmetric matrix whose upper triangle is `packed` (see `pack_upper_triangular`), as a new tensor.
 
-    The lower triangle is an exact mirror: every entry is one packed value plus zero.
+    The lower triangle is an exact mirror: each off-diagonal entry is one packed value plus zero.
     """
     if packed.dim() != 1:
         raise ValueError(f"A packed upper triangle is 1-D, got shape {tuple(packed.shape)}.")
     dimension = packed_dimension(packed.numel())
-    matrix = packed.new_zeros(dimension, dimension)
-    matrix.view(-1).scatter_(0, upper_triangular_indices(dimension, packed.device), packed)
-    return matrix.add_(matrix.triu(1).mT)
+    upper = packed.new_zeros(dimension, dimension)
+    upper.view(-1).scatter_(0, upper_triangular_indices(dimension, packed.device), packed)
+    matrix = upper + upper.mT  # the diagonal is doubled here and restored below
+    matrix.diagonal().copy_(upper.diagonal())
+    return matrix
 
 
 # ------------------------------------------------------------------------------------------------ concurrency

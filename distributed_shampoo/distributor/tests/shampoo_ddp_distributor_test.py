@@ -168,7 +168,9 @@ def ddp_results() -> dict[int, dict[str, Any]]:
             _worker,
             args=(os.path.join(directory, "init"), os.path.join(directory, "checkpoint"), results),
             nprocs=WORLD_SIZE,
-            start_method="fork",  # the parent has imported torch already; spawning would re-import it twice
+            # Not fork: a child forked after the parent ran an OpenMP parallel region (any earlier test may have)
+            # deadlocks in its own first one.
+            start_method="spawn",
         )
         return dict(results)
 
