@@ -173,6 +173,16 @@ def test_nan_in_computed_root_raises() -> None:
             two_steps(preconditioner_list)
 
 
+def test_a_debug_dump_that_cannot_be_written_only_warns(caplog: pytest.LogCaptureFixture) -> None:
+    preconditioner_list = make_list(RootInvShampooPreconditionerList, ROOT_INV)
+    with mock.patch.object(module, "matrix_inverse_root", return_value=torch.full((2, 2), float("nan"), dtype=F64)):
+        with mock.patch.object(torch, "save", side_effect=OSError("disk full")), caplog.at_level(logging.WARNING):
+            with pytest.raises(PreconditionerValueError, match="computed quantity of factor matrix 0.block_0.0"):
+                two_steps(preconditioner_list)
+    saves = [r.getMessage() for r in caplog.records if "Could not save" in r.getMessage()]
+    assert len(saves) == 1 and "OSError('disk full')" in saves[0]
+
+
 def test_failed_computations_warn_then_raise_after_the_tolerance(caplog: pytest.LogCaptureFixture) -> None:
     preconditioner_list = make_list(RootInvShampooPreconditionerList, ROOT_INV)
     with mock.patch.object(module, "matrix_inverse_root", side_effect=ZeroDivisionError()):
