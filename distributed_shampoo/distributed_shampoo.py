@@ -1,10 +1,11 @@
 """`DistributedShampoo`: Shampoo with grafting, momentum, weight decay and block distribution.
 
-Per param group and step (spec §3.2): block the gradients; update the Shampoo factor matrices and the grafting
-statistics from the raw gradient; every `precondition_frequency` steps recompute the inverse roots; form the
-bias-corrected first moment M̄; precondition it with Shampoo and rescale each block to the Frobenius norm of the
-grafting direction (before `start_preconditioning_step`, use the grafting direction alone); add weight decay;
-apply `W ← W - lr·P` through the distributor (which may all-gather across ranks).
+Per param group and step: block the gradients; update the Shampoo factor matrices and the grafting statistics
+from the raw gradient; every `precondition_frequency` steps recompute the inverse roots; form the bias-corrected
+first moment M̄; precondition it with Shampoo and rescale each block to the Frobenius norm of the grafting
+direction (before `start_preconditioning_step`, use the grafting direction alone); add weight decay; optionally
+apply classic momentum or iterate averaging; apply `W ← W - lr·P` through the distributor (which may all-gather
+across ranks). README.md describes each step and the published optimizer's semantics followed here.
 
 Nothing in `step()` reads device values on the host except the amortized computations (NaN/Inf checks and
 `eigh`), which happen once every `precondition_frequency` steps, and the opt-in `eager_nan_check`.
@@ -25,6 +26,10 @@ from distributed_shampoo.distributor.shampoo_block_info import allocate_zeros_li
 from distributed_shampoo.distributor.shampoo_ddp_distributor import DDPDistributor
 from distributed_shampoo.distributor.shampoo_distributor import Distributor, DistributorInterface
 from distributed_shampoo.preconditioner.adagrad_preconditioner_list import AdagradPreconditionerList
+from distributed_shampoo.preconditioner.matrix_functions_types import (
+    EigendecompositionConfig,
+    PseudoInverseConfig,
+)
 from distributed_shampoo.preconditioner.preconditioner_list import PreconditionerList, bias_correction
 from distributed_shampoo.preconditioner.sgd_preconditioner_list import SGDPreconditionerList
 from distributed_shampoo.preconditioner.shampoo_preconditioner_list import (
@@ -36,10 +41,6 @@ from distributed_shampoo.preconditioner.shampoo_preconditioner_list import (
 )
 from distributed_shampoo.preconditioner.sign_descent_preconditioner_list import SignDescentPreconditionerList
 from distributed_shampoo.preconditioner.spectral_descent_preconditioner_list import SpectralDescentPreconditionerList
-from distributed_shampoo.preconditioner.matrix_functions_types import (
-    EigendecompositionConfig,
-    PseudoInverseConfig,
-)
 from distributed_shampoo.shampoo_types import (
     BETA3,
     BETAS,
@@ -51,6 +52,7 @@ from distributed_shampoo.shampoo_types import (
     LR,
     LR_SUM,
     MAX_PRECONDITIONER_DIM,
+    MOMENTUM_BUFFER,
     PARAMS,
     PEAK_LR,
     PRECONDITION_FREQUENCY,
@@ -66,7 +68,10 @@ from distributed_shampoo.shampoo_types import (
     AdaGradPreconditionerConfig,
     AdamPreconditionerConfig,
     BaseShampooPreconditionerConfig,
+    ClassicMomentumConfig,
+    ConcurrencyConfig,
     DDPDistributedConfig,
+    DefaultConcurrencyConfig,
     DefaultShampooConfig,
     DefaultShampooRuntimeConfig,
     DefaultSingleDeviceDistributedConfig,
@@ -104,6 +109,8 @@ logger: logging.Logger = logging.getLogger(__name__)
 # Guards the grafting rescale against an all-zero Shampoo direction.
 _GRAFTING_NORM_GUARD = 1e-16
 
+_SUPPORTED_ITERATE_AVERAGING = (ClassicMomentumConfig, GeneralizedPrimalAveragingConfig, ScheduleFreeConfig)
+
 
 # --------------------------------------------------------------------------------------------------- validation
 
@@ -122,7 +129,8 @@ def _uses_pseudo_inverse(preconditioner_config: PreconditionerConfig) -> bool:
 
 
 def _validate_and_resolve_param_group(group: dict[str, Any]) -> None:
-    """Check a param group's hyperparameters (spec §2, in order) and resolve beta3 and the start step."""
+    """Check a param group's hyperparameters in the published optimizer's order (its error messages too) and
+    resolve beta3 and the start step."""
     if not group[LR] >= 0.0:
         raise _invalid("LR", group[LR], ">= 0.0")
     betas = group[BETAS]
@@ -153,6 +161,12 @@ def _validate_and_resolve_param_group(group: dict[str, Any]) -> None:
         raise _invalid("PRECONDITION_FREQUENCY", group[PRECONDITION_FREQUENCY], ">= 1")
     if not group[START_PRECONDITIONING_STEP] >= -1:
         raise _invalid("START_PRECONDITIONING_STEP", group[START_PRECONDITIONING_STEP], ">= -1")
+    averaging = group[ITERATE_AVERAGING_CONFIG]
+    if averaging is not None and not isinstance(averaging, _SUPPORTED_ITERATE_AVERAGING):
+        raise NotImplementedError(
+            f"{type(averaging).__name__} is not supported: use ClassicMomentumConfig, GeneralizedPrimalAveragingConfig "
+            "or ScheduleFreeConfig (or None)."
+        )
 
     if isinstance(preconditioner_config, (SignDescentPreconditionerConfig, SpectralDescentPreconditionerConfig)):
         name = type(preconditioner_config).__name__
@@ -198,21 +212,6 @@ def _contains_function(value: Any) -> bool:
 # -------------------------------------------------------------------------------------------- component factory
 
 
-def _make_distributor(group: dict[str, Any], runtime_config: ShampooRuntimeConfig) -> DistributorInterface:
-    config: DistributedConfig = group[DISTRIBUTED_CONFIG]
-    if isinstance(config, SingleDeviceDistributedConfig):
-        return Distributor(group, runtime_config)
-    sharded = (HSDPDistributedConfig, HybridShardDistributedConfig, FSDPDistributedConfig, FullyShardDistributedConfig)
-    if isinstance(config, sharded):
-        raise NotImplementedError(
-            f"{type(config).__name__} is not supported by this distributed_shampoo. Keep parameters replicated "
-            "and use DDPDistributedConfig (or SingleDeviceDistributedConfig for one process)."
-        )
-    if isinstance(config, DDPDistributedConfig):
-        return DDPDistributor(group, config, runtime_config)
-    raise NotImplementedError(f"{config=} not supported!")
-
-
 _SHAMPOO_LIST_CLASSES: tuple[tuple[type, type], ...] = (
     # Subclasses first: the first isinstance match wins.
     (RootInvKLShampooPreconditionerConfig, RootInvKLShampooPreconditionerList),
@@ -254,16 +253,18 @@ def _make_preconditioner_list(
         if isinstance(config, config_class):
             assert isinstance(config, BaseShampooPreconditionerConfig)
             beta2 = group[BETAS][1]
-            weighting_factor = 1.0 if (config.drop_weighting_factor_on_gsquare or beta2 == 1.0) else 1.0 - beta2
+            drop = config.drop_weighting_factor_on_gsquare
             return list_class(
                 blocks,
                 state,
                 block_infos,
                 config,
                 beta2=beta2,
-                weighting_factor=weighting_factor,
+                # Dropping the weight (1 - beta2) on G·Gᵀ also drops the bias correction 1 - beta2^t, which
+                # assumes that weight.
+                weighting_factor=1.0 if (drop or beta2 == 1.0) else 1.0 - beta2,
                 epsilon=group[EPSILON],
-                use_bias_correction=group[USE_BIAS_CORRECTION],
+                use_bias_correction=group[USE_BIAS_CORRECTION] and not drop,
                 num_amortized_computation_streams=runtime_config.num_amortized_computation_streams,
             )
     raise NotImplementedError(f"{config=} not supported!")
@@ -277,6 +278,9 @@ class _GroupRuntime:
     """Per-group objects and per-block lists that live outside the checkpointed state.
 
     `masked_*` lists hold the blocks that received a gradient this step (see `DistributorInterface`).
+    `averaging_buffers` are the blocks' z (GPA/Schedule-Free `weight_buffer`) or classic `momentum_buffer`.
+    `eval_interp_coeff`/`train_interp_coeff` are GPA/Schedule-Free's μx and μy as float32 0-d tensors on the
+    parameters' device, as in the published optimizer (Schedule-Free recomputes μx every step).
     """
 
     distributor: DistributorInterface
@@ -284,12 +288,14 @@ class _GroupRuntime:
     grafting: PreconditionerList | None
     step: Tensor
     filtered_grads: tuple[Tensor, ...]
-    weight_buffers: tuple[Tensor, ...]
+    averaging_buffers: tuple[Tensor, ...]
     lr_sum: Tensor | None
     train_mode: Tensor | None
+    eval_interp_coeff: Tensor | None
+    train_interp_coeff: Tensor | None
     previous_grad_selector: tuple[bool, ...]
     masked_filtered_grads: tuple[Tensor, ...] = field(default=())
-    masked_weight_buffers: tuple[Tensor, ...] = field(default=())
+    masked_averaging_buffers: tuple[Tensor, ...] = field(default=())
 
     def apply_selector(self, selector: tuple[bool, ...]) -> None:
         self.previous_grad_selector = selector
@@ -297,7 +303,15 @@ class _GroupRuntime:
         if self.grafting is not None:
             self.grafting.compress_preconditioner_list(selector)
         self.masked_filtered_grads = compress_list(self.filtered_grads, selector) if self.filtered_grads else ()
-        self.masked_weight_buffers = compress_list(self.weight_buffers, selector) if self.weight_buffers else ()
+        self.masked_averaging_buffers = compress_list(self.averaging_buffers, selector) if self.averaging_buffers else ()
+
+    def shared_scalars(self) -> dict[str, Tensor]:
+        """The per-group tensors stored (aliased) under every parameter of the group, by state key."""
+        scalars = {STEP: self.step}
+        if self.train_mode is not None and self.lr_sum is not None:
+            scalars[TRAIN_MODE] = self.train_mode
+            scalars[LR_SUM] = self.lr_sum
+        return scalars
 
 
 # ------------------------------------------------------------------------------------------------- optimizer
@@ -306,7 +320,7 @@ class _GroupRuntime:
 class DistributedShampoo(torch.optim.Optimizer):
     """Shampoo (Gupta, Koren & Singer 2018) as in Distributed Shampoo (Shi et al. 2023); see the package README.
 
-    Args (defaults in the signature; every one except the last two can be overridden per param group):
+    Args (defaults in the signature; every one except the last three can be overridden per param group):
         params: parameters or param-group dicts.
         lr: learning rate (also stored as the group's `peak_lr` unless the group sets one).
         betas: (beta1 for the first moment, beta2 for the factor-matrix EMA; 1.0 means a running sum).
@@ -317,13 +331,14 @@ class DistributedShampoo(torch.optim.Optimizer):
         precondition_frequency: steps between root recomputations.
         start_preconditioning_step: first step using Shampoo (-1: precondition_frequency); grafting before.
         use_bias_correction: bias-correct the first moment and the factor matrices.
-        iterate_averaging_config: GeneralizedPrimalAveragingConfig or ScheduleFreeConfig.
+        iterate_averaging_config: ClassicMomentumConfig, GeneralizedPrimalAveragingConfig or ScheduleFreeConfig.
         grafting_config: per-block norm source (SGD/AdaGrad/RMSprop/Adam preconditioner config) or None.
         use_pin_memory: accepted for compatibility (lr is passed as a Python number here).
         shampoo_pt2_compile_config: compile the elementwise part of the step with torch.compile.
         distributed_config: SingleDeviceDistributedConfig or DDPDistributedConfig.
         preconditioner_config: Shampoo variant (or SGD/AdaGrad-family/sign/spectral descent).
         shampoo_runtime_config: ShampooRuntimeConfig(eager_nan_check=..., num_amortized_computation_streams=...).
+        concurrency_config: ConcurrencyConfig(enable_cuda_stream_for_param_groups=...): one CUDA stream per group.
     """
 
     def __init__(
@@ -346,6 +361,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         distributed_config: DistributedConfig = DefaultSingleDeviceDistributedConfig,
         preconditioner_config: PreconditionerConfig = DefaultShampooConfig,
         shampoo_runtime_config: ShampooRuntimeConfig = DefaultShampooRuntimeConfig,
+        concurrency_config: ConcurrencyConfig = DefaultConcurrencyConfig,
     ) -> None:
         defaults = {
             LR: lr,
@@ -378,19 +394,32 @@ class DistributedShampoo(torch.optim.Optimizer):
             logger.info(f"Checking param_group {index}")
             _validate_and_resolve_param_group(group)
         self._group_runtimes: list[_GroupRuntime] = [self._build_group_runtime(group) for group in self.param_groups]
+        self._group_streams = self._make_group_streams(concurrency_config)
         self._compiled_direction: Callable[..., tuple[Tensor, ...]] | None = None
         if shampoo_pt2_compile_config is not None:
-            self._compiled_direction = torch.compile(
-                _first_moment_and_direction, **dataclasses.asdict(shampoo_pt2_compile_config)
-            )
+            self._compiled_direction = torch.compile(_direction, **dataclasses.asdict(shampoo_pt2_compile_config))
 
     # ---- construction
+
+    def _select_distributor_class(self, distributed_config: DistributedConfig) -> type[DistributorInterface]:
+        """The distributor for a group's config; a subclass may override this to plug in its own."""
+        sharded = (HSDPDistributedConfig, HybridShardDistributedConfig, FSDPDistributedConfig, FullyShardDistributedConfig)
+        if isinstance(distributed_config, sharded):
+            raise NotImplementedError(
+                f"{type(distributed_config).__name__} is not supported by this distributed_shampoo. Keep parameters "
+                "replicated and use DDPDistributedConfig (or SingleDeviceDistributedConfig for one process)."
+            )
+        if isinstance(distributed_config, SingleDeviceDistributedConfig):
+            return Distributor
+        if isinstance(distributed_config, DDPDistributedConfig):
+            return DDPDistributor
+        raise NotImplementedError(f"{distributed_config=} not supported!")
 
     def _build_group_runtime(self, group: dict[str, Any]) -> _GroupRuntime:
         params: list[Tensor] = group[PARAMS]
         if not params:
             raise ValueError("A param group has no parameters; remove the empty group.")
-        distributor = _make_distributor(group, self._runtime_config)
+        distributor = self._select_distributor_class(group[DISTRIBUTED_CONFIG])(group, self._runtime_config)
         for block_info in distributor.local_block_info_list:
             self.state[block_info.param][block_info.composable_block_ids[1]] = {}
         shampoo = _make_preconditioner_list(
@@ -402,37 +431,54 @@ class DistributedShampoo(torch.optim.Optimizer):
             else _make_preconditioner_list(group[GRAFTING_CONFIG], group, distributor, self.state, self._runtime_config)
         )
 
-        step = torch.tensor(0, dtype=torch.int64)
-        self.state[params[0]][STEP] = step
-
         blocks, block_infos = distributor.local_blocked_params, distributor.local_block_info_list
         filtered_grads: tuple[Tensor, ...] = ()
         if group[BETAS][0] != 0.0:
             filtered_grads = allocate_zeros_like_blocks(FILTERED_GRAD, blocks, block_infos, self.state)
-        weight_buffers: tuple[Tensor, ...] = ()
-        lr_sum = train_mode = None
-        if group[ITERATE_AVERAGING_CONFIG] is not None:
-            weight_buffers = allocate_zeros_like_blocks(WEIGHT_BUFFER, blocks, block_infos, self.state)
-            for weight_buffer, block in zip(weight_buffers, blocks, strict=True):
+        averaging = group[ITERATE_AVERAGING_CONFIG]
+        averaging_buffers: tuple[Tensor, ...] = ()
+        lr_sum = train_mode = eval_interp_coeff = train_interp_coeff = None
+        device = params[0].device
+        if isinstance(averaging, ClassicMomentumConfig):
+            averaging_buffers = allocate_zeros_like_blocks(MOMENTUM_BUFFER, blocks, block_infos, self.state)
+        elif averaging is not None:
+            averaging_buffers = allocate_zeros_like_blocks(WEIGHT_BUFFER, blocks, block_infos, self.state)
+            for weight_buffer, block in zip(averaging_buffers, blocks, strict=True):
                 weight_buffer.copy_(block)
-            lr_sum = torch.zeros((), dtype=torch.float32, device=params[0].device)
+            lr_sum = torch.zeros((), dtype=torch.float32, device=device)
             train_mode = torch.tensor(True)
-            self.state[params[0]][LR_SUM] = lr_sum
-            self.state[params[0]][TRAIN_MODE] = train_mode
+            eval_coefficient = averaging.eval_interp_coeff if isinstance(averaging, GeneralizedPrimalAveragingConfig) else 0.0
+            eval_interp_coeff = torch.tensor(eval_coefficient, dtype=torch.float32, device=device)
+            train_interp_coeff = torch.tensor(averaging.train_interp_coeff, dtype=torch.float32, device=device)
 
         runtime = _GroupRuntime(
             distributor=distributor,
             shampoo=shampoo,
             grafting=grafting,
-            step=step,
+            step=torch.tensor(0, dtype=torch.int64),
             filtered_grads=filtered_grads,
-            weight_buffers=weight_buffers,
+            averaging_buffers=averaging_buffers,
             lr_sum=lr_sum,
             train_mode=train_mode,
+            eval_interp_coeff=eval_interp_coeff,
+            train_interp_coeff=train_interp_coeff,
             previous_grad_selector=distributor.local_grad_selector,
         )
+        # One tensor per scalar, stored under every parameter (after its blocks), even one without local blocks.
+        for param in params:
+            self.state[param].update(runtime.shared_scalars())
         runtime.apply_selector(distributor.local_grad_selector)
         return runtime
+
+    def _make_group_streams(self, concurrency_config: ConcurrencyConfig) -> list["torch.cuda.Stream"] | None:
+        """One new CUDA stream per param group, when enabled and every group's first parameter is on CUDA."""
+        first_params = [group[PARAMS][0] for group in self.param_groups]
+        if not concurrency_config.enable_cuda_stream_for_param_groups or not all(p.is_cuda for p in first_params):
+            return None
+        streams = [torch.cuda.Stream(param.device) for param in first_params]
+        for index, stream in enumerate(streams):
+            logger.info(f"Param group {index} runs its step on CUDA stream {stream.stream_id} of {stream.device}.")
+        return streams
 
     # ---- step
 
@@ -446,8 +492,20 @@ class DistributedShampoo(torch.optim.Optimizer):
             raise ValueError(
                 "DistributedShampoo does not support add_param_group: pass every param group to the constructor."
             )
-        for group, runtime in zip(self.param_groups, self._group_runtimes, strict=True):
-            self._step_group(group, runtime)
+        if self._group_streams is None:
+            for group, runtime in zip(self.param_groups, self._group_runtimes, strict=True):
+                self._step_group(group, runtime)
+            return loss
+        # Each group's whole step (collectives included) is queued on its own stream, after the work already on
+        # the current stream; the current streams then wait for every group, without a host synchronisation.
+        for group, runtime, stream in zip(self.param_groups, self._group_runtimes, self._group_streams, strict=True):
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            with torch.cuda.stream(stream):
+                self._step_group(group, runtime)
+        for device in {stream.device for stream in self._group_streams}:
+            current = torch.cuda.current_stream(device)
+            for stream in self._group_streams:
+                current.wait_stream(stream)
         return loss
 
     def _step_group(self, group: dict[str, Any], runtime: _GroupRuntime) -> None:
@@ -486,10 +544,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         if runtime.grafting is not None:
             runtime.grafting.update_preconditioners(masked_grads, step, False)
 
-        direction_fn = self._compiled_direction or _first_moment_and_direction
-        search_directions = direction_fn(
+        direction_fn = self._compiled_direction or _direction
+        directions = direction_fn(
             masked_grads,
-            masked_params,
             runtime.masked_filtered_grads,
             runtime.shampoo,
             runtime.grafting,
@@ -498,57 +555,47 @@ class DistributedShampoo(torch.optim.Optimizer):
             group[BETAS][0],
             group[BETA3],
             group[USE_BIAS_CORRECTION],
-            _decoupled_weight_decay_coefficient(group),
-            group[LR],
         )
-        if group[ITERATE_AVERAGING_CONFIG] is not None:
-            search_directions = self._average_iterates(group, runtime, masked_params, search_directions)
-        distributor.update_params(search_directions)
-
-    @staticmethod
-    def _average_iterates(
-        group: dict[str, Any], runtime: _GroupRuntime, masked_params: tuple[Tensor, ...], search_directions: tuple[Tensor, ...]
-    ) -> tuple[Tensor, ...]:
-        """Parameters hold y, the weight buffer z; turn z's step P into y's step (spec §3.6)."""
-        config = group[ITERATE_AVERAGING_CONFIG]
-        mu_y = config.train_interp_coeff
-        if isinstance(config, ScheduleFreeConfig):
-            assert runtime.lr_sum is not None
-            lr_power = group[LR] ** config.eval_coeff_lr_power
-            runtime.lr_sum.add_(lr_power)
-            mu_x: float | Tensor = 1.0 - lr_power / runtime.lr_sum
+        averaging = group[ITERATE_AVERAGING_CONFIG]
+        weight_decay_coefficient = _decoupled_weight_decay_coefficient(group)
+        if isinstance(averaging, (GeneralizedPrimalAveragingConfig, ScheduleFreeConfig)):
+            search_directions = _average_iterates(group, runtime, masked_params, directions, weight_decay_coefficient)
         else:
-            assert isinstance(config, GeneralizedPrimalAveragingConfig)
-            mu_x = config.eval_interp_coeff
-        z = runtime.masked_weight_buffers
-        z_minus_y = torch._foreach_sub(z, masked_params)
-        torch._foreach_add_(z, search_directions)
-        directions = torch._foreach_mul(search_directions, 1.0 - mu_x * mu_y)
-        torch._foreach_mul_(z_minus_y, 1.0 - mu_x)
-        torch._foreach_add_(directions, z_minus_y)
-        return tuple(directions)
+            # The direction may alias the state (identity preconditioners), so the first write is out of place.
+            if weight_decay_coefficient != 0.0:
+                directions = tuple(torch._foreach_add(directions, masked_params, alpha=weight_decay_coefficient))
+                if isinstance(averaging, ClassicMomentumConfig):
+                    directions = _classic_momentum(averaging, runtime.masked_averaging_buffers, directions)
+                torch._foreach_mul_(directions, -group[LR])
+                search_directions = directions
+            else:
+                if isinstance(averaging, ClassicMomentumConfig):
+                    directions = _classic_momentum(averaging, runtime.masked_averaging_buffers, directions)
+                search_directions = tuple(torch._foreach_mul(directions, -group[LR]))
+        distributor.update_params(search_directions)
 
     # ---- iterate-averaging modes
 
     @torch.no_grad()
-    def _interpolate_towards_weight_buffer(self, coefficient_of: Callable[[float], float], train_mode: bool) -> None:
-        for group, runtime in zip(self.param_groups, self._group_runtimes, strict=True):
-            # train_mode exists exactly for the iterate-averaging groups.
+    def _interpolate_towards_weight_buffer(self, coefficient_of: Callable[[Tensor], Tensor], train_mode: bool) -> None:
+        for runtime in self._group_runtimes:
+            # train_mode exists exactly for the GPA/Schedule-Free groups.
             if runtime.train_mode is None or bool(runtime.train_mode) == train_mode:
                 continue
-            coefficient = coefficient_of(group[ITERATE_AVERAGING_CONFIG].train_interp_coeff)
+            assert runtime.train_interp_coeff is not None
+            coefficient = coefficient_of(runtime.train_interp_coeff)
             params = runtime.distributor.local_blocked_params
-            directions = torch._foreach_sub(runtime.weight_buffers, params)
+            directions = torch._foreach_sub(runtime.averaging_buffers, params)
             torch._foreach_mul_(directions, coefficient)
             runtime.distributor.update_params(tuple(directions), use_masked_tensors=False)
             runtime.train_mode.fill_(train_mode)
 
     def eval(self) -> None:
-        """Move the parameters of averaging groups from y (where gradients are taken) to the averaged x."""
+        """Move the parameters of GPA/Schedule-Free groups from y (where gradients are taken) to the averaged x."""
         self._interpolate_towards_weight_buffer(lambda mu_y: 1.0 - 1.0 / mu_y, train_mode=False)
 
     def train(self) -> None:
-        """Move the parameters of averaging groups back from x to y."""
+        """Move the parameters of GPA/Schedule-Free groups back from x to y."""
         self._interpolate_towards_weight_buffer(lambda mu_y: 1.0 - mu_y, train_mode=True)
 
     # ---- checkpointing
@@ -592,6 +639,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         incoming = state.pop("state", {})
+        self._check_shared_scalars_agree(incoming)
         for param, param_state in incoming.items():
             if param in self.state:
                 update_param_state_dict_object(self.state[param], param_state, enable_missing_key_check=False)
@@ -600,9 +648,32 @@ class DistributedShampoo(torch.optim.Optimizer):
                 self.state[param] = param_state
         super().__setstate__(state)
 
+    def _check_shared_scalars_agree(self, incoming: dict[Any, Any]) -> None:
+        """A per-group scalar is one tensor under every parameter, so a checkpoint must give it one value."""
+        for group_index, (group, runtime) in enumerate(zip(self.param_groups, self._group_runtimes, strict=True)):
+            for key in runtime.shared_scalars():
+                values = [
+                    incoming[param][key] for param in group[PARAMS] if key in incoming.get(param, {})
+                ]
+                if not values:
+                    continue
+                reference = torch.as_tensor(values[0])
+                for value in values[1:]:
+                    value = torch.as_tensor(value)
+                    if key == LR_SUM:
+                        agree = torch.allclose(value.double().cpu(), reference.double().cpu(), rtol=1e-6, atol=0.0, equal_nan=True)
+                    else:
+                        agree = torch.equal(value.cpu(), reference.cpu())
+                    if not agree:
+                        raise ValueError(
+                            f"Cannot load optimizer state: the per-group scalar '{key}' is aliased across parameters "
+                            f"(one tensor for param group {group_index}), but the checkpoint gives it different "
+                            f"values ({reference.item()} and {value.item()}). The checkpoint was edited or mixes groups."
+                        )
+
 
 def _decoupled_weight_decay_coefficient(group: dict[str, Any]) -> float:
-    """Coefficient c of the `P ← P + c·W` term (0 for L2, which acts on the gradient instead)."""
+    """Coefficient α of the decoupled weight decay (0 for L2, which acts on the gradient instead)."""
     weight_decay, weight_decay_type = group[WEIGHT_DECAY], group[WEIGHT_DECAY_TYPE]
     if weight_decay == 0.0 or weight_decay_type == WeightDecayType.L2:
         return 0.0
@@ -613,9 +684,8 @@ def _decoupled_weight_decay_coefficient(group: dict[str, Any]) -> float:
     return weight_decay
 
 
-def _first_moment_and_direction(
+def _direction(
     grads: tuple[Tensor, ...],
-    params: tuple[Tensor, ...],
     filtered_grads: tuple[Tensor, ...],
     shampoo: PreconditionerList,
     grafting: PreconditionerList | None,
@@ -624,10 +694,11 @@ def _first_moment_and_direction(
     beta1: float,
     beta3: float,
     use_bias_correction: bool,
-    weight_decay_coefficient: float,
-    lr: float,
 ) -> tuple[Tensor, ...]:
-    """-lr·(direction + c·W) per block, the direction computed from the bias-corrected first moment M̄."""
+    """The preconditioned (and grafted) direction of each block, from the bias-corrected first moment M̄.
+
+    May alias optimizer state (identity preconditioners return their input): callers must not write into it.
+    """
     if beta1 != 0.0:
         filtered_bar = torch._foreach_lerp(filtered_grads, grads, 1.0 - beta3) if beta3 != beta1 else None
         torch._foreach_lerp_(filtered_grads, grads, 1.0 - beta1)
@@ -640,19 +711,57 @@ def _first_moment_and_direction(
 
     if use_grafting_method:
         assert grafting is not None
-        direction = grafting.precondition(moment)
-    else:
-        direction = shampoo.precondition(moment)
-        if grafting is not None:
-            graft_norms = torch._foreach_norm(grafting.precondition(moment))
-            shampoo_norms = torch._foreach_norm(direction)
-            torch._foreach_add_(shampoo_norms, _GRAFTING_NORM_GUARD)
-            direction = tuple(torch._foreach_mul(direction, torch._foreach_div(graft_norms, shampoo_norms)))
+        return grafting.precondition(moment)
+    direction = shampoo.precondition(moment)
+    if grafting is not None:
+        graft_norms = torch._foreach_norm(grafting.precondition(moment))
+        shampoo_norms = torch._foreach_norm(direction)
+        torch._foreach_add_(shampoo_norms, _GRAFTING_NORM_GUARD)
+        direction = tuple(torch._foreach_mul(direction, torch._foreach_div(graft_norms, shampoo_norms)))
+    return direction
 
-    # The direction may alias the state (identity preconditioners), so the first write is out of place.
+
+def _classic_momentum(
+    config: ClassicMomentumConfig, momentum_buffers: tuple[Tensor, ...], directions: tuple[Tensor, ...]
+) -> tuple[Tensor, ...]:
+    """M ← μ·M + (1 - d)·P; the new direction is M, or (1 - d)·P + μ·M with Nesterov (a new tensor either way)."""
+    torch._foreach_mul_(momentum_buffers, config.momentum)
+    torch._foreach_add_(momentum_buffers, directions, alpha=1.0 - config.dampening)
+    if config.use_nesterov:
+        result = torch._foreach_mul(directions, 1.0 - config.dampening)
+        torch._foreach_add_(result, momentum_buffers, alpha=config.momentum)
+        return tuple(result)
+    return tuple(torch._foreach_mul(momentum_buffers, 1.0))
+
+
+def _average_iterates(
+    group: dict[str, Any],
+    runtime: _GroupRuntime,
+    masked_params: tuple[Tensor, ...],
+    directions: tuple[Tensor, ...],
+    weight_decay_coefficient: float,
+) -> tuple[Tensor, ...]:
+    """GPA/Schedule-Free: parameters hold y, the weight buffer z; return y's step.
+
+    Weight decay shrinks z itself (z ← (1 - lr·α)·z, AdamW-style on the base sequence) instead of entering the
+    direction; then z ← z - lr·P and y moves by (1 - μx·μy)·(-lr·P) + (1 - μx)·(z_shrunk - y).
+    """
+    config = group[ITERATE_AVERAGING_CONFIG]
+    lr = group[LR]
+    assert runtime.eval_interp_coeff is not None and runtime.train_interp_coeff is not None
+    mu_x, mu_y = runtime.eval_interp_coeff, runtime.train_interp_coeff
+    if isinstance(config, ScheduleFreeConfig):
+        assert runtime.lr_sum is not None
+        lr_power = lr**config.eval_coeff_lr_power
+        runtime.lr_sum.add_(lr_power)
+        mu_x.copy_(1.0 - lr_power / runtime.lr_sum)
+    z = runtime.masked_averaging_buffers
     if weight_decay_coefficient != 0.0:
-        result = torch._foreach_add(direction, params, alpha=weight_decay_coefficient)
-        torch._foreach_mul_(result, -lr)
-    else:
-        result = torch._foreach_mul(direction, -lr)
-    return tuple(result)
+        torch._foreach_mul_(z, 1.0 - lr * weight_decay_coefficient)
+    step = torch._foreach_mul(directions, -lr)
+    z_minus_y = torch._foreach_sub(z, masked_params)
+    torch._foreach_add_(z, step)
+    torch._foreach_mul_(step, 1.0 - mu_x * mu_y)
+    torch._foreach_mul_(z_minus_y, 1.0 - mu_x)
+    torch._foreach_add_(step, z_minus_y)
+    return tuple(step)

@@ -29,6 +29,7 @@ from distributed_shampoo.utils.load_balancing_utils import CostModel, DefaultCos
 # Optimizer state keys.
 FILTERED_GRAD = "filtered_grad"
 LR_SUM = "lr_sum"
+MOMENTUM_BUFFER = "momentum_buffer"
 STEP = "step"
 TRAIN_MODE = "train_mode"
 WEIGHT_BUFFER = "weight_buffer"
@@ -51,22 +52,6 @@ USE_PIN_MEMORY = "use_pin_memory"
 DISTRIBUTED_CONFIG = "distributed_config"
 PRECONDITIONER_CONFIG = "preconditioner_config"
 PARAMS = "params"
-EVAL_INTERP_COEFF = "eval_interp_coeff"
-TRAIN_INTERP_COEFF = "train_interp_coeff"
-
-# Per-group runtime lists (never checkpointed).
-DISTRIBUTOR = "distributor"
-FILTERED_GRAD_LIST = "filtered_grad_list"
-GRAFTING_PRECONDITIONER_LIST = "grafting_preconditioner_list"
-LR_CPU_PINNED = "lr_cpu_pinned"
-LR_TENSOR = "lr_tensor"
-MASKED_BLOCKED_GRADS = "masked_blocked_grads"
-MASKED_BLOCKED_PARAMS = "masked_blocked_params"
-MASKED_FILTERED_GRAD_LIST = "masked_filtered_grad_list"
-MASKED_WEIGHT_BUFFER_LIST = "masked_weight_buffer_list"
-PREVIOUS_GRAD_SELECTOR = "previous_grad_selector"
-SHAMPOO_PRECONDITIONER_LIST = "shampoo_preconditioner_list"
-WEIGHT_BUFFER_LIST = "weight_buffer_list"
 
 
 class PreconditionerValueError(ValueError):
@@ -123,20 +108,32 @@ class BaseShampooPreconditionerConfig(PreconditionerConfig):
 
     `amortized_computation_config` is the matrix function run every `precondition_frequency` steps; a failure
     keeps the previous result, and more than `num_tolerated_failed_amortized_computations` consecutive failures
-    of one block raise.
+    of one block raise. With `drop_weighting_factor_on_gsquare` the factors accumulate F ← β₂·F + G·Gᵀ (weight 1)
+    and are not bias-corrected. `use_symmetric_packing` stores each factor matrix (and each stored inverse root)
+    as its upper triangle, d(d+1)/2 numbers instead of d². `use_trace_scaling` divides each factor by
+    max(trace, epsilon)^trace_scaling_exponent before its root is taken.
+
+    The fields are listed in the order of the published package's repr.
     """
 
     amortized_computation_config: Any = field(repr=False, default=None)
-    num_tolerated_failed_amortized_computations: int = 3
-    factor_matrix_dtype: torch.dtype = torch.float32
-    use_trace_scaling: bool = False
     drop_weighting_factor_on_gsquare: bool = False
+    factor_matrix_dtype: torch.dtype = torch.float32
+    num_tolerated_failed_amortized_computations: int = 3
+    use_symmetric_packing: bool = True
+    use_trace_scaling: bool = False
+    trace_scaling_exponent: float = 0.5
 
     def __post_init__(self) -> None:
         if self.num_tolerated_failed_amortized_computations < 0:
             raise ValueError(
                 "Invalid num_tolerated_failed_amortized_computations value: "
                 f"{self.num_tolerated_failed_amortized_computations}. Must be >= 0."
+            )
+        if self.use_trace_scaling and not 0.0 < self.trace_scaling_exponent <= 1.0:
+            raise ValueError(
+                f"Invalid trace_scaling_exponent value: {self.trace_scaling_exponent}. "
+                "Must be in (0.0, 1.0] when use_trace_scaling=True."
             )
 
 
@@ -287,7 +284,8 @@ DefaultSignDescentPreconditionerConfig = SignDescentPreconditionerConfig()
 
 @dataclass(init=False)
 class IterateAveragingConfig(AbstractDataclass):
-    """Base of the iterate-averaging schemes (parameters hold y, state holds z)."""
+    """Base of the schemes that transform the step after preconditioning: GPA and Schedule-Free (parameters hold
+    y, the state holds z) and classic momentum. Other subclasses are rejected by `DistributedShampoo`."""
 
 
 @dataclass(kw_only=True)
@@ -314,6 +312,25 @@ class ScheduleFreeConfig(IterateAveragingConfig):
     def __post_init__(self) -> None:
         if not 0.0 < self.train_interp_coeff <= 1.0:
             raise ValueError(f"Invalid train_interp_coeff={self.train_interp_coeff}. Must be in (0.0, 1.0].")
+
+
+@dataclass(kw_only=True)
+class ClassicMomentumConfig(IterateAveragingConfig):
+    """Heavy-ball (or Nesterov) momentum on the preconditioned, grafted, weight-decayed direction P.
+
+    M ← momentum·M + (1 - dampening)·P, then the step uses M, or (1 - dampening)·P + momentum·M with
+    Nesterov. M starts at zero and is not bias-corrected. Leave `iterate_averaging_config=None` for no momentum.
+    """
+
+    momentum: float = 0.5
+    dampening: float = 0.0
+    use_nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.momentum < 1.0:
+            raise ValueError(f"Invalid self.momentum={self.momentum}. Must be within (0.0, 1.0).")
+        if not 0.0 <= self.dampening < 1.0:
+            raise ValueError(f"Invalid self.dampening={self.dampening}. Must be within [0.0, 1.0).")
 
 
 # ------------------------------------------------------------------------------------------------ weight decay
@@ -416,9 +433,25 @@ class HSDPDistributedConfig(FSDPDistributedConfig, DDPDistributedConfig):
 
 @dataclass(kw_only=True)
 class FullyShardDistributedConfig(DistributedConfig):
-    """FSDP2 `fully_shard`. Not supported here."""
+    """FSDP2 `fully_shard`. Not supported by the optimizer here; the fields are validated as published.
+
+    `num_sub_groups > 1` splits each param group into that many groups (only with the lossless REPLICATE or
+    ROUND_ROBIN strategies).
+    """
 
     param_assignment_strategy: FSDPParamAssignmentStrategy = FSDPParamAssignmentStrategy.DEFAULT
+    num_sub_groups: int = 1
+    load_balancing_config: LoadBalancingConfig = field(default_factory=LoadBalancingConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_sub_groups < 1:
+            raise ValueError(f"Invalid num_sub_groups value: {self.num_sub_groups}. Must be >= 1.")
+        if self.num_sub_groups > 1 and self.param_assignment_strategy == FSDPParamAssignmentStrategy.DEFAULT:
+            raise ValueError(
+                f"num_sub_groups={self.num_sub_groups} needs param_assignment_strategy REPLICATE or ROUND_ROBIN "
+                "(the DEFAULT strategy cannot split param groups)."
+            )
 
 
 @dataclass(kw_only=True)
@@ -444,14 +477,27 @@ class ShampooPT2CompileConfig:
 
 
 @dataclass(kw_only=True)
+class ConcurrencyConfig:
+    """`enable_cuda_stream_for_param_groups`: run each param group's step on its own CUDA stream, so that the
+    collectives of one group can overlap the computation of another. Used only when every group's first
+    parameter is on a CUDA device; results are unchanged."""
+
+    enable_cuda_stream_for_param_groups: bool = True
+
+
+DefaultConcurrencyConfig = ConcurrencyConfig()
+
+
+@dataclass(kw_only=True)
 class ShampooRuntimeConfig:
     """Settings that change how a step runs, never what it computes.
 
     `eager_nan_check=True` asserts every present gradient is finite (one host sync per gradient).
     `num_amortized_computation_streams > 1` spreads the root/eigendecomposition recomputations of a step over
     that many CUDA streams, each driven by its own host thread (no effect on CPU): the factors are decomposed
-    one by one and concurrently, with results bitwise equal to decomposing them one after another.
-    `CoupledHigherOrderConfig(disable_tf32=True)` stays sequential: it flips a process-wide flag.
+    one by one and concurrently, with results bitwise equal to decomposing them one after another (a package
+    extension; the published optimizer has no such field). `CoupledHigherOrderConfig(disable_tf32=True)` stays
+    sequential: it flips a process-wide flag.
     """
 
     eager_nan_check: bool = False

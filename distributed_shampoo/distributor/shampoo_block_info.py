@@ -2,11 +2,10 @@
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 
 def _identity(tensor: Tensor) -> Tensor:
@@ -18,7 +17,7 @@ class BlockInfo:
     """A block of parameter `param` identified by `composable_block_ids = (param_index, "block_k")`.
 
     Every optimizer state tensor of the block is allocated through `allocate_*_tensor` and read through
-    `get_tensor`, so distributors can wrap state (e.g. in DTensors) without the preconditioners knowing.
+    `get_tensor`, so a distributor could wrap state (e.g. in DTensors) without the preconditioners knowing.
     """
 
     param: Tensor
@@ -28,27 +27,6 @@ class BlockInfo:
     allocate_ones_tensor: Callable[..., Tensor] = field(init=False, default_factory=lambda: torch.ones)
     allocate_eye_tensor: Callable[..., Tensor] = field(init=False, default_factory=lambda: torch.eye)
     get_tensor: Callable[[Any], Tensor] = field(init=False, default_factory=lambda: _identity)
-
-
-@dataclass
-class DTensorBlockInfo(BlockInfo):
-    """Block whose state tensors are DTensors: ones/eye are built by filling the local part of a zeros DTensor."""
-
-    def __post_init__(self) -> None:
-        self.get_tensor = lambda tensor: cast(DTensor, tensor).to_local()
-
-        def allocate_ones(*args: Any, **kwargs: Any) -> Tensor:
-            tensor = self.allocate_zeros_tensor(*args, **kwargs)
-            cast(DTensor, tensor).to_local().fill_(1.0)
-            return tensor
-
-        def allocate_eye(n: int, *args: Any, **kwargs: Any) -> Tensor:
-            tensor = self.allocate_zeros_tensor((n, n), *args, **kwargs)
-            cast(DTensor, tensor).to_local().fill_diagonal_(1.0)
-            return tensor
-
-        self.allocate_ones_tensor = allocate_ones
-        self.allocate_eye_tensor = allocate_eye
 
 
 def allocate_zeros_like_blocks(

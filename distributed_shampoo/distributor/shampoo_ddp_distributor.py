@@ -15,7 +15,7 @@ from torch import Tensor
 
 from distributed_shampoo.distributor.shampoo_dist_utils import shampoo_comm_profiler
 from distributed_shampoo.distributor.shampoo_distributor import DistributorInterface
-from distributed_shampoo.shampoo_types import DDPDistributedConfig, ShampooRuntimeConfig
+from distributed_shampoo.shampoo_types import DISTRIBUTED_CONFIG, DDPDistributedConfig, ShampooRuntimeConfig
 from distributed_shampoo.utils.shampoo_utils import compress_list, distribute_buffer_sizes
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -37,12 +37,8 @@ def resolve_group_size(num_trainers_per_group: int, world_size: int) -> int:
 class DDPDistributor(DistributorInterface):
     """Spreads the blocks of a replicated param group over the ranks of each group of `num_trainers_per_group`."""
 
-    def __init__(
-        self,
-        param_group: dict[str, Any],
-        distributed_config: DDPDistributedConfig,
-        runtime_config: ShampooRuntimeConfig | None = None,
-    ) -> None:
+    def __init__(self, param_group: dict[str, Any], runtime_config: ShampooRuntimeConfig | None = None) -> None:
+        distributed_config: DDPDistributedConfig = param_group[DISTRIBUTED_CONFIG]
         if not dist.is_initialized():
             raise RuntimeError(
                 "DDPDistributedConfig needs an initialized torch.distributed process group "

@@ -1,8 +1,8 @@
 """Blocking of a param group and the single-device distributor.
 
 A distributor owns the mapping between a param group's parameters and the blocks the preconditioners work on:
-it merges small dims and splits at `max_preconditioner_dim` once for the params (§3.1 of the spec), blocks the
-gradients of its local blocks identically each step, tracks which blocks received a gradient, and applies the
+it merges small dims and splits at `max_preconditioner_dim` once for the params (README.md, "Blocking"), blocks
+the gradients of its local blocks identically each step, tracks which blocks received a gradient, and applies the
 search directions.
 """
 

@@ -1,13 +1,15 @@
 """Matrix roots, eigendecompositions and orthogonalizations used by the preconditioners.
 
 All routines accept a single matrix; `matrix_inverse_root_from_eigendecomposition` also accepts a batch
-(leading dims) so callers can form many roots in one call.
+(leading dims). `NUMERICAL_FAILURES` lists the exceptions that mean "this matrix could not be handled
+accurately"; callers fall back only on those.
 """
 
 import enum
 import functools
 import inspect
 import logging
+import threading
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, TypeVar
@@ -39,6 +41,13 @@ from distributed_shampoo.preconditioner.matrix_functions_types import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 FuncT = TypeVar("FuncT", bound=Callable[..., Any])
+
+
+# The exceptions that report a numerical failure, as opposed to a bug or a runtime problem: torch.linalg raises
+# LinAlgError when LAPACK/cuSOLVER report that a decomposition did not converge, and the iterative roots below raise
+# ArithmeticError when their result is inaccurate or not finite. Only these trigger the float64 retry of `eigh` and
+# the keep-the-previous-root policy of the preconditioners; anything else propagates.
+NUMERICAL_FAILURES: tuple[type[Exception], ...] = (torch.linalg.LinAlgError, ArithmeticError)
 
 
 class NewtonConvergenceFlag(enum.Enum):
@@ -73,10 +82,36 @@ def _check_square_matrix(func: FuncT) -> FuncT:
 
 
 def _matrix_perturbation(A: Tensor, epsilon: float = 0.0, is_eigenvalues: bool = False) -> Tensor:
-    """A + epsilon·I, or eigenvalues + epsilon when `is_eigenvalues`."""
+    """A + epsilon·I (a new tensor), or eigenvalues + epsilon when `is_eigenvalues`."""
     if is_eigenvalues:
         return A + epsilon
-    return A + epsilon * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    # Adding to the diagonal of a copy gives the same numbers as A + epsilon·eye without a second d×d temporary.
+    perturbed = A.clone()
+    perturbed.diagonal(dim1=-2, dim2=-1).add_(epsilon)
+    return perturbed
+
+
+# Devices on which this process has already made its first linear-algebra call (see `load_linalg_library`).
+_LINALG_LOADED: set[torch.device] = set()
+_LINALG_LOADED_LOCK = threading.Lock()
+
+
+def load_linalg_library(device: torch.device) -> None:
+    """Make torch load its linear-algebra kernels for `device` now, from the calling thread.
+
+    CUDA builds of torch load the library behind `torch.linalg` lazily, in the first linalg call of the process,
+    and that first call is not thread safe: a thread entering it while another one is loading fails with
+    `RuntimeError('lazy wrapper should be called at most once')`. Call this before starting threads that
+    decompose matrices. One small `eigh` loads every linalg kernel (QR and the others too); later calls return
+    at once. No effect off CUDA.
+    """
+    if device.type != "cuda":
+        return
+    with _LINALG_LOADED_LOCK:
+        if device in _LINALG_LOADED:
+            return
+        torch.linalg.eigh(torch.eye(2, device=device))
+        _LINALG_LOADED.add(device)
 
 
 def _assign_function_args_from_config(func: Callable[..., Any], config: MatrixFunctionConfig) -> dict[str, Any]:
@@ -137,7 +172,7 @@ def _eigh_with_retry(
     work = A.to(eigendecomposition_offload_device) if eigendecomposition_offload_device else A
     try:
         L, Q = torch.linalg.eigh(work)
-    except Exception as exception:
+    except torch.linalg.LinAlgError as exception:  # non-convergence only: other errors are not cured by float64
         if not retry_double_precision or work.dtype == torch.float64:
             raise
         logger.warning(f"Failed to compute eigendecomposition in {work.dtype} precision with {exception=}. Retrying in float64.")
@@ -220,6 +255,10 @@ def _coupled_newton_inverse_root(A: Tensor, root: int, epsilon: float, max_itera
     return X
 
 
+def _max_abs(matrix: Tensor) -> Tensor:
+    return matrix.abs().max()
+
+
 def _coupled_higher_order_inverse_root(
     A: Tensor,
     root: Fraction,
@@ -230,7 +269,12 @@ def _coupled_higher_order_inverse_root(
     order: int,
     disable_tf32: bool,
 ) -> Tensor:
-    """Higher-order coupled iteration for A^(-p/q) (after Lakić); see the spec §3.8."""
+    """A^(-1/root) by a coupled iteration of the given order (after Lakić), for root = p/q.
+
+    X converges to A_r^(-1/p) while M = X^p·A_r converges to I; each step multiplies X by the binomial series of
+    M^(-1/p) = (I - (I - M))^(-1/p) truncated after `order` terms, and X^q is returned. The iterates are
+    polynomials in A_r, so they commute and stay symmetric.
+    """
     p, q = root.numerator, root.denominator
     if abs(p) >= 10 and abs(q) >= 10:
         logger.warning(f"{p=} and {q=} are probably too big for good performance.")
@@ -243,40 +287,54 @@ def _coupled_higher_order_inverse_root(
         if not torch.isfinite(norm_inf):
             raise ArithmeticError(f"Input matrix has entries close to inf: {norm_inf=}.")
         A_ridge = A + torch.clamp(rel_epsilon * norm_inf, min=abs_epsilon) * identity
-        # Scale so that the spectrum of M = z^p·... lies in (0, 1]; one Newton step starts the iteration.
-        z = 1.0 / torch.linalg.matrix_norm(A_ridge, ord=torch.inf)
+
+        # Start with one coupled Newton step. The Frobenius norm bounds the largest eigenvalue, so z·A_ridge has
+        # its spectrum in (0, (p+1)/2], and the Newton step maps any spectrum in (0, p+1) into (0, 1]. From there
+        # every eigenvalue of M rises monotonically to 1 under the truncated series (all its terms are positive),
+        # so the error below cannot grow except by rounding.
+        z = (p + 1) / (2 * torch.linalg.matrix_norm(A_ridge))
         X = z ** (1.0 / p) * identity
         M = z * A_ridge
-        error = torch.linalg.matrix_norm(M - identity, ord=torch.inf)
-        flag = NewtonConvergenceFlag.REACHED_MAX_ITERS
-        # Coefficients of the truncated binomial series (1 - t)^(-1/p) = Σ_k a_k t^k, up to `order - 1`.
+        newton_step = (1 + 1 / p) * identity - M / p
+        X = X @ newton_step
+        M = torch.linalg.matrix_power(newton_step, p) @ M
+        # Largest entry of I - M: since I - M is positive semi-definite here, it sits on the diagonal and
+        # decreases with every step (row sums of a dense matrix can grow while the iteration converges).
+        error = _max_abs(M - identity)
+
+        # Coefficients of the binomial series (1 - t)^(-1/p) = Σ_k a_k t^k, up to degree `order - 1`.
         coefficients = [1.0]
         for k in range(1, order):
             coefficients.append(coefficients[-1] * (1.0 / p + k - 1) / k)
-        iteration = 0
-        while iteration < max_iterations:
+        flag = NewtonConvergenceFlag.REACHED_MAX_ITERS
+        for _ in range(max_iterations):
             if error <= tolerance:
                 flag = NewtonConvergenceFlag.CONVERGED
                 break
             T = identity - M
-            # Horner evaluation of Σ a_k T^k.
             step = coefficients[-1] * identity
-            for coefficient in reversed(coefficients[:-1]):
+            for coefficient in reversed(coefficients[:-1]):  # Horner
                 step = coefficient * identity + T @ step
             X = X @ step
             M = torch.linalg.matrix_power(step, p) @ M
-            new_error = torch.linalg.matrix_norm(M - identity, ord=torch.inf)
-            iteration += 1
-            if new_error > 1.2 * error or (new_error == error and error < 1e-3):
+            new_error = _max_abs(M - identity)
+            if new_error > 1.2 * error or (new_error == error and error < 1e-3):  # diverging or stagnating
                 flag = NewtonConvergenceFlag.EARLY_STOP
                 error = new_error
                 break
             error = new_error
-        if flag == NewtonConvergenceFlag.REACHED_MAX_ITERS and error > tolerance:
-            logger.warning(f"Higher-order iteration did not converge and reached maximum number of iterations ({max_iterations}).")
-        residual = torch.linalg.matrix_norm(A_ridge @ torch.linalg.matrix_power(X, p) - identity, ord=torch.inf)
+        else:
+            if error <= tolerance:
+                flag = NewtonConvergenceFlag.CONVERGED
+        if flag == NewtonConvergenceFlag.REACHED_MAX_ITERS:
+            logger.warning(
+                f"Higher-order iteration did not converge and reached maximum number of iterations ({max_iterations})."
+            )
+        residual = _max_abs(A_ridge @ torch.linalg.matrix_power(X, p) - identity)
         if residual > 0.1:
-            raise ArithmeticError(f"Error in matrix inverse root (before powering for fractions) {residual=} exceeds threshold 0.1.")
+            raise ArithmeticError(
+                f"Error in matrix inverse root (before powering for fractions) {residual=} exceeds threshold 0.1."
+            )
         if q > 1:
             X = torch.linalg.matrix_power(X, q)
         if not torch.isfinite(X).all():
@@ -318,26 +376,6 @@ def matrix_inverse_root(
             A, root, **_assign_function_args_from_config(_coupled_higher_order_inverse_root, root_inv_config)
         )
     raise NotImplementedError(f"Root inverse config is not implemented! {root_inv_config=}")
-
-
-def batched_eigen_inverse_root(
-    A: Tensor, root: Fraction, root_inv_config: EigenConfig, epsilon: float
-) -> tuple[Tensor, ...]:
-    """`matrix_inverse_root` with an `EigenConfig` for a stack of matrices (leading batch dim), in one `eigh`.
-
-    Only the eigendecomposition is batched: the products Q·diag(f(L))·Qᵀ are formed matrix by matrix because a
-    batched matmul rounds differently from a single one, and each result must not depend on its batch (DDP ranks
-    batch different subsets and must agree bitwise with one process). No float64 retry and no offloading: on any
-    failure the caller falls back to `matrix_inverse_root` per matrix, which has both.
-    """
-    stability = root_inv_config.rank_deficient_stability_config
-    if isinstance(stability, PerturbationConfig) and stability.perturb_before_computation:
-        A = _matrix_perturbation(A, epsilon)
-    L, Q = torch.linalg.eigh(A)
-    return tuple(
-        matrix_inverse_root_from_eigendecomposition(eigenvalues, eigenvectors, Fraction(root), epsilon, stability)
-        for eigenvalues, eigenvectors in zip(L.unbind(), Q.unbind(), strict=True)
-    )
 
 
 # ---------------------------------------------------------------------------------------- orthogonalization

@@ -10,31 +10,38 @@ gradient's outer product contracted over every other dim (`G·Gᵀ` and `Gᵀ·G
 * KL variants: as RootInv/Eigendecomposed, but each factor accumulates the gradient already preconditioned
   along the other dims.
 
-A failed computation keeps the previous result and warns; more than `num_tolerated_failed_amortized_computations`
-consecutive failures of one block raise. NaN/Inf in a factor or in a result raise `PreconditionerValueError`.
+With `use_symmetric_packing` (the default) the factor matrices and the stored inverse roots are kept as their
+upper triangles (`utils.shampoo_utils.pack_upper_triangular`) and unpacked into square matrices only while one
+is used. The amortized computation handles one factor at a time (optionally several concurrently, within a
+memory budget), so it never holds more than a few d×d temporaries.
+
+A numerical failure (`matrix_functions.NUMERICAL_FAILURES`) keeps the previous result and warns; more than
+`num_tolerated_failed_amortized_computations` consecutive failures of one block raise. NaN/Inf in a factor or in
+a result raise `PreconditionerValueError`; any other exception propagates.
 """
 
 import logging
 import os
 import tempfile
 from abc import abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
 from distributed_shampoo.preconditioner.matrix_functions import (
-    batched_eigen_inverse_root,
+    NUMERICAL_FAILURES,
     changes_global_state,
+    load_linalg_library,
     matrix_eigendecomposition,
     matrix_inverse_root,
     matrix_inverse_root_from_eigendecomposition,
 )
-from distributed_shampoo.preconditioner.matrix_functions_types import EigenConfig
 from distributed_shampoo.preconditioner.preconditioner_list import SecondMomentPreconditionerList, profile_decorator
 from distributed_shampoo.shampoo_types import (
     BaseShampooPreconditionerConfig,
@@ -45,35 +52,49 @@ from distributed_shampoo.shampoo_types import (
     RootInvShampooPreconditionerConfig,
 )
 from distributed_shampoo.utils.optimizer_modules import OptimizerModule
-from distributed_shampoo.utils.shampoo_utils import compress_list, get_dtype_size, run_on_side_streams
+from distributed_shampoo.utils.shampoo_utils import (
+    compress_list,
+    get_dtype_size,
+    pack_upper_triangular,
+    packed_size,
+    run_on_side_streams,
+    unpack_upper_triangular,
+    upper_triangular_indices,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 SHAMPOO = "shampoo"
 
-# Upper bound on the stacked matrices of one batched eigh (the eigenvectors double it).
-_MAX_BATCH_BYTES = 1 << 30
-# Factors at most this size are decomposed one by one: for batches of small matrices torch switches to an
-# iterative (Jacobi) CUDA solver whose rounding differs from the single-matrix one, and DDP ranks batch different
-# subsets, so batching them would break the bitwise DDP == single-device property. Small factors are cheap anyway.
-_MIN_BATCHED_EIGH_SIZE = 32
-
-
-def _chunks_within_bytes(items: list[Any], max_bytes: int) -> list[list[Any]]:
-    """Consecutive chunks of (block, j, A) items whose matrices A total at most max_bytes (at least one each)."""
-    chunks: list[list[Any]] = []
-    size = 0
-    for item in items:
-        nbytes = item[2].numel() * item[2].element_size()
-        if not chunks or size + nbytes > max_bytes:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(item)
-        size += nbytes
-    return chunks
+# Temporaries of one amortized computation on a d×d factor, in units of d² elements: the normalised copy A, its
+# perturbed copy A + epsilon·I, the eigenvectors, and eigh's workspace (about 2·d² for divide and conquer).
+_AMORTIZED_COMPUTATION_TEMPORARIES = 5
+# Concurrent amortized computations start only while their temporaries total at most the largest one's plus this
+# fraction of the list's state: the root step's peak memory stays within 1.1× the state plus one computation.
+_CONCURRENT_MEMORY_FRACTION = 0.1
 
 
 # ------------------------------------------------------------------------------------------ checkpointed state
+
+
+def _symmetric_layout_like(current: Tensor, incoming: Any, name: str) -> Any:
+    """`incoming` converted to the layout (packed upper triangle or square) of the state tensor `current`.
+
+    Checkpoints of the published optimizer are packed by default, and ours before packing existed were square;
+    both load into either layout.
+    """
+    if not isinstance(incoming, Tensor) or incoming.shape == current.shape:
+        return incoming
+    if current.dim() == 1 and incoming.dim() == 2 and incoming.shape[0] == incoming.shape[1]:
+        if packed_size(incoming.shape[0]) == current.numel():
+            return pack_upper_triangular(incoming.to(current.device))
+    if current.dim() == 2 and incoming.dim() == 1 and incoming.numel() == packed_size(current.shape[0]):
+        return unpack_upper_triangular(incoming.to(current.device))
+    raise ValueError(
+        f"Cannot load {name}: the checkpoint holds shape {tuple(incoming.shape)} where this optimizer keeps "
+        f"{tuple(current.shape)}; it fits neither the square nor the packed layout of the same factor. Check that "
+        "the checkpoint comes from the same model, blocking and max_preconditioner_dim."
+    )
 
 
 @dataclass
@@ -83,10 +104,30 @@ class BaseShampooKroneckerFactorsState(OptimizerModule):
     factor_matrices: tuple[Tensor, ...]
     factor_matrix_indices: tuple[str, ...]
 
+    # Fields holding symmetric matrices, stored packed or square; loading converts between the two layouts.
+    SYMMETRIC_FIELDS: ClassVar[tuple[str, ...]] = ("factor_matrices",)
+
+    def load_state_dict(self, state_dict: Mapping[Any, Any], store_non_tensors: bool = False) -> None:
+        converted = dict(state_dict)
+        for name in self.SYMMETRIC_FIELDS:
+            incoming = converted.get(name)
+            if not isinstance(incoming, Mapping):
+                continue
+            current = getattr(self, name)
+            converted[name] = {
+                position: _symmetric_layout_like(current[int(position)], value, f"{name}[{position}]")
+                if str(position).isdigit() and int(position) < len(current)
+                else value
+                for position, value in incoming.items()
+            }
+        super().load_state_dict(converted, store_non_tensors)
+
 
 @dataclass
 class RootInvShampooKroneckerFactorsState(BaseShampooKroneckerFactorsState):
     inv_factor_matrices: tuple[Tensor, ...]
+
+    SYMMETRIC_FIELDS: ClassVar[tuple[str, ...]] = ("factor_matrices", "inv_factor_matrices")
 
 
 @dataclass
@@ -108,13 +149,15 @@ class EigenvalueCorrectedShampooKroneckerFactorsState(BaseShampooKroneckerFactor
 class ShampooKroneckerFactorsUnwrapped:
     """Local tensors of one block plus what the computations need.
 
-    `preconditioned_dims_selector[d]` says whether block dim `d` has a factor matrix; `roots[j]` is the root
-    (1/exponent) of the j-th factor. Only the fields of the block's variant are filled.
+    `preconditioned_dims_selector[d]` says whether block dim `d` has a factor matrix; `factor_dims[j]` is the
+    size d of the j-th factor (stored as d×d, or packed as d(d+1)/2 numbers); `roots[j]` is its root
+    (1/exponent). Only the fields of the block's variant are filled.
     """
 
     factor_matrices: tuple[Tensor, ...]
     factor_matrix_indices: tuple[str, ...]
     preconditioned_dims_selector: tuple[bool, ...]
+    factor_dims: tuple[int, ...]
     roots: tuple[Fraction, ...]
     inv_factor_matrices: tuple[Tensor, ...] = ()
     factor_matrices_eigenvectors: tuple[Tensor, ...] = ()
@@ -132,6 +175,7 @@ def _unwrap(
     block_state: BaseShampooKroneckerFactorsState,
     block_info: BlockInfo,
     selector: tuple[bool, ...],
+    factor_dims: tuple[int, ...],
     roots: tuple[Fraction, ...],
 ) -> ShampooKroneckerFactorsUnwrapped:
     """The block's local tensors: each tensor field of a variant's state has the same name in the view."""
@@ -143,6 +187,7 @@ def _unwrap(
     return ShampooKroneckerFactorsUnwrapped(
         factor_matrix_indices=block_state.factor_matrix_indices,
         preconditioned_dims_selector=selector,
+        factor_dims=factor_dims,
         roots=roots,
         **local_tensors,
     )
@@ -169,38 +214,16 @@ def _outer_product(grad: Tensor, dim: int) -> Tensor:
     return torch.tensordot(grad, grad, dims=(other_dims, other_dims))
 
 
-def _identities_like(
-    factor_matrices: tuple[Tensor, ...], block_info: BlockInfo, dtype: torch.dtype, device: torch.device
-) -> tuple[Tensor, ...]:
-    """One identity matrix per factor matrix: the starting inverse roots or eigenvectors."""
-    return tuple(block_info.allocate_eye_tensor(f.shape[0], dtype=dtype, device=device) for f in factor_matrices)
-
-
 def _save_debug_matrix(matrix: Tensor, factor_matrix_index: str) -> None:
     path = os.path.join(tempfile.gettempdir(), f"{factor_matrix_index.replace('.', '_')}.pt")
     try:
         torch.save(matrix.detach().cpu(), path)
-    except Exception as exception:
+    except (OSError, RuntimeError) as exception:  # torch.save reports an unwritable path as RuntimeError
         logger.warning(f"Could not save the failing factor matrix {factor_matrix_index} to {path}: {exception!r}")
 
 
-def _raise_if_non_finite(matrices: list[Tensor], indices: list[str], describe: str) -> None:
-    """One host sync for the whole list; the error names the first offending factor matrix."""
-    if not matrices:
-        return
-    finite = torch.stack([torch.isfinite(matrix).all() for matrix in matrices]).cpu()
-    if bool(finite.all()):
-        return
-    bad = int((~finite).nonzero()[0])
-    matrix, index = matrices[bad], indices[bad]
-    if describe == "factor":
-        raise PreconditionerValueError(
-            f"Encountered nan/inf values in factor matrix {index}! To mitigate, check if nan inputs are being "
-            "passed into the network or nan gradients are being passed to the optimizer. For debugging purposes, "
-            f"factor_matrix {index}: {torch.min(matrix)=}, {torch.max(matrix)=}."
-        )
-    _save_debug_matrix(matrix, index)
-    raise PreconditionerValueError(f"Encountered nan or inf values in the computed {describe} of factor matrix {index}!")
+def _is_finite(tensors: tuple[Tensor, ...]) -> bool:
+    return all(bool(torch.isfinite(tensor).all()) for tensor in tensors)
 
 
 # -------------------------------------------------------------------------------------------------- list base
@@ -212,7 +235,7 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     Subclasses say which dims are preconditioned and with which root (`_roots_of_block`), what state a block
     holds (`_create_block_state`), what the amortized computation produces and where it goes
     (`_amortized_result`, `_result_tensors`, `_store_amortized_result`) and how a gradient is preconditioned
-    (`_precondition_block`); `_factor_update_sources` and `_after_factor_update` are optional.
+    (`_precondition_block`); `_factor_update_sources` and `_after_amortized_computation` are optional.
     """
 
     def __init__(
@@ -230,6 +253,7 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     ) -> None:
         super().__init__(block_list, beta2, weighting_factor, epsilon, use_bias_correction)
         self._preconditioner_config = preconditioner_config
+        self._packed = preconditioner_config.use_symmetric_packing
         if num_amortized_computation_streams < 1:
             raise ValueError(f"{num_amortized_computation_streams=} must be at least 1.")
         self._num_amortized_computation_streams = num_amortized_computation_streams
@@ -238,25 +262,35 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         for block, block_info in zip(block_list, block_info_list, strict=True):
             param_index, block_id = block_info.composable_block_ids
             selector, roots = self._roots_of_block(block.dim())
-            factor_dims = [size for size, selected in zip(block.size(), selector) if selected]
+            factor_dims = tuple(size for size, selected in zip(block.size(), selector) if selected)
             factor_matrices = tuple(
                 block_info.allocate_zeros_tensor(
-                    size=(size, size), dtype=preconditioner_config.factor_matrix_dtype, device=block.device
+                    size=self._symmetric_shape(size), dtype=preconditioner_config.factor_matrix_dtype, device=block.device
                 )
                 for size in factor_dims
             )
+            if self._packed:  # built here, on the main thread, before any worker thread reads them
+                for size in factor_dims:
+                    upper_triangular_indices(size, block.device)
             indices = tuple(f"{param_index}.{block_id}.{j}" for j in range(len(factor_dims)))
-            block_state = self._create_block_state(block, block_info, factor_matrices, indices)
+            block_state = self._create_block_state(block, block_info, factor_matrices, factor_dims, indices)
             state[block_info.param][block_id][SHAMPOO] = block_state
-            blocks.append(_unwrap(block_state, block_info, selector, roots))
+            blocks.append(_unwrap(block_state, block_info, selector, factor_dims, roots))
         self._local_blocks: tuple[ShampooKroneckerFactorsUnwrapped, ...] = tuple(blocks)
         self._masked_blocks = self._local_blocks
 
-        self._numel_list = tuple(sum(2 * size * size for size in (f.shape[0] for f in b.factor_matrices)) for b in blocks)
+        # Reported as if square (2·d² per factor), like the published optimizer, whatever the storage layout.
+        self._numel_list = tuple(sum(2 * size * size for size in b.factor_dims) for b in blocks)
         factor_bytes = get_dtype_size(preconditioner_config.factor_matrix_dtype)
         self._num_bytes_list = tuple(
             numel * (factor_bytes + get_dtype_size(block.dtype)) // 2
             for numel, block in zip(self._numel_list, block_list, strict=True)
+        )
+        self._state_bytes = sum(
+            tensor.numel() * tensor.element_size()
+            for b in blocks
+            for state_field in fields(b)
+            for tensor in _tensors_of(getattr(b, state_field.name))
         )
 
     # ---- variant hooks
@@ -267,12 +301,17 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
 
     @abstractmethod
     def _create_block_state(
-        self, block: Tensor, block_info: BlockInfo, factor_matrices: tuple[Tensor, ...], indices: tuple[str, ...]
+        self,
+        block: Tensor,
+        block_info: BlockInfo,
+        factor_matrices: tuple[Tensor, ...],
+        factor_dims: tuple[int, ...],
+        indices: tuple[str, ...],
     ) -> BaseShampooKroneckerFactorsState: ...
 
     @abstractmethod
     def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Any:
-        """What the amortized computation produces for factor j from its normalised matrix A."""
+        """What the amortized computation produces for factor j from its normalised square matrix A."""
 
     @abstractmethod
     def _result_tensors(self, result: Any) -> tuple[Tensor, ...]:
@@ -288,6 +327,36 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         """Per factor matrix, the tensor whose outer product feeds it (KL variants precondition the gradient first)."""
         return (grad,) * len(block.factor_matrices)
 
+    def _after_amortized_computation(self, masked_grad_list: tuple[Tensor, ...]) -> None:
+        """Per-step work that needs this step's factors and eigenbasis (eigenvalue correction)."""
+
+    # ---- symmetric storage
+
+    def _symmetric_shape(self, dimension: int) -> tuple[int, ...]:
+        return (packed_size(dimension),) if self._packed else (dimension, dimension)
+
+    def _square(self, stored: Tensor) -> Tensor:
+        """A stored symmetric matrix as a square matrix (a new tensor when packed, the stored one otherwise)."""
+        return unpack_upper_triangular(stored) if self._packed else stored
+
+    def _store_symmetric(self, destination: Tensor, matrix: Tensor) -> None:
+        destination.copy_(pack_upper_triangular(matrix) if self._packed else matrix)
+
+    def _identities(
+        self, factor_dims: tuple[int, ...], block_info: BlockInfo, dtype: torch.dtype, device: torch.device, symmetric: bool
+    ) -> tuple[Tensor, ...]:
+        """One identity per factor: the starting inverse roots (`symmetric`, so maybe packed) or eigenvectors."""
+        identities = []
+        for size in factor_dims:
+            if symmetric and self._packed:
+                identity = block_info.allocate_zeros_tensor(size=(packed_size(size),), dtype=dtype, device=device)
+                rows = torch.arange(size, device=device)
+                block_info.get_tensor(identity)[rows * size - rows * (rows - 1) // 2] = 1.0
+            else:
+                identity = block_info.allocate_eye_tensor(size, dtype=dtype, device=device)
+            identities.append(identity)
+        return tuple(identities)
+
     # ---- shared algorithm
 
     def compress_preconditioner_list(self, local_grad_selector: tuple[bool, ...]) -> None:
@@ -299,38 +368,33 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     ) -> None:
         self._update_factor_matrices(masked_grad_list)
         self._update_bias_correction2(step)
-        self._after_factor_update(masked_grad_list)
         if perform_amortized_computation:
             self._amortized_computation()
-
-    def _after_factor_update(self, masked_grad_list: tuple[Tensor, ...]) -> None:
-        """Per-step work that needs the fresh factors (eigenvalue correction)."""
+        self._after_amortized_computation(masked_grad_list)
 
     @profile_decorator
     def _update_factor_matrices(self, masked_grad_list: tuple[Tensor, ...]) -> None:
-        """F_k ← beta2·F_k + weighting_factor·(outer product of the gradient over every dim but k)."""
-        factors: list[Tensor] = []
-        outer_products: list[Tensor] = []
+        """F_k ← beta2·F_k + weighting_factor·(outer product of the gradient over every dim but k).
+
+        One factor at a time, so that at most one outer product is alive.
+        """
         for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True):
             dims = [d for d, selected in enumerate(block.preconditioned_dims_selector) if selected]
             sources = self._factor_update_sources(grad, block)
             for dim, factor, source in zip(dims, block.factor_matrices, sources, strict=True):
-                if source.dim() == 2 and source.dtype == factor.dtype:
-                    # Matrix blocks (the common case): one fused kernel, F ← beta2·F + w·X·Xᵀ.
+                if not self._packed and source.dim() == 2 and source.dtype == factor.dtype:
+                    # A square factor of a matrix block: one fused kernel, F ← beta2·F + w·X·Xᵀ.
                     rows = source if dim == 0 else source.T
                     factor.addmm_(rows, rows.T, beta=self._beta2, alpha=self._weighting_factor)
-                else:
-                    factors.append(factor)
-                    outer_products.append(_outer_product(source, dim))
-        self._accumulate(factors, outer_products)
+                    continue
+                outer_product = _outer_product(source, dim)
+                self._accumulate(factor, pack_upper_triangular(outer_product) if self._packed else outer_product)
 
-    def _accumulate(self, statistics: list[Tensor], updates: list[Tensor]) -> None:
-        """S ← beta2·S + weighting_factor·U for each pair (the multiply is skipped when beta2 == 1)."""
-        if not statistics:
-            return
+    def _accumulate(self, statistic: Tensor, update: Tensor) -> None:
+        """S ← beta2·S + weighting_factor·U (the multiply is skipped when beta2 == 1)."""
         if self._beta2 != 1.0:
-            torch._foreach_mul_(statistics, self._beta2)
-        torch._foreach_add_(statistics, updates, alpha=self._weighting_factor)
+            statistic.mul_(self._beta2)
+        statistic.add_(update, alpha=self._weighting_factor)
 
     def _warm_started_eigendecomposition(
         self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int
@@ -343,30 +407,45 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
             eigenvectors_estimate=block.factor_matrices_eigenvectors[j].to(A.dtype),
         )
 
-    def _normalized_factor(self, factor_matrix: Tensor) -> Tensor:
-        matrix = factor_matrix / self._bias_correction2
-        if self._preconditioner_config.use_trace_scaling:
-            matrix = matrix / torch.sqrt(torch.clamp(torch.trace(matrix), min=self._epsilon))
+    def _normalized_factor(self, stored: Tensor) -> Tensor:
+        """The bias-corrected (and trace-scaled) factor as a new square matrix."""
+        matrix = self._square(stored / self._bias_correction2)
+        config = self._preconditioner_config
+        if config.use_trace_scaling:
+            matrix.mul_(torch.clamp(torch.trace(matrix), min=self._epsilon).pow(-config.trace_scaling_exponent))
         return matrix
+
+    def _amortized_computation_bytes(self, block: ShampooKroneckerFactorsUnwrapped, j: int) -> int:
+        """Estimated temporaries of recomputing factor j (see `_AMORTIZED_COMPUTATION_TEMPORARIES`)."""
+        factor = block.factor_matrices[j]
+        return _AMORTIZED_COMPUTATION_TEMPORARIES * block.factor_dims[j] ** 2 * factor.element_size()
 
     @profile_decorator
     def _amortized_computation(self) -> None:
-        work = [
-            (block, j, self._normalized_factor(factor))
-            for block in self._masked_blocks
-            for j, factor in enumerate(block.factor_matrices)
-        ]
-        _raise_if_non_finite(
-            [A for _, _, A in work], [block.factor_matrix_indices[j] for block, j, _ in work], "factor"
+        """Recompute every masked factor's result, one factor per task; then update the failure counters.
+
+        With several streams (CUDA only) the tasks run concurrently, largest first so that the big
+        decompositions start early, while their estimated temporaries stay within the largest one's plus
+        `_CONCURRENT_MEMORY_FRACTION` of the state; each result is bitwise the sequential one.
+        """
+        work = [(block, j) for block in self._masked_blocks for j in range(len(block.factor_matrices))]
+        if not work:
+            return
+        device = work[0][0].factor_matrices[work[0][1]].device
+        streams = self._num_amortized_computation_streams
+        if changes_global_state(self._preconditioner_config.amortized_computation_config):
+            streams = 1  # concurrent threads would race on the flag it flips
+        concurrent = streams > 1 and device.type == "cuda" and len(work) > 1
+        if concurrent:
+            work.sort(key=lambda item: -item[0].factor_dims[item[1]])
+            load_linalg_library(device)  # its lazy first call is not thread safe
+        costs = [self._amortized_computation_bytes(block, j) for block, j in work]
+        budget = max(costs) + _CONCURRENT_MEMORY_FRACTION * self._state_bytes
+        outcomes = run_on_side_streams(
+            [partial(self._recompute_factor, block, j) for block, j in work], streams, device, costs, budget
         )
 
-        results, last_exception = self._amortized_results(work)
-
-        checked = [(tensor, block.factor_matrix_indices[j]) for block, j, result in results for tensor in self._result_tensors(result)]
-        _raise_if_non_finite([t for t, _ in checked], [i for _, i in checked], "quantity")
-        for block, j, result in results:
-            self._store_amortized_result(block, j, result)
-
+        last_exception = {id(block): outcome for (block, _), outcome in zip(work, outcomes, strict=True) if outcome is not None}
         tolerance = self._preconditioner_config.num_tolerated_failed_amortized_computations
         for block in self._masked_blocks:
             if id(block) not in last_exception:
@@ -380,39 +459,22 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
                     f"matrices {block.factor_matrix_indices}. Last exception: {exception!r}"
                 ) from exception
 
-    def _amortized_results(
-        self, work: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Tensor]]
-    ) -> tuple[list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]], dict[int, Exception]]:
-        """Results of the computations that succeeded, and the last exception of each block that had a failure.
+    def _recompute_factor(self, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Exception | None:
+        """Recompute and store factor j's result; return the numerical failure that kept the old result, if any.
 
-        With several streams (CUDA only) the factors are computed concurrently, one matrix per task, largest
-        first so that the big eigendecompositions start early; each result is bitwise the sequential one."""
-        device = work[0][2].device if work else torch.device("cpu")
-        streams = self._num_amortized_computation_streams
-        if changes_global_state(self._preconditioner_config.amortized_computation_config):
-            streams = 1  # concurrent threads would race on the flag it flips
-        order = list(range(len(work)))
-        if streams > 1:
-            order.sort(key=lambda i: -work[i][2].shape[0])
-        computed = run_on_side_streams([partial(self._try_amortized_result, *work[i]) for i in order], streams, device)
-        outcomes: list[Any] = [None] * len(work)
-        for i, outcome in zip(order, computed, strict=True):
-            outcomes[i] = outcome
-        results: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]] = []
-        last_exception: dict[int, Exception] = {}
-        for (block, j, _), outcome in zip(work, outcomes, strict=True):
-            if isinstance(outcome, Exception):
-                last_exception[id(block)] = outcome
-            else:
-                results.append((block, j, outcome))
-        return results, last_exception
-
-    def _try_amortized_result(self, block: ShampooKroneckerFactorsUnwrapped, j: int, A: Tensor) -> Any:
-        """The amortized result for factor j, or the exception it raised (logged, its matrix saved for debugging)."""
+        NaN/Inf in the factor or in the result raise `PreconditionerValueError`; other exceptions propagate.
+        """
+        index = block.factor_matrix_indices[j]
+        A = self._normalized_factor(block.factor_matrices[j])
+        if not _is_finite((A,)):
+            raise PreconditionerValueError(
+                f"Encountered nan/inf values in factor matrix {index}! To mitigate, check if nan inputs are being "
+                "passed into the network or nan gradients are being passed to the optimizer. For debugging purposes, "
+                f"factor_matrix {index}: {torch.min(A)=}, {torch.max(A)=}."
+            )
         try:
-            return self._amortized_result(A, block, j)
-        except Exception as exception:
-            index = block.factor_matrix_indices[j]
+            result = self._amortized_result(A, block, j)
+        except NUMERICAL_FAILURES as exception:
             _save_debug_matrix(A, index)
             logger.warning(
                 f"Matrix computation failed for factor matrix {index} with {exception=}. "
@@ -420,6 +482,11 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
                 "robust amortized computation config."
             )
             return exception
+        if not _is_finite(self._result_tensors(result)):
+            _save_debug_matrix(A, index)
+            raise PreconditionerValueError(f"Encountered nan or inf values in the computed quantity of factor matrix {index}!")
+        self._store_amortized_result(block, j, result)
+        return None
 
     @profile_decorator
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -427,6 +494,14 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
             self._precondition_block(grad, block)
             for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True)
         )
+
+
+def _tensors_of(value: Any) -> tuple[Tensor, ...]:
+    if isinstance(value, Tensor):
+        return (value,)
+    if isinstance(value, tuple):
+        return tuple(item for item in value if isinstance(item, Tensor))
+    return ()
 
 
 # ----------------------------------------------------------------------------------------------- classic Shampoo
@@ -466,45 +541,19 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
     _preconditioner_config: RootInvShampooPreconditionerConfig
 
     def _create_block_state(
-        self, block: Tensor, block_info: BlockInfo, factor_matrices: tuple[Tensor, ...], indices: tuple[str, ...]
+        self,
+        block: Tensor,
+        block_info: BlockInfo,
+        factor_matrices: tuple[Tensor, ...],
+        factor_dims: tuple[int, ...],
+        indices: tuple[str, ...],
     ) -> RootInvShampooKroneckerFactorsState:
         dtype = self._preconditioner_config.inv_factor_matrix_dtype
         return RootInvShampooKroneckerFactorsState(
             factor_matrices=factor_matrices,
             factor_matrix_indices=indices,
-            inv_factor_matrices=_identities_like(factor_matrices, block_info, dtype, block.device),
+            inv_factor_matrices=self._identities(factor_dims, block_info, dtype, block.device, symmetric=True),
         )
-
-    def _amortized_results(
-        self, work: list[tuple[ShampooKroneckerFactorsUnwrapped, int, Tensor]]
-    ) -> tuple[list[tuple[ShampooKroneckerFactorsUnwrapped, int, Any]], dict[int, Exception]]:
-        """With an EigenConfig and one stream, factors of equal size and root share one batched eigh (fewer,
-        larger kernels); a batch that fails is redone matrix by matrix, with the per-factor failure policy.
-        With several CUDA streams the matrices are decomposed concurrently instead (see the base class)."""
-        config = self._preconditioner_config.amortized_computation_config
-        concurrent = self._num_amortized_computation_streams > 1 and bool(work) and work[0][2].is_cuda
-        if concurrent or not isinstance(config, EigenConfig) or config.eigendecomposition_offload_device:
-            return super()._amortized_results(work)
-        batches: dict[tuple[Any, ...], list[tuple[ShampooKroneckerFactorsUnwrapped, int, Tensor]]] = {}
-        unbatched = []
-        for item in work:
-            block, j, A = item
-            if A.shape[0] <= _MIN_BATCHED_EIGH_SIZE:
-                unbatched.append(item)
-            else:
-                batches.setdefault((A.shape, A.dtype, block.roots[j]), []).append(item)
-        results, last_exception = super()._amortized_results(unbatched)
-        for (_, _, root), items in batches.items():
-            for chunk in _chunks_within_bytes(items, _MAX_BATCH_BYTES):
-                try:
-                    stacked = torch.stack([A for _, _, A in chunk])
-                    roots = batched_eigen_inverse_root(stacked, root, config, self._epsilon)
-                    results.extend((block, j, result) for (block, j, _), result in zip(chunk, roots, strict=True))
-                except Exception:
-                    chunk_results, chunk_exceptions = super()._amortized_results(chunk)
-                    results.extend(chunk_results)
-                    last_exception.update(chunk_exceptions)
-        return results, last_exception
 
     def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Tensor:
         return matrix_inverse_root(
@@ -518,10 +567,10 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
         return (result,)
 
     def _store_amortized_result(self, block: ShampooKroneckerFactorsUnwrapped, j: int, result: Tensor) -> None:
-        block.inv_factor_matrices[j].copy_(result)
+        self._store_symmetric(block.inv_factor_matrices[j], result)
 
     def _block_inverse_roots(self, block: ShampooKroneckerFactorsUnwrapped) -> tuple[Tensor, ...]:
-        return block.inv_factor_matrices
+        return tuple(map(self._square, block.inv_factor_matrices))
 
 
 class EigendecomposedShampooPreconditionerList(ClassicShampooPreconditionerList):
@@ -530,18 +579,23 @@ class EigendecomposedShampooPreconditionerList(ClassicShampooPreconditionerList)
     _preconditioner_config: EigendecomposedShampooPreconditionerConfig
 
     def _create_block_state(
-        self, block: Tensor, block_info: BlockInfo, factor_matrices: tuple[Tensor, ...], indices: tuple[str, ...]
+        self,
+        block: Tensor,
+        block_info: BlockInfo,
+        factor_matrices: tuple[Tensor, ...],
+        factor_dims: tuple[int, ...],
+        indices: tuple[str, ...],
     ) -> EigendecomposedShampooKroneckerFactorsState:
         config = self._preconditioner_config
         return EigendecomposedShampooKroneckerFactorsState(
             factor_matrices=factor_matrices,
             factor_matrix_indices=indices,
-            factor_matrices_eigenvectors=_identities_like(
-                factor_matrices, block_info, config.factor_matrix_eigenvectors_dtype, block.device
+            factor_matrices_eigenvectors=self._identities(
+                factor_dims, block_info, config.factor_matrix_eigenvectors_dtype, block.device, symmetric=False
             ),
             factor_matrices_eigenvalues=tuple(
-                block_info.allocate_ones_tensor(size=(f.shape[0],), dtype=config.factor_matrix_eigenvalues_dtype, device=block.device)
-                for f in factor_matrices
+                block_info.allocate_ones_tensor(size=(size,), dtype=config.factor_matrix_eigenvalues_dtype, device=block.device)
+                for size in factor_dims
             ),
         )
 
@@ -601,8 +655,9 @@ class EigendecomposedKLShampooPreconditionerList(_KLMixin, EigendecomposedShampo
 class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList):
     """Adam/AdaGrad run in the eigenbasis of the factor matrices (SOAP when the eigenbasis comes from QR).
 
-    Every step the gradient is rotated into the current basis and E ← beta2·E + weighting_factor·G̃² is updated;
-    the direction is rotate_back(M̃ / ((E / bias_correction2)^exponent + epsilon)).
+    Every step, after the amortized computation (if any) has refreshed the basis, the gradient is rotated into it
+    and E ← beta2·E + weighting_factor·G̃² is updated; the direction is
+    rotate_back(M̃ / ((E / bias_correction2)^exponent + epsilon)).
     """
 
     _preconditioner_config: EigenvalueCorrectedShampooPreconditionerConfig
@@ -617,14 +672,19 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
         return selector, tuple(Fraction(1.0 / self._exponent(order)) for _ in range(sum(selector)))
 
     def _create_block_state(
-        self, block: Tensor, block_info: BlockInfo, factor_matrices: tuple[Tensor, ...], indices: tuple[str, ...]
+        self,
+        block: Tensor,
+        block_info: BlockInfo,
+        factor_matrices: tuple[Tensor, ...],
+        factor_dims: tuple[int, ...],
+        indices: tuple[str, ...],
     ) -> EigenvalueCorrectedShampooKroneckerFactorsState:
         config = self._preconditioner_config
         return EigenvalueCorrectedShampooKroneckerFactorsState(
             factor_matrices=factor_matrices,
             factor_matrix_indices=indices,
-            factor_matrices_eigenvectors=_identities_like(
-                factor_matrices, block_info, config.factor_matrix_eigenvectors_dtype, block.device
+            factor_matrices_eigenvectors=self._identities(
+                factor_dims, block_info, config.factor_matrix_eigenvectors_dtype, block.device, symmetric=False
             ),
             corrected_eigenvalues=block_info.allocate_zeros_tensor(
                 size=block.size(), dtype=config.corrected_eigenvalues_dtype, device=block.device
@@ -637,14 +697,13 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
             bases = tuple(basis.T for basis in bases)
         return _precondition_grad(tensor, block.preconditioned_dims_selector, bases)
 
-    def _after_factor_update(self, masked_grad_list: tuple[Tensor, ...]) -> None:
-        corrected: list[Tensor] = []
-        rotated_squares: list[Tensor] = []
+    def _after_amortized_computation(self, masked_grad_list: tuple[Tensor, ...]) -> None:
+        """E ← beta2·E + weighting_factor·G̃², with G̃ the gradient in the eigenbasis just recomputed (if this is an
+        amortized step): the basis first, then the eigenvalues measured in it, as in the published optimizer."""
         for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True):
             assert block.corrected_eigenvalues is not None
-            corrected.append(block.corrected_eigenvalues)
-            rotated_squares.append(self._rotate(grad.to(block.corrected_eigenvalues.dtype), block).square())
-        self._accumulate(corrected, rotated_squares)
+            rotated = self._rotate(grad.to(block.corrected_eigenvalues.dtype), block)
+            self._accumulate(block.corrected_eigenvalues, rotated.square())  # rotated may be a view of grad
 
     def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Tensor:
         _, eigenvectors = self._warm_started_eigendecomposition(A, block, j)

@@ -1,5 +1,5 @@
-"""DistributedShampoo on one process: equality with a plain float64 reference, the spec's trajectories,
-torch-optimizer equivalences, argument validation and checkpoint round trips."""
+"""DistributedShampoo on one process: equality with plain float64 references, trajectories printed by the
+published optimizer, torch-optimizer equivalences, argument validation and checkpoint round trips."""
 
 import io
 import logging
@@ -34,7 +34,7 @@ RECORD_GRADS = [[[1, 2], [3, 4]], [[0, 1], [-1, 2]], [[2, -1], [1, 1]], [[1, 1],
 
 
 def record_config(**overrides: Any) -> dict[str, Any]:
-    """Track 3 record hyperparameters (spec §8), with overrides."""
+    """The Track 3 record's DistributedShampoo arguments (train_gpt_shampoo.py, build_shampoo), with overrides."""
     config = dict(
         lr=0.0015,
         betas=(0.9, 0.95),
@@ -166,7 +166,7 @@ def test_matches_plain_float64_reference(num_steps: int, dtype: torch.dtype) -> 
         torch.testing.assert_close(param.detach().to(torch.float64), weight, **tolerance)
 
 
-# ------------------------------------------------------------------------------ spec §8 trajectories (reference)
+# ------------------------------------------------ trajectories printed by the published optimizer (May 2026 copy)
 
 
 def test_muon_equivalence_without_momentum_and_statistics() -> None:
@@ -191,10 +191,11 @@ def test_record_like_trajectory_and_state() -> None:
 
     block = optimizer.state_dict()["state"][0]["block_0"]
     close = lambda got, want: torch.testing.assert_close(got, torch.tensor(want), atol=1e-5, rtol=0)  # noqa: E731
-    close(block["shampoo"]["factor_matrices"][0], [[0.596969, 0.509306], [0.509306, 1.592344]])
-    close(block["shampoo"]["factor_matrices"][1], [[0.761312, 0.512412], [0.512412, 1.428000]])
-    close(block["shampoo"]["inv_factor_matrices"][0], [[0.794056, -0.095987], [-0.095987, 0.606463]])
-    close(block["shampoo"]["inv_factor_matrices"][1], [[0.738685, -0.089204], [-0.089204, 0.622624]])
+    # Stored as packed upper triangles (the default use_symmetric_packing=True).
+    close(block["shampoo"]["factor_matrices"][0], [0.596969, 0.509306, 1.592344])
+    close(block["shampoo"]["factor_matrices"][1], [0.761312, 0.512412, 1.428000])
+    close(block["shampoo"]["inv_factor_matrices"][0], [0.794056, -0.095987, 0.606463])
+    close(block["shampoo"]["inv_factor_matrices"][1], [0.738685, -0.089204, 0.622624])
     close(block["adagrad"], [[0.282869, 0.314100], [0.478444, 1.113900]])
     close(block["filtered_grad"], [[0.3529, 0.2368], [0.2277, 0.3436]])
 
@@ -306,9 +307,9 @@ def test_runtime_config_streams_reach_the_root_computation(monkeypatch: pytest.M
     requested = []
     run_on_side_streams = shampoo_preconditioner_list.run_on_side_streams
 
-    def spy(tasks: Any, num_streams: int, device: torch.device) -> Any:
+    def spy(tasks: Any, num_streams: int, device: torch.device, *args: Any) -> Any:
         requested.append((len(tasks), num_streams, device.type))
-        return run_on_side_streams(tasks, num_streams, device)
+        return run_on_side_streams(tasks, num_streams, device, *args)
 
     monkeypatch.setattr(shampoo_preconditioner_list, "run_on_side_streams", spy)
     weights = [torch.nn.Parameter(torch.zeros(6, 5)), torch.nn.Parameter(torch.zeros(3, 4))]
@@ -449,21 +450,33 @@ def test_parameters_without_gradient_are_skipped() -> None:
     assert optimizer.state_dict()["state"][0]["step"].item() == 1
 
 
-def test_state_dict_layout() -> None:
+@pytest.mark.parametrize("use_symmetric_packing", [True, False])
+def test_state_dict_layout(use_symmetric_packing: bool) -> None:
     linear = torch.nn.Linear(5, 10)
     optimizer = DistributedShampoo(
-        linear.parameters(), max_preconditioner_dim=5, grafting_config=AdaGradPreconditionerConfig(), betas=(0.9, 1.0)
+        linear.parameters(),
+        max_preconditioner_dim=5,
+        grafting_config=AdaGradPreconditionerConfig(),
+        betas=(0.9, 1.0),
+        preconditioner_config=RootInvShampooPreconditionerConfig(use_symmetric_packing=use_symmetric_packing),
     )
     state_dict = optimizer.state_dict()
     weight_state = state_dict["state"][0]
-    assert sorted(weight_state) == ["block_0", "block_1", "step"]
+    assert list(weight_state) == ["block_0", "block_1", "step"]
     block = weight_state["block_0"]
-    assert sorted(block) == ["adagrad", "filtered_grad", "shampoo"]
-    assert sorted(block["shampoo"]) == ["factor_matrices", "inv_factor_matrices"]
-    assert block["shampoo"]["factor_matrices"][0].shape == (5, 5)
-    assert torch.equal(block["shampoo"]["inv_factor_matrices"][1], torch.eye(5))
+    assert list(block) == ["shampoo", "adagrad", "filtered_grad"]
+    assert list(block["shampoo"]) == ["factor_matrices", "inv_factor_matrices"]
+    if use_symmetric_packing:  # upper triangle, row by row: 5·6/2 entries; the identity has ones at 0, 5, 9, 12, 14
+        assert block["shampoo"]["factor_matrices"][0].shape == (15,)
+        assert block["shampoo"]["inv_factor_matrices"][1].nonzero().flatten().tolist() == [0, 5, 9, 12, 14]
+        assert block["shampoo"]["inv_factor_matrices"][1].sum() == 5
+    else:
+        assert block["shampoo"]["factor_matrices"][0].shape == (5, 5)
+        assert torch.equal(block["shampoo"]["inv_factor_matrices"][1], torch.eye(5))
     assert weight_state["step"].dtype == torch.int64
-    assert sorted(state_dict["state"][1]) == ["block_0", "block_1"]  # bias (10,) split into two (5,) blocks
+    # The bias (10,) is split into two (5,) blocks; the group's step counter is one tensor under every parameter.
+    assert list(state_dict["state"][1]) == ["block_0", "block_1", "step"]
+    assert state_dict["state"][1]["step"] is weight_state["step"]
     group = state_dict["param_groups"][0]
     assert group["params"] == [0, 1] and group["beta3"] == 0.9 and group["start_preconditioning_step"] == 1
 
@@ -664,3 +677,115 @@ def test_sign_and_spectral_descent_warn_about_unused_settings(caplog: pytest.Log
     step = (torch.ones(6, 4) - weight.detach()) / 0.1
     singular_values = torch.linalg.svdvals(step)
     assert ((singular_values > 0.6) & (singular_values < 1.25)).all()  # Newton–Schulz: approximately orthogonal
+
+
+# ----------------------------------------------------------------------------- eigenvalue-corrected Shampoo (SOAP)
+
+
+class ReferenceEigenvalueCorrectedBlock:
+    """Plain eigenvalue-corrected Shampoo (SOAP with eigh) for one 2-D block, in float64, no grafting.
+
+    Per step: L, R ← EMA of G·Gᵀ, Gᵀ·G; at a root step the bases become the eigenvectors of the bias-corrected,
+    epsilon-damped factors; only then E ← β₂·E + (1 - β₂)·(Q_Lᵀ·G·Q_R)², measured in the new basis; the direction is
+    Q_L·[(Q_Lᵀ·M̄·Q_R) / ((E / (1 - β₂ᵗ))^(1/2) + ε)]·Q_Rᵀ.
+    """
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        self.factors = [torch.zeros(size, size, dtype=torch.float64) for size in shape]
+        self.bases = [torch.eye(size, dtype=torch.float64) for size in shape]
+        self.corrected_eigenvalues = torch.zeros(shape, dtype=torch.float64)
+        self.first_moment = torch.zeros(shape, dtype=torch.float64)
+
+    def step(self, weight: Tensor, grad: Tensor, t: int, c: dict[str, Any]) -> None:
+        beta1, beta2 = c["betas"]
+        self.factors[0] = beta2 * self.factors[0] + (1 - beta2) * grad @ grad.T
+        self.factors[1] = beta2 * self.factors[1] + (1 - beta2) * grad.T @ grad
+        if t == c["start"] or (t % c["frequency"] == 0 and t > c["start"]):
+            for k, factor in enumerate(self.factors):
+                damped = factor / (1 - beta2**t) + c["epsilon"] * torch.eye(factor.shape[0], dtype=torch.float64)
+                self.bases[k] = torch.linalg.eigh(damped).eigenvectors
+        left, right = self.bases
+        self.corrected_eigenvalues = beta2 * self.corrected_eigenvalues + (1 - beta2) * (left.T @ grad @ right) ** 2
+        self.first_moment = beta1 * self.first_moment + (1 - beta1) * grad
+        m_hat = self.first_moment / (1 - beta1**t)
+        denominator = (self.corrected_eigenvalues / (1 - beta2**t)).sqrt() + c["epsilon"]
+        direction = left @ ((left.T @ m_hat @ right) / denominator) @ right.T
+        weight -= c["lr"] * (direction + c["weight_decay"] * weight)
+
+
+def test_eigenvalue_corrected_shampoo_matches_a_plain_float64_reference() -> None:
+    """The basis is recomputed before the corrected eigenvalues are updated at a root step (so E is measured in the
+    new basis), as in the published optimizer; the opposite order differs by ~1e-2 after 20 steps even in float64."""
+    c = dict(lr=0.05, betas=(0.9, 0.95), epsilon=1e-8, weight_decay=0.1, frequency=3, start=3)
+    f64 = torch.float64
+    shapes = [(3, 2), (4, 3)]  # max_preconditioner_dim 4: each stays one 2-D block, full-rank factors by step 3
+    generator = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=f64)) for shape in shapes]
+    weights = [param.detach().clone() for param in params]
+    optimizer = DistributedShampoo(
+        params,
+        lr=c["lr"],
+        betas=c["betas"],
+        epsilon=c["epsilon"],
+        weight_decay=c["weight_decay"],
+        max_preconditioner_dim=4,
+        precondition_frequency=c["frequency"],
+        start_preconditioning_step=c["start"],
+        preconditioner_config=EigenvalueCorrectedShampooPreconditionerConfig(
+            factor_matrix_dtype=f64, factor_matrix_eigenvectors_dtype=f64, corrected_eigenvalues_dtype=f64
+        ),
+    )
+    references = [ReferenceEigenvalueCorrectedBlock(shape) for shape in shapes]
+    for t in range(1, 21):
+        grads = [torch.randn(shape, generator=generator, dtype=f64) for shape in shapes]
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
+        optimizer.step()
+        for reference, weight, grad in zip(references, weights, grads, strict=True):
+            reference.step(weight, grad, t, c)
+    # Bias corrections are float32 scalars (as in the published optimizer), hence ~1e-7 rather than 1e-15.
+    for param, weight in zip(params, weights, strict=True):
+        torch.testing.assert_close(param.detach(), weight, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------- coupled higher-order inverse root
+
+
+def test_coupled_higher_order_roots_match_the_plain_float64_reference() -> None:
+    """RootInv Shampoo with CoupledHigherOrderConfig (ridge abs_epsilon = the group's epsilon) follows the same
+    float64 reference as with eigh: (A + ε·I)^(-1/4) for both factors of each matrix block. The 24×20 blocks have
+    dense, well-conditioned factors, where the iteration used to stop early and keep the previous root."""
+    from distributed_shampoo import CoupledHigherOrderConfig
+
+    c = dict(lr=0.05, betas=(0.9, 0.95), epsilon=1e-3, weight_decay=0.2, frequency=2, start=2, graft_beta2=0.95, graft_eps=1e-8)
+    generator = torch.Generator().manual_seed(11)
+    shapes = [(24, 20), (20, 24)]  # max_preconditioner_dim 24: one 2-D block each
+    initial = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes] for _ in range(6)]
+    params = [torch.nn.Parameter(value.clone()) for value in initial]
+    higher_order = CoupledHigherOrderConfig(rel_epsilon=0.0, abs_epsilon=c["epsilon"], disable_tf32=False)
+    optimizer = DistributedShampoo(
+        params,
+        lr=c["lr"],
+        betas=c["betas"],
+        epsilon=c["epsilon"],
+        weight_decay=c["weight_decay"],
+        max_preconditioner_dim=24,
+        precondition_frequency=c["frequency"],
+        start_preconditioning_step=c["start"],
+        grafting_config=AdamPreconditionerConfig(beta2=c["graft_beta2"], epsilon=c["graft_eps"]),
+        preconditioner_config=RootInvShampooPreconditionerConfig(
+            factor_matrix_dtype=torch.float64, inv_factor_matrix_dtype=torch.float64, amortized_computation_config=higher_order
+        ),
+    )
+    # The iteration adds abs_epsilon itself; the reference adds the group epsilon: the same damping.
+    weights = [value.clone() for value in initial]
+    blocks = [ReferenceBlock(shape) for shape in shapes]
+    for t, step_grads in enumerate(grads, start=1):
+        for param, grad in zip(params, step_grads, strict=True):
+            param.grad = grad.clone()
+        optimizer.step()
+        for block, weight, grad in zip(blocks, weights, step_grads, strict=True):
+            block.step(weight, grad, t, c)
+    for param, weight in zip(params, weights, strict=True):
+        torch.testing.assert_close(param.detach(), weight, rtol=1e-6, atol=1e-7)

@@ -45,7 +45,7 @@ def update_param_state_dict_object(
     """
     for key, current in current_param_state_dict.items():
         if key not in param_state_dict_to_load:
-            message = f"Key {key!r} not found in state dict to load."
+            message = f"Key {key} not found in state dict to load."  # the published wording
             if enable_missing_key_check:
                 raise KeyError(message)
             logger.warning(f"{message} Keeping its current value.")

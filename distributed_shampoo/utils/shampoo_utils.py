@@ -1,19 +1,17 @@
-"""Blocking, bookkeeping and communication helpers used by the preconditioners and distributors."""
+"""Blocking, bookkeeping, symmetric packing and concurrency helpers used by the preconditioners and distributors."""
 
 import heapq
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from functools import lru_cache, partial
 from itertools import accumulate, pairwise
-from types import TracebackType
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from distributed_shampoo.utils.load_balancing_utils import DefaultCostModel
 
@@ -21,7 +19,6 @@ if TYPE_CHECKING:  # imported for annotations only: shampoo_types itself imports
     from distributed_shampoo.shampoo_types import LoadBalancingConfig
 
 T = TypeVar("T")
-ContextObjectT = TypeVar("ContextObjectT")
 
 
 def merge_small_dims(
@@ -108,35 +105,6 @@ def generate_pairwise_indices(input_list: Sequence[int]) -> Iterator[tuple[int, 
     return pairwise(accumulate(input_list, initial=0))
 
 
-class ParameterizeEnterExitContext(Generic[ContextObjectT]):
-    """Context manager that calls one method of an object on enter and another on exit.
-
-    The exit call also happens when the body raises; the exception still propagates.
-    """
-
-    def __init__(
-        self,
-        input_with_enter_exit_context: ContextObjectT,
-        enter_method_caller: Callable[[ContextObjectT], object],
-        exit_method_caller: Callable[[ContextObjectT], object],
-    ) -> None:
-        self._input = input_with_enter_exit_context
-        self._enter_method_caller = enter_method_caller
-        self._exit_method_caller = exit_method_caller
-
-    def __enter__(self) -> "ParameterizeEnterExitContext[ContextObjectT]":
-        self._enter_method_caller(self._input)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._exit_method_caller(self._input)
-
-
 def distribute_buffer_sizes(
     blocked_params: Sequence[Tensor], group_size: int, load_balancing_config: "LoadBalancingConfig"
 ) -> tuple[tuple[int, int], ...]:
@@ -167,66 +135,70 @@ def _assign_greedily(costs: Sequence[float], group_size: int) -> list[int]:
     return ranks
 
 
-def _local_tensor(tensor: Tensor) -> Tensor:
-    """This rank's shard of a `DTensor`, or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+# ------------------------------------------------------------------------------------------ symmetric packing
+
+# Flat positions of the upper triangle (row by row) of a d×d matrix, per (d, device); see `upper_triangular_indices`.
+_UPPER_TRIANGULAR_INDICES: dict[tuple[int, torch.device], Tensor] = {}
+_UPPER_TRIANGULAR_INDICES_LOCK = threading.Lock()
 
 
-def prepare_update_param_buffers(params: Sequence[Tensor], group_size: int) -> list[Tensor]:
-    """Receive buffers for `redistribute_and_update_params`: one per param, sized like its local shard.
+def packed_size(dimension: int) -> int:
+    """Length of the packed upper triangle of a `dimension`×`dimension` matrix: d(d+1)/2."""
+    return dimension * (dimension + 1) // 2
 
-    The buffers are views of a single zero-filled allocation. Empty buffers pad the list to a
-    multiple of `group_size`, so every all-to-all round has one slot per rank.
+
+def packed_dimension(num_packed: int) -> int:
+    """The d whose upper triangle has `num_packed` entries; ValueError if there is none."""
+    dimension = (math.isqrt(1 + 8 * num_packed) - 1) // 2
+    if packed_size(dimension) != num_packed:
+        raise ValueError(f"{num_packed} entries are not the upper triangle of a square matrix (d(d+1)/2 for no d).")
+    return dimension
+
+
+def upper_triangular_indices(dimension: int, device: torch.device) -> Tensor:
+    """Flat indices of the entries i <= j of a `dimension`×`dimension` matrix, row by row, cached per device.
+
+    Call it once from the main thread before worker threads use a size: a cached tensor created on one CUDA
+    stream and read from another without synchronisation could be read before it is written.
     """
-    local_params = [_local_tensor(param) for param in params]
-    dtypes = {local.dtype for local in local_params}
-    if len(dtypes) > 1:
-        raise NotImplementedError(
-            f"Parameters have mixed dtypes {sorted(map(str, dtypes))}; round-robin redistribution needs one dtype."
-        )
-    if not local_params:
-        return []
-    numels = [local.numel() for local in local_params]
-    padding = -len(numels) % group_size
-    flat_buffer = torch.zeros(sum(numels), dtype=local_params[0].dtype, device=local_params[0].device)
-    return list(torch.split(flat_buffer, numels + [0] * padding))
+    key = (dimension, torch.device(device))
+    indices = _UPPER_TRIANGULAR_INDICES.get(key)  # a dict read is atomic; only creation takes the lock
+    if indices is None:
+        with _UPPER_TRIANGULAR_INDICES_LOCK:
+            indices = _UPPER_TRIANGULAR_INDICES.get(key)
+            if indices is None:
+                rows, columns = torch.triu_indices(dimension, dimension, device=device)
+                indices = rows * dimension + columns
+                _UPPER_TRIANGULAR_INDICES[key] = indices
+    return indices
 
 
-def redistribute_and_update_params(
-    params: Sequence[Tensor],
-    local_full_params: Sequence[Tensor],
-    update_param_buffers: Sequence[Tensor],
-    dist_group: dist.ProcessGroup | None,
-) -> None:
-    """Scatter the full params each rank owns back into every rank's dim-0 shard.
+def pack_upper_triangular(matrix: Tensor) -> Tensor:
+    """The upper triangle of a square matrix, row by row: (0,0), (0,1), …, (0,d-1), (1,1), …, (d-1,d-1).
 
-    Params are owned round robin (param `i` by rank `i % group_size`); `local_full_params` are
-    this rank's owned full params in order. In round `k`, every rank splits its `k`-th owned
-    param into `group_size` dim-0 chunks (shard `j` goes to rank `j`, matching `Shard(0)`) and
-    receives into `update_param_buffers[k*group_size:(k+1)*group_size]`. Finally each buffer is
-    copied into the local shard of its param.
+    A new 1-D tensor of d(d+1)/2 entries; the entry (i, i) sits at offset i·d - i·(i-1)/2.
     """
-    group_size = dist.get_world_size(dist_group)
-    num_rounds = len(update_param_buffers) // group_size
-    for round_index in range(num_rounds):
-        owned = local_full_params[round_index] if round_index < len(local_full_params) else None
-        dist.all_to_all(
-            output_tensor_list=list(update_param_buffers[round_index * group_size : (round_index + 1) * group_size]),
-            input_tensor_list=_dim0_chunks(owned, group_size, update_param_buffers[0]),
-            group=dist_group,
-        )
-    with torch.no_grad():  # params are leaves that require grad
-        for param, buffer in zip(params, update_param_buffers, strict=False):
-            _local_tensor(param).view(-1).copy_(buffer)
+    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"Only square matrices can be packed, got shape {tuple(matrix.shape)}.")
+    return matrix.reshape(-1).index_select(0, upper_triangular_indices(matrix.shape[0], matrix.device))
 
 
-def _dim0_chunks(full_param: Tensor | None, group_size: int, like: Tensor) -> list[Tensor]:
-    """Exactly `group_size` flat dim-0 chunks of `full_param` (empty chunks pad; `None` sends nothing)."""
-    if full_param is None:
-        return [like.new_empty(0) for _ in range(group_size)]
-    chunks = [chunk.contiguous().view(-1) for chunk in torch.chunk(full_param, group_size, dim=0)]
-    return chunks + [full_param.new_empty(0) for _ in range(group_size - len(chunks))]
+def unpack_upper_triangular(packed: Tensor) -> Tensor:
+    """The symmetric matrix whose upper triangle is `packed` (see `pack_upper_triangular`), as a new tensor.
 
+    The lower triangle is an exact mirror: each off-diagonal entry is one packed value plus zero.
+    """
+    if packed.dim() != 1:
+        raise ValueError(f"A packed upper triangle is 1-D, got shape {tuple(packed.shape)}.")
+    dimension = packed_dimension(packed.numel())
+    upper = packed.new_zeros(dimension, dimension)
+    upper.view(-1).scatter_(0, upper_triangular_indices(dimension, packed.device), packed)
+    matrix = upper + upper.mT  # the diagonal is doubled here and restored below
+    matrix.diagonal().copy_(upper.diagonal())
+    return matrix
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
 
 # One set of side streams per device, reused across steps (see `run_on_side_streams`).
 _SIDE_STREAMS: dict[torch.device, list["torch.cuda.Stream"]] = {}
@@ -239,14 +211,21 @@ def _side_streams(device: torch.device, count: int) -> list["torch.cuda.Stream"]
     return streams[:count]
 
 
-def run_on_side_streams(tasks: Sequence[Callable[[], T]], num_streams: int, device: torch.device) -> list[T]:
+def run_on_side_streams(
+    tasks: Sequence[Callable[[], T]],
+    num_streams: int,
+    device: torch.device,
+    costs: Sequence[float] | None = None,
+    max_cost_in_flight: float = math.inf,
+) -> list[T]:
     """Results of `tasks`, in order; on CUDA with `num_streams > 1` they run concurrently on side streams.
 
-    Each side stream is driven by its own host thread (see `run_concurrently`). The side streams first wait
-    for the work already queued on the caller's stream, and the caller's stream waits for all of them before
-    this returns: callers see ordinary single-stream ordering. Calls such as `torch.linalg.eigh` on small
-    matrices leave the GPU partly idle (launch gaps, host synchronisations), which the other streams fill; every
-    task still runs the same kernels on the same inputs, so results are bitwise those of running them in turn.
+    Each side stream is driven by its own host thread (see `run_concurrently`, which also explains `costs` and
+    `max_cost_in_flight`). The side streams first wait for the work already queued on the caller's stream, and
+    the caller's stream waits for all of them before this returns: callers see ordinary single-stream ordering.
+    Calls such as `torch.linalg.eigh` on small matrices leave the GPU partly idle (launch gaps, host
+    synchronisations), which the other streams fill; every task still runs the same kernels on the same inputs,
+    so results are bitwise those of running them in turn.
     """
     if num_streams < 1:
         raise ValueError(f"{num_streams=} must be at least 1.")
@@ -262,7 +241,9 @@ def run_on_side_streams(tasks: Sequence[Callable[[], T]], num_streams: int, devi
             yield
 
     try:
-        results = run_concurrently(tasks, [partial(on_side_stream, stream) for stream in streams])
+        results = run_concurrently(
+            tasks, [partial(on_side_stream, stream) for stream in streams], costs, max_cost_in_flight
+        )
     finally:
         for stream in streams:
             caller.wait_stream(stream)
@@ -271,24 +252,69 @@ def run_on_side_streams(tasks: Sequence[Callable[[], T]], num_streams: int, devi
     return results
 
 
+class _TaskQueue:
+    """Hands out task indices in list order to worker threads, keeping the running tasks' total cost bounded.
+
+    When the next task would exceed the budget, a later task that fits is handed out instead (so small tasks
+    fill the room a large one leaves); a task that exceeds the budget on its own runs when nothing else does.
+    """
+
+    def __init__(self, costs: Sequence[float], max_cost_in_flight: float) -> None:
+        self._costs = costs
+        self._max_cost_in_flight = max_cost_in_flight
+        self._pending = list(range(len(costs)))
+        self._cost_in_flight = 0.0
+        self._num_running = 0
+        self._condition = threading.Condition()
+
+    def take(self) -> int | None:
+        """The next task index to run, waiting for room if necessary; None when every task has been handed out."""
+        with self._condition:
+            while self._pending:
+                for position, index in enumerate(self._pending):
+                    if self._num_running == 0 or self._cost_in_flight + self._costs[index] <= self._max_cost_in_flight:
+                        del self._pending[position]
+                        self._cost_in_flight += self._costs[index]
+                        self._num_running += 1
+                        return index
+                self._condition.wait()  # a running task will finish and notify
+            return None
+
+    def finish(self, index: int) -> None:
+        with self._condition:
+            self._cost_in_flight -= self._costs[index]
+            self._num_running -= 1
+            self._condition.notify_all()
+
+
 def run_concurrently(
-    tasks: Sequence[Callable[[], T]], worker_contexts: Sequence[Callable[[], AbstractContextManager[object]]]
+    tasks: Sequence[Callable[[], T]],
+    worker_contexts: Sequence[Callable[[], AbstractContextManager[object]]],
+    costs: Sequence[float] | None = None,
+    max_cost_in_flight: float = math.inf,
 ) -> list[T]:
     """Results of `tasks`, in order, computed by one host thread per worker context.
 
     Each thread enters its context once, then takes the next task from a shared queue until none is left (so
-    a few large tasks and many small ones balance). Tasks must not share mutable Python state. After every
-    thread has finished, the first exception a task raised (in worker order) is raised here.
+    a few large tasks and many small ones balance). With `costs` (one per task, e.g. the bytes a task allocates),
+    tasks start only while the running ones' costs sum to at most `max_cost_in_flight` (see `_TaskQueue`).
+    Tasks must not share mutable Python state. After every thread has finished, the first exception a task
+    raised (in worker order) is raised here.
     """
     if tasks and not worker_contexts:
         raise ValueError("run_concurrently needs at least one worker context when there are tasks.")
-    next_task = iter(range(len(tasks)))  # next() on a shared iterator is atomic under the GIL
+    if costs is not None and len(costs) != len(tasks):
+        raise ValueError(f"{len(costs)=} must equal {len(tasks)=}.")
+    queue = _TaskQueue(costs if costs is not None else [0.0] * len(tasks), max_cost_in_flight)
     results: list[T | None] = [None] * len(tasks)
 
     def drain(worker_context: Callable[[], AbstractContextManager[object]]) -> None:
         with worker_context():
-            for index in next_task:
-                results[index] = tasks[index]()
+            while (index := queue.take()) is not None:
+                try:
+                    results[index] = tasks[index]()
+                finally:
+                    queue.finish(index)
 
     with ThreadPoolExecutor(max_workers=max(1, len(worker_contexts))) as pool:
         futures = [pool.submit(drain, context) for context in worker_contexts]

@@ -173,6 +173,16 @@ def test_nan_in_computed_root_raises() -> None:
             two_steps(preconditioner_list)
 
 
+def test_a_debug_dump_that_cannot_be_written_only_warns(caplog: pytest.LogCaptureFixture) -> None:
+    preconditioner_list = make_list(RootInvShampooPreconditionerList, ROOT_INV)
+    with mock.patch.object(module, "matrix_inverse_root", return_value=torch.full((2, 2), float("nan"), dtype=F64)):
+        with mock.patch.object(torch, "save", side_effect=OSError("disk full")), caplog.at_level(logging.WARNING):
+            with pytest.raises(PreconditionerValueError, match="computed quantity of factor matrix 0.block_0.0"):
+                two_steps(preconditioner_list)
+    saves = [r.getMessage() for r in caplog.records if "Could not save" in r.getMessage()]
+    assert len(saves) == 1 and "OSError('disk full')" in saves[0]
+
+
 def test_failed_computations_warn_then_raise_after_the_tolerance(caplog: pytest.LogCaptureFixture) -> None:
     preconditioner_list = make_list(RootInvShampooPreconditionerList, ROOT_INV)
     with mock.patch.object(module, "matrix_inverse_root", side_effect=ZeroDivisionError()):
@@ -184,7 +194,7 @@ def test_failed_computations_warn_then_raise_after_the_tolerance(caplog: pytest.
             for index in ("0.block_0.0", "1.block_0.0", "1.block_0.1", "1.block_1.0", "1.block_1.1")
         ]
         # The identity initialisation is kept.
-        assert torch.equal(preconditioner_list._local_blocks[0].inv_factor_matrices[0], torch.eye(2, dtype=F64))
+        assert torch.equal(preconditioner_list._square(preconditioner_list._local_blocks[0].inv_factor_matrices[0]), torch.eye(2, dtype=F64))
         for step in (2, 3):
             preconditioner_list.update_preconditioners(FIRST_GRADS, step=step, perform_amortized_computation=True)
         with pytest.raises(ValueError, match=r"Exceeded tolerance \(3\).*\('0.block_0.0',\)") as error:
@@ -249,35 +259,12 @@ def test_kl_factor_uses_the_other_sides_inverse_root() -> None:
     L1, R1 = g1 @ g1.T, g1.T @ g1
     block = kl._local_blocks[0]
     # Step 1 used identity roots: plain Shampoo statistics.
-    torch.testing.assert_close(block.factor_matrices[0], L1)
-    torch.testing.assert_close(block.factor_matrices[1], R1)
-    L_root, R_root = block.inv_factor_matrices
+    torch.testing.assert_close(kl._square(block.factor_matrices[0]), L1)
+    torch.testing.assert_close(kl._square(block.factor_matrices[1]), R1)
+    L_root, R_root = kl._block_inverse_roots(block)
     kl.update_preconditioners((g2,), step=2, perform_amortized_computation=False)
-    torch.testing.assert_close(block.factor_matrices[0], L1 + (g2 @ R_root) @ (g2 @ R_root).T)
-    torch.testing.assert_close(block.factor_matrices[1], R1 + (L_root @ g2).T @ (L_root @ g2))
-
-
-def test_batched_root_path_equals_per_matrix_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    generator = torch.Generator().manual_seed(0)
-    grads = [(torch.randn(4, 3, generator=generator), torch.randn(4, 3, generator=generator)) for _ in range(3)]
-
-    def run() -> list[Tensor]:
-        params = [torch.zeros(4, 3), torch.zeros(4, 3)]
-        infos = tuple(BlockInfo(param=p, composable_block_ids=(i, "block_0")) for i, p in enumerate(params))
-        state: dict[Tensor, Any] = {p: {"block_0": {}} for p in params}
-        preconditioner_list = RootInvShampooPreconditionerList(tuple(params), state, infos, RootInvShampooPreconditionerConfig(), epsilon=1e-6)
-        for step, pair in enumerate(grads, start=1):
-            preconditioner_list.update_preconditioners(pair, step=step, perform_amortized_computation=True)
-        return [m for b in preconditioner_list._local_blocks for m in b.inv_factor_matrices]
-
-    per_matrix = run()
-    monkeypatch.setattr(module, "_MIN_BATCHED_EIGH_SIZE", 0)
-    with mock.patch.object(module, "batched_eigen_inverse_root", wraps=module.batched_eigen_inverse_root) as batched:
-        batched_results = run()
-    assert batched.call_count == 6  # 3 steps × {4×4 pair, 3×3 pair}
-    for a, b in zip(per_matrix, batched_results, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert isinstance(RootInvShampooPreconditionerConfig().amortized_computation_config, EigenConfig)
+    torch.testing.assert_close(kl._square(block.factor_matrices[0]), L1 + (g2 @ R_root) @ (g2 @ R_root).T)
+    torch.testing.assert_close(kl._square(block.factor_matrices[1]), R1 + (L_root @ g2).T @ (L_root @ g2))
 
 
 @pytest.mark.parametrize(
@@ -295,9 +282,9 @@ def test_concurrent_streams_are_skipped_for_configs_that_change_global_state(
     requested: list[int] = []
     run_on_side_streams = module.run_on_side_streams
 
-    def spy(tasks: Any, num_streams: int, device: torch.device) -> Any:
+    def spy(tasks: Any, num_streams: int, device: torch.device, *args: Any) -> Any:
         requested.append(num_streams)
-        return run_on_side_streams(tasks, num_streams, device)
+        return run_on_side_streams(tasks, num_streams, device, *args)
 
     monkeypatch.setattr(module, "run_on_side_streams", spy)
     config = RootInvShampooPreconditionerConfig(

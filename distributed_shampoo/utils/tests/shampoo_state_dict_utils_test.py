@@ -71,7 +71,7 @@ def test_update_param_state_dict_object_accepts_any_hashable_key() -> None:
 
 
 def test_update_param_state_dict_object_missing_key_raises() -> None:
-    with pytest.raises(KeyError, match="'bar' not found in state dict to load"):
+    with pytest.raises(KeyError, match="Key bar not found in state dict to load"):
         update_param_state_dict_object({"foo": torch.tensor(1.0), "bar": torch.tensor(2.0)}, {"foo": torch.tensor(3.0)})
 
 
@@ -83,4 +83,4 @@ def test_update_param_state_dict_object_missing_key_warns_when_check_disabled(
         update_param_state_dict_object(current, {"foo": torch.tensor(3.0)}, enable_missing_key_check=False)
     assert current["foo"].item() == 3.0
     assert current["bar"].item() == 2.0
-    assert ["'bar' not found" in record.getMessage() for record in caplog.records] == [True]
+    assert ["Key bar not found" in record.getMessage() for record in caplog.records] == [True]

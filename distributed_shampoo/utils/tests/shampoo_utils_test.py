@@ -1,7 +1,7 @@
 import math
 import threading
+import time
 from contextlib import contextmanager
-from operator import methodcaller
 
 import pytest
 import torch
@@ -9,16 +9,17 @@ import torch
 from distributed_shampoo.shampoo_types import LoadBalancingConfig
 from distributed_shampoo.utils.load_balancing_utils import PolynomialComputationalCostModel
 from distributed_shampoo.utils.shampoo_utils import (
-    ParameterizeEnterExitContext,
     compress_list,
     distribute_buffer_sizes,
     generate_pairwise_indices,
     get_dtype_size,
     merge_small_dims,
     multi_dim_split,
-    prepare_update_param_buffers,
+    pack_upper_triangular,
+    packed_dimension,
     run_concurrently,
     run_on_side_streams,
+    unpack_upper_triangular,
 )
 
 CONV_SHAPE = (32, 3, 64, 64)
@@ -169,33 +170,6 @@ def test_generate_pairwise_indices(counts: tuple[int, ...], expected: list[tuple
     assert list(generate_pairwise_indices(counts)) == expected
 
 
-class _Toggle:
-    def __init__(self) -> None:
-        self._test_var = 0
-
-    def enter(self) -> None:
-        self._test_var = 1
-
-    def exit(self) -> None:
-        self._test_var = -1
-
-
-def test_parameterize_enter_exit_context() -> None:
-    toggle = _Toggle()
-    with ParameterizeEnterExitContext(toggle, methodcaller("enter"), methodcaller("exit")) as context:
-        assert isinstance(context, ParameterizeEnterExitContext)
-        assert toggle._test_var == 1
-    assert toggle._test_var == -1
-
-
-def test_parameterize_enter_exit_context_exits_on_exception() -> None:
-    toggle = _Toggle()
-    with pytest.raises(RuntimeError, match="boom"):
-        with ParameterizeEnterExitContext(toggle, methodcaller("enter"), methodcaller("exit")):
-            raise RuntimeError("boom")
-    assert toggle._test_var == -1
-
-
 def _meta(sizes: tuple[int, ...], dtype: torch.dtype = torch.bool) -> tuple[torch.Tensor, ...]:
     return tuple(torch.empty(size, dtype=dtype, device="meta") for size in sizes)
 
@@ -258,62 +232,6 @@ def test_distribute_buffer_sizes_record_blocks_on_eight_ranks() -> None:
         owned = [size for size, owner in assignment if owner == rank]
         assert sorted(owned) == [2359296] * 6 + [9437184] * 3
         assert sum(owned) == 42_467_328
-
-
-def test_prepare_update_param_buffers_pads_to_group_multiple() -> None:
-    params = (torch.ones(100), torch.ones(20, 10), torch.ones(300))
-    buffers = prepare_update_param_buffers(params, 4)
-    assert [buffer.numel() for buffer in buffers] == [100, 200, 300, 0]
-    assert all(buffer.dtype == torch.float32 and not buffer.any() for buffer in buffers)
-
-
-def test_prepare_update_param_buffers_rejects_mixed_dtypes() -> None:
-    with pytest.raises(NotImplementedError, match="mixed dtypes"):
-        prepare_update_param_buffers((torch.ones(2), torch.ones(2, dtype=torch.float16)), 2)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _redistribute_worker(rank: int, world_size: int, port: int) -> None:
-    import os
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from distributed_shampoo.utils.shampoo_utils import redistribute_and_update_params
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        num_params = 2 * world_size  # gloo's all_to_all needs equal chunk sizes, so no padding slots here
-
-        def full_value(index: int) -> torch.Tensor:
-            return torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * index
-
-        params = tuple(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]) for _ in range(num_params))
-        owned = [full_value(index) for index in range(rank, num_params, world_size)]
-        buffers = prepare_update_param_buffers(params, world_size)
-        redistribute_and_update_params(params, owned, buffers, None)
-        for index, param in enumerate(params):
-            assert torch.equal(param.full_tensor(), full_value(index)), f"param {index} on rank {rank}"
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_redistribute_and_update_params_on_two_gloo_ranks() -> None:
-    import torch.multiprocessing as mp
-
-    # fork: the children reuse the already-imported torch instead of paying for a fresh import each.
-    mp.start_processes(_redistribute_worker, args=(2, _free_port()), nprocs=2, start_method="fork")
 
 
 # ------------------------------------------------------------------------------------------- concurrent tasks
@@ -385,6 +303,91 @@ def test_run_on_side_streams_on_cpu_runs_in_order_on_the_calling_thread() -> Non
     assert set(threads) == {threading.get_ident()}
 
 
+def _track_cost_in_flight(costs: list[float], budget: float, num_workers: int) -> tuple[list[int], float, list[set[int]]]:
+    """Run tasks of the given costs on `num_workers` threads; return the results, the largest total cost of tasks
+    running at once, and which tasks ran beside each task."""
+    lock = threading.Lock()
+    running: dict[int, float] = {}
+    peak = 0.0
+    company: list[set[int]] = [set() for _ in costs]
+
+    def task(i: int) -> int:
+        nonlocal peak
+        with lock:
+            running[i] = costs[i]
+            peak = max(peak, sum(running.values()))
+            for other in running:
+                company[other] |= set(running) - {other}
+        time.sleep(0.01)
+        with lock:
+            del running[i]
+        return i
+
+    @contextmanager
+    def worker():  # type: ignore[no-untyped-def]
+        yield
+
+    results = run_concurrently([lambda i=i: task(i) for i in range(len(costs))], [worker] * num_workers, costs, budget)
+    return results, peak, company
+
+
+def test_run_concurrently_keeps_the_cost_in_flight_within_the_budget() -> None:
+    costs = [100.0, 100.0, 100.0] + [10.0] * 12  # large tasks first, as the root step orders them
+    results, peak, company = _track_cost_in_flight(costs, budget=130.0, num_workers=4)
+    assert results == list(range(len(costs)))
+    assert peak <= 130.0
+    assert not company[0] & {1, 2}  # two large tasks never run together...
+    assert any(company[i] & {3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14} for i in range(3))  # ...but small ones join them
+
+
+def test_run_concurrently_runs_a_task_larger_than_the_budget_alone() -> None:
+    results, peak, company = _track_cost_in_flight([500.0, 1.0, 1.0, 1.0], budget=100.0, num_workers=3)
+    assert results == [0, 1, 2, 3]
+    assert company[0] == set() and peak <= 500.0
+
+
+def test_run_concurrently_rejects_costs_of_the_wrong_length() -> None:
+    with pytest.raises(ValueError, match="len\\(costs\\)=1 must equal len\\(tasks\\)=2"):
+        run_concurrently([lambda: 1, lambda: 2], [contextmanager(lambda: (yield))], [1.0], 10.0)
+
+
 def test_run_on_side_streams_rejects_zero_streams() -> None:
     with pytest.raises(ValueError, match="num_streams=0 must be at least 1"):
         run_on_side_streams([lambda: 1], 0, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------------ symmetric packing
+
+
+def test_pack_upper_triangular_layout() -> None:
+    matrix = torch.arange(16.0).reshape(4, 4)
+    packed = pack_upper_triangular(matrix)
+    # (0,0) (0,1) (0,2) (0,3) (1,1) (1,2) (1,3) (2,2) (2,3) (3,3): diagonal entry i at i·d - i·(i-1)/2.
+    assert packed.tolist() == [0, 1, 2, 3, 5, 6, 7, 10, 11, 15]
+    assert [packed[i * 4 - i * (i - 1) // 2].item() for i in range(4)] == [0, 5, 10, 15]
+    assert pack_upper_triangular(torch.tensor([[7.0]])).shape == (1,)
+
+
+def test_unpack_mirrors_the_upper_triangle_exactly() -> None:
+    generator = torch.Generator().manual_seed(0)
+    matrix = torch.randn(5, 5, generator=generator, dtype=torch.float64)
+    unpacked = unpack_upper_triangular(pack_upper_triangular(matrix))
+    upper = torch.ones(5, 5, dtype=torch.bool).triu()
+    assert torch.equal(unpacked[upper], matrix[upper])
+    assert torch.equal(unpacked, unpacked.T)  # bitwise symmetric: the lower triangle is the upper one plus zero
+    symmetric = matrix + matrix.T
+    assert torch.equal(unpack_upper_triangular(pack_upper_triangular(symmetric)), symmetric)
+
+
+@pytest.mark.parametrize(("num_packed", "dimension"), [(1, 1), (3, 2), (6, 3), (4_720_128, 3072)])
+def test_packed_dimension(num_packed: int, dimension: int) -> None:
+    assert packed_dimension(num_packed) == dimension
+
+
+def test_bad_packed_shapes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="5 entries are not the upper triangle"):
+        unpack_upper_triangular(torch.zeros(5))
+    with pytest.raises(ValueError, match="packed upper triangle is 1-D"):
+        unpack_upper_triangular(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="Only square matrices"):
+        pack_upper_triangular(torch.zeros(2, 3))
