@@ -13,6 +13,7 @@ constant by constant in docs/track3_recipe.md.
 # Imports and setup helpers
 
 import argparse
+import ast
 import dataclasses
 import glob
 import json
@@ -27,7 +28,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, NamedTuple, cast
@@ -38,8 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# The package is imported here, not where it is used, so that every run's log embeds its source.
-# The AdamW ablation must still run without it, hence the guard.
+# The AdamW ablation must run without the package, hence the guard; the log embeds the package modules this
+# script imports (shampoo_source_files).
 try:
     import distributed_shampoo
     from distributed_shampoo import (
@@ -811,14 +812,47 @@ PACKAGE_BANNER = "# ===== {} ====="
 SEPARATOR = "=" * 100
 
 
+def imported_package_files(entry: Path, package_dir: Path) -> list[Path]:
+    """The files of the package's modules that running `entry` imports, sorted: its import statements followed
+    through the package's own, each module's parent packages included, and an import inside a function too (the
+    run may call it). Read from the sources, not from sys.modules, whose content depends on what else the process
+    imported (a test runner, say); statements under `if TYPE_CHECKING:` never run and are not followed."""
+    package = package_dir.name
+
+    def source(module: str) -> Path:
+        path = package_dir.parent.joinpath(*module.split("."))
+        return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+    def imports(nodes: Iterable[ast.AST]) -> Iterator[str]:
+        for node in nodes:
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                yield from imports(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                yield from (alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                yield node.module
+                yield from (f"{node.module}.{alias.name}" for alias in node.names)  # submodules among the names
+            yield from imports(ast.iter_child_nodes(node))
+
+    found: set[Path] = set()
+    pending = [entry]
+    while pending:
+        for name in imports(ast.parse(pending.pop().read_text(encoding="utf-8")).body):
+            parts = name.split(".")
+            for depth in range(1, len(parts) + 1) if parts[0] == package else ():
+                path = source(".".join(parts[:depth]))
+                if path.is_file() and path not in found:
+                    found.add(path)
+                    pending.append(path)
+    return sorted(found)
+
+
 def shampoo_source_files() -> list[Path]:
-    """Every module of the distributed_shampoo package, sorted by path, its tests excluded. All of them,
-    not only those this process imported: what a process has imported depends on what ran before in it
-    (a test runner, say), and the log must rebuild the same program every time."""
+    """The distributed_shampoo modules this script imports (none when the package is missing)."""
     if SHAMPOO_PACKAGE_DIR is None:
         return []
-    return sorted(f for f in SHAMPOO_PACKAGE_DIR.rglob("*.py")
-                  if not {"tests", "gpu_tests"} & set(f.relative_to(SHAMPOO_PACKAGE_DIR).parts))
+    return imported_package_files(Path(__file__).resolve(), SHAMPOO_PACKAGE_DIR)
 
 
 def program_source() -> str:

@@ -1,5 +1,6 @@
 """Tests of train_gpt_shampoo.py (the Track 3 Shampoo record script) on CPU with gloo."""
 
+import json
 import math
 import os
 import re
@@ -311,31 +312,60 @@ def split_embedded_sources(log_text: str) -> dict[str, str]:
     return {name: "".join(lines) for name, lines in files.items()}
 
 
-def test_log_embeds_the_script_and_every_package_file(workdir: Path) -> None:
+REPORT_IMPORTS = """
+import json, runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    files = {getattr(module, "__file__", None) for name, module in list(sys.modules.items())
+             if name.split(".")[0] == "distributed_shampoo"}
+    print("imported:", json.dumps(sorted(str(f) for f in files if f)))
+"""
+
+
+def test_log_embeds_the_script_and_exactly_the_modules_the_run_imports(workdir: Path) -> None:
     result = smoke_run("--train_steps=1")
     sources = split_embedded_sources(result.log_path.read_text())
     assert sources.pop("train_gpt_shampoo.py") == SCRIPT.read_text()
-    package_files = {p.relative_to(ROOT).as_posix() for p in tgs.shampoo_source_files()}
-    assert "distributed_shampoo/__init__.py" in package_files
-    assert "distributed_shampoo/distributed_shampoo.py" in package_files
-    assert set(sources) == package_files
+    assert "distributed_shampoo/distributed_shampoo.py" in sources and "distributed_shampoo/__init__.py" in sources
     for name, text in sources.items():
         assert text == (ROOT / name).read_text(), name
-    # tools/records.py extract rebuilds the same files from the log, and they run
+    # tools/records.py extract rebuilds the files from the log; the rebuilt script runs in a fresh process,
+    # which imports exactly the package modules its log embeds
     rebuilt = workdir / "rebuilt"
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "records.py"), "extract", str(result.log_path), "-o",
                            str(rebuilt / "train_gpt_shampoo.py")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert (rebuilt / "train_gpt_shampoo.py").read_text() == SCRIPT.read_text()
-    for name in package_files:
-        assert (rebuilt / name).read_text() == (ROOT / name).read_text(), name
+    assert sorted(p.relative_to(rebuilt).as_posix() for p in rebuilt.rglob("*.py")) == sorted(["train_gpt_shampoo.py", *sources])
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    rerun = subprocess.run([sys.executable, str(rebuilt / "train_gpt_shampoo.py"), "--preset=smoke",
+    rerun = subprocess.run([sys.executable, "-c", REPORT_IMPORTS, str(rebuilt / "train_gpt_shampoo.py"), "--preset=smoke",
                             "--train_steps=1"], cwd=rebuilt, env={**env, "OMP_NUM_THREADS": "1"},
                            capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    imported = json.loads(re.search(r"^imported: (.*)$", rerun.stdout, re.M).group(1))
+    assert sorted(Path(f).resolve().relative_to(rebuilt.resolve()).as_posix() for f in imported) == sorted(sources)
     rerun_log = (rebuilt / re.search(r"log: (\S+)", rerun.stdout).group(1)).read_text()
     assert split_embedded_sources(rerun_log) == {"train_gpt_shampoo.py": SCRIPT.read_text(), **sources}
+
+
+def test_embedded_modules_follow_the_imports_that_run(tmp_path: Path) -> None:
+    """Only what the entry's imports reach: parent packages and imports inside functions count, modules
+    imported only for type checking, never imported or test modules do not."""
+    files = {
+        "run.py": "import pkg\n",
+        "pkg/__init__.py": "from pkg.a import f\n",
+        "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import b\n"
+                    "def f():\n    from pkg.sub import c\n    return c\n",
+        "pkg/b.py": "", "pkg/sub/__init__.py": "", "pkg/sub/c.py": "import os\n", "pkg/unused.py": "",
+        "pkg/tests/a_test.py": "import pkg.unused\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = tgs.imported_package_files(tmp_path / "run.py", tmp_path / "pkg")
+    assert [p.relative_to(tmp_path).as_posix() for p in found] == ["pkg/__init__.py", "pkg/a.py", "pkg/sub/__init__.py", "pkg/sub/c.py"]
 
 
 def test_shampoo_steps_before_preconditioning_equal_the_adamw_ablation(workdir: Path) -> None:
