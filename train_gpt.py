@@ -2089,14 +2089,17 @@ RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkp
 PARTIAL_MARKER = ".partial-"
 
 
-def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> list[str]:
-    """Staging folders of saves that never finished (their run was killed), older than this run."""
-    if not directory.is_dir():
-        return []
+def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> None:
+    """Rank 0 removes the staging folders of saves that never finished (their run was killed), older than this
+    run, and logs one line naming them."""
+    if not _is_master or not directory.is_dir():
+        return
     stale = sorted(p for p in directory.glob(f".*{PARTIAL_MARKER}*") if p.is_dir() and p.stat().st_mtime < run_started)
     for path in stale:
         shutil.rmtree(path)
-    return [path.name for path in stale]
+    if stale:
+        print0(f"removed {len(stale)} unfinished checkpoint folder(s) of interrupted saves from {directory}: "
+               f"{', '.join(path.name for path in stale)}", console=True)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -2510,10 +2513,8 @@ def run(argv: list[str]) -> float:
     log_model_and_muon(raw_model, muon, hp, rt)
     if resume is not None:
         print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at step {resume.step}")
-    if hp.checkpoint_every and _is_master:
-        removed = remove_stale_partial_checkpoints(checkpoint_dir, run_started)
-        if removed:
-            print0(f"removed {len(removed)} unfinished checkpoint folder(s) of interrupted saves from {checkpoint_dir}: {', '.join(removed)}", console=True)
+    if hp.checkpoint_every:
+        remove_stale_partial_checkpoints(checkpoint_dir, run_started)
     print0("=" * 100)
 
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, all ranks together

@@ -339,7 +339,7 @@ class TokenLoader:
     is dropped, so is a whole shard shorter than a batch (the last one data/fineweb.py writes may be).
     Documents are neither aligned nor masked. The position is checkpointable."""
 
-    def __init__(self, files: list[str], batch_tokens: int, seq_len: int, rank: int, world_size: int,
+    def __init__(self, files: list[str], *, batch_tokens: int, seq_len: int, rank: int, world_size: int,
                  vocab_size: int, device: torch.device, cycle: bool = False):
         self.files, self.batch_tokens, self.seq_len = files, batch_tokens, seq_len
         self.rank, self.local_tokens = rank, batch_tokens // world_size
@@ -385,6 +385,26 @@ class TokenLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.file_index, self.position, self.passes = state["file_index"], state["position"], state["passes"]
         self.tokens = self._load(self.file_index)
+
+
+def check_batch_geometry(hp: Hyperparameters, world_size: int) -> None:
+    for name, tokens in [("the train batch (8 micro-batches)", 8 * hp.micro_batch_seqs * hp.seq_len),
+                         ("--val_tokens", hp.val_tokens)]:
+        if tokens % (world_size * hp.micro_batch_seqs * hp.seq_len):
+            raise UserError(f"{name} = {tokens} tokens must split into {world_size} ranks x micro-batches of "
+                            f"{hp.micro_batch_seqs} x {hp.seq_len} tokens")
+
+
+def load_validation_data(val_files: list[str], hp: Hyperparameters, rt: "Runtime") -> tuple[Tensor, Tensor]:
+    """The first val_tokens tokens of the first validation shard (the first batch of a loader with batch size
+    val_tokens), loaded once."""
+    available = read_shard_header(val_files[0])
+    if available < hp.val_tokens + 2:
+        raise UserError(f"validation data ({hp.val_files}): {val_files[0]} holds {available} tokens, fewer than "
+                        f"--val_tokens={hp.val_tokens} + 2; lower --val_tokens")
+    loader = TokenLoader(val_files[:1], batch_tokens=hp.val_tokens, seq_len=hp.seq_len, rank=rt.rank,
+                         world_size=rt.world_size, vocab_size=hp.vocab_size, device=rt.device)
+    return loader.next_batch()
 
 
 def generate_smoke_shards(vocab_size: int, relative_dir: str = "data/smoke") -> tuple[str, str]:
@@ -524,7 +544,10 @@ def init_parameters(model: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Optimizers: AdamW for embedding, head and 1-D parameters; DistributedShampoo for the block matrices
+# Optimizers: AdamW for the embedding, the head and the 1-D parameters; DistributedShampoo for the 72 block
+# matrices. This is the block a matrix-optimizer experiment swaps: build_matrix_optimizer returns any
+# torch.optim.Optimizer over the matrices (its param groups' "lr" follow lr_multiplier), and train_step steps
+# it after AdamW. --matrix_optimizer=adamw is the ablation: Shampoo's grafting Adam alone.
 
 
 def split_parameters(model: GPT) -> dict[str, list[Tensor]]:
@@ -559,16 +582,18 @@ def build_optimizers(model: GPT, hp: Hyperparameters, world_size: int, device: t
         betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps, weight_decay=hp.adam_weight_decay,
         fused=device.type == "cuda",
     )
-    if hp.matrix_optimizer == "shampoo":
-        matrix_optimizer = build_shampoo(groups["matrices"], hp, world_size)
-    else:
-        matrix_optimizer = torch.optim.AdamW(
-            groups["matrices"], lr=hp.matrix_lr, betas=(hp.matrix_beta1, hp.shampoo_grafting_beta2),
-            eps=hp.shampoo_grafting_epsilon, weight_decay=hp.matrix_weight_decay, fused=device.type == "cuda",
-        )
-    optimizers = [adamw, matrix_optimizer]
+    optimizers = [adamw, build_matrix_optimizer(groups["matrices"], hp, world_size, device)]
     check_parameter_coverage(model, [group["params"] for opt in optimizers for group in opt.param_groups])
     return optimizers
+
+
+def build_matrix_optimizer(matrices: list[Tensor], hp: Hyperparameters, world_size: int,
+                           device: torch.device) -> torch.optim.Optimizer:
+    if hp.matrix_optimizer == "shampoo":
+        return build_shampoo(matrices, hp, world_size)
+    return torch.optim.AdamW(matrices, lr=hp.matrix_lr, betas=(hp.matrix_beta1, hp.shampoo_grafting_beta2),
+                             eps=hp.shampoo_grafting_epsilon, weight_decay=hp.matrix_weight_decay,
+                             fused=device.type == "cuda")
 
 
 def require_shampoo() -> None:
@@ -578,6 +603,7 @@ def require_shampoo() -> None:
 
 
 def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) -> torch.optim.Optimizer:
+    """The record's arguments (docs/track3_recipe.md#shampoo-arguments)."""
     require_shampoo()
     distributed_config: SingleDeviceDistributedConfig | DDPDistributedConfig
     if world_size == 1:
@@ -598,6 +624,16 @@ def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) 
         distributed_config=distributed_config,
         shampoo_runtime_config=ShampooRuntimeConfig(num_amortized_computation_streams=hp.shampoo_root_streams),
     )
+
+
+def preconditioner_failure(error: Exception, step: int, matrix_names: list[str]) -> RunStopped:
+    """Shampoo's own finding as one line, naming the parameter whose factor matrix went non-finite."""
+    text = " ".join(str(error).split())
+    finding = re.split(r"(?<=[!.])\s", text, maxsplit=1)[0]
+    index = re.search(r"factor matrix (\d+)\.", finding)
+    if index and int(index.group(1)) < len(matrix_names):
+        finding += f" ({matrix_names[int(index.group(1))]})"
+    return RunStopped(f"step {step}: Shampoo: {finding}; stopping", NON_FINITE_EXIT_STATUS, every_rank=True)
 
 
 def lr_multiplier(step: int, hp: Hyperparameters) -> float:
@@ -798,16 +834,6 @@ def report_stop(line: str, every_rank: bool = False) -> None:
 _shared_log_path: Path | None = None  # the log's path on every rank (for a stop that only some ranks meet)
 
 
-def preconditioner_failure(error: Exception, step: int, matrix_names: list[str]) -> RunStopped:
-    """Shampoo's own finding as one line, naming the parameter whose factor matrix went non-finite."""
-    text = " ".join(str(error).split())
-    finding = re.split(r"(?<=[!.])\s", text, maxsplit=1)[0]
-    index = re.search(r"factor matrix (\d+)\.", finding)
-    if index and int(index.group(1)) < len(matrix_names):
-        finding += f" ({matrix_names[int(index.group(1))]})"
-    return RunStopped(f"step {step}: Shampoo: {finding}; stopping", NON_FINITE_EXIT_STATUS, every_rank=True)
-
-
 PACKAGE_BANNER = "# ===== {} ====="
 SEPARATOR = "=" * 100
 
@@ -919,14 +945,17 @@ RUNTIME_ONLY_FIELDS = frozenset({"num_trials", "log_dir", "checkpoint_every", "c
 PARTIAL_MARKER = ".partial-"
 
 
-def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> list[str]:
-    """Staging folders of saves that never finished (their run was killed), older than this run."""
-    if not directory.is_dir():
-        return []
+def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> None:
+    """Rank 0 removes the staging folders of saves that never finished (their run was killed), older than this
+    run, and logs one line naming them."""
+    if not _is_master or not directory.is_dir():
+        return
     stale = sorted(p for p in directory.glob(f".*{PARTIAL_MARKER}*") if p.is_dir() and p.stat().st_mtime < run_started)
     for path in stale:
         shutil.rmtree(path)
-    return [path.name for path in stale]
+    if stale:
+        print0(f"removed {len(stale)} unfinished checkpoint folder(s) of interrupted saves from {directory}: "
+               f"{', '.join(path.name for path in stale)}", console=True)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -1056,6 +1085,17 @@ def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, resume: "Res
                                 f"--checkpoint_dir (checkpoints are never overwritten)")
 
 
+def prepare_resume(hp: Hyperparameters, world_size: int) -> ResumePoint | None:
+    """Before the run: the checkpoint --resume names, checked, and the periodic checkpoints this run would
+    write must be new (the default folder is new: named by the run id)."""
+    resume = open_checkpoint(hp.resume, comparable_settings(hp), world_size) if hp.resume else None
+    if resume is not None and resume.trial >= hp.num_trials:
+        raise UserError(f"--resume={hp.resume}: checkpoint of trial {resume.trial}, but --num_trials={hp.num_trials}")
+    if hp.checkpoint_every and hp.checkpoint_dir:
+        check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume)
+    return resume
+
+
 def save_resumable(target: Path, run_id: str, rt: Runtime, hp: Hyperparameters, model: GPT,
                    optimizers: list[torch.optim.Optimizer], loader: TokenLoader, progress: Progress) -> bool:
     rank_state = dict(matrix_optimizer=optimizers[1].state_dict())  # each rank's Shampoo blocks
@@ -1136,6 +1176,15 @@ def train_step(model: GPT, forward: nn.Module, optimizers: list[torch.optim.Opti
     return step_loss
 
 
+def log_validation(progress: Progress, val_loss: float, train_steps: int) -> None:
+    """The record's line; step_avg averages the interval since the previous validation."""
+    interval = progress.step - progress.last_val_step
+    step_avg = 1000 * (progress.training_time - progress.last_val_time) / interval if interval else math.nan
+    print0(f"step:{progress.step}/{train_steps} val_loss:{val_loss:.5f} train_time:{progress.training_time:.3f}s "
+           f"step_avg:{step_avg:.2f}ms", console=True)
+    progress.last_val_step, progress.last_val_time = progress.step, progress.training_time
+
+
 @dataclass
 class Session:
     """What every trial of one launch shares."""
@@ -1149,15 +1198,6 @@ class Session:
     val_inputs: Tensor
     val_targets: Tensor
     train_files: list[str]
-
-
-def log_validation(progress: Progress, val_loss: float, train_steps: int) -> None:
-    """The record's line; step_avg averages the interval since the previous validation."""
-    interval = progress.step - progress.last_val_step
-    step_avg = 1000 * (progress.training_time - progress.last_val_time) / interval if interval else math.nan
-    print0(f"step:{progress.step}/{train_steps} val_loss:{val_loss:.5f} train_time:{progress.training_time:.3f}s "
-           f"step_avg:{step_avg:.2f}ms", console=True)
-    progress.last_val_step, progress.last_val_time = progress.step, progress.training_time
 
 
 @dataclass
@@ -1174,8 +1214,9 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
     init_parameters(model)
     optimizers = build_optimizers(model, hp, rt.world_size, rt.device)
     base_lrs = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
-    loader = TokenLoader(session.train_files, 8 * hp.micro_batch_seqs * hp.seq_len, hp.seq_len, rt.rank,
-                         rt.world_size, hp.vocab_size, rt.device, hp.cycle_train_files)
+    loader = TokenLoader(session.train_files, batch_tokens=8 * hp.micro_batch_seqs * hp.seq_len, seq_len=hp.seq_len,
+                         rank=rt.rank, world_size=rt.world_size, vocab_size=hp.vocab_size, device=rt.device,
+                         cycle=hp.cycle_train_files)
     for param in model.parameters():
         dist.broadcast(param.detach(), 0)
     progress = load_resumable(resume, rt, model, optimizers, loader) if resume else Progress(trial)
@@ -1195,22 +1236,24 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
         saved = save_resumable(target, session.run_id, rt, hp, model, optimizers, loader, progress)
         print0(f"checkpoint: {target}" + ("" if saved else " already exists; not replaced"), console=True)
 
+    def stop_clock() -> None:
+        synchronize(rt.device)
+        progress.training_time += time.perf_counter() - t0
+
     synchronize(rt.device)
     t0 = time.perf_counter()
     for step in range(start_step, hp.train_steps + 1):
         progress.step = _step_reached = step
         last_step = step == hp.train_steps
         if health.poll(keep=0 if last_step else health.lag):  # the trial stops here
-            synchronize(rt.device)
-            progress.training_time += time.perf_counter() - t0
+            stop_clock()
             if hp.checkpoint_every > 0 and step != start_step:
                 checkpoint_at(step)
             raise interrupted()
         validate = is_validation_step(step, hp)
         checkpoint = hp.checkpoint_every > 0 and step % hp.checkpoint_every == 0 and step != start_step and not last_step
         if validate or checkpoint:
-            synchronize(rt.device)
-            progress.training_time += time.perf_counter() - t0
+            stop_clock()
             if validate:
                 val_losses[step] = evaluate(session.forward, session.val_inputs, session.val_targets,
                                             hp.micro_batch_seqs, hp.val_tokens)
@@ -1241,6 +1284,10 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
     return TrialResult(val_losses)
 
 
+# ------------------------------------------------------------------------------------------------
+# Main
+
+
 @dataclass
 class RunResult:
     log_path: Path | None
@@ -1248,46 +1295,22 @@ class RunResult:
     trials: list[TrialResult]
 
 
-def check_batch_geometry(hp: Hyperparameters, world_size: int) -> None:
-    for name, tokens in [("the train batch (8 micro-batches)", 8 * hp.micro_batch_seqs * hp.seq_len),
-                         ("--val_tokens", hp.val_tokens)]:
-        if tokens % (world_size * hp.micro_batch_seqs * hp.seq_len):
-            raise UserError(f"{name} = {tokens} tokens must split into {world_size} ranks x micro-batches of "
-                            f"{hp.micro_batch_seqs} x {hp.seq_len} tokens")
-
-
-def load_validation_data(val_files: list[str], hp: Hyperparameters, rt: Runtime) -> tuple[Tensor, Tensor]:
-    """The first val_tokens tokens of the first validation shard (the first batch of a loader with batch size
-    val_tokens), loaded once."""
-    available = read_shard_header(val_files[0])
-    if available < hp.val_tokens + 2:
-        raise UserError(f"validation data ({hp.val_files}): {val_files[0]} holds {available} tokens, fewer than "
-                        f"--val_tokens={hp.val_tokens} + 2; lower --val_tokens")
-    loader = TokenLoader(val_files[:1], hp.val_tokens, hp.seq_len, rt.rank, rt.world_size, hp.vocab_size, rt.device)
-    return loader.next_batch()
-
-
 def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
-    """The whole run: setup, log header, warmup, trials. Returns what tests inspect."""
+    """The whole run: checks, setup, log header, warmup, trials. Returns what tests inspect. Every check that
+    can fail runs before the log file is created: a refused run leaves no log."""
+    global _log_path, _shared_log_path
     world_size = read_world_size()
     check_batch_geometry(hp, world_size)
     if overrides.get("preset") == "smoke" and "train_files" not in overrides and "val_files" not in overrides:
         hp.train_files, hp.val_files = generate_smoke_shards(hp.vocab_size)
     train_files, val_files = resolve_files(hp.train_files, "train"), resolve_files(hp.val_files, "val")
-    # every check that can fail runs before the log file is created: a refused run leaves no log
     token_counts = check_train_data(train_files, hp.vocab_size), sum(read_shard_header(path) for path in val_files)
     if hp.matrix_optimizer == "shampoo":
-        require_shampoo()  # before any work
-    resume = open_checkpoint(hp.resume, comparable_settings(hp), world_size) if hp.resume else None
-    if resume is not None and resume.trial >= hp.num_trials:
-        raise UserError(f"--resume={hp.resume}: checkpoint of trial {resume.trial}, but --num_trials={hp.num_trials}")
-    if hp.checkpoint_every and hp.checkpoint_dir:  # the default directory is new: named by the run id
-        check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume)
-
-    global _log_path, _shared_log_path
+        require_shampoo()
+    resume = prepare_resume(hp, world_size)
     rt = setup_distributed()
     try:
-        return _train(hp, overrides, rt, train_files, val_files, token_counts, resume)
+        return train_trials(hp, overrides, rt, train_files, val_files, token_counts, resume)
     except UserError as error:  # e.g. out of data mid-run: the log says why it ends
         print0(f"error: {error}")
         raise
@@ -1302,9 +1325,9 @@ def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
         dist.destroy_process_group()
 
 
-def _train(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime, train_files: list[str],
-           val_files: list[str], token_counts: tuple[int, int], resume: ResumePoint | None) -> RunResult:
-    global _log_path, _is_master, _shared_log_path
+def train_trials(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime, train_files: list[str],
+                 val_files: list[str], token_counts: tuple[int, int], resume: ResumePoint | None) -> RunResult:
+    global _log_path, _is_master, _shared_log_path, _defer_stop
     run_started = time.time()
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
@@ -1317,24 +1340,18 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime, train_fi
     if _is_master:
         _log_path, run_id[0] = open_log(hp.log_dir, "")
         print(f"log: {_log_path}", flush=True)
-    dist.broadcast_object_list(run_id, 0)
-    _shared_log_path = Path(hp.log_dir) / f"{run_id[0]}.txt"
-    checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id[0]}")
-    session = Session(hp, rt, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
-
-    if _log_path is not None:  # rank 0 only: nvidia-smi, git and the shard headers are read once
         with open(_log_path, "a", encoding="utf-8") as f:
             f.write(program_source())
         print0(SEPARATOR)
         for line in environment_lines(hp, overrides, rt, train_files, val_files, token_counts) + parameter_split_lines(model, hp):
             print0(line)
+    dist.broadcast_object_list(run_id, 0)
+    _shared_log_path = Path(hp.log_dir) / f"{run_id[0]}.txt"
+    checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id[0]}")
     if resume is not None:
         print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at trial {resume.trial} step {resume.step}")
-    if hp.checkpoint_every and _is_master:
-        removed = remove_stale_partial_checkpoints(checkpoint_dir, run_started)
-        if removed:
-            print0(f"removed {len(removed)} unfinished checkpoint folder(s) of interrupted saves from {checkpoint_dir}: "
-                   f"{', '.join(removed)}", console=True)
+    if hp.checkpoint_every:
+        remove_stale_partial_checkpoints(checkpoint_dir, run_started)
     print0(SEPARATOR)
 
     synchronize(rt.device)
@@ -1343,7 +1360,7 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime, train_fi
     synchronize(rt.device)
     print0(f"warmup_time: {time.perf_counter() - t_warmup:.1f}s", console=True)
 
-    global _defer_stop
+    session = Session(hp, rt, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
     first_trial = resume.trial if resume is not None else 0
     _defer_stop = True
     try:
@@ -1352,11 +1369,10 @@ def _train(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime, train_fi
     finally:
         _defer_stop = False
 
-    if rt.device.type == "cuda":
-        allocated, reserved = torch.cuda.max_memory_allocated(rt.device), torch.cuda.max_memory_reserved(rt.device)
-    else:
-        allocated = reserved = 0  # no allocator statistics on CPU
-    print0(f"peak memory allocated: {allocated // 2**20} MiB reserved: {reserved // 2**20} MiB", console=True)
+    on_cuda = rt.device.type == "cuda"
+    allocated = torch.cuda.max_memory_allocated(rt.device) // 2**20 if on_cuda else 0  # no statistics on CPU
+    reserved = torch.cuda.max_memory_reserved(rt.device) // 2**20 if on_cuda else 0
+    print0(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB", console=True)
     return RunResult(_log_path, model, trials)
 
 

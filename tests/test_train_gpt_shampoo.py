@@ -247,7 +247,7 @@ def test_loader_slices_ranks_drops_tails_and_resumes(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(fresh.next_batch(), expected))
     with pytest.raises(tgs.UserError, match="out of training data.*--cycle_train_files"):
         rank1.next_batch()
-    cycling = tgs.TokenLoader(files, 8, 2, 0, 2, 200, cpu, cycle=True)
+    cycling = tgs.TokenLoader(files, batch_tokens=8, seq_len=2, rank=0, world_size=2, vocab_size=200, device=cpu, cycle=True)
     first = cycling.next_batch()[0]
     for _ in range(3):
         cycling.next_batch()
