@@ -47,6 +47,7 @@ try:
         AdamPreconditionerConfig,
         DDPDistributedConfig,
         DistributedShampoo,
+        RootInvShampooPreconditionerConfig,
         SingleDeviceDistributedConfig,
         WeightDecayType,
     )
@@ -621,6 +622,8 @@ def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) 
         precondition_frequency=hp.shampoo_precondition_frequency,
         start_preconditioning_step=hp.shampoo_start_preconditioning_step,
         grafting_config=AdamPreconditionerConfig(beta2=hp.shampoo_grafting_beta2, epsilon=hp.shampoo_grafting_epsilon),
+        # full (unpacked) factors, as the record's package stored them: packing changes float32 rounding
+        preconditioner_config=RootInvShampooPreconditionerConfig(use_symmetric_packing=False),
         distributed_config=distributed_config,
         shampoo_runtime_config=ShampooRuntimeConfig(num_amortized_computation_streams=hp.shampoo_root_streams),
     )
