@@ -65,7 +65,6 @@ class Track:
     script: str
     module: str
     hub_shards: int  # what README's download command fetches for the record run
-    spare: float  # tokens beyond the nominal count that the loader may skip (Track 1: document alignment; 3: shard tails)
     # Largest peak memory per GPU measured at the record configuration (bench runs of 2026-11-30 on H200s, 1 and 2 GPUs).
     peak_allocated_mib: int
     peak_reserved_mib: int
@@ -73,8 +72,8 @@ class Track:
 
 
 TRACKS = {
-    1: Track(1, "train_gpt.py", "train_gpt", 9, 0.10, 31_711, 36_740, 268_665_636),
-    3: Track(3, "train_gpt_shampoo.py", "train_gpt_shampoo", 22, 0.01, 34_101, 40_400, 162_354_816),
+    1: Track(1, "train_gpt.py", "train_gpt", 9, 31_711, 36_740, 268_665_636),
+    3: Track(3, "train_gpt_shampoo.py", "train_gpt_shampoo", 22, 34_101, 40_400, 162_354_816),
 }
 
 # Expected ms/step at the record configuration, as measured. Conditions: NVIDIA H200 (lent machines),
@@ -511,18 +510,98 @@ def check_torchrun(plan: Plan) -> Check:
 
 
 # ---- data ----
-def tokens_per_run(plan: Plan) -> int:
-    hp = plan.hp
+@dataclass(frozen=True)
+class DataPlan:
+    """What the run's loader gets out of the training shards, walked the way the script's loader walks them."""
+
+    files: list[Any]
+    tokens: int  # in all training shards (headers)
+    val_tokens: int
+    batches_needed: int  # loader batches the run draws
+    batches_found: int  # up to batches_needed
+    shards_read: int  # shards the walk went through to find them
+    tokens_read: int  # tokens of those shards
+
+
+def loader_batches_needed(plan: Plan) -> int:
+    """Track 1 draws one batch per micro-step (8 / world size per step); Track 3 one per step (every trial
+    starts again at the first shard, so trials need no more)."""
     if plan.track.number == 1:
-        return hp.train_steps * hp.train_batch_size
-    return hp.train_steps * 8 * hp.micro_batch_seqs * hp.seq_len  # every trial starts from the first shard
+        return plan.hp.train_steps * (8 // plan.world_size)
+    return plan.hp.train_steps
 
 
-def _download_fix(plan: Plan, needed: int) -> str:
-    if plan.overrides.get("train_files") or os.environ.get("DATA_PATH"):
-        return "check --train_files (and DATA_PATH), or add shards"
-    count = max(plan.track.hub_shards, math.ceil(needed * (1 + plan.track.spare) / SHARD_TOKENS))
-    return f"python data/cached_fineweb10B.py {count}"
+def nominal_tokens(plan: Plan) -> int:
+    hp = plan.hp
+    return hp.train_steps * (hp.train_batch_size if plan.track.number == 1 else 8 * hp.micro_batch_seqs * hp.seq_len)
+
+
+def _walk_track1(plan: Plan, files: list[str], needed: int) -> tuple[int, int, int]:
+    """train_gpt.py's BOS-aligned planning over each shard in turn (documents cut at train_max_seq_len, each
+    row's remainder dropped, a shard's leftover documents skipped), until `needed` batches are found."""
+    tg, hp = training_module(plan.track), plan.hp
+    local = hp.train_batch_size // ((8 // plan.world_size) * plan.world_size)
+    found = tokens_read = 0
+    for number, path in enumerate(files, start=1):
+        tokens = tg.read_shard(path, hp.vocab_size)  # also checks every token id, as the loader will
+        bos, cursor = tg.bos_positions(tokens, hp.bos_token), 0
+        tokens_read += tokens.size
+        while found < needed and (planned := tg.plan_segments(bos, tokens.size, cursor, local, hp.train_max_seq_len, plan.world_size, True)):
+            cursor, found = planned[1], found + 1
+        if found >= needed:
+            return found, number, tokens_read
+    return found, len(files), tokens_read
+
+
+def _walk_track3(plan: Plan, files: list[Any], needed: int) -> tuple[int, int, int]:
+    """train_gpt_shampoo.py's unaligned loader: a batch fits while position + batch + 1 < the shard's length."""
+    tgs, hp = training_module(plan.track), plan.hp
+    batch = 8 * hp.micro_batch_seqs * hp.seq_len
+    found = tokens_read = 0
+    for number, path in enumerate(files, start=1):
+        size = tgs.read_shard_header(path)
+        found, tokens_read = found + max(0, (size - 2) // batch), tokens_read + size
+        if found >= needed:
+            return needed, number, tokens_read
+    return found, len(files), tokens_read
+
+
+def _validate_data(plan: Plan) -> DataPlan:
+    """The checks the script makes before it starts, then the loader's walk; raises the script's UserError."""
+    module, hp = training_module(plan.track), plan.hp
+    needed = loader_batches_needed(plan)
+    if plan.track.number == 1:
+        train_files = module.resolve_files(hp.train_files, "train")
+        val_files = module.resolve_files(hp.val_files, "val")
+        train_tokens = module.check_train_data(train_files, hp.vocab_size)
+        val_tokens = module.check_val_data(val_files, hp.val_tokens, hp.val_batch_size, 8 // plan.world_size, hp.vocab_size)
+        return DataPlan(train_files, train_tokens, val_tokens, needed, *_walk_track1(plan, train_files, needed))
+    module.check_batch_geometry(hp, plan.world_size)
+    train_files, val_files = module.resolve_files(hp.train_files), module.resolve_files(hp.val_files)
+    train_tokens = module.check_train_data(train_files, hp.vocab_size)
+    first_val = module.read_shard_header(val_files[0])
+    if first_val < hp.val_tokens + 2:
+        raise module.UserError(f"{val_files[0]} holds {first_val} tokens, fewer than --val_tokens={hp.val_tokens} + 2; lower --val_tokens")
+    module.load_shard(val_files[0], hp.vocab_size, pin=False)
+    return DataPlan(train_files, train_tokens, module.count_tokens(val_files), needed, *_walk_track3(plan, train_files, needed))
+
+
+def shards_to_download(plan: Plan, data: DataPlan | None) -> int:
+    """Hub shards (100M tokens each) that hold the run: from the walk's tokens per batch when there is one."""
+    if plan.track.number == 3:
+        per_shard = (SHARD_TOKENS - 2) // (8 * plan.hp.micro_batch_seqs * plan.hp.seq_len)
+        count = math.ceil(plan.hp.train_steps / max(per_shard, 1))
+    elif data is not None and data.batches_found:
+        count = math.ceil(data.batches_needed * data.tokens_read / data.batches_found / SHARD_TOKENS) + 1
+    else:
+        count = math.ceil(nominal_tokens(plan) / SHARD_TOKENS) + 1  # a shard's worth for alignment losses
+    return max(plan.track.hub_shards, count)
+
+
+def _download_fix(plan: Plan, data: DataPlan | None) -> str:
+    if "train_files" in plan.overrides or "val_files" in plan.overrides or os.environ.get("DATA_PATH"):
+        return "add shards (or check --train_files and DATA_PATH); --cycle_train_files=true repeats them (never a record)"
+    return f"python data/cached_fineweb10B.py {shards_to_download(plan, data)}"
 
 
 def _with_data_path(pattern: str) -> str:
@@ -533,48 +612,29 @@ def _matches(pattern: str) -> bool:
     return bool(glob.glob(_with_data_path(pattern)))
 
 
-def _validate_data(plan: Plan) -> tuple[int, int, int]:
-    """The checks the script makes before it starts (raising its UserError); (train files, train tokens, val tokens)."""
-    module, hp = training_module(plan.track), plan.hp
-    if plan.track.number == 1:
-        train_files = module.resolve_files(hp.train_files, "train")
-        val_files = module.resolve_files(hp.val_files, "val")
-        train_tokens = module.check_train_data(train_files, hp.vocab_size)
-        val_tokens = module.check_val_data(val_files, hp.val_tokens, hp.val_batch_size, 8 // plan.world_size, hp.vocab_size)
-        return len(train_files), train_tokens, val_tokens
-    module.check_batch_geometry(hp, plan.world_size)
-    train_files, val_files = module.resolve_files(hp.train_files), module.resolve_files(hp.val_files)
-    train_tokens = module.check_train_data(train_files, hp.vocab_size)
-    first_val = module.read_shard_header(val_files[0])
-    if first_val < hp.val_tokens + 2:
-        raise module.UserError(f"{val_files[0]} holds {first_val} tokens, fewer than --val_tokens={hp.val_tokens} + 2; lower --val_tokens")
-    module.load_shard(val_files[0], hp.vocab_size, pin=False)
-    return len(train_files), train_tokens, module.count_tokens(val_files)
-
-
 def check_shards(plan: Plan) -> Check:
     if plan.overrides.get("preset") == "smoke" and "train_files" not in plan.overrides and "val_files" not in plan.overrides:
         where = f"{plan.hp.log_dir}/smoke_shards_*/" if plan.track.number == 1 else "data/smoke/"
         return Check("shards", "ok", f"the smoke preset writes its own synthetic shards ({where})")
     module = training_module(plan.track)
-    needed = tokens_per_run(plan)
     missing = [pattern for pattern in (plan.hp.train_files, plan.hp.val_files) if not _matches(pattern)]
     if missing:
-        return Check("shards", "fail", f"no files match {', '.join(repr(_with_data_path(p)) for p in missing)}", _download_fix(plan, needed))
+        return Check("shards", "fail", f"no files match {', '.join(repr(_with_data_path(p)) for p in missing)}", _download_fix(plan, None))
     try:
-        count, train_tokens, val_tokens = _validate_data(plan)
+        data = _validate_data(plan)
     except module.UserError as error:  # the script's own words: the file, the rule, the fix
         return Check("shards", "fail", str(error))
-    detail = (f"{count} train shards, {train_tokens:,} tokens for the run's {needed:,} "
-              f"({plan.hp.train_steps} steps); {val_tokens:,} validation tokens; headers and first shards valid")
-    if train_tokens < needed:
-        if plan.hp.cycle_train_files:
-            return Check("shards", "warn", f"{detail}: cycle_train_files repeats them (never a record)")
-        return Check("shards", "fail", f"{detail}: too few training tokens", _download_fix(plan, needed))
-    if train_tokens < (1 + plan.track.spare) * needed:
-        why = "document alignment skips the cut ends of documents" if plan.track.number == 1 else "shard tails shorter than a batch are skipped"
-        return Check("shards", "warn", f"{detail}: under {plan.track.spare:.0%} to spare ({why})", _download_fix(plan, needed))
-    return Check("shards", "ok", detail)
+    unit = "micro-batches" if plan.track.number == 1 else "batches"
+    detail = (f"{len(data.files)} train shards, {data.tokens:,} tokens, {data.val_tokens:,} validation tokens, valid; "
+              f"the run's {data.batches_needed:,} {unit} ({plan.hp.train_steps} steps)")
+    if data.batches_found >= data.batches_needed:
+        return Check("shards", "ok", f"{detail} fit in the first {data.shards_read} ({data.tokens_read:,} tokens)")
+    why = ("documents are cut at --train_max_seq_len and the rest of a batch's last one is dropped"
+           if plan.track.number == 1 else "a shard's tail shorter than a batch is skipped")
+    short = f"{detail}: the shards hold {data.batches_found:,} ({why})"
+    if plan.hp.cycle_train_files and data.batches_found > 0:
+        return Check("shards", "warn", f"{short}; cycle_train_files repeats them (never a record)")
+    return Check("shards", "fail", short, _download_fix(plan, data))
 
 
 # ---- disk ----

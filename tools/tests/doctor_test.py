@@ -91,7 +91,8 @@ def test_own_shards_pass_and_a_corrupt_one_fails_the_run(tmp_path):
     good = run_doctor(*flags, cwd=tmp_path)
     assert good.returncode == 0, good.stdout
     (line,) = [line for line in good.stdout.splitlines() if line.startswith("ok    shards")]
-    assert "2 train shards, 600,000 tokens for the run's 6,144 (6 steps); 20,000 validation tokens" in line
+    assert line.endswith("2 train shards, 600,000 tokens, 20,000 validation tokens, valid; "
+                         "the run's 48 micro-batches (6 steps) fit in the first 1 (300,000 tokens)")
 
     corrupt = tmp_path / "mine" / "mine_train_000002.bin"
     corrupt.write_bytes(corrupt.read_bytes()[:-10])  # a half-downloaded file
@@ -123,17 +124,20 @@ def test_missing_record_shards_name_the_download(tmp_path, monkeypatch):
     assert check.status == "fail" and "data/fineweb10B/fineweb_train_*.bin" in check.detail
     assert check.fix == "python data/cached_fineweb10B.py 9"
     assert dr.check_shards(plan(track=3)).fix == "python data/cached_fineweb10B.py 22"
-    assert dr.check_shards(plan("--train_steps=5000")).fix == "python data/cached_fineweb10B.py 22"  # 5000 x 393,216 tokens + 10%
+    assert dr.check_shards(plan("--train_steps=5000")).fix == "python data/cached_fineweb10B.py 21"  # 5000 x 393,216 tokens + 1 shard
 
 
 def test_too_few_training_tokens_fail_unless_the_files_cycle(tmp_path):
     flags = [*write_shards(tmp_path / "mine"), "--preset=smoke"]
-    short = dr.check_shards(plan(*flags, "--train_steps=600", gpu_mode=False))  # 600 x 1024 tokens > 600,000
-    assert short.status == "fail" and "too few training tokens" in short.detail and "check --train_files" in short.fix
-    cycled = dr.check_shards(plan(*flags, "--train_steps=600", "--cycle_train_files=true", gpu_mode=False))
+    # 600,000 tokens of 20-200-token documents cut at 128 hold 2,575 micro-batches of 128 tokens, not 4,687
+    short = dr.check_shards(plan(*flags, "--train_steps=400", gpu_mode=False))
+    assert short.status == "fail" and "the run's 3,200 micro-batches (400 steps): the shards hold 2,575" in short.detail
+    assert "check --train_files" in short.fix
+    cycled = dr.check_shards(plan(*flags, "--train_steps=400", "--cycle_train_files=true", gpu_mode=False))
     assert cycled.status == "warn" and "repeats" in cycled.detail
-    tight = dr.check_shards(plan(*flags, "--train_steps=560", gpu_mode=False))  # 573,440 tokens: under 10% to spare
-    assert tight.status == "warn"
+    assert dr.check_shards(plan(*flags, "--train_steps=300", gpu_mode=False)).status == "ok"
+    two_ranks = dr.check_shards(plan(*flags, "--train_steps=400", nproc=2, gpu_mode=False))  # 4 micro-batches of 2 rows a step
+    assert "the run's 1,600 micro-batches (400 steps): the shards hold 1,287" in two_ranks.detail
 
 
 def test_track3_vocabulary_mismatch_is_the_scripts_own_message(tmp_path):
@@ -274,3 +278,53 @@ def test_all_reduce_machinery_with_two_gloo_processes():
 def test_all_reduce_reports_a_failing_rank():
     passed, summary = dr.all_reduce(2, "no_such_backend", numel=16, timeout_s=60)
     assert not passed and summary.startswith("rank 0 failed: ")
+
+
+# ----- the data walk counts exactly what the scripts' loaders serve -----
+
+
+def tiny_shards(folder: Path, sizes: tuple[int, ...], vocab: int = 512) -> list[str]:
+    import train_gpt as tg
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, size in enumerate(sizes, start=1):
+        tg.write_shard(folder / f"t_train_{i:06d}.bin", tg.synthetic_tokens(size, vocab, vocab - 1, seed=i))
+    tg.write_shard(folder / "t_val_000000.bin", tg.synthetic_tokens(5000, vocab, vocab - 1, seed=0))
+    return [f"--train_files={folder}/t_train_*.bin", f"--val_files={folder}/t_val_*.bin", "--vocab_size=512"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_track1_walk_matches_the_loader(tmp_path, nproc):
+    import torch
+    import train_gpt as tg
+
+    flags = tiny_shards(tmp_path, (3000, 130, 7000, 2500))  # the 130-token shard holds no full batch
+    p = plan(*flags, "--preset=smoke", "--bos_token=511", "--train_steps=1000", nproc=nproc, gpu_mode=False)
+    files = tg.resolve_files(p.hp.train_files, "train")
+    found, shards_read, tokens_read = dr._walk_track1(p, files, needed=10**9)
+    local = p.hp.train_batch_size // 8
+    loader = tg.TrainLoader(files, local, p.hp.train_max_seq_len, 0, nproc, 511, 512, False, torch.device("cpu"), False)
+    served = 0
+    with pytest.raises(tg.UserError, match="exhausted"):
+        while True:
+            next(loader)
+            served += 1
+    assert found == served > 0 and shards_read == 4 and tokens_read == 3000 + 130 + 7000 + 2500
+    assert dr._walk_track1(p, files, needed=3)[:2] == (3, 1)  # stops as soon as it has enough
+
+
+def test_track3_walk_matches_the_loader(tmp_path):
+    import torch
+    import train_gpt_shampoo as tgs
+
+    flags = tiny_shards(tmp_path, (5000, 2049, 2050, 9000))  # smoke batches are 2048 tokens (+2 to fit)
+    p = plan(*flags, "--preset=smoke", "--train_steps=1000", track=3, gpu_mode=False)
+    files = tgs.resolve_files(p.hp.train_files)
+    found, shards_read, _ = dr._walk_track3(p, files, needed=10**9)
+    loader = tgs.TokenLoader(files, 8 * p.hp.micro_batch_seqs * p.hp.seq_len, p.hp.seq_len, 0, 1, 512, torch.device("cpu"))
+    served = 0
+    with pytest.raises(tgs.UserError, match="out of training data"):
+        while True:
+            loader.next_batch()
+            served += 1
+    assert found == served == 2 + 0 + 1 + 4 and shards_read == 4
