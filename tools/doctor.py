@@ -20,9 +20,11 @@ import argparse
 import glob
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,9 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.version import InvalidVersion, Version
-
 REPO = Path(__file__).resolve().parents[1]
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -45,8 +44,8 @@ MIN_PYTHON = (3, 10)
 CI_PYTHON = "3.11"
 GPU_TORCH = "2.11"  # the H200 runs (CUDA 13.0 build)
 CPU_TORCH = "2.13"  # CI (CPU build)
-MIN_TORCH = Version("2.11")
-MAX_TORCH = Version("2.13.0")  # the newest release requirements.txt admits
+MIN_TORCH = "2.11"
+MAX_TORCH = "2.13.0"  # the newest release requirements.txt admits
 TRITON = "3.6.0"
 TESTED_CUDA = "13.0"
 TESTED_DRIVER = "580.159.04"
@@ -56,6 +55,7 @@ MIN_DRIVER_FOR_CUDA_MAJOR = {12: "525.60.13", 13: "580.65.06"}
 FP8_CAPABILITY = (8, 9)  # train_gpt.py's FP8 head needs it; below, the head runs in bf16
 BF16_CAPABILITY = (8, 0)
 FA3_CAPABILITY = (9, 0)  # FlashAttention-3 kernels are built for Hopper
+INSTALL_HINT = f"pip install -r requirements.txt (torch >={MIN_TORCH},<={MAX_TORCH}); on GPUs a CUDA build of torch {GPU_TORCH} first"
 SHARD_TOKENS = 100_000_000  # one Hub shard of data/cached_fineweb10B.py
 
 
@@ -160,16 +160,16 @@ def version_of(package: str) -> str | None:
         return None
 
 
-def release(text: str) -> Version | None:
-    """The release part of a version string (2.11.0 of 2.11.0+cu130), or None when it is not a version."""
-    try:
-        return Version(Version(text).base_version)
-    except InvalidVersion:
-        return None
+def release(text: str) -> tuple[int, ...] | None:
+    """The numeric release of a version string, (2, 11, 0) of 2.11.0+cu130 or (580, 159, 4) of a driver's
+    580.159.04; None when it does not start with a number. (Doctor needs nothing beyond the standard library
+    and torch, so that it runs before `pip install -r requirements.txt`.)"""
+    match = re.match(r"\s*(\d+(?:\.\d+)*)", text)
+    return tuple(int(part) for part in match.group(1).split(".")) if match else None
 
 
-def same_minor(version: Version, tested: str) -> bool:
-    return f"{version.major}.{version.minor}" == tested
+def same_minor(version: tuple[int, ...], tested: str) -> bool:
+    return version[:2] == release(tested)
 
 
 # ---- machine facts ----
@@ -242,24 +242,24 @@ def check_torch(machine: Machine) -> Check:
     version = release(text)
     tested = GPU_TORCH if machine.gpu_mode else CPU_TORCH
     where = "GPU runs" if machine.gpu_mode else "CPU runs and CI"
-    install = f"pip install -r requirements.txt (torch >={MIN_TORCH},<={MAX_TORCH}); on GPUs a CUDA build of torch {GPU_TORCH} first"
-    if version is None or version < MIN_TORCH:
+    install = INSTALL_HINT
+    if version is None or version < release(MIN_TORCH):
         return Check("torch", "fail", f"{text}: the scripts need torch {MIN_TORCH} or newer (FlexAttention, torch.compile)", install)
-    if not same_minor(version, tested):
+    if not same_minor(version, tested) or version > release(MAX_TORCH):
         return Check("torch", "warn", f"{text}: untested for {where} (we use {tested})", install)
     return Check("torch", "ok", f"{text} (we use {tested} for {where})")
 
 
 def required_triton() -> str | None:
     """The Triton version the installed torch wheel pins (CUDA builds do; CPU builds need none)."""
-    for text in importlib.metadata.requires("torch") or []:
-        try:
-            requirement = Requirement(text)
-        except InvalidRequirement:
-            continue
-        if requirement.name in ("triton", "pytorch-triton") and (requirement.marker is None or requirement.marker.evaluate()):
-            pins = [spec.version for spec in requirement.specifier if spec.operator == "=="]
-            return pins[0] if pins else None
+    try:
+        requires = importlib.metadata.requires("torch") or []
+    except importlib.metadata.PackageNotFoundError:  # a torch built from source without metadata
+        return None
+    for text in requires:  # e.g. 'triton==3.6.0; platform_system == "Linux"' (met wherever CUDA torch runs)
+        match = re.match(r"\s*(?:pytorch-)?triton\s*==\s*([0-9][^\s;,]*)\s*(;.*)?$", text)
+        if match and "extra" not in (match.group(2) or ""):
+            return match.group(1)
     return None
 
 
@@ -294,9 +294,9 @@ def check_cuda(machine: Machine) -> Check:
         return Check("cuda", "skip", "no CUDA GPU visible: CPU mode" + (" (CUDA_VISIBLE_DEVICES hides them)" if hidden else ""))
     detail = f"runtime {machine.cuda_runtime}, driver {machine.driver or 'unknown (no nvidia-smi)'}"
     runtime, driver = release(machine.cuda_runtime or ""), release(machine.driver or "")
-    minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(runtime.major) if runtime else None
+    minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(runtime[0]) if runtime else None
     if driver and minimum and driver < release(minimum):
-        return Check("cuda", "fail", f"{detail}: CUDA {runtime.major}.x needs driver {minimum} or newer",
+        return Check("cuda", "fail", f"{detail}: CUDA {runtime[0]}.x needs driver {minimum} or newer",
                      "update the driver, or install a torch build for an older CUDA")
     tested = f"we test CUDA {TESTED_CUDA} with driver {TESTED_DRIVER}"
     if machine.cuda_runtime != TESTED_CUDA:
@@ -492,11 +492,11 @@ def check_all_reduce(machine: Machine, plan: Plan, quick: bool) -> Check:
         return Check("nccl", "skip", "1 process per node: nothing to reduce on this machine")
     if quick:
         return Check("nccl", "skip", "--quick")
-    passed, summary = all_reduce(plan.nproc, "nccl", NCCL_TENSOR_BYTES // 4)
+    passed, outcome = all_reduce(plan.nproc, "nccl", NCCL_TENSOR_BYTES // 4)
     if not passed:
-        return Check("nccl", "fail", f"all-reduce on GPUs 0-{plan.nproc - 1}: {summary}",
+        return Check("nccl", "fail", f"all-reduce on GPUs 0-{plan.nproc - 1}: {outcome}",
                      "rerun with NCCL_DEBUG=INFO for NCCL's own log; nvidia-smi topo -m shows the links; NCCL_P2P_DISABLE=1 tells if P2P is the cause")
-    return Check("nccl", "ok", f"all-reduce on GPUs 0-{plan.nproc - 1}: {summary}")
+    return Check("nccl", "ok", f"all-reduce on GPUs 0-{plan.nproc - 1}: {outcome}")
 
 
 def check_torchrun(plan: Plan) -> Check:
@@ -734,8 +734,7 @@ def header(machine: Machine, plan: Plan) -> str:
     return f"doctor: Track {plan.track.number} ({plan.track.script}), {plan.nproc} process{'es' if plan.nproc > 1 else ''}{nodes}, {mode}"
 
 
-def summary(checks: list[Check], gpu_mode: bool) -> str:
-    run = "the run" if gpu_mode else "the smoke run"
+def summary(checks: list[Check], run: str = "the run") -> str:
     failed = [check.name for check in checks if check.status == "fail"]
     warned = sum(check.status == "warn" for check in checks)
     if failed:
@@ -766,6 +765,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank, world_size, port, backend, numel = args.all_reduce_worker.split(",")
         all_reduce_worker(int(rank), int(world_size), int(port), backend, int(numel))
         return 0
+    missing = [name for name in ("torch", "numpy") if importlib.util.find_spec(name) is None]
+    if missing:  # nothing else can be checked
+        checks = [check_python()] + [Check(name, "fail", "not installed", INSTALL_HINT) for name in missing]
+        for check in checks:
+            print(check.line())
+        print(summary(checks))
+        return 1
     machine = read_machine()
     nproc = args.nproc or (len(machine.gpus) if machine.gpu_mode else 1)  # run.sh's count
     try:
@@ -773,11 +779,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanError as error:
         failed = Check("settings", "fail", str(error), f"python {TRACKS[args.track].script} --help lists the flags")
         print(failed.line())
-        print(summary([failed], machine.gpu_mode))
+        print(summary([failed], "the run" if machine.gpu_mode else "the smoke run"))
         return 1
     print(header(machine, plan), flush=True)
     checks = run_checks(machine, plan, args.quick, report=lambda check: print(check.line(), flush=True))
-    print(summary(checks, machine.gpu_mode))
+    print(summary(checks, "the run" if machine.gpu_mode else "the smoke run"))
     if not machine.gpu_mode:
         print(SMOKE_COMMANDS)
     return 1 if any(check.status == "fail" for check in checks) else 0

@@ -328,3 +328,23 @@ def test_track3_walk_matches_the_loader(tmp_path):
             loader.next_batch()
             served += 1
     assert found == served == 2 + 0 + 1 + 4 and shards_read == 4
+
+
+def test_without_torch_doctor_says_what_to_install(monkeypatch, capsys):
+    real_find_spec = dr.importlib.util.find_spec
+    monkeypatch.setattr(dr.importlib.util, "find_spec", lambda name: None if name == "torch" else real_find_spec(name))
+    assert dr.main([]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("ok    python")
+    assert lines[1].startswith("fail  torch      not installed -> pip install -r requirements.txt (torch >=2.11,<=2.13.0)")
+    assert lines[2] == "doctor: 1 check failed (torch): the run would not start as it is"
+
+
+def test_versions_and_torchs_triton_pin(monkeypatch):
+    assert dr.release("2.11.0+cu130") == (2, 11, 0) and dr.release("580.159.04") > dr.release("580.65.06")
+    assert dr.release("unknown") is None
+    monkeypatch.setattr(dr.importlib.metadata, "requires", lambda name: [
+        "filelock", 'nvidia-nccl-cu13==2.28.3; platform_system == "Linux"', 'triton==3.6.0; platform_system == "Linux"'])
+    assert dr.required_triton() == "3.6.0"
+    monkeypatch.setattr(dr.importlib.metadata, "requires", lambda name: ["filelock", 'opt-einsum>=3.3; extra == "opt-einsum"'])
+    assert dr.required_triton() is None  # a CPU build pins none
