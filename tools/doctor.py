@@ -81,10 +81,10 @@ TRACKS = {
 # (Debian documentation in the FineWeb format: the same tokens per step, but other document lengths, which
 # change attention's block sparsity a little), 2026-11-30.
 # Key: (GPU model as torch names it, track, GPUs) -> (low, high, how it was measured).
-MEASURED_ON = "measured on the docs_proxy shards, 2026-11-30: torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention"
+MEASURED_ON = "measured 2026-11-30 on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention"
 MEASURED_MS_PER_STEP: dict[tuple[str, int, int], tuple[float, float, str]] = {
     ("NVIDIA H200", 1, 1): (627.0, 672.0, "1 GPU, 8 micro-steps"),
-    ("NVIDIA H200", 1, 2): (0.49 * 627.0, 0.49 * 672.0, "2 GPUs took 0.49x the 1-GPU time (ratio measured before the e5m2 kernel)"),
+    ("NVIDIA H200", 1, 2): (0.49 * 627.0, 0.49 * 672.0, "2 GPUs: 0.49x the 1-GPU time, a ratio measured before the e5m2 kernel"),
     ("NVIDIA H200", 3, 1): (1422.9, 1422.9, "1 GPU, Shampoo roots on 8 streams, steps 11-150"),
     ("NVIDIA H200", 3, 2): (714.8, 714.8, "2 GPUs, 30 steps"),
 }
@@ -92,7 +92,7 @@ MEASURED_MS_PER_STEP: dict[tuple[str, int, int], tuple[float, float, str]] = {
 STEP_NEUTRAL_FLAGS = frozenset({
     "train_files", "val_files", "cycle_train_files", "log_dir", "run_id", "seed", "save_checkpoint",
     "checkpoint_every", "checkpoint_dir", "resume", "val_loss_every", "val_every", "val_every_late", "late_frac",
-    "num_iterations", "iteration_extension", "train_steps", "warmup_steps", "num_trials", "val_tokens",
+    "num_iterations", "iteration_extension", "train_steps", "warmup_steps", "num_trials", "val_tokens", "val_batch_size",
 })
 # `time python <script> --preset=smoke` on this project's 2-core machines (shared with other work), 2026-11-30.
 SMOKE_SECONDS_ON_2_CORES = {1: 27, 3: 18}
@@ -291,7 +291,8 @@ def check_cuda(machine: Machine) -> Check:
                              f"install a CUDA build of torch {GPU_TORCH} (pip install torch=={GPU_TORCH}.0), then pip install -r requirements.txt")
             return Check("cuda", "fail", f"nvidia-smi lists {machine.smi_gpu_count} GPUs, but torch (CUDA {machine.cuda_runtime}) finds none; "
                          f"driver {machine.driver or 'unknown'}", "a driver too old for this CUDA runtime? install a torch build for your driver's CUDA")
-        return Check("cuda", "skip", "no CUDA GPU visible: CPU mode" + (" (CUDA_VISIBLE_DEVICES hides them)" if hidden else ""))
+        hidden_note = f" (CUDA_VISIBLE_DEVICES hides the {machine.smi_gpu_count} GPUs)" if hidden and machine.smi_gpu_count else ""
+        return Check("cuda", "skip", f"no CUDA GPU visible: CPU mode{hidden_note}")
     detail = f"runtime {machine.cuda_runtime}, driver {machine.driver or 'unknown (no nvidia-smi)'}"
     runtime, driver = release(machine.cuda_runtime or ""), release(machine.driver or "")
     minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(runtime[0]) if runtime else None
@@ -699,8 +700,8 @@ def check_expected_speed(machine: Machine, plan: Plan) -> Check:
         return Check("expected", "skip", f"measured at the record configuration only; --{', --'.join(changed)} change the work per step")
     span = f"{low:,.0f}" if low == high else f"{low:,.0f}-{high:,.0f}"
     steps = plan.hp.train_steps
-    return Check("expected", "ok", f"{span} ms/step on {name} ({how}; {MEASURED_ON}): "
-                 f"{steps} steps take about {steps * high / 60000:.0f} min plus compilation")
+    return Check("expected", "ok", f"{span} ms/step on {name} ({how}), so {steps} steps take about "
+                 f"{steps * high / 60000:.0f} min plus compilation; {MEASURED_ON}")
 
 
 # ---- report ----
