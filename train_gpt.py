@@ -128,20 +128,22 @@ ATTENTION_BACKENDS = ("auto", "flash3", "flex", "reference")
 NUM_LAYERS = 12  # block slots 0-11; the topology below is fixed for every preset
 GATE_INPUT_DIMS = 12  # smear and attention gates read the first 12 channels
 
-# Tiny configuration of the same 12-slot topology: the whole pipeline in under two minutes on two CPU cores.
-# Real GPT-2 vocabulary, so real shards work; per-rank micro-batches of 128 tokens at any world size.
+# Tiny configuration of the same 12-slot topology: the whole pipeline in about half a minute on two CPU cores.
+# Real GPT-2 vocabulary, so real shards work; per-rank micro-batches of 128 tokens at any world size. The
+# 50,257-way head dominates a CPU step (about 3 s on two cores), hence 6 steps (all three windows, the cooldown,
+# the extension) and validations at the first and last step only.
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(
         model_dim=64,
         num_heads=2,
         train_batch_size=8 * 128,
         train_max_seq_len=128,
-        val_batch_size=8 * 256,
-        val_tokens=8 * 256 * 2,
-        num_iterations=28,
-        iteration_extension=4,
-        val_loss_every=8,
-        warmup_steps=3,
+        val_batch_size=8 * 128,
+        val_tokens=8 * 128,
+        num_iterations=5,
+        iteration_extension=1,
+        val_loss_every=6,
+        warmup_steps=1,
         block_size=16,
         compile=False,
     ),
@@ -169,25 +171,127 @@ def _value_parser(field_type: Any) -> Callable[[str], Any]:
     return _parse_int_tuple  # the only other field type is tuple[int, ...]
 
 
+# ---- command line: --name=value for every field, grouped in --help the same way in both training scripts ----
+FLAG_GROUPS: dict[str, tuple[str, ...]] = {
+    "data": ("train_files", "val_files", "val_tokens", "train_batch_size", "train_max_seq_len", "val_batch_size", "cycle_train_files"),
+    "model": ("vocab_size", "bos_token", "model_dim", "num_heads", "block_size", "disable_fp8"),
+    "optimizer": (
+        "adam_lr", "adam_beta1", "adam_beta2", "adam_eps", "muon_lr", "muon_momentum", "muon_momentum_start",
+        "muon_momentum_warmup_steps", "weight_decay",
+    ),
+    "schedule": ("num_iterations", "iteration_extension", "cooldown_frac", "ws_schedule", "ws_validate", "ws_long_validate"),
+    "logging": ("val_loss_every", "log_dir", "run_id"),
+    "runtime": ("seed", "compile", "attention_backend", "warmup_steps", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"),
+}
+FLAG_HELP: dict[str, str] = {
+    "train_files": "training shards (glob; DATA_PATH is prefixed)",
+    "val_files": "validation shards (glob; DATA_PATH is prefixed)",
+    "val_tokens": "tokens per validation",
+    "train_batch_size": "tokens per optimizer step, all ranks together",
+    "train_max_seq_len": "documents are truncated to this many tokens",
+    "val_batch_size": "tokens per validation step, all ranks together",
+    "cycle_train_files": "start the training shards over when they run out (small data sets; never a record)",
+    "vocab_size": "token ids must lie below it",
+    "bos_token": "the token that opens every document",
+    "model_dim": "width of the residual stream",
+    "num_heads": "attention heads",
+    "block_size": "tokens per attention block (windows are counted in blocks)",
+    "disable_fp8": "bf16 head instead of FP8 (also the DISABLE_FP8 environment variable)",
+    "adam_lr": "Adam learning rate (embeddings, head, scalars)",
+    "adam_beta1": "Adam beta1",
+    "adam_beta2": "Adam beta2",
+    "adam_eps": "Adam epsilon",
+    "muon_lr": "Muon learning rate (block matrices)",
+    "muon_momentum": "Muon momentum after its warm-up",
+    "muon_momentum_start": "Muon momentum at step 0",
+    "muon_momentum_warmup_steps": "steps of the Muon momentum warm-up",
+    "weight_decay": "decoupled weight decay of Adam and Muon",
+    "num_iterations": "steps the LR and window schedules span; --train_steps=N (the total, as train_gpt_shampoo.py counts) sets it to N - iteration_extension",
+    "iteration_extension": "extra steps at the final LR and windows",
+    "cooldown_frac": "fraction of num_iterations over which the LR decays linearly to 0.1x",
+    "ws_schedule": "long attention windows in blocks, over equal parts of the schedule",
+    "ws_validate": "the last step's long window (YaRN extends to it); the final validation's short-window layers see ws_validate // 2 blocks",
+    "ws_long_validate": "blocks the final validation's long-window layers see",
+    "val_loss_every": "steps between validations (0: only at the end)",
+    "log_dir": "folder of the run logs, <run_id>.txt",
+    "run_id": "name of the log (empty: a fresh uuid4)",
+    "seed": "torch seed (-1: unseeded like the record)",
+    "compile": "torch.compile the model",
+    "attention_backend": "auto | flash3 | flex | reference (auto: flash3 when FlashAttention-3 imports, else flex; reference on CPU)",
+    "warmup_steps": "untimed kernel warm-up steps (state restored afterwards)",
+    "save_checkpoint": "write the end-of-run state file, <log_dir>/<run_id>/state_step<N>.pt",
+    "checkpoint_every": "resumable checkpoint every K steps and at an interrupt (0: never)",
+    "checkpoint_dir": "folder of the resumable checkpoints (empty: checkpoints/<run_id>)",
+    "resume": "a checkpoint folder written by --checkpoint_every: continues that run exactly",
+}
+# The other training script's names for the same settings, accepted here too.
+FLAG_ALIASES: dict[str, str] = {"val_every": "val_loss_every"}
+TOTAL_STEPS_FLAG = "train_steps"  # the other script's step count: here num_iterations + iteration_extension
+
+
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
         raise UserError(f"{message} (see --help)")
 
 
+def _build_parser() -> _ArgumentParser:
+    parser = _ArgumentParser(
+        prog="train_gpt.py",
+        usage="%(prog)s [-h] [--preset=smoke] [--name=value ...]",
+        description=__doc__,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=36),
+        allow_abbrev=False,
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS, help="a named set of overrides (smoke: tiny CPU run)")
+    fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
+    aliases_of = {name: [alias for alias, target in FLAG_ALIASES.items() if target == name] for name in fields}
+    grouped = [name for names in FLAG_GROUPS.values() for name in names]
+    groups = dict(FLAG_GROUPS, other=tuple(name for name in fields if name not in grouped))  # "other" stays empty (tested)
+    for title, names in groups.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            f = fields[name]
+            metavar = f.type.__name__ if isinstance(f.type, type) else "INTS"
+            also = "".join(f"; also --{alias}" for alias in aliases_of[name])
+            default = '""' if f.default == "" else ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+            group.add_argument(
+                f"--{name}",
+                type=_value_parser(f.type),
+                default=argparse.SUPPRESS,
+                metavar=metavar,
+                help=f"{FLAG_HELP.get(name, '')} (default: {default}){also}",
+            )
+    for alias, target in FLAG_ALIASES.items():
+        parser.add_argument(f"--{alias}", type=_value_parser(fields[target].type), default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    parser.add_argument(f"--{TOTAL_STEPS_FLAG}", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return parser
+
+
+def _resolve_aliases(explicit: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
+    """Field names only: an alias becomes its field; --train_steps=N becomes num_iterations = N - iteration_extension."""
+    resolved = dict(explicit)
+    for alias, target in FLAG_ALIASES.items():
+        if alias in resolved:
+            if target in resolved:
+                raise UserError(f"--{alias} and --{target} name the same setting; give one of them")
+            resolved[target] = resolved.pop(alias)
+    if TOTAL_STEPS_FLAG in resolved:
+        total = resolved.pop(TOTAL_STEPS_FLAG)
+        if "num_iterations" in resolved:
+            raise UserError(f"--{TOTAL_STEPS_FLAG} sets num_iterations (= {TOTAL_STEPS_FLAG} - iteration_extension); give one of them")
+        extension = resolved.get("iteration_extension", preset.get("iteration_extension", Hyperparameters.iteration_extension))
+        if total <= extension:
+            raise UserError(f"--{TOTAL_STEPS_FLAG}={total} must exceed --iteration_extension={extension} (the steps after the schedule)")
+        resolved["num_iterations"] = total - extension
+    return resolved
+
+
 def parse_args(argv: list[str]) -> tuple[Hyperparameters, dict[str, Any]]:
     """Defaults are the record; --preset applies a named override set; explicit --name=value wins."""
-    parser = _ArgumentParser(prog="train_gpt.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS)
-    for f in dataclasses.fields(Hyperparameters):
-        parser.add_argument(
-            f"--{f.name}",
-            type=_value_parser(f.type),
-            default=argparse.SUPPRESS,
-            metavar=f.type.__name__ if isinstance(f.type, type) else "INTS",
-        )
-    explicit = vars(parser.parse_args(argv))
+    explicit = vars(_build_parser().parse_args(argv))
     preset = explicit.pop("preset", None)
     values = dict(PRESETS[preset]) if preset else {}
+    explicit = _resolve_aliases(explicit, values)
     values.update(explicit)
     if os.environ.get("DISABLE_FP8"):
         values["disable_fp8"] = True
@@ -1773,6 +1877,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_threads(local_processes: int) -> int:
+    """Threads of one CPU process: half the cores it may use, shared by this machine's processes, at least 1.
+    More make OpenMP spin-wait against the other ranks (or anything else on the machine): on 2 shared cores the
+    Shampoo smoke run took 81 s with 2 threads and 12 s with 1. OMP_NUM_THREADS, when set, is used instead."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable // (2 * local_processes))
+
+
 def setup_distributed() -> Runtime:
     """torchrun's environment, or a one-process group when run as plain `python train_gpt.py`."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read once, at CUDA's first allocation
@@ -1789,8 +1901,8 @@ def setup_distributed() -> Runtime:
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
-        if "OMP_NUM_THREADS" not in os.environ:  # OpenMP spin-waits badly when ranks oversubscribe the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))))
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
         dist.init_process_group("gloo")
     dist.barrier()
     return Runtime(rank, world_size, local_rank, device, 8 // world_size)
