@@ -1,10 +1,29 @@
 #!/usr/bin/env bash
-# Train with train_gpt.py on every visible CUDA GPU: ./run.sh [--name=value ...]
-# NPROC=N overrides the GPU count; CUDA_VISIBLE_DEVICES limits which GPUs are visible.
+# Train on every visible CUDA GPU: ./run.sh [--name=value ...]     Check the machine first: ./run.sh --check
+#   TRACK=3                train_gpt_shampoo.py instead of train_gpt.py (Track 1)
+#   NPROC=N                processes on this machine instead of the visible GPU count (CUDA_VISIBLE_DEVICES limits those)
+#   NNODES=N               machines in the run, through torchrun's c10d rendezvous; every machine runs ./run.sh with
+#   MASTER_ADDR, MASTER_PORT   the same NNODES and the rendezvous address (the first machine's, port 29500 by default),
+#   RDZV_ENDPOINT          or host:port in one; NODE_RANK=0 marks the machine that hosts the rendezvous (others 1, 2, ...)
+#   RDZV_ID                the run's name at the rendezvous (default: SLURM_JOB_ID, else nanogpt)
 set -euo pipefail
 cd "$(dirname "$0")"
 
 fail() { echo "run.sh: $*" >&2; exit 1; }
+
+case "${TRACK:-1}" in
+  1) script=train_gpt.py download="python data/cached_fineweb10B.py 9" ;;
+  3) script=train_gpt_shampoo.py download="python data/cached_fineweb10B.py 22" ;;
+  *) fail "TRACK must be 1 (train_gpt.py) or 3 (train_gpt_shampoo.py), got '$TRACK'" ;;
+esac
+
+if [[ "${1:-}" == "--check" ]]; then # the pre-flight check of this run, by tools/doctor.py
+  shift
+  doctor=(--track "${TRACK:-1}")
+  [[ -n "${NPROC:-}" ]] && doctor+=(--nproc "$NPROC")
+  [[ -n "${NNODES:-}" ]] && doctor+=(--nnodes "$NNODES")
+  exec python3 tools/doctor.py "${doctor[@]}" "$@"
+fi
 
 count_visible_gpus() {
   local physical=0
@@ -20,28 +39,54 @@ count_visible_gpus() {
   echo "$physical"
 }
 
-# train_gpt.py splits its batch over a world size that divides 8.
+# The scripts split their batch over a world size that divides 8.
 largest_usable() { local n=8; while ((n > $1)); do n=$((n / 2)); done; echo "$n"; }
 
 if [[ -n "${NPROC:-}" ]]; then
   [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || fail "NPROC must be a positive number of processes, got '$NPROC'"
   ((8 % NPROC == 0)) ||
-    fail "NPROC=$NPROC: train_gpt.py splits its batch over 1, 2, 4 or 8 processes; set NPROC=$(largest_usable "$NPROC")"
+    fail "NPROC=$NPROC: $script splits its batch over 1, 2, 4 or 8 processes; set NPROC=$(largest_usable "$NPROC")"
   nproc_per_node=$NPROC
 else
   nproc_per_node=$(count_visible_gpus)
   ((nproc_per_node > 0)) ||
-    fail "no CUDA GPU is visible; to train a tiny model on the CPU instead, run: python train_gpt.py --preset=smoke"
+    fail "no CUDA GPU is visible; to train a tiny model on the CPU instead, run: python $script --preset=smoke"
   ((8 % nproc_per_node == 0)) ||
-    fail "$nproc_per_node GPUs are visible, but train_gpt.py splits its batch over 1, 2, 4 or 8 processes; set NPROC=$(largest_usable "$nproc_per_node") (or CUDA_VISIBLE_DEVICES)"
+    fail "$nproc_per_node GPUs are visible, but $script splits its batch over 1, 2, 4 or 8 processes; set NPROC=$(largest_usable "$nproc_per_node") (or CUDA_VISIBLE_DEVICES)"
 fi
 
-# train_gpt.py reads the default shards unless told otherwise (the smoke preset writes its own);
-# like train_gpt.py, DATA_PATH is prefixed to the default paths.
+# One machine: torchrun --standalone. Several (NNODES): torchrun's c10d rendezvous at RDZV_ENDPOINT or
+# MASTER_ADDR:MASTER_PORT. c10d numbers the machines itself (the one whose host name sorts first gets rank 0 and
+# writes the log); NODE_RANK only says which machine hosts the rendezvous store, for when host names do not
+# match the address (containers, Slurm).
+rendezvous=(--standalone)
+if [[ -n "${NNODES:-}" ]]; then
+  [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES must be a positive number of machines, got '$NNODES'"
+  world_size=$((NNODES * nproc_per_node))
+  ((8 % world_size == 0)) ||
+    fail "NNODES=$NNODES x $nproc_per_node processes = $world_size, but $script splits its batch over 1, 2, 4 or 8 processes in all; set NPROC (per machine) so that NNODES x NPROC is one of them"
+  endpoint=${RDZV_ENDPOINT:-}
+  if [[ -z "$endpoint" ]]; then
+    if [[ -z "${MASTER_ADDR:-}" ]]; then
+      ((NNODES == 1)) || fail "NNODES=$NNODES: set MASTER_ADDR to the first machine's address (reachable from every machine), or RDZV_ENDPOINT=host:port"
+      MASTER_ADDR=127.0.0.1
+    fi
+    endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+  fi
+  rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-nanogpt}}")
+  if [[ -n "${NODE_RANK:-}" ]]; then
+    [[ "$NODE_RANK" =~ ^[0-9]+$ ]] && ((NODE_RANK < NNODES)) ||
+      fail "NODE_RANK must be 0 .. $((NNODES - 1)) (NNODES=$NNODES), got '$NODE_RANK'"
+    if ((NODE_RANK == 0)); then rendezvous+=(--rdzv-conf=is_host=1); else rendezvous+=(--rdzv-conf=is_host=0); fi
+  fi
+fi
+
+# The script reads the default shards unless told otherwise (the smoke preset writes its own);
+# like the scripts, DATA_PATH is prefixed to the default paths.
 if [[ " $* " != *" --train_files"* && " $* " != *" --val_files"* && " $* " != *" --preset=smoke "* ]]; then
   for shard in data/fineweb10B/fineweb_train_000001.bin data/fineweb10B/fineweb_val_000000.bin; do
     [[ -f "${DATA_PATH:-.}/$shard" ]] ||
-      fail "${DATA_PATH:-.}/$shard is missing; download the first 900M FineWeb tokens with: python data/cached_fineweb10B.py 9"
+      fail "${DATA_PATH:-.}/$shard is missing; download the FineWeb shards with: $download"
   done
 fi
 
@@ -71,7 +116,7 @@ split_launcher_report() {
 
 exec {filtered_stderr}> >(split_launcher_report)
 filter_pid=$!
-torchrun --standalone --nproc_per_node="$nproc_per_node" --log-dir="$launcher_dir/torchrun" train_gpt.py "$@" 2>&"$filtered_stderr" &
+torchrun "${rendezvous[@]}" --nproc_per_node="$nproc_per_node" --log-dir="$launcher_dir/torchrun" "$script" "$@" 2>&"$filtered_stderr" &
 launcher_pid=$!
 received=""
 trap 'received=INT' INT # a terminal's Ctrl-C reaches torchrun too, which passes it to the workers

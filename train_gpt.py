@@ -132,20 +132,22 @@ ATTENTION_BACKENDS = ("auto", "flash3", "flex", "reference")
 NUM_LAYERS = 12  # block slots 0-11; the topology below is fixed for every preset
 GATE_INPUT_DIMS = 12  # smear and attention gates read the first 12 channels
 
-# Tiny configuration of the same 12-slot topology: the whole pipeline in under two minutes on two CPU cores.
-# Real GPT-2 vocabulary, so real shards work; per-rank micro-batches of 128 tokens at any world size.
+# Tiny configuration of the same 12-slot topology: the whole pipeline in about half a minute on two CPU cores.
+# Real GPT-2 vocabulary, so real shards work; per-rank micro-batches of 128 tokens at any world size. The
+# 50,257-way head dominates a CPU step (about 3 s on two cores), hence 6 steps (all three windows, the cooldown,
+# the extension) and validations at the first and last step only.
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(
         model_dim=64,
         num_heads=2,
         train_batch_size=8 * 128,
         train_max_seq_len=128,
-        val_batch_size=8 * 256,
-        val_tokens=8 * 256 * 2,
-        num_iterations=28,
-        iteration_extension=4,
-        val_loss_every=8,
-        warmup_steps=3,
+        val_batch_size=8 * 128,
+        val_tokens=8 * 128,
+        num_iterations=5,
+        iteration_extension=1,
+        val_loss_every=6,
+        warmup_steps=1,
         block_size=16,
         compile=False,
     ),
@@ -153,12 +155,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("true", "1"):
-        return True
-    if lowered in ("false", "0"):
-        return False
-    raise ValueError(f"expected true/false/1/0, got {text!r}")
+    value = {"true": True, "1": True, "false": False, "0": False}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true/false/1/0, got {text!r}")
+    return value
 
 
 def _parse_int_tuple(text: str) -> tuple[int, ...]:
@@ -173,25 +173,127 @@ def _value_parser(field_type: Any) -> Callable[[str], Any]:
     return _parse_int_tuple  # the only other field type is tuple[int, ...]
 
 
+# ---- command line: --name=value for every field, grouped in --help the same way in both training scripts ----
+FLAG_GROUPS: dict[str, tuple[str, ...]] = {
+    "data": ("train_files", "val_files", "val_tokens", "train_batch_size", "train_max_seq_len", "val_batch_size", "cycle_train_files"),
+    "model": ("vocab_size", "bos_token", "model_dim", "num_heads", "block_size", "disable_fp8"),
+    "optimizer": (
+        "adam_lr", "adam_beta1", "adam_beta2", "adam_eps", "muon_lr", "muon_momentum", "muon_momentum_start",
+        "muon_momentum_warmup_steps", "weight_decay",
+    ),
+    "schedule": ("num_iterations", "iteration_extension", "cooldown_frac", "ws_schedule", "ws_validate", "ws_long_validate"),
+    "logging": ("val_loss_every", "log_dir", "run_id"),
+    "runtime": ("seed", "compile", "attention_backend", "warmup_steps", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"),
+}
+FLAG_HELP: dict[str, str] = {
+    "train_files": "training shards (glob; DATA_PATH is prefixed)",
+    "val_files": "validation shards (glob; DATA_PATH is prefixed)",
+    "val_tokens": "tokens per validation",
+    "train_batch_size": "tokens per optimizer step, all ranks together",
+    "train_max_seq_len": "documents are truncated to this many tokens",
+    "val_batch_size": "tokens per validation step, all ranks together",
+    "cycle_train_files": "start the training shards over when they run out (small data sets; never a record)",
+    "vocab_size": "token ids must lie below it",
+    "bos_token": "the token that opens every document",
+    "model_dim": "width of the residual stream",
+    "num_heads": "attention heads",
+    "block_size": "tokens per attention block (windows are counted in blocks)",
+    "disable_fp8": "bf16 head instead of FP8 (also the DISABLE_FP8 environment variable)",
+    "adam_lr": "Adam learning rate (embeddings, head, scalars)",
+    "adam_beta1": "Adam beta1",
+    "adam_beta2": "Adam beta2",
+    "adam_eps": "Adam epsilon",
+    "muon_lr": "Muon learning rate (block matrices)",
+    "muon_momentum": "Muon momentum after its warm-up",
+    "muon_momentum_start": "Muon momentum at step 0",
+    "muon_momentum_warmup_steps": "steps of the Muon momentum warm-up",
+    "weight_decay": "decoupled weight decay of Adam and Muon",
+    "num_iterations": "steps the LR and window schedules span; --train_steps=N (the total, as train_gpt_shampoo.py counts) sets it to N - iteration_extension",
+    "iteration_extension": "extra steps at the final LR and windows",
+    "cooldown_frac": "fraction of num_iterations over which the LR decays linearly to 0.1x",
+    "ws_schedule": "long attention windows in blocks, over equal parts of the schedule",
+    "ws_validate": "the last step's long window (YaRN extends to it); the final validation's short-window layers see ws_validate // 2 blocks",
+    "ws_long_validate": "blocks the final validation's long-window layers see",
+    "val_loss_every": "steps between validations (0: only at the end)",
+    "log_dir": "folder of the run logs, <run_id>.txt",
+    "run_id": "name of the log (empty: a fresh uuid4)",
+    "seed": "torch seed (-1: unseeded like the record)",
+    "compile": "torch.compile the model",
+    "attention_backend": "auto | flash3 | flex | reference (auto: flash3 when FlashAttention-3 imports, else flex; reference on CPU)",
+    "warmup_steps": "untimed kernel warm-up steps (state restored afterwards)",
+    "save_checkpoint": "write the end-of-run state file, <log_dir>/<run_id>/state_step<N>.pt",
+    "checkpoint_every": "resumable checkpoint every K steps and at an interrupt (0: never)",
+    "checkpoint_dir": "folder of the resumable checkpoints (empty: checkpoints/<run_id>)",
+    "resume": "a checkpoint folder written by --checkpoint_every: continues that run exactly",
+}
+# The other training script's names for the same settings, accepted here too.
+FLAG_ALIASES: dict[str, str] = {"val_every": "val_loss_every"}
+TOTAL_STEPS_FLAG = "train_steps"  # the other script's step count: here num_iterations + iteration_extension
+
+
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
         raise UserError(f"{message} (see --help)")
 
 
+def _build_parser() -> _ArgumentParser:
+    parser = _ArgumentParser(
+        prog="train_gpt.py",
+        usage="%(prog)s [-h] [--preset=smoke] [--name=value ...]",
+        description=__doc__,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=36),
+        allow_abbrev=False,
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS, help="a named set of overrides (smoke: tiny CPU run)")
+    fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
+    aliases_of = {name: [alias for alias, target in FLAG_ALIASES.items() if target == name] for name in fields}
+    grouped = [name for names in FLAG_GROUPS.values() for name in names]
+    groups = dict(FLAG_GROUPS, other=tuple(name for name in fields if name not in grouped))  # "other" stays empty (tested)
+    for title, names in groups.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            f = fields[name]
+            metavar = f.type.__name__ if isinstance(f.type, type) else "INTS"
+            also = "".join(f"; also --{alias}" for alias in aliases_of[name])
+            default = '""' if f.default == "" else ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+            group.add_argument(
+                f"--{name}",
+                type=_value_parser(f.type),
+                default=argparse.SUPPRESS,
+                metavar=metavar,
+                help=f"{FLAG_HELP.get(name, '')} (default: {default}){also}",
+            )
+    for alias, target in FLAG_ALIASES.items():
+        parser.add_argument(f"--{alias}", type=_value_parser(fields[target].type), default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    parser.add_argument(f"--{TOTAL_STEPS_FLAG}", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return parser
+
+
+def _resolve_aliases(explicit: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
+    """Field names only: an alias becomes its field; --train_steps=N becomes num_iterations = N - iteration_extension."""
+    resolved = dict(explicit)
+    for alias, target in FLAG_ALIASES.items():
+        if alias in resolved:
+            if target in resolved:
+                raise UserError(f"--{alias} and --{target} name the same setting; give one of them")
+            resolved[target] = resolved.pop(alias)
+    if TOTAL_STEPS_FLAG in resolved:
+        total = resolved.pop(TOTAL_STEPS_FLAG)
+        if "num_iterations" in resolved:
+            raise UserError(f"--{TOTAL_STEPS_FLAG} sets num_iterations (= {TOTAL_STEPS_FLAG} - iteration_extension); give one of them")
+        extension = resolved.get("iteration_extension", preset.get("iteration_extension", Hyperparameters.iteration_extension))
+        if total <= extension:
+            raise UserError(f"--{TOTAL_STEPS_FLAG}={total} must exceed --iteration_extension={extension} (the steps after the schedule)")
+        resolved["num_iterations"] = total - extension
+    return resolved
+
+
 def parse_args(argv: list[str]) -> tuple[Hyperparameters, dict[str, Any]]:
     """Defaults are the record; --preset applies a named override set; explicit --name=value wins."""
-    parser = _ArgumentParser(prog="train_gpt.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS)
-    for f in dataclasses.fields(Hyperparameters):
-        parser.add_argument(
-            f"--{f.name}",
-            type=_value_parser(f.type),
-            default=argparse.SUPPRESS,
-            metavar=f.type.__name__ if isinstance(f.type, type) else "INTS",
-        )
-    explicit = vars(parser.parse_args(argv))
+    explicit = vars(_build_parser().parse_args(argv))
     preset = explicit.pop("preset", None)
     values = dict(PRESETS[preset]) if preset else {}
+    explicit = _resolve_aliases(explicit, values)
     values.update(explicit)
     if os.environ.get("DISABLE_FP8"):
         values["disable_fp8"] = True
@@ -201,11 +303,13 @@ def parse_args(argv: list[str]) -> tuple[Hyperparameters, dict[str, Any]]:
     return hp, overrides
 
 
-def validate_hyperparameters(hp: Hyperparameters) -> None:
-    def need(condition: bool, message: str) -> None:
-        if not condition:
-            raise UserError(message)
+def need(condition: bool, message: str) -> None:
+    """A check of the command line or the data: a one-line UserError when it fails."""
+    if not condition:
+        raise UserError(message)
 
+
+def validate_hyperparameters(hp: Hyperparameters) -> None:
     need(
         hp.attention_backend in ATTENTION_BACKENDS,
         f"--attention_backend={hp.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}",
@@ -1034,6 +1138,12 @@ class AttentionInputs(NamedTuple):
     max_seqlen: int
 
 
+# Every query sees at least itself, so FlexAttention may skip its guards for fully masked rows (the math is
+# unchanged). Measured with bench/bench_flex.py on one H200 at the record's shapes: forward + backward 3-20%
+# faster per call (e.g. 1.15 -> 1.05 ms at a 1-block window, 1.66 -> 1.55 ms at 11 blocks).
+FLEX_KERNEL_OPTIONS = {"ROWS_GUARANTEED_SAFE": True}
+
+
 class Attention:
     """Document-causal sliding-window attention on (1, T, H, d) tensors, one subclass per backend; the backend is
     chosen once per run by name (choose_attention_backend) and logged. Attention(name, block_size, bos_token)
@@ -1116,7 +1226,10 @@ class FlexAttentionBackend(Attention):
         def scaled(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return score * scale  # fp32 inside the kernel, like FA3's softmax_scale
 
-        y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=scaled, block_mask=inputs.masks[window], scale=1.0)
+        y = flex_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=scaled, block_mask=inputs.masks[window], scale=1.0,
+            kernel_options=FLEX_KERNEL_OPTIONS,
+        )
         return y.transpose(1, 2)
 
 
@@ -1180,124 +1293,6 @@ class CausalSelfAttention(nn.Module):
         return F.linear(y.reshape(1, T, D), weights[3])
 
 
-# ---- MLP with ReLU² fused into its matmuls ----
-# The eager formula (the CPU path, and the reference of the tests):
-#     a = F.relu(x @ w_fc).square();  out = F.linear(a, w_proj)
-# with autograd's backward grad_h = (grad_out @ w_proj) * 2 relu(h). On CUDA one custom op runs it with two
-# Triton matmuls whose epilogues do the elementwise work: the up-projection writes a = relu(x w_fc)^2 straight
-# from its fp32 accumulator (h itself is never stored), and the backward's grad_out @ w_proj writes
-# grad_h = acc * 2 sqrt(a) (relu(h) = sqrt(a), so a, which the weight gradient of w_proj needs anyway, is the
-# only activation saved). That drops the pre-activation's write and re-read in the forward and the
-# bf16 grad_a's write and re-read in the backward (0.6 + 0.6 GB per layer and micro-step at the record's
-# 49,152 x 3,072). The rounding differs from the eager chain at the bf16 level (a is rounded once from fp32;
-# sqrt(a) carries a's rounding where the eager path carries h's), not in the math.
-if triton is not None:
-
-    @triton.jit
-    def _relu2_matmul_kernel(
-        x_desc, w_desc, out_desc, act_desc, M, N, K: tl.constexpr, BACKWARD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        """out = relu(x w)^2 (forward) or out = (x w) * 2 sqrt(act) (backward), x (M, K), w (K, N), all row-major
-        through TMA descriptors. Tiles of GROUP_M rows of tiles share their w columns in cache."""
-        pid = tl.program_id(0)
-        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        band = pid // (GROUP_M * tiles_n)
-        first_m = band * GROUP_M
-        band_rows = min(tiles_m - first_m, GROUP_M)
-        row0 = (first_m + (pid % (GROUP_M * tiles_n)) % band_rows) * BLOCK_M
-        col0 = ((pid % (GROUP_M * tiles_n)) // band_rows) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = tl.dot(x_desc.load([row0, k0]), w_desc.load([k0, col0]), acc)
-        if BACKWARD:
-            result = acc * 2.0 * tl.sqrt_rn(act_desc.load([row0, col0]).to(tl.float32))
-        else:
-            relu = tl.maximum(acc, 0.0)
-            result = relu * relu
-        out_desc.store([row0, col0], result.to(out_desc.dtype))
-
-    def _relu2_matmul_block_shapes(nargs: dict) -> None:
-        """Autotuning tries tile sizes: the TMA descriptors' block shapes follow the config."""
-        bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-        nargs["x_desc"].block_shape, nargs["w_desc"].block_shape = [bm, bk], [bk, bn]
-        nargs["out_desc"].block_shape = nargs["act_desc"].block_shape = [bm, bn]
-
-    _relu2_matmul_autotuned = triton.autotune(
-        configs=[
-            triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8), num_warps=warps, num_stages=stages, pre_hook=_relu2_matmul_block_shapes)
-            for bm, bn, warps, stages in ((128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (256, 128, 8, 3), (64, 256, 4, 4))
-        ],
-        key=["M", "N", "K", "BACKWARD"],
-    )(_relu2_matmul_kernel)
-
-
-def relu2_matmul(x: Tensor, w: Tensor, act: Tensor | None = None, config: dict[str, int] | None = None) -> Tensor:
-    """relu(x @ w)^2, or (x @ w) * 2 sqrt(act) when act (the forward's output) is given; x (M, K), w (K, N).
-    config=None autotunes (CUDA); an explicit {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M} runs the plain kernel (the
-    TRITON_INTERPRET tests)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    x, w = x.contiguous(), w.contiguous()  # TMA: unit last stride, 16-byte aligned rows
-    act = act.contiguous() if act is not None else None
-    (M, K), N = x.shape, w.size(1)
-    out = x.new_empty(M, N)
-    blocks = config or dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)  # placeholder shapes; the autotuner's pre_hook sets them
-    bm, bn, bk = blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"]
-    descriptors = (
-        TensorDescriptor.from_tensor(x, [bm, bk]),
-        TensorDescriptor.from_tensor(w, [bk, bn]),
-        TensorDescriptor.from_tensor(out, [bm, bn]),
-        TensorDescriptor.from_tensor(act if act is not None else out, [bm, bn]),
-    )
-    if config is None:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        _relu2_matmul_autotuned[grid](*descriptors, M, N, K, BACKWARD=act is not None)
-    else:
-        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-        _relu2_matmul_kernel[grid](*descriptors, M, N, K, BACKWARD=act is not None, **config)
-    return out
-
-
-def relu2_matmul_eager(x: Tensor, w: Tensor, act: Tensor | None = None) -> Tensor:
-    """What relu2_matmul computes, in PyTorch ops (fp32 accumulation or wider, one rounding to x's dtype)."""
-    wide = torch.promote_types(x.dtype, torch.float32)
-    acc = x.to(wide) @ w.to(wide)
-    result = acc * 2 * act.to(wide).sqrt() if act is not None else F.relu(acc).square()
-    return result.to(x.dtype)
-
-
-def _relu2_matmul_any(x: Tensor, w: Tensor, act: Tensor | None = None) -> Tensor:
-    use_kernel = triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-    return relu2_matmul(x, w, act) if use_kernel else relu2_matmul_eager(x, w, act)
-
-
-@torch.library.custom_op("train_gpt::relu2_mlp", mutates_args=())
-def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
-    """F.linear(relu(x @ w_fc)^2, w_proj) on 2-D x; also returns the activation a, saved for the backward."""
-    act = _relu2_matmul_any(x, w_fc)
-    return act @ w_proj.T, act
-
-
-@relu2_mlp.register_fake
-def _(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.size(0), w_proj.size(0)), x.new_empty(x.size(0), w_fc.size(1))
-
-
-def _relu2_mlp_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, w_fc, w_proj = inputs
-    ctx.save_for_backward(x, w_fc, w_proj, output[1])
-
-
-def _relu2_mlp_backward(ctx: Any, grad_out: Tensor, _grad_act: Any) -> tuple[Tensor, Tensor, Tensor]:
-    x, w_fc, w_proj, act = ctx.saved_tensors
-    grad_h = _relu2_matmul_any(grad_out, w_proj, act)
-    return grad_h @ w_fc.T, x.T @ grad_h, grad_out.T @ act
-
-
-relu2_mlp.register_autograd(_relu2_mlp_backward, setup_context=_relu2_mlp_setup_context)
-
-
 class MLP(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
@@ -1305,10 +1300,7 @@ class MLP(nn.Module):
         self.c_proj = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as a @ c_proj^T
 
     def forward(self, x: Tensor) -> Tensor:
-        w_fc, w_proj = self.c_fc.type_as(x), self.c_proj.type_as(x)
-        if x.is_cuda and triton is not None:  # the fused op (see above); the eager formula elsewhere
-            return relu2_mlp(x.flatten(0, -2), w_fc, w_proj)[0].view(*x.shape[:-1], -1)
-        return F.linear(F.relu(x @ w_fc).square(), w_proj)
+        return F.linear(F.relu(x @ self.c_fc.type_as(x)).square(), self.c_proj.type_as(x))
 
 
 class Block(nn.Module):
@@ -1873,6 +1865,14 @@ def read_world_size() -> int:
     return int(text)
 
 
+def cpu_threads(local_processes: int) -> int:
+    """Threads of one CPU process: half the cores it may use, shared by this machine's processes, at least 1.
+    More make OpenMP spin-wait against the other ranks (or anything else on the machine): on 2 shared cores the
+    Shampoo smoke run took 81 s with 2 threads and 12 s with 1. OMP_NUM_THREADS, when set, is used instead."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable // (2 * local_processes))
+
+
 def setup_distributed() -> Runtime:
     """torchrun's environment, or a one-process group when the script runs as plain `python`; NCCL with one GPU
     per rank, else gloo on CPU."""
@@ -1888,9 +1888,8 @@ def setup_distributed() -> Runtime:
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
-        if "OMP_NUM_THREADS" not in os.environ:  # OpenMP spin-waits badly when ranks oversubscribe the cores
-            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * local_world_size)))
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
         dist.init_process_group("gloo")
     dist.barrier()
     return Runtime(rank, world_size, local_rank, device)

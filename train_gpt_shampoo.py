@@ -155,13 +155,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line instead of usage + message
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
         raise UserError(f"{message} (see --help)")
 
 
 def _parse_bool(text: str) -> bool:
-    value = {"true": True, "1": True, "false": False, "0": False}.get(text.lower())
+    value = {"true": True, "1": True, "false": False, "0": False}.get(text.strip().lower())
     if value is None:
         raise argparse.ArgumentTypeError(f"expected true/false/1/0, got {text!r}")
     return value
@@ -169,19 +169,99 @@ def _parse_bool(text: str) -> bool:
 
 VALUE_PARSERS: dict[Any, Callable[[str], Any]] = {bool: _parse_bool, int: int, float: float, str: str}
 
+# --help lists the flags in the same groups as train_gpt.py's.
+FLAG_GROUPS: dict[str, tuple[str, ...]] = {
+    "data": ("train_files", "val_files", "val_tokens", "cycle_train_files", "seq_len", "micro_batch_seqs"),
+    "model": ("vocab_size", "num_layers", "model_dim", "head_dim"),
+    "optimizer": (
+        "adam_embed_lr", "adam_head_lr", "adam_scalar_lr", "adam_beta1", "adam_beta2", "adam_eps", "adam_weight_decay",
+        "matrix_optimizer", "matrix_lr", "matrix_beta1", "matrix_beta2", "matrix_weight_decay",
+        "shampoo_max_preconditioner_dim", "shampoo_precondition_frequency", "shampoo_start_preconditioning_step",
+        "shampoo_grafting_beta2", "shampoo_grafting_epsilon",
+    ),
+    "schedule": ("train_steps", "cooldown_frac"),
+    "logging": ("val_every", "val_every_late", "late_frac", "log_dir"),
+    "runtime": ("num_trials", "seed", "compile", "shampoo_root_streams", "checkpoint_every", "checkpoint_dir", "resume"),
+}
+FLAG_HELP: dict[str, str] = {
+    "train_files": "training shards (glob; DATA_PATH is prefixed)",
+    "val_files": "validation shards (glob; DATA_PATH is prefixed)",
+    "val_tokens": "tokens per validation: the first ones of the first validation shard",
+    "cycle_train_files": "start the training shards over when they run out (small data sets; never a record)",
+    "seq_len": "tokens per sequence",
+    "micro_batch_seqs": "sequences per micro-batch; a step is 8 micro-batches, all ranks together",
+    "vocab_size": "rows of the embedding and the head (GPT-2 shards need at least 50257)",
+    "num_layers": "transformer blocks",
+    "model_dim": "width of the residual stream",
+    "head_dim": "width of an attention head",
+    "adam_embed_lr": "AdamW learning rate of the embedding",
+    "adam_head_lr": "AdamW learning rate of the head",
+    "adam_scalar_lr": "AdamW learning rate of the 1-D parameters",
+    "adam_beta1": "AdamW beta1",
+    "adam_beta2": "AdamW beta2",
+    "adam_eps": "AdamW epsilon",
+    "adam_weight_decay": "AdamW decoupled weight decay",
+    "matrix_optimizer": "optimizer of the block matrices: shampoo (the record) or adamw (ablation)",
+    "matrix_lr": "learning rate of the block matrices",
+    "matrix_beta1": "momentum of the block matrices",
+    "matrix_beta2": "EMA of Shampoo's factor matrices",
+    "matrix_weight_decay": "decoupled weight decay of the block matrices",
+    "shampoo_max_preconditioner_dim": "larger dimensions are split into blocks of this size",
+    "shampoo_precondition_frequency": "steps between root (eigendecomposition) updates",
+    "shampoo_start_preconditioning_step": "first preconditioned step (-1: the precondition frequency)",
+    "shampoo_grafting_beta2": "beta2 of the grafting Adam",
+    "shampoo_grafting_epsilon": "epsilon of the grafting Adam",
+    "train_steps": "optimizer steps; the LR schedule spans them",
+    "cooldown_frac": "fraction of the steps over which the LR decays linearly to 0",
+    "val_every": "steps between validations",
+    "val_every_late": "steps between validations from late_frac of the run on",
+    "late_frac": "fraction of the run after which val_every_late applies",
+    "log_dir": "folder of the run logs, <run id>.txt",
+    "num_trials": "trials in one launch (they share the compiled model and the log)",
+    "seed": "torch seed (-1: unseeded like the record)",
+    "compile": "torch.compile the model",
+    "shampoo_root_streams": "CUDA streams the root steps' eigendecompositions spread over (speed only)",
+    "checkpoint_every": "resumable checkpoint every K steps and at an interrupt (0: never)",
+    "checkpoint_dir": 'folder of the resumable checkpoints ("": checkpoints/<run id>)',
+    "resume": "a checkpoint folder written by --checkpoint_every: continues that run exactly",
+}
+# train_gpt.py's names for the same settings, accepted here too (its num_iterations is also the schedule's length).
+FLAG_ALIASES: dict[str, str] = {"val_loss_every": "val_every", "num_iterations": "train_steps"}
+
+
+def _build_parser() -> _ArgumentParser:
+    parser = _ArgumentParser(prog="train_gpt_shampoo.py", usage="%(prog)s [-h] [--preset=smoke] [--name=value ...]", description=__doc__,
+                     allow_abbrev=False,
+                     formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=36))
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS, help="a named set of overrides (smoke: tiny CPU run)")
+    fields = {field.name: field for field in dataclasses.fields(Hyperparameters)}
+    grouped = [name for names in FLAG_GROUPS.values() for name in names]
+    groups = dict(FLAG_GROUPS, other=tuple(name for name in fields if name not in grouped))  # "other" stays empty (tested)
+    for title, names in groups.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            field = fields[name]
+            also = "".join(f"; also --{alias}" for alias, target in FLAG_ALIASES.items() if target == name)
+            default = '""' if field.default == "" else field.default
+            group.add_argument(f"--{name}", type=VALUE_PARSERS[field.type], default=argparse.SUPPRESS,
+                               metavar=getattr(field.type, "__name__", "VALUE"),
+                               help=f"{FLAG_HELP.get(name, '')} (default: {default}){also}")
+    for alias, target in FLAG_ALIASES.items():
+        parser.add_argument(f"--{alias}", type=VALUE_PARSERS[fields[target].type], default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return parser
+
 
 def parse_args(argv: Sequence[str]) -> tuple[Hyperparameters, dict[str, Any]]:
     """--name=value overrides of the Hyperparameters fields, after the optional --preset's."""
-    parser = _Parser(prog="train_gpt_shampoo.py", description=__doc__, allow_abbrev=False,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS)
-    for field in dataclasses.fields(Hyperparameters):
-        parser.add_argument(f"--{field.name}", type=VALUE_PARSERS[field.type], default=argparse.SUPPRESS,
-                            metavar=getattr(field.type, "__name__", "VALUE"))
-    namespace, unknown = parser.parse_known_args(list(argv))
+    namespace, unknown = _build_parser().parse_known_args(list(argv))
     if unknown:
         raise UserError(f"unknown argument {unknown[0]!r} (options are --name=value for the Hyperparameters fields)")
     explicit = vars(namespace)
+    for alias, target in FLAG_ALIASES.items():  # overrides and the log name the field, whichever spelling was used
+        if alias in explicit:
+            if target in explicit:
+                raise UserError(f"--{alias} and --{target} name the same setting; give one of them")
+            explicit[target] = explicit.pop(alias)
     preset = PRESETS[explicit["preset"]] if "preset" in explicit else {}
     fields = {k: v for k, v in explicit.items() if k != "preset"}
     hp = dataclasses.replace(Hyperparameters(), **{**preset, **fields})
@@ -189,32 +269,34 @@ def parse_args(argv: Sequence[str]) -> tuple[Hyperparameters, dict[str, Any]]:
     return hp, explicit
 
 
-def validate_hyperparameters(hp: Hyperparameters) -> None:
-    def require(ok: bool, message: str) -> None:
-        if not ok:
-            raise UserError(message)
+def need(condition: bool, message: str) -> None:
+    """A check of the command line or the data: a one-line UserError when it fails."""
+    if not condition:
+        raise UserError(message)
 
-    require(hp.matrix_optimizer in ("shampoo", "adamw"), f"--matrix_optimizer={hp.matrix_optimizer!r}: use shampoo or adamw")
+
+def validate_hyperparameters(hp: Hyperparameters) -> None:
+    need(hp.matrix_optimizer in ("shampoo", "adamw"), f"--matrix_optimizer={hp.matrix_optimizer!r}: use shampoo or adamw")
     for name in ("seq_len", "micro_batch_seqs", "vocab_size", "num_layers", "model_dim", "head_dim", "val_tokens",
                  "train_steps", "val_every", "val_every_late", "num_trials"):
-        require(getattr(hp, name) >= 1, f"--{name}={getattr(hp, name)}: must be >= 1")
-    require(hp.model_dim % hp.head_dim == 0, f"--model_dim={hp.model_dim} must be a multiple of --head_dim={hp.head_dim}")
-    require(hp.head_dim % 4 == 0, f"--head_dim={hp.head_dim} must be a multiple of 4 (half-truncated rotary)")
-    require(0.0 <= hp.cooldown_frac <= 1.0, f"--cooldown_frac={hp.cooldown_frac}: must be in [0, 1]")
-    require(0.0 <= hp.late_frac <= 1.0, f"--late_frac={hp.late_frac}: must be in [0, 1]")
-    require(hp.checkpoint_every >= 0, f"--checkpoint_every={hp.checkpoint_every}: must be >= 0 (0 = off)")
-    require(hp.seed >= -1, f"--seed={hp.seed}: must be >= 0, or -1 for no seed")
+        need(getattr(hp, name) >= 1, f"--{name}={getattr(hp, name)}: must be >= 1")
+    need(hp.model_dim % hp.head_dim == 0, f"--model_dim={hp.model_dim} must be a multiple of --head_dim={hp.head_dim}")
+    need(hp.head_dim % 4 == 0, f"--head_dim={hp.head_dim} must be a multiple of 4 (half-truncated rotary)")
+    need(0.0 <= hp.cooldown_frac <= 1.0, f"--cooldown_frac={hp.cooldown_frac}: must be in [0, 1]")
+    need(0.0 <= hp.late_frac <= 1.0, f"--late_frac={hp.late_frac}: must be in [0, 1]")
+    need(hp.checkpoint_every >= 0, f"--checkpoint_every={hp.checkpoint_every}: must be >= 0 (0 = off)")
+    need(hp.seed >= -1, f"--seed={hp.seed}: must be >= 0, or -1 for no seed")
     for name in ("adam_embed_lr", "adam_head_lr", "adam_scalar_lr", "adam_weight_decay", "matrix_lr", "matrix_weight_decay"):
-        require(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)}: must be >= 0")
+        need(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)}: must be >= 0")
     for name in ("adam_beta1", "adam_beta2", "matrix_beta1", "shampoo_grafting_beta2"):
-        require(0 <= getattr(hp, name) < 1, f"--{name}={getattr(hp, name)}: must be in [0, 1)")
-    require(0 <= hp.matrix_beta2 <= 1, f"--matrix_beta2={hp.matrix_beta2}: must be in [0, 1]")
+        need(0 <= getattr(hp, name) < 1, f"--{name}={getattr(hp, name)}: must be in [0, 1)")
+    need(0 <= hp.matrix_beta2 <= 1, f"--matrix_beta2={hp.matrix_beta2}: must be in [0, 1]")
     for name in ("adam_eps", "shampoo_grafting_epsilon"):
-        require(getattr(hp, name) > 0, f"--{name}={getattr(hp, name)}: must be > 0")
+        need(getattr(hp, name) > 0, f"--{name}={getattr(hp, name)}: must be > 0")
     for name in ("shampoo_max_preconditioner_dim", "shampoo_precondition_frequency", "shampoo_root_streams"):
-        require(getattr(hp, name) >= 1, f"--{name}={getattr(hp, name)}: must be >= 1")
+        need(getattr(hp, name) >= 1, f"--{name}={getattr(hp, name)}: must be >= 1")
     start = hp.shampoo_start_preconditioning_step
-    require(start == -1 or start >= hp.shampoo_precondition_frequency,
+    need(start == -1 or start >= hp.shampoo_precondition_frequency,
             f"--shampoo_start_preconditioning_step={start}: must be -1 or >= --shampoo_precondition_frequency")
 
 
@@ -678,6 +760,14 @@ def read_world_size() -> int:
     return int(text)
 
 
+def cpu_threads(local_processes: int) -> int:
+    """Threads of one CPU process: half the cores it may use, shared by this machine's processes, at least 1.
+    More make OpenMP spin-wait against the other ranks (or anything else on the machine): on 2 shared cores the
+    Shampoo smoke run took 81 s with 2 threads and 12 s with 1. OMP_NUM_THREADS, when set, is used instead."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable // (2 * local_processes))
+
+
 def setup_distributed() -> Runtime:
     """torchrun's environment, or a one-process group when the script runs as plain `python`; NCCL with one GPU
     per rank, else gloo on CPU."""
@@ -693,9 +783,8 @@ def setup_distributed() -> Runtime:
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
-        if "OMP_NUM_THREADS" not in os.environ:  # OpenMP spin-waits badly when ranks oversubscribe the cores
-            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * local_world_size)))
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
         dist.init_process_group("gloo")
     dist.barrier()
     return Runtime(rank, world_size, local_rank, device)

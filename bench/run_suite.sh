@@ -28,7 +28,6 @@ step() {  # name, command...: runs one measurement, keeps its output, goes on af
 if [[ $what == all || $what == track1 ]]; then
     step t1_1gpu env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_train_gpt.py --nproc 1 --steps 150 --log-dir "$out/logs" -- $t1 --val_loss_every=25
     step softcap_ce env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_softcap_ce.py
-    step mlp_relu2 env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_mlp_relu2.py
     step t1_profile env CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc_per_node=1 bench/profile_train_gpt.py $t1
     [ "$gpus" -ge 2 ] && step t1_2gpu env CUDA_VISIBLE_DEVICES=0,1 python3 bench/bench_train_gpt.py --nproc 2 --steps 100 --log-dir "$out/logs" -- $t1 --val_loss_every=50
 fi

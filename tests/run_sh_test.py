@@ -158,3 +158,71 @@ def test_real_torchrun_worker_error_is_one_line() -> None:
                             env=env, timeout=300)
     assert result.stderr == "train_gpt.py: error: head dim 50 must be a multiple of 4 (half-truncated rotary)\n"
     assert result.returncode == 2
+
+
+# ----- several machines through torchrun's c10d rendezvous; TRACK=3; --check (issue 15) -----
+
+RENDEZVOUS = r"torchrun --nnodes={nnodes} --rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id={rdzv_id}{host} --nproc_per_node={nproc} --log-dir=\S+ {script}"
+
+
+def launch_line(nnodes: int, endpoint: str, nproc: int, rdzv_id: str = "nanogpt", host: str = "", script: str = "train_gpt.py") -> str:
+    return RENDEZVOUS.format(nnodes=nnodes, endpoint=re.escape(endpoint), rdzv_id=rdzv_id, host=host, nproc=nproc, script=script)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "node0", "MASTER_PORT": "29400"}, launch_line(2, "node0:29400", 4, host=" --rdzv-conf=is_host=1")),
+        ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0"}, launch_line(2, "node0:29500", 4, host=" --rdzv-conf=is_host=0")),
+        ({"NNODES": "2", "MASTER_ADDR": "node0", "RDZV_ENDPOINT": "head:1234", "RDZV_ID": "job7"}, launch_line(2, "head:1234", 4, "job7")),
+        ({"NNODES": "2", "NPROC": "1", "MASTER_ADDR": "node0", "SLURM_JOB_ID": "991"}, launch_line(2, "node0:29500", 1, "991")),
+        ({"NNODES": "1"}, launch_line(1, "127.0.0.1:29500", 4)),
+        ({"NNODES": "2", "MASTER_ADDR": "node0", "TRACK": "3"}, launch_line(2, "node0:29500", 4, script="train_gpt_shampoo.py")),
+    ],
+)
+def test_nnodes_launches_through_the_c10d_rendezvous(checkout: Path, env: dict[str, str], expected: str) -> None:
+    result = run(checkout, "--seed=1", **env)
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(expected + " --seed=1", result.stdout.strip()), result.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"NNODES": "2"}, "NNODES=2: set MASTER_ADDR"),
+        ({"NNODES": "two", "MASTER_ADDR": "node0"}, "NNODES must be a positive number"),
+        ({"NNODES": "3", "MASTER_ADDR": "node0"}, "NNODES=3 x 4 processes = 12"),
+        ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "node0"}, "NODE_RANK must be 0 .. 1"),
+        ({"TRACK": "2"}, "TRACK must be 1"),
+    ],
+)
+def test_bad_multi_node_settings_are_one_sentence(checkout: Path, env: dict[str, str], fragment: str) -> None:
+    result = run(checkout, **env)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and fragment in result.stderr, result.stderr
+
+
+def test_track_3_needs_its_own_download(checkout: Path) -> None:
+    (checkout / SHARDS[0]).unlink()
+    result = run(checkout, TRACK="3")
+    assert result.returncode == 1 and "python data/cached_fineweb10B.py 22" in result.stderr
+
+
+def test_check_hands_the_run_to_doctor(checkout: Path) -> None:
+    (checkout / "tools").mkdir()
+    (checkout / "tools" / "doctor.py").write_text("import sys\nprint(' '.join(sys.argv[1:]))\nsys.exit(1)\n")
+    (checkout / "bin" / "python3").symlink_to(sys.executable)
+    result = run(checkout, "--check", "--quick", "--train_steps=5", TRACK="3", NPROC="2", NNODES="2")
+    assert result.returncode == 1  # doctor's status
+    assert result.stdout.strip() == "--track 3 --nproc 2 --nnodes 2 --quick --train_steps=5"
+    result = run(checkout, "--check", gpus_present=False)  # no GPU: doctor still runs (it reports CPU mode)
+    assert result.stdout.strip() == "--track 1"
+
+
+def test_real_check_on_this_cpu_machine() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "NNODES", "TRACK", "DATA_PATH")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run(["bash", str(REPO / "run.sh"), "--check", "--quick"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("doctor: Track 1 (train_gpt.py), 1 process, CPU mode")
+    assert "doctor: the smoke run would start" in result.stdout

@@ -21,14 +21,14 @@ from conftest import ROOT
 SCRIPTS = (ROOT / "train_gpt.py", ROOT / "train_gpt_shampoo.py")
 
 SHARED = (
-    # errors
-    "UserError", "RunStopped",
+    # errors and the command line
+    "UserError", "RunStopped", "need", "_ArgumentParser", "_parse_bool",
     # shards
     "SHARD_MAGIC", "SHARD_VERSION", "SHARD_HEADER_INTS", "GPT2_VOCAB_SIZE", "DOWNLOAD_HINT", "HUB_SHARD_SCRIPTS",
     "resolve_files", "shard_fix", "read_shard_header", "read_shard", "check_train_data", "shard_bytes",
     "write_atomically", "write_shard",
     # processes, log and stopping
-    "Runtime", "_free_port", "read_world_size", "setup_distributed", "synchronize", "_log_path", "_is_master",
+    "Runtime", "_free_port", "read_world_size", "cpu_threads", "setup_distributed", "synchronize", "_log_path", "_is_master",
     "print0", "open_log", "_command_output", "git_commit", "_stop_signal", "_defer_stop", "_step_reached",
     "NON_FINITE_EXIT_STATUS", "HEALTH_LAG_CUDA", "interrupted", "_on_stop_signal", "install_stop_handlers",
     "StepHealth", "report_stop",
@@ -42,7 +42,10 @@ DIFFERENT = {
     "PRESETS": "each track's smoke configuration",
     "parse_args": "Track 1 takes tuple fields and the DISABLE_FP8 variable",
     "validate_hyperparameters": "each track's settings",
-    "_parse_bool": "argument parsing, outside this list until the command-line work settles",
+    "FLAG_GROUPS": "each script's --help groups",
+    "FLAG_HELP": "each script's flags",
+    "FLAG_ALIASES": "each script accepts the other's names for its settings",
+    "_build_parser": "Track 1 also maps the other script's --train_steps and parses tuples",
     "lr_multiplier": "each record's schedule",
     "Rotary": "Track 1 adds YaRN and precomputed tables",
     "Attention": "Track 1's backends versus Track 3's attention module",

@@ -1,0 +1,796 @@
+#!/usr/bin/env python3
+"""Pre-flight check of this machine for a training run: one line per check, with the fix when it is not ok.
+
+    python tools/doctor.py [--track 1|3] [--nproc N] [--nnodes N] [--quick] [--name=value ...]
+    ./run.sh --check [...]             # the same, for the run that ./run.sh would start
+
+Checks Python, torch, Triton, the CUDA runtime and driver against the versions we test; the GPUs (model,
+count, compute capability, free memory); the attention backend train_gpt.py will use and why; an all-reduce
+over the run's processes (NCCL; not with --quick); the shards the run reads (present, valid, enough tokens);
+torchrun; free disk for logs and checkpoints; and, when we have measured this GPU, the ms/step to expect.
+Training flags (--name=value) are parsed by the track's script, so the check is of that exact run.
+
+On a machine without a CUDA GPU it checks the CPU smoke run instead and prints the smoke commands.
+Exit status: 0 when the run would start (no check failed), 1 when a check failed, 2 for a bad command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+
+Status = Literal["ok", "warn", "fail", "skip"]
+
+# ---- what we test ----
+MIN_PYTHON = (3, 10)
+CI_PYTHON = "3.11"
+GPU_TORCH = "2.11"  # the H200 runs (CUDA 13.0 build)
+CPU_TORCH = "2.13"  # CI (CPU build)
+MIN_TORCH = "2.11"
+MAX_TORCH = "2.13.0"  # the newest release requirements.txt admits
+TRITON = "3.6.0"
+TESTED_CUDA = "13.0"
+TESTED_DRIVER = "580.159.04"
+# The oldest Linux driver of each CUDA major release (within a major, newer runtimes run on it by CUDA's
+# minor-version compatibility).
+MIN_DRIVER_FOR_CUDA_MAJOR = {12: "525.60.13", 13: "580.65.06"}
+FP8_CAPABILITY = (8, 9)  # train_gpt.py's FP8 head needs it; below, the head runs in bf16
+BF16_CAPABILITY = (8, 0)
+FA3_CAPABILITY = (9, 0)  # FlashAttention-3 kernels are built for Hopper
+INSTALL_HINT = f"pip install -r requirements.txt (torch >={MIN_TORCH},<={MAX_TORCH}); on GPUs a CUDA build of torch {GPU_TORCH} first"
+SHARD_TOKENS = 100_000_000  # one Hub shard of data/cached_fineweb10B.py
+
+
+@dataclass(frozen=True)
+class Track:
+    number: int
+    script: str
+    module: str
+    hub_shards: int  # what README's download command fetches for the record run
+    # Largest peak memory per GPU measured at the record configuration (bench runs of 2026-11-30 on H200s, 1 and 2 GPUs).
+    peak_allocated_mib: int
+    peak_reserved_mib: int
+    params: int  # of the record model (Track 1: its log's params line; Track 3: the Track 3 GPT)
+
+
+TRACKS = {
+    1: Track(1, "train_gpt.py", "train_gpt", 9, 31_711, 36_740, 268_665_636),
+    3: Track(3, "train_gpt_shampoo.py", "train_gpt_shampoo", 22, 34_101, 40_400, 162_354_816),
+}
+
+# Expected ms/step at the record configuration, as measured. Conditions: NVIDIA H200 (lent machines),
+# torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention (no FA3), on the docs_proxy shards
+# (Debian documentation in the FineWeb format: the same tokens per step, but other document lengths, which
+# change attention's block sparsity a little), 2026-11-30.
+# Key: (GPU model as torch names it, track, GPUs) -> (low, high, how it was measured).
+MEASURED_ON = "measured 2026-11-30 on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention"
+MEASURED_MS_PER_STEP: dict[tuple[str, int, int], tuple[float, float, str]] = {
+    ("NVIDIA H200", 1, 1): (627.0, 672.0, "1 GPU, 8 micro-steps"),
+    ("NVIDIA H200", 1, 2): (0.49 * 627.0, 0.49 * 672.0, "2 GPUs: 0.49x the 1-GPU time, a ratio measured before the e5m2 kernel"),
+    ("NVIDIA H200", 3, 1): (1422.9, 1422.9, "1 GPU, Shampoo roots on 8 streams, steps 11-150"),
+    ("NVIDIA H200", 3, 2): (714.8, 714.8, "2 GPUs, 30 steps"),
+}
+# Overrides that leave the work of a step unchanged (paths, logging, how long, checkpoints).
+STEP_NEUTRAL_FLAGS = frozenset({
+    "train_files", "val_files", "cycle_train_files", "log_dir", "run_id", "seed", "save_checkpoint",
+    "checkpoint_every", "checkpoint_dir", "resume", "val_loss_every", "val_every", "val_every_late", "late_frac",
+    "num_iterations", "iteration_extension", "train_steps", "warmup_steps", "num_trials", "val_tokens", "val_batch_size",
+})
+# `time python <script> --preset=smoke` on this project's 2-core machines (shared with other work), 2026-11-30.
+SMOKE_SECONDS_ON_2_CORES = {1: 27, 3: 18}
+NCCL_TIMEOUT_S = 120
+NCCL_TENSOR_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"{self.status:<5} {self.name:<10} {self.detail}"
+        return f"{text} -> {self.fix}" if self.fix else text
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    capability: tuple[int, int]
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Machine:
+    gpus: list[Gpu]  # the CUDA GPUs torch sees (after CUDA_VISIBLE_DEVICES)
+    smi_gpu_count: int  # what nvidia-smi lists (0 without nvidia-smi), whatever CUDA_VISIBLE_DEVICES says
+    driver: str | None
+    cuda_runtime: str | None  # torch.version.cuda: None for a CPU build
+
+    @property
+    def gpu_mode(self) -> bool:
+        return bool(self.gpus)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run being checked."""
+
+    track: Track
+    nproc: int
+    nnodes: int
+    hp: Any  # the script's Hyperparameters
+    overrides: dict[str, Any]
+    gpu_mode: bool
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"
+
+
+def version_of(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def release(text: str) -> tuple[int, ...] | None:
+    """The numeric release of a version string, (2, 11, 0) of 2.11.0+cu130 or (580, 159, 4) of a driver's
+    580.159.04; None when it does not start with a number. (Doctor needs nothing beyond the standard library
+    and torch, so that it runs before `pip install -r requirements.txt`.)"""
+    match = re.match(r"\s*(\d+(?:\.\d+)*)", text)
+    return tuple(int(part) for part in match.group(1).split(".")) if match else None
+
+
+def same_minor(version: tuple[int, ...], tested: str) -> bool:
+    return version[:2] == release(tested)
+
+
+# ---- machine facts ----
+def _command_output(args: list[str]) -> str | None:
+    if shutil.which(args[0]) is None:
+        return None
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def read_machine() -> Machine:
+    import torch
+
+    listing = _command_output(["nvidia-smi", "-L"]) or ""
+    driver = (_command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or "").strip()
+    gpus = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            free, total = torch.cuda.mem_get_info(index)
+            gpus.append(Gpu(index, props.name, (props.major, props.minor), free, total))
+    smi_count = sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+    return Machine(gpus, smi_count, driver.splitlines()[0] if driver else None, torch.version.cuda)
+
+
+def largest_usable(count: int) -> int:
+    """The largest process count that divides the record batch (1, 2, 4 or 8) and is at most count."""
+    return max((n for n in (1, 2, 4, 8) if n <= count), default=1)
+
+
+# ---- the plan: the track's own parser reads the training flags ----
+class PlanError(Exception):
+    """The training flags or the process counts do not describe a run the script accepts."""
+
+
+def training_module(track: Track) -> Any:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return importlib.import_module(track.module)
+
+
+def make_plan(track: Track, nproc: int, nnodes: int, flags: list[str], gpu_mode: bool) -> Plan:
+    module = training_module(track)
+    argv = list(flags)
+    if not gpu_mode and not any(flag.startswith("--preset") for flag in argv):
+        argv.insert(0, "--preset=smoke")  # on CPU the run that can start is the smoke run
+    try:
+        hp, overrides = module.parse_args(argv)
+    except module.UserError as error:
+        raise PlanError(f"{track.script}: {error}") from None
+    return Plan(track, nproc, nnodes, hp, overrides, gpu_mode)
+
+
+# ---- checks ----
+def check_python() -> Check:
+    version = ".".join(map(str, sys.version_info[:3]))
+    if sys.version_info[:2] < MIN_PYTHON:
+        return Check("python", "fail", f"{version}: the scripts need Python {'.'.join(map(str, MIN_PYTHON))} or newer",
+                     f"use Python {CI_PYTHON} (what CI tests)")
+    return Check("python", "ok", f"{version} (CI tests {CI_PYTHON})")
+
+
+def check_torch(machine: Machine) -> Check:
+    import torch
+
+    text = torch.__version__
+    version = release(text)
+    tested = GPU_TORCH if machine.gpu_mode else CPU_TORCH
+    where = "GPU runs" if machine.gpu_mode else "CPU runs and CI"
+    install = INSTALL_HINT
+    if version is None or version < release(MIN_TORCH):
+        return Check("torch", "fail", f"{text}: the scripts need torch {MIN_TORCH} or newer (FlexAttention, torch.compile)", install)
+    if not same_minor(version, tested) or version > release(MAX_TORCH):
+        return Check("torch", "warn", f"{text}: untested for {where} (we use {tested})", install)
+    return Check("torch", "ok", f"{text} (we use {tested} for {where})")
+
+
+def required_triton() -> str | None:
+    """The Triton version the installed torch wheel pins (CUDA builds do; CPU builds need none)."""
+    try:
+        requires = importlib.metadata.requires("torch") or []
+    except importlib.metadata.PackageNotFoundError:  # a torch built from source without metadata
+        return None
+    for text in requires:  # e.g. 'triton==3.6.0; platform_system == "Linux"' (met wherever CUDA torch runs)
+        match = re.match(r"\s*(?:pytorch-)?triton\s*==\s*([0-9][^\s;,]*)\s*(;.*)?$", text)
+        if match and "extra" not in (match.group(2) or ""):
+            return match.group(1)
+    return None
+
+
+def check_triton(machine: Machine) -> Check:
+    import torch
+
+    installed = version_of("triton") or version_of("pytorch-triton")
+    pinned = required_triton()
+    fix = f"pip install triton=={pinned or TRITON}"
+    if installed is None:
+        if machine.gpu_mode:
+            return Check("triton", "fail", "not installed: torch.compile and the Newton-Schulz kernels need it", fix)
+        return Check("triton", "ok", "not installed (not needed on CPU)")
+    if pinned is not None and release(installed) != release(pinned):
+        return Check("triton", "fail", f"{installed}, but torch {torch.__version__} was built for {pinned}", fix)
+    if installed != TRITON:
+        return Check("triton", "warn", f"{installed}: we test {TRITON}", f"pip install triton=={TRITON}")
+    return Check("triton", "ok", f"{installed} (we test {TRITON})")
+
+
+def check_cuda(machine: Machine) -> Check:
+    import torch
+
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    if not machine.gpu_mode:
+        if machine.smi_gpu_count and not hidden:
+            if machine.cuda_runtime is None:
+                return Check("cuda", "fail", f"nvidia-smi lists {machine.smi_gpu_count} GPUs, but torch {torch.__version__} is a CPU build",
+                             f"install a CUDA build of torch {GPU_TORCH} (pip install torch=={GPU_TORCH}.0), then pip install -r requirements.txt")
+            return Check("cuda", "fail", f"nvidia-smi lists {machine.smi_gpu_count} GPUs, but torch (CUDA {machine.cuda_runtime}) finds none; "
+                         f"driver {machine.driver or 'unknown'}", "a driver too old for this CUDA runtime? install a torch build for your driver's CUDA")
+        hidden_note = f" (CUDA_VISIBLE_DEVICES hides the {machine.smi_gpu_count} GPUs)" if hidden and machine.smi_gpu_count else ""
+        return Check("cuda", "skip", f"no CUDA GPU visible: CPU mode{hidden_note}")
+    detail = f"runtime {machine.cuda_runtime}, driver {machine.driver or 'unknown (no nvidia-smi)'}"
+    runtime, driver = release(machine.cuda_runtime or ""), release(machine.driver or "")
+    minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(runtime[0]) if runtime else None
+    if driver and minimum and driver < release(minimum):
+        return Check("cuda", "fail", f"{detail}: CUDA {runtime[0]}.x needs driver {minimum} or newer",
+                     "update the driver, or install a torch build for an older CUDA")
+    tested = f"we test CUDA {TESTED_CUDA} with driver {TESTED_DRIVER}"
+    if machine.cuda_runtime != TESTED_CUDA:
+        return Check("cuda", "warn", f"{detail} ({tested})")
+    return Check("cuda", "ok", f"{detail} ({tested})")
+
+
+def check_processes(plan: Plan) -> Check:
+    world = f"{plan.nnodes} nodes x {plan.nproc} = {plan.world_size}" if plan.nnodes > 1 else str(plan.nproc)
+    if plan.world_size not in (1, 2, 4, 8):
+        per_node = [n for n in (1, 2, 4, 8) if n % plan.nnodes == 0 and n // plan.nnodes <= plan.nproc]
+        fix = f"use --nproc {per_node[-1] // plan.nnodes}" if per_node else "use 1, 2, 4 or 8 processes in all"
+        return Check("processes", "fail", f"{world} processes: the record batch splits over 1, 2, 4 or 8", fix)
+    backend = "NCCL" if plan.gpu_mode else "gloo"
+    accumulation = 8 // plan.world_size
+    return Check("processes", "ok", f"{world} process{'es' if plan.world_size > 1 else ''} ({backend}), "
+                 f"{accumulation} micro-step{'s' if accumulation > 1 else ''} each per step")
+
+
+def check_gpus(machine: Machine, plan: Plan) -> Check:
+    if not machine.gpu_mode:
+        return Check("gpus", "skip", "none visible: CPU mode")
+    gpus = machine.gpus
+    names = sorted({gpu.name for gpu in gpus})
+    lowest = min(gpus, key=lambda gpu: gpu.capability).capability
+    free = min(gpu.free_bytes for gpu in gpus[: plan.nproc])
+    detail = f"{len(gpus)} x {' + '.join(names)}, sm_{lowest[0]}{lowest[1]}, least free {gib(free)} of {gib(gpus[0].total_bytes)}"
+    if plan.nproc > len(gpus):
+        return Check("gpus", "fail", f"{detail}: --nproc {plan.nproc} is more than the {len(gpus)} visible",
+                     f"use --nproc {largest_usable(len(gpus))} (or make more GPUs visible)")
+    peak, reserved = plan.track.peak_allocated_mib * 2**20, plan.track.peak_reserved_mib * 2**20
+    if work_changing_flags(plan):  # the measured peaks are the record configuration's
+        peak = reserved = 0
+    if free < peak:
+        return Check("gpus", "fail", f"{detail}: the record configuration peaked at {gib(peak)} allocated",
+                     "free the GPUs (nvidia-smi shows who holds them) or use bigger ones")
+    if lowest < BF16_CAPABILITY:
+        return Check("gpus", "warn", f"{detail}: below sm_80 (no bf16 tensor cores): untested and slow")
+    if len(names) > 1:
+        return Check("gpus", "warn", f"{detail}: mixed models; the slowest sets the pace", "CUDA_VISIBLE_DEVICES=<same model>")
+    if free < reserved:
+        return Check("gpus", "warn", f"{detail}: the record configuration reserved up to {gib(reserved)}: tight")
+    if plan.track.number == 1 and lowest < FP8_CAPABILITY:
+        return Check("gpus", "warn", f"{detail}: below sm_89, so train_gpt.py's head runs in bf16, not the record's FP8")
+    return Check("gpus", "ok", detail)
+
+
+def _fa3_import_error() -> str | None:
+    """Why flash_attn_interface does not import, or None when it does."""
+    try:
+        importlib.import_module("flash_attn_interface")
+    except ImportError as error:
+        return str(error) or type(error).__name__
+    return None
+
+
+def _fa3_runs(device_index: int) -> str | None:
+    """Runs FA3's varlen kernel once on a tiny input; the error's first line when this GPU cannot run it."""
+    import torch
+    from flash_attn_interface import flash_attn_varlen_func
+
+    device = torch.device("cuda", device_index)
+    q, k, v = (torch.randn(256, 2, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+    cu_seqlens = torch.tensor([0, 128, 256], device=device, dtype=torch.int32)
+    try:
+        flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=128, max_seqlen_k=128,
+                               causal=True, window_size=(64, 0))
+        torch.cuda.synchronize(device)
+    except (RuntimeError, TypeError) as error:  # CUDA's "no kernel image", FA3's architecture checks; a build with another signature
+        return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return None
+
+
+def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
+    if plan.track.number != 1:
+        return Check("attention", "skip", "Track 3 uses PyTorch's scaled_dot_product_attention")
+    import torch
+
+    tg = training_module(plan.track)
+    requested = plan.hp.attention_backend
+    device = torch.device("cuda", 0) if machine.gpu_mode else torch.device("cpu")
+    try:
+        backend = tg.choose_attention_backend(requested, device)  # train_gpt.py's own decision
+    except tg.UserError as error:
+        return Check("attention", "fail", str(error), "pass --attention_backend=auto")
+    chosen = f"train_gpt.py will use {backend}"
+    if not machine.gpu_mode:
+        return Check("attention", "ok", f"{chosen}: a CPU run (FlexAttention has no CPU backward)")
+    if backend == "flex":
+        why = "asked for" if requested == "flex" else f"FlashAttention-3 does not import ({_fa3_import_error()})"
+        return Check("attention", "ok", f"{chosen} (FlexAttention): {why}; our H200 measurements use it too")
+    if backend == "reference":
+        return Check("attention", "warn", f"{chosen}: asked for; a dense mask, far slower than flex", "drop --attention_backend")
+    origin = getattr(sys.modules.get("flash_attn_interface"), "__file__", "?")
+    capability = machine.gpus[0].capability
+    why = f"flash_attn_interface imports ({origin})" if requested == "auto" else "asked for"
+    if quick:
+        if capability != FA3_CAPABILITY:
+            return Check("attention", "warn", f"{chosen} (FA3): {why}, but FA3 is built for sm_90 and this GPU is "
+                         f"sm_{capability[0]}{capability[1]} (kernel not tried with --quick)", "pass --attention_backend=flex")
+        return Check("attention", "ok", f"{chosen} (FA3): {why}, sm_90 (kernel not tried with --quick)")
+    failure = _fa3_runs(0)
+    if failure is not None:
+        return Check("attention", "fail", f"{chosen} (FA3): {why}, but its kernel fails on this GPU "
+                     f"(sm_{capability[0]}{capability[1]}): {failure}", "pass --attention_backend=flex, or install an FA3 built for this GPU")
+    return Check("attention", "ok", f"{chosen} (FA3): {why}, and its kernel runs on this GPU")
+
+
+def check_shampoo(plan: Plan) -> Check | None:
+    if plan.track.number != 3:
+        return None
+    if plan.hp.matrix_optimizer != "shampoo":
+        return Check("shampoo", "skip", f"--matrix_optimizer={plan.hp.matrix_optimizer}: not used")
+    tgs = training_module(plan.track)
+    if tgs.SHAMPOO_IMPORT_ERROR is not None:
+        return Check("shampoo", "fail", f"distributed_shampoo does not import: {tgs.SHAMPOO_IMPORT_ERROR}",
+                     "run from the repository root, which holds distributed_shampoo/")
+    return Check("shampoo", "ok", f"distributed_shampoo from {tgs.SHAMPOO_PACKAGE_DIR}")
+
+
+# ---- all-reduce over the run's processes ----
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def all_reduce_worker(rank: int, world_size: int, port: int, backend: str, numel: int) -> None:
+    """One process of the all-reduce check: prints a JSON line with its result (run by all_reduce)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=NCCL_TIMEOUT_S), **({"device_id": device} if device.type == "cuda" else {}))
+    tensor = torch.full((numel,), float(rank + 1), device=device)
+    dist.all_reduce(tensor)  # also the warm-up: NCCL sets up its channels here
+    expected = world_size * (world_size + 1) / 2
+    correct = bool((tensor == expected).all().item())
+    repeats = 5
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(tensor)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - start) / repeats
+    dist.destroy_process_group()
+    bus_bytes = 2 * (world_size - 1) / world_size * tensor.numel() * tensor.element_size()  # the ring's traffic per rank
+    print(json.dumps({"rank": rank, "correct": correct, "bus_gb_per_s": bus_bytes / seconds / 1e9}), flush=True)
+
+
+def all_reduce(world_size: int, backend: str, numel: int, timeout_s: float = NCCL_TIMEOUT_S) -> tuple[bool, str]:
+    """Starts world_size worker processes on this machine; (passed, one-line summary)."""
+    port = _free_port()
+    workers = [
+        subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--all-reduce-worker", f"{rank},{world_size},{port},{backend},{numel}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout_s
+    outputs = []
+    try:
+        for worker in workers:
+            outputs.append(worker.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
+    except subprocess.TimeoutExpired:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+        return False, f"no result after {timeout_s:.0f} s (a hang: a peer-to-peer path or network interface that does not work)"
+    results = []
+    for worker, (stdout, stderr) in zip(workers, outputs):
+        if worker.returncode != 0:
+            last = [line for line in stderr.strip().splitlines() if line.strip()] or [f"exit status {worker.returncode}"]
+            return False, f"rank {workers.index(worker)} failed: {last[-1].strip()}"
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    if not all(result["correct"] for result in results):
+        return False, "wrong sums: the processes disagree"
+    slowest = min(result["bus_gb_per_s"] for result in results)
+    return True, f"{world_size} processes, {numel * 4 / 2**20:.0f} MiB: correct sums, bus bandwidth {slowest:.0f} GB/s"
+
+
+def check_all_reduce(machine: Machine, plan: Plan, quick: bool) -> Check:
+    if not machine.gpu_mode:
+        return Check("nccl", "skip", "CPU mode (the smoke runs use gloo)")
+    if plan.nproc < 2:
+        return Check("nccl", "skip", "1 process per node: nothing to reduce on this machine")
+    if quick:
+        return Check("nccl", "skip", "--quick")
+    passed, outcome = all_reduce(plan.nproc, "nccl", NCCL_TENSOR_BYTES // 4)
+    if not passed:
+        return Check("nccl", "fail", f"all-reduce on GPUs 0-{plan.nproc - 1}: {outcome}",
+                     "rerun with NCCL_DEBUG=INFO for NCCL's own log; nvidia-smi topo -m shows the links; NCCL_P2P_DISABLE=1 tells if P2P is the cause")
+    return Check("nccl", "ok", f"all-reduce on GPUs 0-{plan.nproc - 1}: {outcome}")
+
+
+def check_torchrun(plan: Plan) -> Check:
+    path = shutil.which("torchrun")
+    if path is not None:
+        return Check("torchrun", "ok", path)
+    fix = "activate the environment torch is installed in (its bin/ holds torchrun), or launch with python -m torch.distributed.run"
+    if plan.gpu_mode or plan.world_size > 1:
+        return Check("torchrun", "fail", "not on PATH; run.sh launches it", fix)
+    return Check("torchrun", "warn", "not on PATH (the 1-process smoke run does not need it)", fix)
+
+
+# ---- data ----
+@dataclass(frozen=True)
+class DataPlan:
+    """What the run's loader gets out of the training shards, walked the way the script's loader walks them."""
+
+    files: list[Any]
+    tokens: int  # in all training shards (headers)
+    val_tokens: int
+    batches_needed: int  # loader batches the run draws
+    batches_found: int  # up to batches_needed
+    shards_read: int  # shards the walk went through to find them
+    tokens_read: int  # tokens of those shards
+
+
+def loader_batches_needed(plan: Plan) -> int:
+    """Track 1 draws one batch per micro-step (8 / world size per step); Track 3 one per step (every trial
+    starts again at the first shard, so trials need no more)."""
+    if plan.track.number == 1:
+        return plan.hp.train_steps * (8 // plan.world_size)
+    return plan.hp.train_steps
+
+
+def nominal_tokens(plan: Plan) -> int:
+    hp = plan.hp
+    return hp.train_steps * (hp.train_batch_size if plan.track.number == 1 else 8 * hp.micro_batch_seqs * hp.seq_len)
+
+
+def _walk_track1(plan: Plan, files: list[str], needed: int) -> tuple[int, int, int]:
+    """train_gpt.py's BOS-aligned planning over each shard in turn (documents cut at train_max_seq_len, each
+    row's remainder dropped, a shard's leftover documents skipped), until `needed` batches are found."""
+    tg, hp = training_module(plan.track), plan.hp
+    local = hp.train_batch_size // ((8 // plan.world_size) * plan.world_size)
+    found = tokens_read = 0
+    for number, path in enumerate(files, start=1):
+        tokens = tg.read_shard(path, hp.vocab_size)  # also checks every token id, as the loader will
+        bos, cursor = tg.bos_positions(tokens, hp.bos_token), 0
+        tokens_read += tokens.size
+        while found < needed and (planned := tg.plan_segments(bos, tokens.size, cursor, local, hp.train_max_seq_len, plan.world_size, True)):
+            cursor, found = planned[1], found + 1
+        if found >= needed:
+            return found, number, tokens_read
+    return found, len(files), tokens_read
+
+
+def _walk_track3(plan: Plan, files: list[Any], needed: int) -> tuple[int, int, int]:
+    """train_gpt_shampoo.py's unaligned loader: a batch fits while position + batch + 1 < the shard's length."""
+    tgs, hp = training_module(plan.track), plan.hp
+    batch = 8 * hp.micro_batch_seqs * hp.seq_len
+    found = tokens_read = 0
+    for number, path in enumerate(files, start=1):
+        size = tgs.read_shard_header(path)
+        found, tokens_read = found + max(0, (size - 2) // batch), tokens_read + size
+        if found >= needed:
+            return needed, number, tokens_read
+    return found, len(files), tokens_read
+
+
+def _validate_data(plan: Plan) -> DataPlan:
+    """The checks the script makes before it starts, then the loader's walk; raises the script's UserError."""
+    module, hp = training_module(plan.track), plan.hp
+    needed = loader_batches_needed(plan)
+    if plan.track.number == 1:
+        train_files = module.resolve_files(hp.train_files, "train")
+        val_files = module.resolve_files(hp.val_files, "val")
+        train_tokens = module.check_train_data(train_files, hp.vocab_size)
+        val_tokens = module.check_val_data(val_files, hp.val_tokens, hp.val_batch_size, 8 // plan.world_size, hp.vocab_size)
+        return DataPlan(train_files, train_tokens, val_tokens, needed, *_walk_track1(plan, train_files, needed))
+    module.check_batch_geometry(hp, plan.world_size)
+    train_files, val_files = module.resolve_files(hp.train_files), module.resolve_files(hp.val_files)
+    train_tokens = module.check_train_data(train_files, hp.vocab_size)
+    first_val = module.read_shard_header(val_files[0])
+    if first_val < hp.val_tokens + 2:
+        raise module.UserError(f"{val_files[0]} holds {first_val} tokens, fewer than --val_tokens={hp.val_tokens} + 2; lower --val_tokens")
+    module.load_shard(val_files[0], hp.vocab_size, pin=False)
+    return DataPlan(train_files, train_tokens, module.count_tokens(val_files), needed, *_walk_track3(plan, train_files, needed))
+
+
+def shards_to_download(plan: Plan, data: DataPlan | None) -> int:
+    """Hub shards (100M tokens each) that hold the run: from the walk's tokens per batch when there is one."""
+    if plan.track.number == 3:
+        per_shard = (SHARD_TOKENS - 2) // (8 * plan.hp.micro_batch_seqs * plan.hp.seq_len)
+        count = math.ceil(plan.hp.train_steps / max(per_shard, 1))
+    elif data is not None and data.batches_found:
+        count = math.ceil(data.batches_needed * data.tokens_read / data.batches_found / SHARD_TOKENS) + 1
+    else:
+        count = math.ceil(nominal_tokens(plan) / SHARD_TOKENS) + 1  # a shard's worth for alignment losses
+    return max(plan.track.hub_shards, count)
+
+
+def _download_fix(plan: Plan, data: DataPlan | None) -> str:
+    if "train_files" in plan.overrides or "val_files" in plan.overrides or os.environ.get("DATA_PATH"):
+        return "add shards (or check --train_files and DATA_PATH); --cycle_train_files=true repeats them (never a record)"
+    return f"python data/cached_fineweb10B.py {shards_to_download(plan, data)}"
+
+
+def _with_data_path(pattern: str) -> str:
+    return os.path.join(os.environ["DATA_PATH"], pattern) if os.environ.get("DATA_PATH") else pattern
+
+
+def _matches(pattern: str) -> bool:
+    return bool(glob.glob(_with_data_path(pattern)))
+
+
+def check_shards(plan: Plan) -> Check:
+    if plan.overrides.get("preset") == "smoke" and "train_files" not in plan.overrides and "val_files" not in plan.overrides:
+        where = f"{plan.hp.log_dir}/smoke_shards_*/" if plan.track.number == 1 else "data/smoke/"
+        return Check("shards", "ok", f"the smoke preset writes its own synthetic shards ({where})")
+    module = training_module(plan.track)
+    missing = [pattern for pattern in (plan.hp.train_files, plan.hp.val_files) if not _matches(pattern)]
+    if missing:
+        return Check("shards", "fail", f"no files match {', '.join(repr(_with_data_path(p)) for p in missing)}", _download_fix(plan, None))
+    try:
+        data = _validate_data(plan)
+    except module.UserError as error:  # the script's own words: the file, the rule, the fix
+        return Check("shards", "fail", str(error))
+    unit = "micro-batches" if plan.track.number == 1 else "batches"
+    detail = (f"{len(data.files)} train shards, {data.tokens:,} tokens, {data.val_tokens:,} validation tokens, valid; "
+              f"the run's {data.batches_needed:,} {unit} ({plan.hp.train_steps} steps)")
+    if data.batches_found >= data.batches_needed:
+        return Check("shards", "ok", f"{detail} fit in the first {data.shards_read} ({data.tokens_read:,} tokens)")
+    why = ("documents are cut at --train_max_seq_len and the rest of a batch's last one is dropped"
+           if plan.track.number == 1 else "a shard's tail shorter than a batch is skipped")
+    short = f"{detail}: the shards hold {data.batches_found:,} ({why})"
+    if plan.hp.cycle_train_files and data.batches_found > 0:
+        return Check("shards", "warn", f"{short}; cycle_train_files repeats them (never a record)")
+    return Check("shards", "fail", short, _download_fix(plan, data))
+
+
+# ---- disk ----
+def _existing_ancestor(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def checkpoint_bytes(plan: Plan) -> int:
+    """Estimated size of one checkpoint of the record model: fp32 weights and two optimizer moments per
+    parameter; Track 3 adds Shampoo's factor matrices and their roots (two of each side's size per block matrix)."""
+    size = 12 * plan.track.params
+    if plan.track.number == 3:
+        dim, layers = 768, 12
+        per_layer = 4 * 2 * (dim * dim + dim * dim) + 2 * 2 * (dim * dim + (4 * dim) ** 2)  # attention q, k, v, proj; MLP fc, proj
+        size += 4 * layers * per_layer
+    return size
+
+
+def check_disk(plan: Plan) -> Check:
+    hp = plan.hp
+    log_root = _existing_ancestor(Path(hp.log_dir))  # relative paths are the script's: from the working directory
+    free = shutil.disk_usage(log_root).free
+    count = 0
+    if hp.checkpoint_every:
+        count = hp.train_steps // hp.checkpoint_every * getattr(hp, "num_trials", 1) + 1  # and one at an interrupt
+    if getattr(hp, "save_checkpoint", False):
+        count += 1
+    if count == 0:
+        if free < 2**30:
+            return Check("disk", "warn", f"{gib(free)} free at {log_root}: little room for logs", "free some disk")
+        return Check("disk", "ok", f"{gib(free)} free at {log_root} (a log takes under 1 MB; checkpoints off)")
+    where = _existing_ancestor(Path(getattr(hp, "checkpoint_dir", "") or "checkpoints"))
+    free = shutil.disk_usage(where).free
+    needed = count * checkpoint_bytes(plan)
+    detail = f"{gib(free)} free at {where}; {count} checkpoints of about {gib(checkpoint_bytes(plan))} each (estimate)"
+    if free < needed:
+        return Check("disk", "warn", f"{detail}: not enough for all of them", "raise --checkpoint_every or free some disk")
+    return Check("disk", "ok", detail)
+
+
+# ---- speed ----
+def work_changing_flags(plan: Plan) -> list[str]:
+    """The overrides that change a step's work (or memory) from the record configuration's."""
+    return sorted(set(plan.overrides) - STEP_NEUTRAL_FLAGS)
+
+
+def check_expected_speed(machine: Machine, plan: Plan) -> Check:
+    if not machine.gpu_mode:
+        return Check("expected", "skip", f"CPU mode: the smoke run took about {SMOKE_SECONDS_ON_2_CORES[plan.track.number]} s on 2 shared cores")
+    name = machine.gpus[0].name
+    measured = MEASURED_MS_PER_STEP.get((name, plan.track.number, plan.world_size))
+    if measured is None or plan.nnodes > 1:
+        known = sorted({f"{gpu} x{n}" for gpu, track, n in MEASURED_MS_PER_STEP if track == plan.track.number})
+        return Check("expected", "skip", f"no measurement for {plan.world_size} x {name}"
+                     + (f" over {plan.nnodes} nodes" if plan.nnodes > 1 else "") + f" (we have: {', '.join(known)})")
+    changed = work_changing_flags(plan)
+    low, high, how = measured
+    if changed:
+        return Check("expected", "skip", f"measured at the record configuration only; --{', --'.join(changed)} change the work per step")
+    span = f"{low:,.0f}" if low == high else f"{low:,.0f}-{high:,.0f}"
+    steps = plan.hp.train_steps
+    return Check("expected", "ok", f"{span} ms/step on {name} ({how}), so {steps} steps take about "
+                 f"{steps * high / 60000:.0f} min plus compilation; {MEASURED_ON}")
+
+
+# ---- report ----
+SMOKE_COMMANDS = """CPU mode: no CUDA GPU is visible, so this checked the CPU smoke run. Smoke commands:
+  python train_gpt.py --preset=smoke                # Track 1's whole pipeline, tiny model (shards in logs/smoke_shards_*/)
+  python train_gpt_shampoo.py --preset=smoke        # Track 3's (shards in data/smoke/)
+  torchrun --standalone --nproc_per_node=2 train_gpt.py --preset=smoke   # 2 gloo processes
+  python -m pytest -q                               # the tests"""
+
+
+def run_checks(machine: Machine, plan: Plan, quick: bool, report: Callable[[Check], None] = lambda check: None) -> list[Check]:
+    """Every check in screen order; report sees each as soon as it is done (the all-reduce takes a while)."""
+    steps: list[Callable[[], Check | None]] = [
+        check_python, lambda: check_torch(machine), lambda: check_triton(machine), lambda: check_cuda(machine),
+        lambda: check_gpus(machine, plan), lambda: check_processes(plan), lambda: check_attention(machine, plan, quick),
+        lambda: check_shampoo(plan), lambda: check_all_reduce(machine, plan, quick), lambda: check_shards(plan),
+        lambda: check_torchrun(plan), lambda: check_disk(plan), lambda: check_expected_speed(machine, plan),
+    ]
+    checks = []
+    for step in steps:
+        check = step()
+        if check is not None:
+            report(check)
+            checks.append(check)
+    return checks
+
+
+def header(machine: Machine, plan: Plan) -> str:
+    mode = "GPU mode" if machine.gpu_mode else "CPU mode (the smoke run)"
+    nodes = f" on each of {plan.nnodes} nodes" if plan.nnodes > 1 else ""
+    return f"doctor: Track {plan.track.number} ({plan.track.script}), {plan.nproc} process{'es' if plan.nproc > 1 else ''}{nodes}, {mode}"
+
+
+def summary(checks: list[Check], run: str = "the run") -> str:
+    failed = [check.name for check in checks if check.status == "fail"]
+    warned = sum(check.status == "warn" for check in checks)
+    if failed:
+        return f"doctor: {len(failed)} check{'s' if len(failed) > 1 else ''} failed ({', '.join(failed)}): {run} would not start as it is"
+    return f"doctor: {run} would start ({warned} warning{'s' if warned != 1 else ''})"
+
+
+def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="tools/doctor.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--track", type=int, choices=sorted(TRACKS), default=1, help="1: train_gpt.py (default), 3: train_gpt_shampoo.py")
+    parser.add_argument("--nproc", type=int, default=None, help="processes on this machine (default: the visible GPUs, as run.sh counts; 1 on CPU)")
+    parser.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", "1") or 1), help="machines in the run (default: NNODES or 1)")
+    parser.add_argument("--quick", action="store_true", help="skip the all-reduce and FA3's kernel (seconds instead of tens of seconds)")
+    parser.add_argument("--all-reduce-worker", help=argparse.SUPPRESS)
+    args, training_flags = parser.parse_known_args(list(argv))
+    bad = [flag for flag in training_flags if not flag.startswith("--")]
+    if bad:
+        parser.error(f"unexpected argument {bad[0]!r}: training flags are --name=value")
+    if args.nproc is not None and args.nproc < 1 or args.nnodes < 1:
+        parser.error("--nproc and --nnodes must be at least 1")
+    return args, training_flags
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, training_flags = parse_command_line(sys.argv[1:] if argv is None else argv)
+    if args.all_reduce_worker:
+        rank, world_size, port, backend, numel = args.all_reduce_worker.split(",")
+        all_reduce_worker(int(rank), int(world_size), int(port), backend, int(numel))
+        return 0
+    missing = [name for name in ("torch", "numpy") if importlib.util.find_spec(name) is None]
+    if missing:  # nothing else can be checked
+        checks = [check_python()] + [Check(name, "fail", "not installed", INSTALL_HINT) for name in missing]
+        for check in checks:
+            print(check.line())
+        print(summary(checks))
+        return 1
+    machine = read_machine()
+    nproc = args.nproc or (len(machine.gpus) if machine.gpu_mode else 1)  # run.sh's count
+    try:
+        plan = make_plan(TRACKS[args.track], nproc, args.nnodes, training_flags, machine.gpu_mode)
+    except PlanError as error:
+        failed = Check("settings", "fail", str(error), f"python {TRACKS[args.track].script} --help lists the flags")
+        print(failed.line())
+        print(summary([failed], "the run" if machine.gpu_mode else "the smoke run"))
+        return 1
+    print(header(machine, plan), flush=True)
+    checks = run_checks(machine, plan, args.quick, report=lambda check: print(check.line(), flush=True))
+    print(summary(checks, "the run" if machine.gpu_mode else "the smoke run"))
+    if not machine.gpu_mode:
+        print(SMOKE_COMMANDS)
+    return 1 if any(check.status == "fail" for check in checks) else 0
+
+
+if __name__ == "__main__":
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `doctor.py | head` ends quietly
+    sys.exit(main())
