@@ -547,7 +547,8 @@ def _walk_track1(plan: Plan, files: list[str], needed: int) -> tuple[int, int, i
         tokens = tg.read_shard(path, hp.vocab_size)  # also checks every token id, as the loader will
         bos, cursor = tg.bos_positions(tokens, hp.bos_token), 0
         tokens_read += tokens.size
-        while found < needed and (planned := tg.plan_segments(bos, tokens.size, cursor, local, hp.train_max_seq_len, plan.world_size, True)):
+        sizes = dict(num_tokens_local=local, max_seq_len=hp.train_max_seq_len, world_size=plan.world_size, index_is_complete=True)
+        while found < needed and (planned := tg.plan_segments(bos, tokens.size, cursor, **sizes)):
             cursor, found = planned[1], found + 1
         if found >= needed:
             return found, number, tokens_read
@@ -575,16 +576,18 @@ def _validate_data(plan: Plan) -> DataPlan:
         train_files = module.resolve_files(hp.train_files, "train")
         val_files = module.resolve_files(hp.val_files, "val")
         train_tokens = module.check_train_data(train_files, hp.vocab_size)
-        val_tokens = module.check_val_data(val_files, hp.val_tokens, hp.val_batch_size, 8 // plan.world_size, hp.vocab_size)
+        val_tokens = module.check_val_data(val_files, val_tokens=hp.val_tokens, val_batch_size=hp.val_batch_size,
+                                           grad_accum_steps=8 // plan.world_size, vocab_size=hp.vocab_size)
         return DataPlan(train_files, train_tokens, val_tokens, needed, *_walk_track1(plan, train_files, needed))
     module.check_batch_geometry(hp, plan.world_size)
-    train_files, val_files = module.resolve_files(hp.train_files), module.resolve_files(hp.val_files)
+    train_files, val_files = module.resolve_files(hp.train_files, "train"), module.resolve_files(hp.val_files, "val")
     train_tokens = module.check_train_data(train_files, hp.vocab_size)
     first_val = module.read_shard_header(val_files[0])
     if first_val < hp.val_tokens + 2:
         raise module.UserError(f"{val_files[0]} holds {first_val} tokens, fewer than --val_tokens={hp.val_tokens} + 2; lower --val_tokens")
-    module.load_shard(val_files[0], hp.vocab_size, pin=False)
-    return DataPlan(train_files, train_tokens, module.count_tokens(val_files), needed, *_walk_track3(plan, train_files, needed))
+    module.read_shard(val_files[0], hp.vocab_size)
+    val_tokens = sum(module.read_shard_header(path) for path in val_files)
+    return DataPlan(train_files, train_tokens, val_tokens, needed, *_walk_track3(plan, train_files, needed))
 
 
 def shards_to_download(plan: Plan, data: DataPlan | None) -> int:

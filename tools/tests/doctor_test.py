@@ -303,7 +303,8 @@ def test_track1_walk_matches_the_loader(tmp_path, nproc):
     files = tg.resolve_files(p.hp.train_files, "train")
     found, shards_read, tokens_read = dr._walk_track1(p, files, needed=10**9)
     local = p.hp.train_batch_size // 8
-    loader = tg.TrainLoader(files, local, p.hp.train_max_seq_len, 0, nproc, 511, 512, False, torch.device("cpu"), False)
+    sizes = dict(num_tokens_local=local, max_seq_len=p.hp.train_max_seq_len, rank=0, world_size=nproc)
+    loader = tg.TrainLoader(files, **sizes, bos_token=511, vocab_size=512, cycle=False, device=torch.device("cpu"), with_cu_seqlens=False)
     served = 0
     with pytest.raises(tg.UserError, match="exhausted"):
         while True:
@@ -319,9 +320,10 @@ def test_track3_walk_matches_the_loader(tmp_path):
 
     flags = tiny_shards(tmp_path, (5000, 2049, 2050, 9000))  # smoke batches are 2048 tokens (+2 to fit)
     p = plan(*flags, "--preset=smoke", "--train_steps=1000", track=3, gpu_mode=False)
-    files = tgs.resolve_files(p.hp.train_files)
+    files = tgs.resolve_files(p.hp.train_files, "train")
     found, shards_read, _ = dr._walk_track3(p, files, needed=10**9)
-    loader = tgs.TokenLoader(files, 8 * p.hp.micro_batch_seqs * p.hp.seq_len, p.hp.seq_len, 0, 1, 512, torch.device("cpu"))
+    loader = tgs.TokenLoader(files, batch_tokens=8 * p.hp.micro_batch_seqs * p.hp.seq_len, seq_len=p.hp.seq_len, rank=0,
+                             world_size=1, vocab_size=512, device=torch.device("cpu"))
     served = 0
     with pytest.raises(tgs.UserError, match="out of training data"):
         while True:
