@@ -2028,37 +2028,37 @@ def report_stop(line: str, every_rank: bool = False) -> None:
         write_atomically(Path(error_file), lambda f: f.write(message))
 
 
-def log_environment(
-    rt: Runtime,
-    hp: Hyperparameters,
-    overrides: dict,
-    backend: str,
-    fp8: bool,
-    train_files: list[str],
-    train_token_count: int,
-    val_files: list[str],
-    val_token_count: int,
-) -> None:
-    print0("=" * 100)
-    print0(f"Running Python {sys.version}")
-    print0(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")
-    print0(f"Running Triton version {triton.__version__ if triton is not None else 'not installed'}")
+def environment_lines(rt: Runtime, hp: Hyperparameters, overrides: dict[str, Any], track_lines: list[str],
+                      train_files: list[str], train_token_count: int, val_files: list[str], val_token_count: int) -> list[str]:
+    """The log's environment block (docs/log_format.md): versions, GPUs, world size, the track's own lines, commit,
+    settings and data."""
+    try:
+        import triton as triton_module  # optional: CPU-only installs run without it
+
+        triton_version = triton_module.__version__
+    except ImportError:
+        triton_version = "not installed"
     smi = _command_output(["nvidia-smi"])
-    print0(smi if smi is not None else "nvidia-smi: not available")
     if rt.device.type == "cuda":
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        print0(f"device: {len(names)}x {names[0] if len(set(names)) == 1 else names}")
+        device = f"device: {len(names)}x {names[0] if len(set(names)) == 1 else names}"
     else:
-        print0("device: cpu")
-    print0(f"world_size: {rt.world_size}")
-    print0(f"grad_accum_steps: {rt.grad_accum_steps}")
-    print0(f"attention_backend: {backend}")
-    print0(f"fp8_head: {'on' if fp8 else 'off'}")
-    print0(f"git_commit: {git_commit()}")
-    print0(f"overrides: {overrides!r}")
-    print0(f"hyperparameters: {dataclasses.asdict(hp)!r}")
-    print0(f"train_files: {len(train_files)} files, {train_token_count} tokens")
-    print0(f"val_files: {len(val_files)} files, {val_token_count} tokens")
+        device = "device: cpu"
+    return [
+        f"Running Python {sys.version}",
+        f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
+        f"Running Triton version {triton_version}",
+        smi.rstrip("\n") if smi is not None else "nvidia-smi: not available",
+        device,
+        f"world_size: {rt.world_size}",
+        f"grad_accum_steps: {rt.grad_accum_steps}",
+        *track_lines,
+        f"git_commit: {git_commit()}",
+        f"overrides: {overrides!r}",
+        f"hyperparameters: {dataclasses.asdict(hp)!r}",
+        f"train_files: {len(train_files)} files, {train_token_count} tokens",
+        f"val_files: {len(val_files)} files, {val_token_count} tokens",
+    ]
 
 
 def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime) -> None:
@@ -2508,7 +2508,10 @@ def run(argv: list[str]) -> float:
 
     run_id = open_run_log(hp)
     checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id}")
-    log_environment(rt, hp, overrides, backend, fp8, train_files, train_token_count, val_files, val_token_count)
+    print0("=" * 100)
+    track_lines = [f"attention_backend: {backend}", f"fp8_head: {'on' if fp8 else 'off'}"]
+    for line in environment_lines(rt, hp, overrides, track_lines, train_files, train_token_count, val_files, val_token_count):
+        print0(line)
     log_model_and_muon(raw_model, muon, hp, rt)
     if resume is not None:
         print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at step {resume.step}")

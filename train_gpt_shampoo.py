@@ -987,27 +987,36 @@ def program_source() -> str:
     return "".join(parts)
 
 
-def environment_lines(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime,
-                      train_files: list[str], val_files: list[str], token_counts: tuple[int, int]) -> list[str]:
+def environment_lines(rt: Runtime, hp: Hyperparameters, overrides: dict[str, Any], track_lines: list[str],
+                      train_files: list[str], train_token_count: int, val_files: list[str], val_token_count: int) -> list[str]:
+    """The log's environment block (docs/log_format.md): versions, GPUs, world size, the track's own lines, commit,
+    settings and data."""
     try:
-        import triton
+        import triton as triton_module  # optional: CPU-only installs run without it
 
-        triton_version = triton.__version__
+        triton_version = triton_module.__version__
     except ImportError:
         triton_version = "not installed"
+    smi = _command_output(["nvidia-smi"])
+    if rt.device.type == "cuda":
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        device = f"device: {len(names)}x {names[0] if len(set(names)) == 1 else names}"
+    else:
+        device = "device: cpu"
     return [
         f"Running Python {sys.version}",
         f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
         f"Running Triton version {triton_version}",
-        (_command_output(["nvidia-smi"]) or "nvidia-smi: not available").rstrip("\n"),
-        f"device: {rt.world_size}x {torch.cuda.get_device_name(rt.device)}" if rt.device.type == "cuda" else "device: cpu",
+        smi.rstrip("\n") if smi is not None else "nvidia-smi: not available",
+        device,
         f"world_size: {rt.world_size}",
         f"grad_accum_steps: {rt.grad_accum_steps}",
+        *track_lines,
         f"git_commit: {git_commit()}",
         f"overrides: {overrides!r}",
         f"hyperparameters: {dataclasses.asdict(hp)!r}",
-        f"train_files: {len(train_files)} files, {token_counts[0]} tokens",
-        f"val_files: {len(val_files)} files, {token_counts[1]} tokens",
+        f"train_files: {len(train_files)} files, {train_token_count} tokens",
+        f"val_files: {len(val_files)} files, {val_token_count} tokens",
     ]
 
 
@@ -1435,7 +1444,8 @@ def train_trials(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime, tr
         with open(_log_path, "a", encoding="utf-8") as f:
             f.write(program_source())
         print0(SEPARATOR)
-        for line in environment_lines(hp, overrides, rt, train_files, val_files, token_counts) + parameter_split_lines(model, hp):
+        environment = environment_lines(rt, hp, overrides, [], train_files, token_counts[0], val_files, token_counts[1])
+        for line in environment + parameter_split_lines(model, hp):
             print0(line)
     dist.broadcast_object_list(run_id, 0)
     _shared_log_path = Path(hp.log_dir) / f"{run_id[0]}.txt"

@@ -31,7 +31,7 @@ SHARED = (
     "Runtime", "_free_port", "read_world_size", "cpu_threads", "setup_distributed", "synchronize", "_log_path", "_is_master",
     "print0", "open_log", "_command_output", "git_commit", "_stop_signal", "_defer_stop", "_step_reached",
     "NON_FINITE_EXIT_STATUS", "HEALTH_LAG_CUDA", "interrupted", "_on_stop_signal", "install_stop_handlers",
-    "StepHealth", "report_stop",
+    "StepHealth", "report_stop", "environment_lines",
     # checkpoint files
     "PARTIAL_MARKER", "remove_stale_partial_checkpoints", "atomic_torch_save", "fsync_directory", "rng_state",
     "set_rng_state", "comparable_settings", "write_checkpoint", "ResumePoint", "open_checkpoint",
