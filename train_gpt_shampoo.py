@@ -1396,7 +1396,7 @@ class RunResult:
     trials: list[TrialResult]
 
 
-def train(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
+def run(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
     """The whole run: checks, setup, log header, warmup, trials. Returns what tests inspect. Every check that
     can fail runs before the log file is created: a refused run leaves no log."""
     global _log_path, _shared_log_path
@@ -1485,8 +1485,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     install_stop_handlers()
     try:
         hp, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-        train(hp, overrides)
-    except UserError as error:  # train() has written the log's line
+        run(hp, overrides)
+    except UserError as error:  # run() has written the log's line
         report_stop(f"train_gpt_shampoo.py: error: {error}")
         raise SystemExit(2) from None
     except RunStopped as stop:

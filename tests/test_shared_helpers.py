@@ -28,8 +28,8 @@ SHARED = (
     "resolve_files", "shard_fix", "read_shard_header", "read_shard", "check_train_data", "shard_bytes",
     "write_atomically", "write_shard",
     # processes, log and stopping
-    "Runtime", "_free_port", "read_world_size", "cpu_threads", "setup_distributed", "synchronize", "_log_path", "_is_master",
-    "print0", "open_log", "_command_output", "git_commit", "_stop_signal", "_defer_stop", "_step_reached",
+    "Runtime", "_free_port", "read_world_size", "cpu_threads", "setup_distributed", "synchronize", "_log_path",
+    "_is_master", "print0", "open_log", "_command_output", "git_commit", "_stop_signal", "_defer_stop", "_step_reached",
     "NON_FINITE_EXIT_STATUS", "HEALTH_LAG_CUDA", "interrupted", "_on_stop_signal", "install_stop_handlers",
     "StepHealth", "report_stop", "environment_lines",
     # checkpoint files
@@ -54,7 +54,7 @@ DIFFERENT = {
     "GPT": "each record's architecture",
     "build_optimizers": "Muon and DistAdam versus AdamW and Shampoo",
     "evaluate": "each track's validation data and reduction",
-    "train": "Track 1's timed loop versus Track 3's whole run (trials)",
+    "run": "the whole run: Track 1's parses its command line, Track 3's takes parsed settings (tests call it)",
     "main": "each script's entry point",
     "CHECKPOINT_FORMAT": "each script's own checkpoint format",
     "Progress": "Track 3 also tracks the trial and the last validation",

@@ -42,7 +42,7 @@ def workdir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 def smoke_run(*args: str) -> tgs.RunResult:
     hp, overrides = tgs.parse_args(["--preset=smoke", *args])
-    return tgs.train(hp, overrides)
+    return tgs.run(hp, overrides)
 
 
 def val_lines(log_path: Path) -> list[str]:
@@ -475,7 +475,7 @@ def test_main_reports_user_errors_in_one_line(workdir: Path, monkeypatch: pytest
 def test_two_gloo_processes_match_one(workdir: Path, matrix_optimizer: str) -> None:
     args = ["--preset=smoke", f"--matrix_optimizer={matrix_optimizer}", "--train_steps=6", "--val_every=3",
             "--shampoo_precondition_frequency=2"]
-    one = tgs.train(*tgs.parse_args(args))
+    one = tgs.run(*tgs.parse_args(args))
     two_log, two_text = torchrun(args, workdir)
     assert "world_size: 2" in two_text and "grad_accum_steps: 4" in two_text
     losses_one = [float(VAL_LINE.match(line).group(3)) for line in val_lines(one.log_path)]
