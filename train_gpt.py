@@ -2061,6 +2061,7 @@ def environment_lines(rt: Runtime, hp: Hyperparameters, overrides: dict[str, Any
     ]
 
 
+# ---- Track 1's own log lines ----
 def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime) -> None:
     total = sum(p.numel() for p in model.parameters())
     print0(f"params: total={total} matmul={matmul_parameter_count(model)} embed={embedding_parameter_count(model)}")

@@ -923,6 +923,40 @@ def report_stop(line: str, every_rank: bool = False) -> None:
         write_atomically(Path(error_file), lambda f: f.write(message))
 
 
+def environment_lines(rt: Runtime, hp: Hyperparameters, overrides: dict[str, Any], track_lines: list[str],
+                      train_files: list[str], train_token_count: int, val_files: list[str], val_token_count: int) -> list[str]:
+    """The log's environment block (docs/log_format.md): versions, GPUs, world size, the track's own lines, commit,
+    settings and data."""
+    try:
+        import triton as triton_module  # optional: CPU-only installs run without it
+
+        triton_version = triton_module.__version__
+    except ImportError:
+        triton_version = "not installed"
+    smi = _command_output(["nvidia-smi"])
+    if rt.device.type == "cuda":
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        device = f"device: {len(names)}x {names[0] if len(set(names)) == 1 else names}"
+    else:
+        device = "device: cpu"
+    return [
+        f"Running Python {sys.version}",
+        f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
+        f"Running Triton version {triton_version}",
+        smi.rstrip("\n") if smi is not None else "nvidia-smi: not available",
+        device,
+        f"world_size: {rt.world_size}",
+        f"grad_accum_steps: {rt.grad_accum_steps}",
+        *track_lines,
+        f"git_commit: {git_commit()}",
+        f"overrides: {overrides!r}",
+        f"hyperparameters: {dataclasses.asdict(hp)!r}",
+        f"train_files: {len(train_files)} files, {train_token_count} tokens",
+        f"val_files: {len(val_files)} files, {val_token_count} tokens",
+    ]
+
+
+# ---- this script's log: the program it ran (the script and the package modules it imports) ----
 _shared_log_path: Path | None = None  # the log's path on every rank (for a stop that only some ranks meet)
 
 
@@ -985,39 +1019,6 @@ def program_source() -> str:
     if not parts[0].endswith("\n"):
         parts[0] += "\n"
     return "".join(parts)
-
-
-def environment_lines(rt: Runtime, hp: Hyperparameters, overrides: dict[str, Any], track_lines: list[str],
-                      train_files: list[str], train_token_count: int, val_files: list[str], val_token_count: int) -> list[str]:
-    """The log's environment block (docs/log_format.md): versions, GPUs, world size, the track's own lines, commit,
-    settings and data."""
-    try:
-        import triton as triton_module  # optional: CPU-only installs run without it
-
-        triton_version = triton_module.__version__
-    except ImportError:
-        triton_version = "not installed"
-    smi = _command_output(["nvidia-smi"])
-    if rt.device.type == "cuda":
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        device = f"device: {len(names)}x {names[0] if len(set(names)) == 1 else names}"
-    else:
-        device = "device: cpu"
-    return [
-        f"Running Python {sys.version}",
-        f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
-        f"Running Triton version {triton_version}",
-        smi.rstrip("\n") if smi is not None else "nvidia-smi: not available",
-        device,
-        f"world_size: {rt.world_size}",
-        f"grad_accum_steps: {rt.grad_accum_steps}",
-        *track_lines,
-        f"git_commit: {git_commit()}",
-        f"overrides: {overrides!r}",
-        f"hyperparameters: {dataclasses.asdict(hp)!r}",
-        f"train_files: {len(train_files)} files, {train_token_count} tokens",
-        f"val_files: {len(val_files)} files, {val_token_count} tokens",
-    ]
 
 
 def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
