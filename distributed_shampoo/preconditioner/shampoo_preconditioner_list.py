@@ -226,6 +226,11 @@ def _is_finite(tensors: tuple[Tensor, ...]) -> bool:
     return all(bool(torch.isfinite(tensor).all()) for tensor in tensors)
 
 
+def _check_one_gradient_per_block(masked_grad_list: tuple[Tensor, ...], masked_blocks: tuple[Any, ...]) -> None:
+    if len(masked_grad_list) != len(masked_blocks):
+        raise ValueError(f"{len(masked_grad_list)} gradients for {len(masked_blocks)} masked blocks.")
+
+
 def _only(tensor: Tensor) -> Tensor:
     """Continuation of a computation that finished on its side stream with one tensor."""
     return tensor
@@ -554,10 +559,12 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
 
     @profile_decorator
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        return tuple(
-            self._precondition_block(grad, block)
-            for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True)
-        )
+        _check_one_gradient_per_block(masked_grad_list, self._masked_blocks)
+        return self.precondition_blocks(masked_grad_list, 0)
+
+    def precondition_blocks(self, masked_grad_list: tuple[Tensor, ...], first_block: int) -> tuple[Tensor, ...]:
+        blocks = self._masked_blocks[first_block : first_block + len(masked_grad_list)]
+        return tuple(self._precondition_block(grad, block) for grad, block in zip(masked_grad_list, blocks, strict=True))
 
 
 def _tensors_of(value: Any) -> tuple[Tensor, ...]:
