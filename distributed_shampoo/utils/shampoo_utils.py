@@ -272,10 +272,12 @@ def run_on_side_streams(
         return [_resolve(task()) for task in tasks]  # type: ignore[misc]
     caller = torch.cuda.current_stream(device)
     workers = _side_stream_workers(device, min(num_streams, len(tasks)))
+    for stream, _ in workers:
+        # Now, from this thread: the continuations this thread queues on the caller later are no task's input.
+        stream.wait_stream(caller)
 
     @contextmanager
     def on_side_stream(stream: "torch.cuda.Stream") -> Iterator[None]:
-        stream.wait_stream(caller)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             yield
 
