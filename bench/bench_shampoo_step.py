@@ -8,7 +8,7 @@ Gradients are fixed random tensors (identical on every rank), so only the optimi
     torchrun --standalone --nproc_per_node=2 bench/bench_shampoo_step.py   # DDP distributor on 2 GPUs
     python bench/bench_shampoo_step.py --tiny --device cpu           # small sizes, to check the script
     python bench/bench_shampoo_step.py --root-streams 1,2,4,8        # one Shampoo row per stream count
-    python bench/bench_shampoo_step.py --symmetric-packing off       # square factor storage (the May layout)
+    python bench/bench_shampoo_step.py --symmetric-packing on        # packed factors (the package default; the record's are square)
 
 Prints two tables. The first: mean ms per step over the measured steps, split into steps that recompute the
 inverse roots (every `--precondition-frequency` steps) and the others, the mean step as a multiple of the AdamW
@@ -80,7 +80,8 @@ def parse_args() -> argparse.Namespace:
         "--symmetric-packing",
         default="default",
         choices=["default", "on", "off"],
-        help="store factors and roots as upper triangles (on, the package default) or square (off)",
+        help="store factors and roots as upper triangles (on, the package default) or square (off); default: as the "
+        "record (square)",
     )
     parser.add_argument(
         "--linalg-library",
