@@ -98,11 +98,11 @@ from distributed_shampoo.shampoo_types import (
     SpectralDescentPreconditionerConfig,
     WeightDecayType,
 )
+from distributed_shampoo.utils.optimizer_modules import OptimizerModule
 from distributed_shampoo.utils.shampoo_state_dict_utils import (
     extract_state_dict_content,
     update_param_state_dict_object,
 )
-from distributed_shampoo.utils.optimizer_modules import OptimizerModule
 from distributed_shampoo.utils.shampoo_utils import compress_list
 
 logger: logging.Logger = logging.getLogger(__name__)

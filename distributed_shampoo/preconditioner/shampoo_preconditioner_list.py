@@ -452,8 +452,9 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         return elements * block.factor_matrices[j].element_size()
 
     def _amortized_result_temporary_elements(self, dimension: int) -> int:
-        """Peak elements the caller's part of a d×d factor's computation holds (`_amortized_result`, the checks and
-        the store); by default the decomposition and one packed copy for storing."""
+        """Peak elements the caller's part of a d×d factor's computation holds (the continuation of
+        `_amortized_result`, the checks and the store); by default at most the eigenvectors and eigenvalues, which
+        are stored by copying (bounded by 2·d²)."""
         return 2 * dimension * dimension
 
     @profile_decorator
