@@ -8,19 +8,28 @@ Gradients are fixed random tensors (identical on every rank), so only the optimi
     torchrun --standalone --nproc_per_node=2 bench/bench_shampoo_step.py   # DDP distributor on 2 GPUs
     python bench/bench_shampoo_step.py --tiny --device cpu           # small sizes, to check the script
     python bench/bench_shampoo_step.py --root-streams 1,2,4,8        # one Shampoo row per stream count
-    python bench/bench_shampoo_step.py --symmetric-packing off       # square factor storage (the May layout)
+    python bench/bench_shampoo_step.py --symmetric-packing on        # packed factors (the package default; the record's are square)
 
-Prints one table: mean ms per step over the measured steps, split into steps that recompute the inverse roots
-(every `--precondition-frequency` steps) and the others, the mean step as a multiple of the AdamW step, and per
-rank the optimizer state and, on CUDA, the peak memory the optimizer added while stepping (peak allocated minus
-the parameters and gradients already there), the part of it that was transient (peak − state), and the bound
-issue 14 sets for it: 0.1 × state + the largest single root computation's temporaries (5·d² for the largest
-factor, see `shampoo_preconditioner_list._AMORTIZED_COMPUTATION_TEMPORARIES`).
+Prints two tables. The first: mean ms per step over the measured steps, split into steps that recompute the
+inverse roots (every `--precondition-frequency` steps) and the others, the mean step as a multiple of the AdamW
+step, and per rank the optimizer state and, on CUDA, the peak memory the optimizer added while stepping (peak
+allocated minus the parameters and gradients already there), the part of it above the state ("transient"), and
+the bound issue 14 sets for it: 0.1 × state + the largest single root computation (the package's estimate of one
+factor's temporaries, `_amortized_computation_bytes`).
+
+The second (CUDA only) says where the transient memory comes from, every column in MiB above the state unless
+marked: "persistent" is what stays allocated after the last step besides the state (the all-gather buffer under
+DDP, cuBLAS workspaces, cached index tensors); "other steps" and "root steps" the peaks of the measured steps of
+each kind (`torch.cuda.reset_peak_memory_stats` before every step); then, for one extra root step after the
+timing (synchronised, untimed), the peaks before, during and after the root computation (`_amortized_computation`)
+and its wall time; "1 root" the memory one root computation of the largest factor allocates by itself (measured,
+above what was allocated before it; the bound's term) next to its estimate; "budget" the total estimated
+temporaries that concurrent root computations may hold (several streams only). distributed_shampoo/README.md
+("Root steps: failures, memory and concurrency") derives the figures to expect.
 """
 
 import argparse
 import dataclasses
-import functools
 import gc
 import math
 import os
@@ -40,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train_gpt_shampoo as tgs  # noqa: E402
 from distributed_shampoo import DistributedShampoo, RootInvShampooPreconditionerConfig  # noqa: E402
-from distributed_shampoo.utils.shampoo_utils import packed_dimension  # noqa: E402
+from distributed_shampoo.preconditioner import shampoo_preconditioner_list  # noqa: E402
+from distributed_shampoo.preconditioner.shampoo_preconditioner_list import BaseShampooPreconditionerList  # noqa: E402
 
 RECORD = tgs.Hyperparameters()
 
@@ -70,7 +80,8 @@ def parse_args() -> argparse.Namespace:
         "--symmetric-packing",
         default="default",
         choices=["default", "on", "off"],
-        help="store factors and roots as upper triangles (on, the package default) or square (off)",
+        help="store factors and roots as upper triangles (on, the package default) or square (off); default: as the "
+        "record (square)",
     )
     parser.add_argument(
         "--linalg-library",
@@ -113,32 +124,54 @@ def make_params(
 
 def make_shampoo(
     params: list[torch.nn.Parameter], precondition_frequency: int, root_streams: int, world_size: int, packing: str
-) -> torch.optim.Optimizer:
+) -> DistributedShampoo:
     """The Track 3 record's optimizer, built by train_gpt_shampoo.py itself, with the frequency, the number of
-    root-computation streams and (unless "default") the factor storage layout made configurable."""
+    root-computation streams and (unless "default", the record's square storage) the factor layout configurable."""
     hp = dataclasses.replace(
         RECORD, shampoo_precondition_frequency=precondition_frequency, shampoo_root_streams=root_streams
     )
     if packing == "default":
         return tgs.build_shampoo(params, hp, world_size)
-    # build_shampoo passes no preconditioner_config, so this only replaces the default one.
-    config = RootInvShampooPreconditionerConfig(use_symmetric_packing=packing == "on")
-    with mock.patch.object(tgs, "DistributedShampoo", functools.partial(DistributedShampoo, preconditioner_config=config)):
+
+    def config_with_packing(**kwargs: Any) -> RootInvShampooPreconditionerConfig:
+        # build_shampoo passes use_symmetric_packing itself; a keyword bound by functools.partial would lose to it.
+        return RootInvShampooPreconditionerConfig(**{**kwargs, "use_symmetric_packing": packing == "on"})
+
+    with mock.patch.object(tgs, "RootInvShampooPreconditionerConfig", config_with_packing):
         return tgs.build_shampoo(params, hp, world_size)
 
 
-def largest_root_computation_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """5·d²·4 for the largest factor dimension d among this rank's blocks (fp32 factors)."""
-    dims = [
-        d
-        for param_state in optimizer.state.values()
-        for block in param_state.values()
-        if isinstance(block, dict) and "shampoo" in block
-        for factor in block["shampoo"].factor_matrices
-        for d in [factor.shape[0] if factor.dim() == 2 else packed_dimension(factor.numel())]
-    ]
-    largest = max(dims, default=0)
-    return 5 * largest * largest * 4
+def shampoo_lists(optimizer: DistributedShampoo) -> list[BaseShampooPreconditionerList]:
+    """This rank's Shampoo preconditioner list of every param group (package internals: this is a benchmark)."""
+    lists = [runtime.shampoo for runtime in optimizer._group_runtimes]
+    assert all(isinstance(shampoo, BaseShampooPreconditionerList) for shampoo in lists)
+    return lists  # type: ignore[return-value]
+
+
+def largest_factor(optimizer: DistributedShampoo) -> tuple[BaseShampooPreconditionerList, Any, int] | None:
+    """(list, block, factor index) of this rank's factor with the largest estimated root computation."""
+    factors = [(shampoo, block, j) for shampoo in shampoo_lists(optimizer) for block in shampoo._local_blocks for j in range(len(block.factor_dims))]
+    return max(factors, key=lambda factor: factor[0]._amortized_computation_bytes(factor[1], factor[2]), default=None)
+
+
+def largest_root_computation_bytes(optimizer: DistributedShampoo) -> int:
+    """The package's estimate of the largest single root computation's temporaries on this rank."""
+    factor = largest_factor(optimizer)
+    return 0 if factor is None else factor[0]._amortized_computation_bytes(factor[1], factor[2])
+
+
+def concurrency_budget_bytes(optimizer: DistributedShampoo) -> float:
+    """Total estimated temporaries that concurrent root computations may hold (the largest list's budget)."""
+    fraction = shampoo_preconditioner_list._CONCURRENT_MEMORY_FRACTION
+    return max(
+        (
+            max(shampoo._amortized_computation_bytes(block, j) for block in shampoo._local_blocks for j in range(len(block.factor_dims)))
+            + fraction * shampoo._state_bytes
+            for shampoo in shampoo_lists(optimizer)
+            if shampoo._local_blocks
+        ),
+        default=0.0,
+    )
 
 
 def make_adamw(params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.AdamW:
@@ -185,6 +218,18 @@ class StepTimer:
         return 1e3 * (time.perf_counter() - begin)
 
 
+@dataclasses.dataclass
+class StepRecord:
+    step: int  # the optimizer's step number
+    ms: float
+    peak: float  # bytes above `baseline` (CUDA; NaN elsewhere)
+
+
+def set_grads(params: list[torch.nn.Parameter], grads: list[list[Tensor]], step: int) -> None:
+    for param, grad in zip(params, grads[step % len(grads)], strict=True):
+        param.grad = grad
+
+
 def time_optimizer(
     optimizer: torch.optim.Optimizer,
     params: list[torch.nn.Parameter],
@@ -192,20 +237,133 @@ def time_optimizer(
     timer: StepTimer,
     warmup: int,
     steps: int,
-) -> list[tuple[int, float]]:
-    """(optimizer step number, ms) for each measured step."""
-    timings = []
+    baseline: int | None = None,
+) -> list[StepRecord]:
+    """One record per step (warm-up steps first); with a `baseline` (bytes allocated before the optimizer, CUDA)
+    each step's peak allocation above it. Resetting the peak statistics does not synchronise: the timer does."""
+    device = params[0].device
+    records = []
     for step in range(1, warmup + steps + 1):
-        for param, grad in zip(params, grads[step % len(grads)], strict=True):
-            param.grad = grad
+        set_grads(params, grads, step)
+        if baseline is not None:
+            torch.cuda.reset_peak_memory_stats(device)
         elapsed = timer(optimizer.step)
-        if step > warmup:
-            timings.append((step, elapsed))
-    return timings
+        peak = torch.cuda.max_memory_allocated(device) - baseline if baseline is not None else math.nan
+        records.append(StepRecord(step, elapsed, peak))
+    return records
+
+
+@dataclasses.dataclass
+class RootStepMemory:
+    """Peaks (bytes above the baseline) of one root step's phases, and one decomposition by itself."""
+
+    before_roots: float = 0.0  # from the step's start to the root computation (factor and grafting updates)
+    roots: float = 0.0  # the root computation (`_amortized_computation` of every group)
+    after_roots: float = 0.0  # the rest: first moment, preconditioning, grafting, weight decay, parameter update
+    roots_ms: float = 0.0
+    one_root: float = math.nan  # recomputing the largest factor alone: peak allocation above what was there
+
+
+def probe_root_step(
+    optimizer: DistributedShampoo,
+    params: list[torch.nn.Parameter],
+    grads: list[list[Tensor]],
+    next_step: int,
+    frequency: int,
+    baseline: int,
+) -> RootStepMemory:
+    """Step (untimed) up to and through the next root step, measuring its phases; then one root computation of
+    the largest factor alone. Synchronises around every phase."""
+    device = params[0].device
+    while next_step % frequency != 0:
+        set_grads(params, grads, next_step)
+        optimizer.step()
+        next_step += 1
+    memory = RootStepMemory()
+
+    def peak_since_reset() -> float:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - baseline
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+
+    def measured(original: Callable[[], None]) -> Callable[[], None]:
+        def amortized_computation() -> None:
+            memory.before_roots = max(memory.before_roots, peak_since_reset())
+            begin = time.perf_counter()
+            original()
+            memory.roots = max(memory.roots, peak_since_reset())
+            memory.roots_ms += 1e3 * (time.perf_counter() - begin)
+
+        return amortized_computation
+
+    lists = shampoo_lists(optimizer)
+    for shampoo in lists:  # an instance attribute shadows the method for this one step
+        shampoo._amortized_computation = measured(shampoo._amortized_computation)  # type: ignore[method-assign]
+    try:
+        set_grads(params, grads, next_step)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        optimizer.step()
+        memory.after_roots = peak_since_reset()
+    finally:
+        for shampoo in lists:
+            del shampoo._amortized_computation
+    factor = largest_factor(optimizer)
+    if factor is not None:
+        shampoo, block, j = factor
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        shampoo._recompute_factors([(block, j)], 1)
+        torch.cuda.synchronize(device)
+        memory.one_root = torch.cuda.max_memory_allocated(device) - before
+    return memory
 
 
 def mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else math.nan
+
+
+@dataclasses.dataclass
+class ShampooRun:
+    root_streams: int
+    records: list[StepRecord]
+    state: int  # bytes
+    persistent: float  # bytes allocated after the last step besides the state (CUDA)
+    bound: float  # issue 14's bound on the transient: 0.1 × state + the largest root computation (estimated)
+    one_root_estimate: int
+    budget: float
+    probe: RootStepMemory | None
+
+
+def run_shampoo(args: argparse.Namespace, root_streams: int, shapes: list[tuple[int, int]], device: torch.device,
+                world_size: int, timer: StepTimer) -> ShampooRun:
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    params, grads = make_params(shapes, device, args.gradient_sets)
+    set_grads(params, grads, 0)
+    baseline = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        baseline = torch.cuda.memory_allocated(device)  # parameters and gradients
+    shampoo = make_shampoo(params, args.precondition_frequency, root_streams, world_size, args.symmetric_packing)
+    records = time_optimizer(shampoo, params, grads, timer, args.warmup, args.steps, baseline)
+    nbytes = state_bytes(shampoo)
+    persistent, probe = math.nan, None
+    if baseline is not None:
+        torch.cuda.synchronize(device)
+        persistent = torch.cuda.memory_allocated(device) - baseline - nbytes
+        probe = probe_root_step(shampoo, params, grads, args.warmup + args.steps + 1, args.precondition_frequency, baseline)
+    largest = largest_root_computation_bytes(shampoo)
+    return ShampooRun(root_streams, records, nbytes, persistent, 0.1 * nbytes + largest, largest,
+                      concurrency_budget_bytes(shampoo) if root_streams > 1 else math.nan, probe)
+
+
+def max_or_nan(values: list[float]) -> float:
+    return max(values) if values else math.nan
 
 
 def main() -> None:
@@ -224,47 +382,53 @@ def main() -> None:
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     timer = StepTimer(device)
     shapes = track3_shapes(args.layers, args.dim)
-
     frequency = args.precondition_frequency
-    cuda = device.type == "cuda"
-    shampoo_results = []
-    for root_streams in args.root_streams:
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        params, grads = make_params(shapes, device, args.gradient_sets)
-        for param, grad in zip(params, grads[0], strict=True):
-            param.grad = grad
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before_optimizer = torch.cuda.memory_allocated(device)  # parameters and gradients
-        shampoo = make_shampoo(params, frequency, root_streams, world_size, args.symmetric_packing)
-        timings = time_optimizer(shampoo, params, grads, timer, args.warmup, args.steps)
-        peak = torch.cuda.max_memory_allocated(device) - before_optimizer if cuda else math.nan
-        shampoo_results.append((root_streams, timings, state_bytes(shampoo), peak, largest_root_computation_bytes(shampoo)))
-        del shampoo, params, grads
+    runs = [run_shampoo(args, root_streams, shapes, device, world_size, timer) for root_streams in args.root_streams]
 
     params, grads = make_params(shapes, device, args.gradient_sets)
     adamw = make_adamw(params, device)
-    adamw_timings = time_optimizer(adamw, params, grads, timer, args.warmup, args.steps)
-    adamw_mean = mean([ms for _, ms in adamw_timings])
+    adamw_records = time_optimizer(adamw, params, grads, timer, args.warmup, args.steps)[args.warmup :]
+    adamw_mean = mean([record.ms for record in adamw_records])
 
-    rows = []
-    for root_streams, timings, nbytes, peak, largest in shampoo_results:
-        root_ms = [ms for step, ms in timings if step % frequency == 0]
-        other_ms = [ms for step, ms in timings if step % frequency != 0]
-        shampoo_mean = mean([ms for _, ms in timings])
-        label = f"Shampoo, {root_streams} stream{'s' if root_streams > 1 else ''}"
-        bound = 0.1 * nbytes + largest
-        rows.append((label, shampoo_mean, mean(root_ms), mean(other_ms), shampoo_mean / adamw_mean, nbytes, peak, peak - nbytes, bound))
+    mib = 2**20
+    timing_rows, memory_rows = [], []
+    for run in runs:
+        measured = run.records[args.warmup :]
+        roots = [record for record in measured if record.step % frequency == 0]
+        others = [record for record in measured if record.step % frequency != 0]
+        shampoo_mean = mean([record.ms for record in measured])
+        label = f"Shampoo, {run.root_streams} stream{'s' if run.root_streams > 1 else ''}"
+        peak = max_or_nan([record.peak for record in run.records])  # warm-up steps included, as the state is
+        timing_rows.append(
+            f"{label:<22}{shampoo_mean:>13.2f}{mean([r.ms for r in roots]):>12.2f}{mean([r.ms for r in others]):>13.2f}"
+            f"{shampoo_mean / adamw_mean:>9.2f}{run.state / mib:>11.1f}{peak / mib:>10.1f}{(peak - run.state) / mib:>11.1f}"
+            f"{run.bound / mib:>8.1f}"
+        )
+        if run.probe is not None:
+            above_state = [
+                run.persistent,
+                max_or_nan([r.peak for r in others]) - run.state,
+                max_or_nan([r.peak for r in roots]) - run.state,
+                run.probe.before_roots - run.state,
+                run.probe.roots - run.state,
+                run.probe.after_roots - run.state,
+            ]
+            memory_rows.append(
+                f"{label:<22}" + "".join(f"{value / mib:>11.1f}" for value in above_state)
+                + f"{run.probe.roots_ms:>10.1f}{run.probe.one_root / mib:>9.1f}{run.one_root_estimate / mib:>10.1f}"
+                + f"{run.budget / mib:>9.1f}"
+            )
     adamw_label = "AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)"
-    rows.append((adamw_label, adamw_mean, math.nan, math.nan, 1.0, state_bytes(adamw), math.nan, math.nan, math.nan))
+    nan = math.nan
+    timing_rows.append(
+        f"{adamw_label:<22}{adamw_mean:>13.2f}{nan:>12.2f}{nan:>13.2f}{1.0:>9.2f}{state_bytes(adamw) / mib:>11.1f}"
+        f"{nan:>10.1f}{nan:>11.1f}{nan:>8.1f}"
+    )
     per_rank: list[Any] = [None] * world_size
     if distributed:
-        dist.all_gather_object(per_rank, rows)
+        dist.all_gather_object(per_rank, (timing_rows, memory_rows))
     else:
-        per_rank = [rows]
+        per_rank = [(timing_rows, memory_rows)]
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         print(
@@ -279,15 +443,28 @@ def main() -> None:
         )
         print(header)
         print("-" * len(header))
-        mib = 2**20
-        for index, rank_rows in enumerate(per_rank):
-            for label, all_ms, roots, others, ratio, nbytes, peak, transient, bound in rank_rows:
-                print(
-                    f"{index:>4}  {label:<22}{all_ms:>13.2f}{roots:>12.2f}{others:>13.2f}{ratio:>9.2f}"
-                    f"{nbytes / mib:>11.1f}{peak / mib:>10.1f}{transient / mib:>11.1f}{bound / mib:>8.1f}"
-                )
+        for index, (rows, _) in enumerate(per_rank):
+            for row in rows:
+                print(f"{index:>4}  {row}")
         print("peak: allocated on top of parameters and gradients while stepping; transient = peak - state; "
-              "bound = 0.1 × state + 5·d² fp32 for the largest factor (issue 14: transient within it).")
+              "bound = 0.1 × state + the largest root computation's estimated temporaries (issue 14: transient "
+              "within it).")
+        if any(memory for _, memory in per_rank):
+            header = (
+                f"{'rank':>4}  {'optimizer':<22}{'persistent':>11}{'other steps':>11}{'root steps':>11}"
+                f"{'pre-roots':>11}{'roots':>11}{'post-roots':>11}{'roots ms':>10}{'1 root':>9}{'estimate':>10}"
+                f"{'budget':>9}"
+            )
+            print()
+            print(header)
+            print("-" * len(header))
+            for index, (_, rows) in enumerate(per_rank):
+                for row in rows:
+                    print(f"{index:>4}  {row}")
+            print("MiB above the state (persistent, other/root steps: peaks of the measured steps; pre-roots, roots, "
+                  "post-roots: the phases of one extra root step); roots ms: that step's root computation; 1 root: "
+                  "one root computation of the largest factor alone (measured) and its estimate; budget: estimated "
+                  "temporaries concurrent root computations may hold.")
     if distributed:
         dist.destroy_process_group()
 

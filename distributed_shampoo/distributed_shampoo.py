@@ -15,14 +15,14 @@ import dataclasses
 import logging
 import math
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from distributed_shampoo.distributor.shampoo_block_info import allocate_zeros_like_blocks
+from distributed_shampoo.distributor.shampoo_block_info import BlockInfo, allocate_zeros_like_blocks
 from distributed_shampoo.distributor.shampoo_ddp_distributor import DDPDistributor
 from distributed_shampoo.distributor.shampoo_distributor import Distributor, DistributorInterface
 from distributed_shampoo.preconditioner.adagrad_preconditioner_list import AdagradPreconditionerList
@@ -98,6 +98,7 @@ from distributed_shampoo.shampoo_types import (
     SpectralDescentPreconditionerConfig,
     WeightDecayType,
 )
+from distributed_shampoo.utils.optimizer_modules import OptimizerModule
 from distributed_shampoo.utils.shampoo_state_dict_utils import (
     extract_state_dict_content,
     update_param_state_dict_object,
@@ -108,6 +109,14 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 # Guards the grafting rescale against an all-zero Shampoo direction.
 _GRAFTING_NORM_GUARD = 1e-16
+
+# The search directions of a step are formed and applied a part of the blocks at a time, each part holding at most
+# this fraction of the group's local state in gradient bytes (at least `_MIN_DIRECTION_PART_BYTES`, at least one
+# block): forming a part's direction takes about four temporaries of its size (the first moment, the Shampoo
+# direction, the grafting denominator and direction), so they stay within 0.08 × the state instead of four times
+# every parameter.
+_DIRECTION_PART_STATE_FRACTION = 0.02
+_MIN_DIRECTION_PART_BYTES = 16 * 2**20
 
 _SUPPORTED_ITERATE_AVERAGING = (ClassicMomentumConfig, GeneralizedPrimalAveragingConfig, ScheduleFreeConfig)
 
@@ -294,6 +303,7 @@ class _GroupRuntime:
     eval_interp_coeff: Tensor | None
     train_interp_coeff: Tensor | None
     previous_grad_selector: tuple[bool, ...]
+    direction_part_bytes: float = math.inf
     masked_filtered_grads: tuple[Tensor, ...] = field(default=())
     masked_averaging_buffers: tuple[Tensor, ...] = field(default=())
 
@@ -463,6 +473,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             eval_interp_coeff=eval_interp_coeff,
             train_interp_coeff=train_interp_coeff,
             previous_grad_selector=distributor.local_grad_selector,
+            direction_part_bytes=max(
+                _DIRECTION_PART_STATE_FRACTION * _local_state_bytes(self.state, block_infos), _MIN_DIRECTION_PART_BYTES
+            ),
         )
         # One tensor per scalar, stored under every parameter (after its blocks), even one without local blocks.
         for param in params:
@@ -544,10 +557,68 @@ class DistributedShampoo(torch.optim.Optimizer):
         if runtime.grafting is not None:
             runtime.grafting.update_preconditioners(masked_grads, step, False)
 
+        if isinstance(group[ITERATE_AVERAGING_CONFIG], ScheduleFreeConfig):
+            _update_schedule_free_coefficient(group, runtime)
+        parts = self._direction_parts(runtime, masked_grads, masked_params)
+        if len(parts) == 1 or not distributor.applies_updates_in_parts:
+            distributor.update_params(
+                self._search_directions(group, runtime, step, use_grafting_method, masked_grads, masked_params, 0)
+            )
+            return
+        for first, end in parts:
+            search_directions = self._search_directions(
+                group, runtime, step, use_grafting_method, masked_grads[first:end], masked_params[first:end], first
+            )
+            distributor.update_local_params(search_directions, first)
+            del search_directions  # before the next part allocates its own
+        distributor.finish_param_updates()
+
+    def _direction_parts(
+        self, runtime: _GroupRuntime, masked_grads: tuple[Tensor, ...], masked_params: tuple[Tensor, ...]
+    ) -> list[tuple[int, int]]:
+        """(first, end) ranges of consecutive masked blocks whose directions are formed together: about
+        `runtime.direction_part_bytes` of gradients each, or everything at once where parts could change results.
+
+        CUDA foreach kernels use their fast path only when every tensor of the lists is dense, of one dtype and on
+        one device, and otherwise fall back to per-tensor operations that round some operations differently (a
+        division by a scalar becomes a multiplication by its reciprocal). Any part of lists that qualify qualifies
+        too, and the fast kernels compute every element (and each tensor's norm) the same way whatever the other
+        tensors of the list, so parts change nothing; lists that do not qualify are kept whole. The compiled
+        direction is traced for whole lists.
+        """
+        whole = [(0, len(masked_grads))]
+        if self._compiled_direction is not None or not runtime.distributor.applies_updates_in_parts:
+            return whole
+        tensors = (*masked_grads, *masked_params)
+        if len({(t.dtype, t.device) for t in tensors}) > 1 or not all(t.is_contiguous() for t in tensors):
+            return whole
+        parts, first, part_bytes = [], 0, 0
+        for index, grad in enumerate(masked_grads):
+            grad_bytes = grad.numel() * grad.element_size()
+            if index > first and part_bytes + grad_bytes > runtime.direction_part_bytes:
+                parts.append((first, index))
+                first, part_bytes = index, 0
+            part_bytes += grad_bytes
+        parts.append((first, len(masked_grads)))
+        return parts
+
+    def _search_directions(
+        self,
+        group: dict[str, Any],
+        runtime: _GroupRuntime,
+        step: int,
+        use_grafting_method: bool,
+        grads: tuple[Tensor, ...],
+        params: tuple[Tensor, ...],
+        first_block: int,
+    ) -> tuple[Tensor, ...]:
+        """The step −lr·(P + weight decay), after momentum or iterate averaging, of the consecutive masked blocks
+        `first_block`, … (`grads` and `params` are theirs)."""
+        end = first_block + len(grads)
         direction_fn = self._compiled_direction or _direction
         directions = direction_fn(
-            masked_grads,
-            runtime.masked_filtered_grads,
+            grads,
+            runtime.masked_filtered_grads[first_block:end],
             runtime.shampoo,
             runtime.grafting,
             use_grafting_method,
@@ -555,24 +626,32 @@ class DistributedShampoo(torch.optim.Optimizer):
             group[BETAS][0],
             group[BETA3],
             group[USE_BIAS_CORRECTION],
+            first_block,
         )
         averaging = group[ITERATE_AVERAGING_CONFIG]
+        averaging_buffers = runtime.masked_averaging_buffers[first_block:end]
         weight_decay_coefficient = _decoupled_weight_decay_coefficient(group)
         if isinstance(averaging, (GeneralizedPrimalAveragingConfig, ScheduleFreeConfig)):
-            search_directions = _average_iterates(group, runtime, masked_params, directions, weight_decay_coefficient)
-        else:
-            # The direction may alias the state (identity preconditioners), so the first write is out of place.
-            if weight_decay_coefficient != 0.0:
-                directions = tuple(torch._foreach_add(directions, masked_params, alpha=weight_decay_coefficient))
-                if isinstance(averaging, ClassicMomentumConfig):
-                    directions = _classic_momentum(averaging, runtime.masked_averaging_buffers, directions)
-                torch._foreach_mul_(directions, -group[LR])
-                search_directions = directions
-            else:
-                if isinstance(averaging, ClassicMomentumConfig):
-                    directions = _classic_momentum(averaging, runtime.masked_averaging_buffers, directions)
-                search_directions = tuple(torch._foreach_mul(directions, -group[LR]))
-        distributor.update_params(search_directions)
+            assert runtime.eval_interp_coeff is not None and runtime.train_interp_coeff is not None
+            return _average_iterates(
+                group[LR],
+                runtime.eval_interp_coeff,
+                runtime.train_interp_coeff,
+                params,
+                averaging_buffers,
+                directions,
+                weight_decay_coefficient,
+            )
+        # The direction may alias the state (identity preconditioners), so the first write is out of place.
+        if weight_decay_coefficient != 0.0:
+            directions = tuple(torch._foreach_add(directions, params, alpha=weight_decay_coefficient))
+            if isinstance(averaging, ClassicMomentumConfig):
+                directions = _classic_momentum(averaging, averaging_buffers, directions)
+            torch._foreach_mul_(directions, -group[LR])
+            return directions
+        if isinstance(averaging, ClassicMomentumConfig):
+            directions = _classic_momentum(averaging, averaging_buffers, directions)
+        return tuple(torch._foreach_mul(directions, -group[LR]))
 
     # ---- iterate-averaging modes
 
@@ -672,6 +751,29 @@ class DistributedShampoo(torch.optim.Optimizer):
                         )
 
 
+def _local_state_bytes(state: dict[Tensor, Any], block_infos: Iterable[BlockInfo]) -> int:
+    """Bytes of the distinct storages of the state of the given blocks."""
+    storages: dict[int, int] = {}
+    for block_info in block_infos:
+        for tensor in _state_tensors(state[block_info.param][block_info.composable_block_ids[1]]):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _state_tensors(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, OptimizerModule):
+        yield from _state_tensors(vars(value))
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _state_tensors(item)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _state_tensors(item)
+
+
 def _decoupled_weight_decay_coefficient(group: dict[str, Any]) -> float:
     """Coefficient α of the decoupled weight decay (0 for L2, which acts on the gradient instead)."""
     weight_decay, weight_decay_type = group[WEIGHT_DECAY], group[WEIGHT_DECAY_TYPE]
@@ -694,8 +796,10 @@ def _direction(
     beta1: float,
     beta3: float,
     use_bias_correction: bool,
+    first_block: int = 0,
 ) -> tuple[Tensor, ...]:
-    """The preconditioned (and grafted) direction of each block, from the bias-corrected first moment M̄.
+    """The preconditioned (and grafted) direction of each block, from the bias-corrected first moment M̄, for the
+    consecutive masked blocks `first_block`, … (`grads` and `filtered_grads` are theirs).
 
     May alias optimizer state (identity preconditioners return their input): callers must not write into it.
     """
@@ -711,10 +815,10 @@ def _direction(
 
     if use_grafting_method:
         assert grafting is not None
-        return grafting.precondition(moment)
-    direction = shampoo.precondition(moment)
+        return grafting.precondition_blocks(moment, first_block)
+    direction = shampoo.precondition_blocks(moment, first_block)
     if grafting is not None:
-        graft_norms = torch._foreach_norm(grafting.precondition(moment))
+        graft_norms = torch._foreach_norm(grafting.precondition_blocks(moment, first_block))
         shampoo_norms = torch._foreach_norm(direction)
         torch._foreach_add_(shampoo_norms, _GRAFTING_NORM_GUARD)
         direction = tuple(torch._foreach_mul(direction, torch._foreach_div(graft_norms, shampoo_norms)))
@@ -734,32 +838,33 @@ def _classic_momentum(
     return tuple(torch._foreach_mul(momentum_buffers, 1.0))
 
 
+def _update_schedule_free_coefficient(group: dict[str, Any], runtime: _GroupRuntime) -> None:
+    """Schedule-Free's μx = 1 - lr^power / Σ lr^power (the sum over every step so far), once per step."""
+    config = group[ITERATE_AVERAGING_CONFIG]
+    assert runtime.lr_sum is not None and runtime.eval_interp_coeff is not None
+    lr_power = group[LR] ** config.eval_coeff_lr_power
+    runtime.lr_sum.add_(lr_power)
+    runtime.eval_interp_coeff.copy_(1.0 - lr_power / runtime.lr_sum)
+
+
 def _average_iterates(
-    group: dict[str, Any],
-    runtime: _GroupRuntime,
-    masked_params: tuple[Tensor, ...],
+    lr: float,
+    mu_x: Tensor,
+    mu_y: Tensor,
+    params: tuple[Tensor, ...],
+    z: tuple[Tensor, ...],
     directions: tuple[Tensor, ...],
     weight_decay_coefficient: float,
 ) -> tuple[Tensor, ...]:
-    """GPA/Schedule-Free: parameters hold y, the weight buffer z; return y's step.
+    """GPA/Schedule-Free: parameters hold y, the weight buffers z; return y's step.
 
     Weight decay shrinks z itself (z ← (1 - lr·α)·z, AdamW-style on the base sequence) instead of entering the
     direction; then z ← z - lr·P and y moves by (1 - μx·μy)·(-lr·P) + (1 - μx)·(z_shrunk - y).
     """
-    config = group[ITERATE_AVERAGING_CONFIG]
-    lr = group[LR]
-    assert runtime.eval_interp_coeff is not None and runtime.train_interp_coeff is not None
-    mu_x, mu_y = runtime.eval_interp_coeff, runtime.train_interp_coeff
-    if isinstance(config, ScheduleFreeConfig):
-        assert runtime.lr_sum is not None
-        lr_power = lr**config.eval_coeff_lr_power
-        runtime.lr_sum.add_(lr_power)
-        mu_x.copy_(1.0 - lr_power / runtime.lr_sum)
-    z = runtime.masked_averaging_buffers
     if weight_decay_coefficient != 0.0:
         torch._foreach_mul_(z, 1.0 - lr * weight_decay_coefficient)
     step = torch._foreach_mul(directions, -lr)
-    z_minus_y = torch._foreach_sub(z, masked_params)
+    z_minus_y = torch._foreach_sub(z, params)
     torch._foreach_add_(z, step)
     torch._foreach_mul_(step, 1.0 - mu_x * mu_y)
     torch._foreach_mul_(z_minus_y, 1.0 - mu_x)

@@ -7,7 +7,7 @@ communication the result is bitwise identical to the single-device optimizer.
 """
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,8 @@ def resolve_group_size(num_trainers_per_group: int, world_size: int) -> int:
 
 class DDPDistributor(DistributorInterface):
     """Spreads the blocks of a replicated param group over the ranks of each group of `num_trainers_per_group`."""
+
+    applies_updates_in_parts: ClassVar[bool] = True
 
     def __init__(self, param_group: dict[str, Any], runtime_config: ShampooRuntimeConfig | None = None) -> None:
         distributed_config: DDPDistributedConfig = param_group[DISTRIBUTED_CONFIG]
@@ -116,12 +118,38 @@ class DDPDistributor(DistributorInterface):
         assert len(local_params) == len(blocked_search_directions), (
             f"{len(local_params)=} local blocks but {len(blocked_search_directions)=} search directions."
         )
-        if local_params:
-            if self._communicate_params:
-                torch._foreach_add_(local_params, blocked_search_directions)
-                torch._foreach_copy_(local_views, local_params)
-            else:
-                torch._foreach_copy_(local_views, blocked_search_directions)
+        self._stage_local_updates(local_params, local_views, blocked_search_directions)
+        self._gather_and_apply(global_params, global_views)
+
+    @torch.no_grad()
+    def update_local_params(self, blocked_search_directions: tuple[Tensor, ...], first_block: int) -> None:
+        end = first_block + len(blocked_search_directions)
+        local_params = self._local_masked_blocked_params[first_block:end]
+        assert len(local_params) == len(blocked_search_directions), (
+            f"{len(blocked_search_directions)} search directions from masked block {first_block} on, but only "
+            f"{len(local_params)} local blocks."
+        )
+        self._stage_local_updates(local_params, self._local_masked_views[first_block:end], blocked_search_directions)
+
+    @torch.no_grad()
+    def finish_param_updates(self) -> None:
+        self._gather_and_apply(self._global_masked_params, self._global_masked_views)
+
+    def _stage_local_updates(
+        self, local_params: tuple[Tensor, ...], local_views: tuple[Tensor, ...], blocked_search_directions: tuple[Tensor, ...]
+    ) -> None:
+        """Apply the directions to the local blocks (or not, with `communicate_params=False`) and copy what the
+        other ranks need into this rank's region of the communication buffer."""
+        if not local_params:
+            return
+        if self._communicate_params:
+            torch._foreach_add_(local_params, blocked_search_directions)
+            torch._foreach_copy_(local_views, local_params)
+        else:
+            torch._foreach_copy_(local_views, blocked_search_directions)
+
+    def _gather_and_apply(self, global_params: tuple[Tensor, ...], global_views: tuple[Tensor, ...]) -> None:
+        """All-gather the buffer and apply every rank's blocks."""
         # Every rank joins the collective, even with nothing local to send.
         with shampoo_comm_profiler("## DDPDistributor:all_gather ##"):
             _all_gather_single(self._global_buffer, self._local_buffer, group=self._group)

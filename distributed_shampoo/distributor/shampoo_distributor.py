@@ -8,7 +8,7 @@ search directions.
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -38,7 +38,14 @@ def block_tensor(tensor: Tensor, max_preconditioner_dim: int | float, target_dim
 
 
 class DistributorInterface(ABC):
-    """Blocks of one param group; which of them this process computes; how updates reach the parameters."""
+    """Blocks of one param group; which of them this process computes; how updates reach the parameters.
+
+    A step hands over its search directions either all at once (`update_params`) or, when the distributor
+    `applies_updates_in_parts`, a few consecutive masked blocks at a time (`update_local_params`) followed by one
+    `finish_param_updates`, so that it never holds the directions of every block at once.
+    """
+
+    applies_updates_in_parts: ClassVar[bool] = False
 
     def __init__(self, param_group: dict[str, Any], runtime_config: ShampooRuntimeConfig | None = None) -> None:
         self._param_group = param_group
@@ -132,6 +139,15 @@ class DistributorInterface(ABC):
     def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:
         """W ← W + P for the local (masked, or all with `use_masked_tensors=False`) blocks, plus communication."""
 
+    def update_local_params(self, blocked_search_directions: tuple[Tensor, ...], first_block: int) -> None:
+        """W ← W + P for the local masked blocks `first_block`, `first_block + 1`, … (one per direction); the
+        update is complete after `finish_param_updates`. Only where `applies_updates_in_parts`."""
+        raise NotImplementedError(f"{type(self).__name__} applies the search directions of a step all at once.")
+
+    def finish_param_updates(self) -> None:
+        """Complete the updates given to `update_local_params` this step (communication, if any)."""
+        raise NotImplementedError(f"{type(self).__name__} applies the search directions of a step all at once.")
+
 
 class Distributor(DistributorInterface):
     """Single process: every block is local and there is no communication."""
@@ -139,6 +155,8 @@ class Distributor(DistributorInterface):
     def __init__(self, param_group: dict[str, Any], runtime_config: ShampooRuntimeConfig | None = None) -> None:
         super().__init__(param_group, runtime_config)
         self._select_local_blocks((True,) * len(self._global_blocked_params))
+
+    applies_updates_in_parts: ClassVar[bool] = True
 
     @torch.no_grad()
     def update_params(self, blocked_search_directions: tuple[Tensor, ...], use_masked_tensors: bool = True) -> None:
@@ -148,3 +166,16 @@ class Distributor(DistributorInterface):
         )
         if params:
             torch._foreach_add_(params, blocked_search_directions)
+
+    @torch.no_grad()
+    def update_local_params(self, blocked_search_directions: tuple[Tensor, ...], first_block: int) -> None:
+        params = self._local_masked_blocked_params[first_block : first_block + len(blocked_search_directions)]
+        assert len(params) == len(blocked_search_directions), (
+            f"{len(blocked_search_directions)} search directions from masked block {first_block} on, but only "
+            f"{len(params)} blocks."
+        )
+        if params:
+            torch._foreach_add_(params, blocked_search_directions)
+
+    def finish_param_updates(self) -> None:
+        return

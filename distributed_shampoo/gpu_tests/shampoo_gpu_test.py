@@ -1,7 +1,8 @@
 """CUDA checks (not collected by CI): the record configuration on a GPU equals the CPU run, roots computed
 concurrently on several streams equal the sequential ones bitwise (also in a fresh process, where torch loads its
-linear-algebra library on first use), per-group streams change nothing, and the DDP distributor over NCCL equals
-one process bitwise. Without CUDA every test is skipped.
+linear-algebra library on first use) and leave no allocation behind, forming the step's directions a part of the
+blocks at a time equals whole lists bitwise, per-group streams change nothing, and the DDP distributor over NCCL
+equals one process bitwise. Without CUDA every test is skipped.
 
     python -m pytest -q distributed_shampoo/gpu_tests            # needs 1 GPU (2 for the NCCL test)
 """
@@ -123,6 +124,48 @@ def test_first_root_step_of_a_fresh_process_on_8_streams_needs_no_retry_and_equa
     for key in ("roots", "params"):
         for got, want in zip(concurrent[key], sequential[key], strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_root_steps_on_8_streams_leave_no_allocation_behind() -> None:
+    """Side-stream threads persist (one per stream) and leave their matmuls to the calling thread: torch keeps a
+    cuBLAS workspace (32 MiB on Hopper) for every (thread's handle, stream) pair that ran a matmul, so new threads
+    at every root step used to add workspaces until every handle had met every stream."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).cuda()) for shape in SHAPES * 3]
+    optimizer = DistributedShampoo(
+        params, **record_config(), shampoo_runtime_config=ShampooRuntimeConfig(num_amortized_computation_streams=8)
+    )
+    allocated = []
+    for step in range(1, 21):  # root steps 5, 10, 15, 20
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).cuda()
+        optimizer.step()
+        if step == 1 or step % 5 == 0:
+            torch.cuda.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
+    assert allocated == [allocated[0]] * 5, allocated
+
+
+def test_direction_parts_equal_whole_lists_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA foreach kernels compute each element, and each tensor's norm, the same whatever else is in the list."""
+    from distributed_shampoo import distributed_shampoo as module
+
+    monkeypatch.setattr(module, "_DIRECTION_PART_STATE_FRACTION", 0.0)
+    monkeypatch.setattr(module, "_MIN_DIRECTION_PART_BYTES", float("inf"))
+    whole = run("cuda", shapes=SHAPES * 3)
+    monkeypatch.setattr(module, "_MIN_DIRECTION_PART_BYTES", 0)  # one block per part
+    for got, want in zip(run("cuda", shapes=SHAPES * 3), whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_nan_check_sees_nan_and_inf_on_cuda() -> None:
+    from distributed_shampoo.preconditioner.shampoo_preconditioner_list import _is_finite
+
+    for value in (float("nan"), float("inf"), -float("inf")):
+        matrix = torch.ones(300, 300, device="cuda")
+        matrix[123, 45] = value
+        assert not _is_finite((torch.ones(3, device="cuda"), matrix))
+    assert _is_finite((torch.full((300, 300), 3e38, device="cuda"), torch.empty(0, device="cuda")))
 
 
 def test_per_group_cuda_streams_change_nothing() -> None:

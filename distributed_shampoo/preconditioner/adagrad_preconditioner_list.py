@@ -53,14 +53,23 @@ class AdagradPreconditionerList(SecondMomentPreconditionerList):
 
     @profile_decorator
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        if len(masked_grad_list) != len(self._masked_preconditioner_list):
+            raise ValueError(f"{len(masked_grad_list)} gradients for {len(self._masked_preconditioner_list)} masked blocks.")
+        return self.precondition_blocks(masked_grad_list, 0)
+
+    def precondition_blocks(self, masked_grad_list: tuple[Tensor, ...], first_block: int) -> tuple[Tensor, ...]:
         if not masked_grad_list:
             return ()
+        statistics = self._masked_preconditioner_list[first_block : first_block + len(masked_grad_list)]
+        assert len(statistics) == len(masked_grad_list), (
+            f"{len(masked_grad_list)} gradients from masked block {first_block} on, but only {len(statistics)} blocks."
+        )
         # Without bias correction, or once it has rounded to 1.0, dividing would only copy V.
         if self._bias_correction2 != 1.0:
-            denominator = torch._foreach_div(self._masked_preconditioner_list, self._bias_correction2)
+            denominator = torch._foreach_div(statistics, self._bias_correction2)
             torch._foreach_sqrt_(denominator)
         else:
-            denominator = torch._foreach_sqrt(self._masked_preconditioner_list)
+            denominator = torch._foreach_sqrt(statistics)
         torch._foreach_add_(denominator, self._epsilon)
         return tuple(torch._foreach_div(masked_grad_list, denominator))
 

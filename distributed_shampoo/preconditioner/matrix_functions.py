@@ -37,6 +37,7 @@ from distributed_shampoo.preconditioner.matrix_functions_types import (
     RootInvConfig,
     SVDOrthogonalizationConfig,
 )
+from distributed_shampoo.utils.shampoo_utils import ContinueOnCaller
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -81,14 +82,42 @@ def _check_square_matrix(func: FuncT) -> FuncT:
     return wrapper  # type: ignore[return-value]
 
 
-def _matrix_perturbation(A: Tensor, epsilon: float = 0.0, is_eigenvalues: bool = False) -> Tensor:
-    """A + epsilon·I (a new tensor), or eigenvalues + epsilon when `is_eigenvalues`."""
+def _matrix_perturbation(A: Tensor, epsilon: float = 0.0, is_eigenvalues: bool = False, in_place: bool = False) -> Tensor:
+    """A + epsilon·I (a new tensor, or A itself modified with `in_place`), or eigenvalues + epsilon when
+    `is_eigenvalues`."""
     if is_eigenvalues:
         return A + epsilon
     # Adding to the diagonal of a copy gives the same numbers as A + epsilon·eye without a second d×d temporary.
-    perturbed = A.clone()
+    perturbed = A if in_place else A.clone()
     perturbed.diagonal(dim1=-2, dim2=-1).add_(epsilon)
     return perturbed
+
+
+def eigh_workspace_elements(dimension: int) -> int:
+    """Elements of the work array of a symmetric eigendecomposition with eigenvectors by divide and conquer:
+    LAPACK's minimum for `syevd`, 1 + 6n + 2n². An estimate for cuSOLVER, whose `syevd` workspace the caching
+    allocator provides (`bench/bench_shampoo_step.py` measures one decomposition on a GPU)."""
+    return 1 + 6 * dimension + 2 * dimension * dimension
+
+
+# Upper estimates of the live d×d temporaries of the iterative methods, in units of d² (identity, ridge-regularised
+# copy, iterates X and M, the step matrix, matrix_power's intermediates, the residual).
+_QR_ITERATION_TEMPORARIES = 7
+_COUPLED_ITERATION_TEMPORARIES = 10
+
+
+def matrix_function_temporary_elements(config: MatrixFunctionConfig, dimension: int) -> int:
+    """Estimated peak elements that computing with `config` on a d×d input allocates besides the input itself
+    (which may be perturbed in place). An eigendecomposition holds the eigenvectors, the eigenvalues and the
+    solver's work array; the iterative methods several d×d iterates."""
+    squared = dimension * dimension
+    if isinstance(config, EighEigendecompositionConfig):
+        return squared + dimension + eigh_workspace_elements(dimension)
+    if isinstance(config, QREigendecompositionConfig):
+        return _QR_ITERATION_TEMPORARIES * squared
+    if isinstance(config, (CoupledNewtonConfig, CoupledHigherOrderConfig)):
+        return _COUPLED_ITERATION_TEMPORARIES * squared
+    raise NotImplementedError(f"No memory estimate for {type(config).__name__}.")
 
 
 # Devices on which this process has already made its first linear-algebra call (see `load_linalg_library`).
@@ -199,8 +228,14 @@ def matrix_eigendecomposition(
     epsilon: float = 0.0,
     eigendecomposition_config: EigendecompositionConfig = DefaultEigendecompositionConfig,
     eigenvectors_estimate: Tensor | None = None,
+    *,
+    overwrite_input: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (ascending) and eigenvectors of the symmetric matrix A (+ epsilon·I when perturbing first)."""
+    """Eigenvalues (ascending) and eigenvectors of the symmetric matrix A (+ epsilon·I when perturbing first).
+
+    With `overwrite_input` the perturbation is added to A itself instead of a copy (same numbers, one d×d
+    temporary less); A's content is then unspecified.
+    """
     if not isinstance(eigendecomposition_config, (EighEigendecompositionConfig, QREigendecompositionConfig)):
         raise NotImplementedError(
             f"Eigendecomposition config {type(eigendecomposition_config).__name__} is not implemented."
@@ -209,7 +244,7 @@ def matrix_eigendecomposition(
     if isinstance(stability, PseudoInverseConfig) and epsilon != 0.0:
         raise ValueError(f"{epsilon=} must be 0.0 when using PseudoInverseConfig.")
     if isinstance(stability, PerturbationConfig) and stability.perturb_before_computation:
-        A = _matrix_perturbation(A, epsilon)
+        A = _matrix_perturbation(A, epsilon, in_place=overwrite_input)
     tolerance = eigendecomposition_config.tolerance
 
     if isinstance(eigendecomposition_config, EighEigendecompositionConfig):
@@ -355,16 +390,31 @@ def matrix_inverse_root(
     root: Fraction,
     root_inv_config: RootInvConfig = DefaultEigenConfig,
     epsilon: float = 0.0,
-) -> Tensor:
-    """A^(-1/root) for a symmetric positive semi-definite A, by the method `root_inv_config` names."""
+    *,
+    overwrite_input: bool = False,
+    defer_product: bool = False,
+) -> Tensor | ContinueOnCaller[Tensor]:
+    """A^(-1/root) for a symmetric positive semi-definite A, by the method `root_inv_config` names.
+
+    With `overwrite_input` the eigh path perturbs A in place (see `matrix_eigendecomposition`). With
+    `defer_product` it returns, after the eigendecomposition, the remaining product Q·diag(λ^(-1/root))·Qᵀ as a
+    `ContinueOnCaller` (so that a side-stream task leaves its only matmul to the calling thread; the numbers are
+    the same); the iterative methods return the root itself.
+    """
     root = Fraction(root)
     if isinstance(root_inv_config, EigenConfig):
         if root <= 0:
             raise ValueError(f"Root {root} should be positive!")
-        L, Q = matrix_eigendecomposition(A, epsilon=epsilon, eigendecomposition_config=root_inv_config)
-        return matrix_inverse_root_from_eigendecomposition(
-            L, Q, root, epsilon, root_inv_config.rank_deficient_stability_config
+        L, Q = matrix_eigendecomposition(
+            A, epsilon=epsilon, eigendecomposition_config=root_inv_config, overwrite_input=overwrite_input
         )
+        product = functools.partial(
+            matrix_inverse_root_from_eigendecomposition,
+            root=root,
+            epsilon=epsilon,
+            rank_deficient_stability_config=root_inv_config.rank_deficient_stability_config,
+        )
+        return ContinueOnCaller(product, (L, Q)) if defer_product else product(L, Q)
     if isinstance(root_inv_config, CoupledNewtonConfig):
         if root.denominator != 1:
             raise ValueError(f"{root.denominator=} must be equal to 1 to use coupled Newton iteration!")

@@ -42,6 +42,12 @@ class PreconditionerList(ABC):
     @abstractmethod
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]: ...
 
+    def precondition_blocks(self, masked_grad_list: tuple[Tensor, ...], first_block: int) -> tuple[Tensor, ...]:
+        """`precondition` for the consecutive masked blocks `first_block`, `first_block + 1`, … (one per gradient),
+        so that a step can form its directions a few blocks at a time. This default suits lists whose direction
+        depends on the gradient alone; lists with per-block state override it."""
+        return self.precondition(masked_grad_list)
+
     @abstractmethod
     def compress_preconditioner_list(self, local_grad_selector: tuple[bool, ...]) -> None: ...
 

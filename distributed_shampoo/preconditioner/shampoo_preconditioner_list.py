@@ -21,10 +21,11 @@ a result raise `PreconditionerValueError`; any other exception propagates.
 """
 
 import logging
+import math
 import os
 import tempfile
 from abc import abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from functools import partial
@@ -39,6 +40,7 @@ from distributed_shampoo.preconditioner.matrix_functions import (
     changes_global_state,
     load_linalg_library,
     matrix_eigendecomposition,
+    matrix_function_temporary_elements,
     matrix_inverse_root,
     matrix_inverse_root_from_eigendecomposition,
 )
@@ -53,6 +55,7 @@ from distributed_shampoo.shampoo_types import (
 )
 from distributed_shampoo.utils.optimizer_modules import OptimizerModule
 from distributed_shampoo.utils.shampoo_utils import (
+    ContinueOnCaller,
     compress_list,
     get_dtype_size,
     pack_upper_triangular,
@@ -66,11 +69,9 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 SHAMPOO = "shampoo"
 
-# Temporaries of one amortized computation on a d×d factor, in units of d² elements: the normalised copy A, its
-# perturbed copy A + epsilon·I, the eigenvectors, and eigh's workspace (about 2·d² for divide and conquer).
-_AMORTIZED_COMPUTATION_TEMPORARIES = 5
-# Concurrent amortized computations start only while their temporaries total at most the largest one's plus this
-# fraction of the list's state: the root step's peak memory stays within 1.1× the state plus one computation.
+# Concurrent amortized computations start only while their estimated temporaries (`_amortized_computation_bytes`)
+# total at most the largest one's plus this fraction of the list's state: the root step's peak memory stays
+# within 1.1× the state plus one computation.
 _CONCURRENT_MEMORY_FRACTION = 0.1
 
 
@@ -223,7 +224,27 @@ def _save_debug_matrix(matrix: Tensor, factor_matrix_index: str) -> None:
 
 
 def _is_finite(tensors: tuple[Tensor, ...]) -> bool:
-    return all(bool(torch.isfinite(tensor).all()) for tensor in tensors)
+    """Whether no entry is NaN or ±inf, from each tensor's largest absolute value (NaN propagates through the
+    reduction): unlike `torch.isfinite(t).all()`, which forms |t| and three boolean masks, it allocates no
+    temporaries of the tensor's size. One host synchronisation per tensor."""
+    return all(
+        tensor.numel() == 0 or bool(torch.isfinite(torch.linalg.vector_norm(tensor, ord=math.inf))) for tensor in tensors
+    )
+
+
+def _check_one_gradient_per_block(masked_grad_list: tuple[Tensor, ...], masked_blocks: tuple[Any, ...]) -> None:
+    if len(masked_grad_list) != len(masked_blocks):
+        raise ValueError(f"{len(masked_grad_list)} gradients for {len(masked_blocks)} masked blocks.")
+
+
+def _only(tensor: Tensor) -> Tensor:
+    """Continuation of a computation that finished on its side stream with one tensor."""
+    return tensor
+
+
+def _all(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Continuation of a computation that finished on its side stream with several tensors."""
+    return tensors
 
 
 # -------------------------------------------------------------------------------------------------- list base
@@ -310,8 +331,10 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     ) -> BaseShampooKroneckerFactorsState: ...
 
     @abstractmethod
-    def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Any:
-        """What the amortized computation produces for factor j from its normalised square matrix A."""
+    def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> ContinueOnCaller[Any]:
+        """What the amortized computation produces for factor j from its normalised square matrix A (which it may
+        overwrite), as a continuation: the solver runs here (on a side stream when concurrent), and whatever
+        follows it that needs a matmul runs in the continuation, on the calling thread and stream."""
 
     @abstractmethod
     def _result_tensors(self, result: Any) -> tuple[Tensor, ...]:
@@ -399,12 +422,14 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     def _warm_started_eigendecomposition(
         self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int
     ) -> tuple[Tensor, Tensor]:
-        """(eigenvalues, eigenvectors) of A, starting from factor j's current eigenvectors (QR iterations use them)."""
+        """(eigenvalues, eigenvectors) of A, starting from factor j's current eigenvectors (QR iterations use them).
+        A is overwritten."""
         return matrix_eigendecomposition(
             A,
             epsilon=self._epsilon,
             eigendecomposition_config=self._preconditioner_config.amortized_computation_config,
             eigenvectors_estimate=block.factor_matrices_eigenvectors[j].to(A.dtype),
+            overwrite_input=True,
         )
 
     def _normalized_factor(self, stored: Tensor) -> Tensor:
@@ -416,9 +441,21 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         return matrix
 
     def _amortized_computation_bytes(self, block: ShampooKroneckerFactorsUnwrapped, j: int) -> int:
-        """Estimated temporaries of recomputing factor j (see `_AMORTIZED_COMPUTATION_TEMPORARIES`)."""
-        factor = block.factor_matrices[j]
-        return _AMORTIZED_COMPUTATION_TEMPORARIES * block.factor_dims[j] ** 2 * factor.element_size()
+        """Estimated peak temporaries of recomputing factor j: its normalised square copy (perturbed in place) plus
+        what the matrix function allocates (for `eigh`: eigenvectors, eigenvalues and the solver's work array,
+        1 + 6d + 2d² elements), or the caller's part if that is larger (`_amortized_result_temporary_elements`).
+        With packed storage the unpacking (2.5·d² at most) and packing stay below this. In the factor's dtype."""
+        dimension = block.factor_dims[j]
+        config = self._preconditioner_config.amortized_computation_config
+        decomposition = dimension * dimension + matrix_function_temporary_elements(config, dimension)
+        elements = max(decomposition, self._amortized_result_temporary_elements(dimension))
+        return elements * block.factor_matrices[j].element_size()
+
+    def _amortized_result_temporary_elements(self, dimension: int) -> int:
+        """Peak elements the caller's part of a d×d factor's computation holds (the continuation of
+        `_amortized_result`, the checks and the store); by default at most the eigenvectors and eigenvalues, which
+        are stored by copying (bounded by 2·d²)."""
+        return 2 * dimension * dimension
 
     @profile_decorator
     def _amortized_computation(self) -> None:
@@ -431,19 +468,10 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         work = [(block, j) for block in self._masked_blocks for j in range(len(block.factor_matrices))]
         if not work:
             return
-        device = work[0][0].factor_matrices[work[0][1]].device
         streams = self._num_amortized_computation_streams
         if changes_global_state(self._preconditioner_config.amortized_computation_config):
             streams = 1  # concurrent threads would race on the flag it flips
-        concurrent = streams > 1 and device.type == "cuda" and len(work) > 1
-        if concurrent:
-            work.sort(key=lambda item: -item[0].factor_dims[item[1]])
-            load_linalg_library(device)  # its lazy first call is not thread safe
-        costs = [self._amortized_computation_bytes(block, j) for block, j in work]
-        budget = max(costs) + _CONCURRENT_MEMORY_FRACTION * self._state_bytes
-        outcomes = run_on_side_streams(
-            [partial(self._recompute_factor, block, j) for block, j in work], streams, device, costs, budget
-        )
+        outcomes = self._recompute_factors(work, streams)
 
         last_exception = {id(block): outcome for (block, _), outcome in zip(work, outcomes, strict=True) if outcome is not None}
         tolerance = self._preconditioner_config.num_tolerated_failed_amortized_computations
@@ -459,10 +487,36 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
                     f"matrices {block.factor_matrix_indices}. Last exception: {exception!r}"
                 ) from exception
 
-    def _recompute_factor(self, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Exception | None:
-        """Recompute and store factor j's result; return the numerical failure that kept the old result, if any.
+    def _recompute_factors(
+        self, work: list[tuple[ShampooKroneckerFactorsUnwrapped, int]], streams: int
+    ) -> list[Exception | None]:
+        """Per (block, factor) of `work`, the numerical failure that kept its previous result, or None.
 
-        NaN/Inf in the factor or in the result raise `PreconditionerValueError`; other exceptions propagate.
+        Each factor is one task of `run_on_side_streams`: normalise, decompose (on a side stream when concurrent),
+        then form the result, check and store it on the calling thread and stream (`_finish_factor`).
+        """
+        device = work[0][0].factor_matrices[work[0][1]].device
+        order = list(range(len(work)))
+        if streams > 1 and device.type == "cuda" and len(work) > 1:
+            order.sort(key=lambda task: -work[task][0].factor_dims[work[task][1]])  # largest first
+            load_linalg_library(device)  # its lazy first call is not thread safe
+        costs = [self._amortized_computation_bytes(*work[task]) for task in order]
+        budget = max(costs) + _CONCURRENT_MEMORY_FRACTION * self._state_bytes
+        outcomes = run_on_side_streams(
+            [partial(self._recompute_factor, *work[task]) for task in order], streams, device, costs, budget
+        )
+        in_work_order: list[Exception | None] = [None] * len(work)
+        for task, outcome in zip(order, outcomes, strict=True):
+            in_work_order[task] = outcome
+        return in_work_order
+
+    def _recompute_factor(
+        self, block: ShampooKroneckerFactorsUnwrapped, j: int
+    ) -> Exception | ContinueOnCaller[Exception | None]:
+        """Normalise and decompose factor j; the rest (`_finish_factor`) continues on the calling thread.
+
+        Returns the numerical failure that keeps the old result instead, if any. NaN/Inf in the factor raise
+        `PreconditionerValueError`; other exceptions propagate.
         """
         index = block.factor_matrix_indices[j]
         A = self._normalized_factor(block.factor_matrices[j])
@@ -473,27 +527,51 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
                 f"factor_matrix {index}: {torch.min(A)=}, {torch.max(A)=}."
             )
         try:
-            result = self._amortized_result(A, block, j)
+            partial_result = self._amortized_result(A, block, j)
         except NUMERICAL_FAILURES as exception:
-            _save_debug_matrix(A, index)
-            logger.warning(
-                f"Matrix computation failed for factor matrix {index} with {exception=}. "
-                "Using previous computed value instead. To mitigate, increase epsilon or use a more "
-                "robust amortized computation config."
-            )
-            return exception
+            del A
+            return self._keep_previous_result(block, j, exception)
+        del A  # freed before the caller's part, which may form larger temporaries
+        return ContinueOnCaller(partial(self._finish_factor, block, j, partial_result.function), partial_result.tensors)
+
+    def _finish_factor(
+        self, block: ShampooKroneckerFactorsUnwrapped, j: int, finish: Callable[..., Any], *tensors: Tensor
+    ) -> Exception | None:
+        """Complete (`finish(*tensors)`), check and store factor j's result; return the numerical failure that kept
+        the previous result, if any. NaN/Inf in the result raise `PreconditionerValueError`."""
+        try:
+            result = finish(*tensors)
+        except NUMERICAL_FAILURES as exception:
+            return self._keep_previous_result(block, j, exception)
         if not _is_finite(self._result_tensors(result)):
-            _save_debug_matrix(A, index)
-            raise PreconditionerValueError(f"Encountered nan or inf values in the computed quantity of factor matrix {index}!")
+            self._save_debug_factor(block, j)
+            raise PreconditionerValueError(
+                f"Encountered nan or inf values in the computed quantity of factor matrix {block.factor_matrix_indices[j]}!"
+            )
         self._store_amortized_result(block, j, result)
         return None
 
+    def _keep_previous_result(self, block: ShampooKroneckerFactorsUnwrapped, j: int, exception: Exception) -> Exception:
+        self._save_debug_factor(block, j)
+        logger.warning(
+            f"Matrix computation failed for factor matrix {block.factor_matrix_indices[j]} with {exception=}. "
+            "Using previous computed value instead. To mitigate, increase epsilon or use a more "
+            "robust amortized computation config."
+        )
+        return exception
+
+    def _save_debug_factor(self, block: ShampooKroneckerFactorsUnwrapped, j: int) -> None:
+        """Save factor j's normalised matrix (formed again: the computation may have overwritten its copy)."""
+        _save_debug_matrix(self._normalized_factor(block.factor_matrices[j]), block.factor_matrix_indices[j])
+
     @profile_decorator
     def precondition(self, masked_grad_list: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        return tuple(
-            self._precondition_block(grad, block)
-            for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True)
-        )
+        _check_one_gradient_per_block(masked_grad_list, self._masked_blocks)
+        return self.precondition_blocks(masked_grad_list, 0)
+
+    def precondition_blocks(self, masked_grad_list: tuple[Tensor, ...], first_block: int) -> tuple[Tensor, ...]:
+        blocks = self._masked_blocks[first_block : first_block + len(masked_grad_list)]
+        return tuple(self._precondition_block(grad, block) for grad, block in zip(masked_grad_list, blocks, strict=True))
 
 
 def _tensors_of(value: Any) -> tuple[Tensor, ...]:
@@ -555,13 +633,20 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
             inv_factor_matrices=self._identities(factor_dims, block_info, dtype, block.device, symmetric=True),
         )
 
-    def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Tensor:
-        return matrix_inverse_root(
+    def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> ContinueOnCaller[Tensor]:
+        root = matrix_inverse_root(
             A,
             root=block.roots[j],
             root_inv_config=self._preconditioner_config.amortized_computation_config,
             epsilon=self._epsilon,
+            overwrite_input=True,
+            defer_product=True,  # eigh: Q·diag(λ^(-1/r))·Qᵀ in the continuation
         )
+        return root if isinstance(root, ContinueOnCaller) else ContinueOnCaller(_only, (root,))
+
+    def _amortized_result_temporary_elements(self, dimension: int) -> int:
+        # Eigenvalues and eigenvectors, Q·diag(λ^(-1/r)) and the root (its packed copy comes after the product).
+        return 3 * dimension * dimension + dimension
 
     def _result_tensors(self, result: Tensor) -> tuple[Tensor, ...]:
         return (result,)
@@ -599,8 +684,10 @@ class EigendecomposedShampooPreconditionerList(ClassicShampooPreconditionerList)
             ),
         )
 
-    def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> tuple[Tensor, Tensor]:
-        return self._warm_started_eigendecomposition(A, block, j)
+    def _amortized_result(
+        self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int
+    ) -> ContinueOnCaller[tuple[Tensor, ...]]:
+        return ContinueOnCaller(_all, self._warm_started_eigendecomposition(A, block, j))  # (eigenvalues, eigenvectors)
 
     def _result_tensors(self, result: tuple[Tensor, Tensor]) -> tuple[Tensor, ...]:
         return result
@@ -705,9 +792,9 @@ class EigenvalueCorrectedShampooPreconditionerList(BaseShampooPreconditionerList
             rotated = self._rotate(grad.to(block.corrected_eigenvalues.dtype), block)
             self._accumulate(block.corrected_eigenvalues, rotated.square())  # rotated may be a view of grad
 
-    def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> Tensor:
+    def _amortized_result(self, A: Tensor, block: ShampooKroneckerFactorsUnwrapped, j: int) -> ContinueOnCaller[Tensor]:
         _, eigenvectors = self._warm_started_eigendecomposition(A, block, j)
-        return eigenvectors
+        return ContinueOnCaller(_only, (eigenvectors,))
 
     def _result_tensors(self, result: Tensor) -> tuple[Tensor, ...]:
         return (result,)

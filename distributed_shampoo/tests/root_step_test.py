@@ -5,6 +5,9 @@ those still alive after each operation: a proxy for the CUDA caching allocator's
 """
 
 import logging
+import threading
+import time
+from contextlib import contextmanager
 from typing import Any
 from unittest import mock
 
@@ -164,7 +167,9 @@ def test_concurrent_root_tasks_get_a_budget_of_one_decomposition_plus_a_tenth_of
         optimizer.step()
     ((costs, budget),) = calls
     factor_dims = [96, 4] * 6 + [40, 24] * 2
-    assert sorted(costs) == sorted(5 * d * d * 4 for d in factor_dims)
+    # fp32: the normalised copy (perturbed in place), the eigenvectors, the eigenvalues and eigh's work array
+    # (1 + 6d + 2d²); the caller's part (3d² + d: eigenvectors, scaled eigenvectors, root) is smaller.
+    assert sorted(costs) == sorted((d * d + d * d + d + 1 + 6 * d + 2 * d * d) * 4 for d in factor_dims)
     shampoo_state = sum(
         t.numel() * t.element_size()
         for param_state in optimizer.state.values()
@@ -173,3 +178,118 @@ def test_concurrent_root_tasks_get_a_budget_of_one_decomposition_plus_a_tenth_of
         for t in (*block["shampoo"].factor_matrices, *block["shampoo"].inv_factor_matrices)
     )
     assert budget == pytest.approx(max(costs) + 0.1 * shampoo_state)
+
+
+# ------------------------------------------------------------------------------ estimates and the concurrency budget
+
+D_LARGE, D_SMALL = 3072, 768  # the Track 3 factors: MLP blocks are 3072×768 (and 768×3072)
+
+
+def track3_mlp_list(config: Any, list_class: type | None = None) -> Any:
+    """A preconditioner list for one 3072×768 fp32 block, on the meta device (nothing is allocated)."""
+    from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
+
+    block = torch.empty(D_LARGE, D_SMALL, device="meta")
+    info = BlockInfo(param=block, composable_block_ids=(0, "block_0"))
+    list_class = list_class or shampoo_preconditioner_list.RootInvShampooPreconditionerList
+    return list_class((block,), {block: {"block_0": {}}}, (info,), config)
+
+
+def eigh_root_bytes(d: int) -> int:
+    """fp32: the normalised copy (perturbed in place), eigenvectors, eigenvalues and syevd's work array 1 + 6d + 2d²."""
+    return (d * d + d * d + d + (1 + 6 * d + 2 * d * d)) * 4
+
+
+@pytest.mark.parametrize("use_symmetric_packing", [False, True])
+def test_the_root_computation_estimate_of_a_track3_factor(use_symmetric_packing: bool) -> None:
+    shampoo = track3_mlp_list(RootInvShampooPreconditionerConfig(use_symmetric_packing=use_symmetric_packing))
+    (block,) = shampoo._local_blocks
+    assert shampoo._amortized_computation_bytes(block, 0) == eigh_root_bytes(D_LARGE) == 151_080_964  # 144.1 MiB
+    assert shampoo._amortized_computation_bytes(block, 1) == eigh_root_bytes(D_SMALL) == 9_458_692  # 9.0 MiB
+
+
+def test_root_computation_estimates_of_the_other_methods() -> None:
+    from distributed_shampoo.preconditioner.matrix_functions_types import CoupledNewtonConfig, QREigendecompositionConfig
+    from distributed_shampoo.shampoo_types import (
+        EigendecomposedShampooPreconditionerConfig,
+        EigenvalueCorrectedShampooPreconditionerConfig,
+    )
+
+    lists = shampoo_preconditioner_list
+    eigendecomposed = track3_mlp_list(EigendecomposedShampooPreconditionerConfig(), lists.EigendecomposedShampooPreconditionerList)
+    qr = track3_mlp_list(
+        EigenvalueCorrectedShampooPreconditionerConfig(amortized_computation_config=QREigendecompositionConfig()),
+        lists.EigenvalueCorrectedShampooPreconditionerList,
+    )
+    newton = track3_mlp_list(RootInvShampooPreconditionerConfig(amortized_computation_config=CoupledNewtonConfig()))
+    d = D_LARGE
+    assert eigendecomposed._amortized_computation_bytes(eigendecomposed._local_blocks[0], 0) == eigh_root_bytes(d)
+    assert qr._amortized_computation_bytes(qr._local_blocks[0], 0) == (1 + 7) * d * d * 4  # copy + QR iterates
+    assert newton._amortized_computation_bytes(newton._local_blocks[0], 0) == (1 + 10) * d * d * 4
+
+
+def test_the_track3_root_step_schedule_stays_within_the_budget_with_two_large_factors_at_once() -> None:
+    """The record's 144 factors on one GPU, 8 streams: 24 of 3072 and 120 of 768, largest first, with the budget
+    the optimizer computes (largest estimate + 0.1 × the factors' and roots' bytes). Two 3072 decompositions fit
+    (302 MB of 389 MB) and small ones fill the rest; a third large one never starts beside them."""
+    from distributed_shampoo.utils.shampoo_utils import ContinueOnCaller, run_concurrently
+
+    costs = [eigh_root_bytes(D_LARGE)] * 24 + [eigh_root_bytes(D_SMALL)] * 120
+    state = 2 * 4 * (24 * D_LARGE**2 + 120 * D_SMALL**2)  # factor matrices and inverse roots, fp32
+    budget = max(costs) + shampoo_preconditioner_list._CONCURRENT_MEMORY_FRACTION * state
+    assert budget == pytest.approx(388_898_001, abs=1)
+    lock = threading.Lock()
+    running: dict[int, int] = {}
+    peak, most_large = 0, 0
+    second_large_started = threading.Event()
+
+    def task(i: int) -> ContinueOnCaller[int]:
+        nonlocal peak, most_large
+        with lock:
+            running[i] = costs[i]
+            peak = max(peak, sum(running.values()))
+            most_large = max(most_large, sum(1 for cost in running.values() if cost == costs[0]))
+        if i == 1:
+            second_large_started.set()
+        if i == 0:  # stays in flight until the second large task runs: proves the budget admits both
+            second_large_started.wait(timeout=10)
+        time.sleep(0.002 if costs[i] == costs[0] else 0.0005)
+        return ContinueOnCaller(lambda: finish(i))
+
+    def finish(i: int) -> int:
+        with lock:
+            del running[i]
+        return i
+
+    @contextmanager
+    def worker():  # type: ignore[no-untyped-def]
+        yield
+
+    assert run_concurrently([lambda i=i: task(i) for i in range(len(costs))], [worker] * 8, costs, budget) == list(range(len(costs)))
+    assert second_large_started.is_set() and most_large == 2
+    assert peak <= budget
+
+
+def test_a_root_computation_frees_the_normalised_copy_before_forming_the_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporaries the CPU can see (LAPACK's work array is internal) of the largest factor (d = 96): during
+    eigh the normalised copy, perturbed in place, and the eigenvectors; then the eigenvectors, Q·diag(λ^(-1/4))
+    and the root: at most 3·d² + a few vectors. A perturbed copy beside the normalised one (2·d² + eigenvectors
+    during eigh) or keeping the normalised copy until the root is stored (4·d²) exceeds it."""
+    from distributed_shampoo.preconditioner.shampoo_preconditioner_list import RootInvShampooPreconditionerList
+
+    peaks: list[int] = []
+    original = RootInvShampooPreconditionerList._amortized_computation
+
+    def tracked(self: Any) -> None:
+        with LiveStorageBytes() as tracker:
+            original(self)
+        peaks.append(tracker.peak)
+
+    monkeypatch.setattr(RootInvShampooPreconditionerList, "_amortized_computation", tracked)
+    params = make_params()
+    optimizer = make_optimizer(params)
+    for step in range(1, FREQUENCY + 1):
+        set_grads(params, step)
+        optimizer.step()
+    d = 96
+    assert len(peaks) == 1 and 2 * d * d * 4 <= peaks[0] <= (3 * d * d + 8 * d) * 4, peaks

@@ -2,13 +2,16 @@
 
 import heapq
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from itertools import accumulate, pairwise
-from typing import TYPE_CHECKING, TypeVar
+from queue import SimpleQueue
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -200,19 +203,53 @@ def unpack_upper_triangular(packed: Tensor) -> Tensor:
 
 # ------------------------------------------------------------------------------------------------ concurrency
 
-# One set of side streams per device, reused across steps (see `run_on_side_streams`).
-_SIDE_STREAMS: dict[torch.device, list["torch.cuda.Stream"]] = {}
+
+@dataclass(frozen=True)
+class ContinueOnCaller(Generic[T]):
+    """What a task of `run_on_side_streams` / `run_concurrently` may return to hand the rest of its work to the
+    calling thread: `function(*tensors)` runs there (on CUDA: on the caller's stream, after the task's stream has
+    produced `tensors`), and its value becomes the task's result. The task's cost stays in flight until it returns.
+
+    Why: torch gives every (thread, CUDA stream) pair that runs a matmul its own cuBLAS workspace (32 MiB on
+    Hopper), allocated through the caching allocator and kept for the life of the process. Matmuls finished on the
+    caller's thread and stream reuse the caller's workspace instead of adding one per side stream.
+    """
+
+    function: Callable[..., T]
+    tensors: tuple[Tensor, ...] = ()
 
 
-def _side_streams(device: torch.device, count: int) -> list["torch.cuda.Stream"]:
-    streams = _SIDE_STREAMS.setdefault(device, [])
-    while len(streams) < count:
-        streams.append(torch.cuda.Stream(device))
-    return streams[:count]
+def _resolve(result: object) -> object:
+    """A task's result, with a `ContinueOnCaller` carried out on the current thread."""
+    if isinstance(result, ContinueOnCaller):
+        return result.function(*result.tensors)
+    return result
+
+
+# Per process and device: side streams, each driven by one persistent host thread (see `run_on_side_streams`).
+_SIDE_STREAM_WORKERS: dict[tuple[int, torch.device], list[tuple["torch.cuda.Stream", ThreadPoolExecutor]]] = {}
+_SIDE_STREAM_WORKERS_LOCK = threading.Lock()
+
+
+def _side_stream_workers(device: torch.device, count: int) -> list[tuple["torch.cuda.Stream", ThreadPoolExecutor]]:
+    """`count` (stream, single-thread executor) pairs of `device`, created once per process and reused.
+
+    The same thread always drives the same stream, so each side stream meets one set of the thread-local
+    library handles (cuBLAS, cuSOLVER) of torch. New threads at every call would pair the handles, which threads
+    inherit from a shared pool in no fixed order, with ever new streams, and torch keeps a cuBLAS workspace per
+    (handle, stream) pair forever: up to streams² of them. Keyed by process id: a forked child has no threads.
+    """
+    key = (os.getpid(), torch.device(device))
+    with _SIDE_STREAM_WORKERS_LOCK:
+        workers = _SIDE_STREAM_WORKERS.setdefault(key, [])
+        while len(workers) < count:
+            name = f"shampoo-side-stream-{key[1]}-{len(workers)}"
+            workers.append((torch.cuda.Stream(device), ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)))
+        return workers[:count]
 
 
 def run_on_side_streams(
-    tasks: Sequence[Callable[[], T]],
+    tasks: Sequence[Callable[[], T | ContinueOnCaller[T]]],
     num_streams: int,
     device: torch.device,
     costs: Sequence[float] | None = None,
@@ -220,32 +257,54 @@ def run_on_side_streams(
 ) -> list[T]:
     """Results of `tasks`, in order; on CUDA with `num_streams > 1` they run concurrently on side streams.
 
-    Each side stream is driven by its own host thread (see `run_concurrently`, which also explains `costs` and
-    `max_cost_in_flight`). The side streams first wait for the work already queued on the caller's stream, and
-    the caller's stream waits for all of them before this returns: callers see ordinary single-stream ordering.
-    Calls such as `torch.linalg.eigh` on small matrices leave the GPU partly idle (launch gaps, host
-    synchronisations), which the other streams fill; every task still runs the same kernels on the same inputs,
-    so results are bitwise those of running them in turn.
+    Each side stream is driven by its own persistent host thread (see `_side_stream_workers` and
+    `run_concurrently`, which also explains `costs` and `max_cost_in_flight`). The side streams first wait for the
+    work already queued on the caller's stream, and the caller's stream waits for all of them before this returns:
+    callers see ordinary single-stream ordering. A task returning `ContinueOnCaller` has its continuation run on
+    the calling thread and stream. Calls such as `torch.linalg.eigh` on small matrices leave the GPU partly idle
+    (launch gaps, host synchronisations), which the other streams fill; every task still runs the same kernels on
+    the same inputs, so results are bitwise those of running them in turn. Sequentially (one stream, or off CUDA)
+    each task and its continuation run in turn on the calling thread.
     """
     if num_streams < 1:
         raise ValueError(f"{num_streams=} must be at least 1.")
     if num_streams == 1 or device.type != "cuda" or len(tasks) < 2:
-        return [task() for task in tasks]
+        return [_resolve(task()) for task in tasks]  # type: ignore[misc]
     caller = torch.cuda.current_stream(device)
-    streams = _side_streams(device, min(num_streams, len(tasks)))
+    workers = _side_stream_workers(device, min(num_streams, len(tasks)))
+    for stream, _ in workers:
+        # Now, from this thread: the continuations this thread queues on the caller later are no task's input.
+        stream.wait_stream(caller)
 
     @contextmanager
     def on_side_stream(stream: "torch.cuda.Stream") -> Iterator[None]:
-        stream.wait_stream(caller)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             yield
 
+    def on_caller_stream(ready: "torch.cuda.Event", continuation: ContinueOnCaller[T]) -> T:
+        caller.wait_event(ready)
+        for tensor in continuation.tensors:
+            tensor.record_stream(caller)  # made on a side stream: not reused there before the caller is done
+        return continuation.function(*continuation.tensors)
+
+    def run_task(task: Callable[[], T | ContinueOnCaller[T]]) -> T | ContinueOnCaller[T]:
+        result = task()
+        if not isinstance(result, ContinueOnCaller):
+            return result
+        ready = torch.cuda.Event()
+        ready.record()  # on this task's side stream
+        return ContinueOnCaller(partial(on_caller_stream, ready, result))
+
     try:
         results = run_concurrently(
-            tasks, [partial(on_side_stream, stream) for stream in streams], costs, max_cost_in_flight
+            [partial(run_task, task) for task in tasks],
+            [partial(on_side_stream, stream) for stream, _ in workers],
+            costs,
+            max_cost_in_flight,
+            executors=[executor for _, executor in workers],
         )
     finally:
-        for stream in streams:
+        for stream, _ in workers:
             caller.wait_stream(stream)
     for result in results:
         _record_on_stream(result, caller)
@@ -257,6 +316,7 @@ class _TaskQueue:
 
     When the next task would exceed the budget, a later task that fits is handed out instead (so small tasks
     fill the room a large one leaves); a task that exceeds the budget on its own runs when nothing else does.
+    A task counts as running from `take` until `finish`.
     """
 
     def __init__(self, costs: Sequence[float], max_cost_in_flight: float) -> None:
@@ -272,13 +332,16 @@ class _TaskQueue:
         with self._condition:
             while self._pending:
                 for position, index in enumerate(self._pending):
-                    if self._num_running == 0 or self._cost_in_flight + self._costs[index] <= self._max_cost_in_flight:
+                    if self._fits(self._costs[index]):
                         del self._pending[position]
                         self._cost_in_flight += self._costs[index]
                         self._num_running += 1
                         return index
                 self._condition.wait()  # a running task will finish and notify
             return None
+
+    def _fits(self, cost: float) -> bool:
+        return self._num_running == 0 or self._cost_in_flight + cost <= self._max_cost_in_flight
 
     def finish(self, index: int) -> None:
         with self._condition:
@@ -287,40 +350,87 @@ class _TaskQueue:
             self._condition.notify_all()
 
 
+# A worker's message to the calling thread: (task index, result, exception), or None once it takes no more tasks.
+_Message = tuple[int, object, BaseException | None] | None
+
+
 def run_concurrently(
-    tasks: Sequence[Callable[[], T]],
+    tasks: Sequence[Callable[[], T | ContinueOnCaller[T]]],
     worker_contexts: Sequence[Callable[[], AbstractContextManager[object]]],
     costs: Sequence[float] | None = None,
     max_cost_in_flight: float = math.inf,
+    executors: Sequence[ThreadPoolExecutor] | None = None,
 ) -> list[T]:
     """Results of `tasks`, in order, computed by one host thread per worker context.
 
     Each thread enters its context once, then takes the next task from a shared queue until none is left (so
     a few large tasks and many small ones balance). With `costs` (one per task, e.g. the bytes a task allocates),
-    tasks start only while the running ones' costs sum to at most `max_cost_in_flight` (see `_TaskQueue`).
-    Tasks must not share mutable Python state. After every thread has finished, the first exception a task
-    raised (in worker order) is raised here.
+    tasks start only while the running ones' costs sum to at most `max_cost_in_flight` (see `_TaskQueue`). A task
+    that returns `ContinueOnCaller` has the continuation run on the calling thread, in completion order, and
+    counts as running until it returns. Tasks must not share mutable Python state. Threads come from
+    `executors` (one per context, e.g. persistent single-thread executors) or from a new pool. Every task runs;
+    afterwards the exception of the first failing task (in task order) is raised here.
     """
     if tasks and not worker_contexts:
         raise ValueError("run_concurrently needs at least one worker context when there are tasks.")
     if costs is not None and len(costs) != len(tasks):
         raise ValueError(f"{len(costs)=} must equal {len(tasks)=}.")
+    if executors is not None and len(executors) != len(worker_contexts):
+        raise ValueError(f"{len(executors)=} must equal {len(worker_contexts)=}.")
     queue = _TaskQueue(costs if costs is not None else [0.0] * len(tasks), max_cost_in_flight)
-    results: list[T | None] = [None] * len(tasks)
+    messages: SimpleQueue[_Message] = SimpleQueue()
 
     def drain(worker_context: Callable[[], AbstractContextManager[object]]) -> None:
-        with worker_context():
-            while (index := queue.take()) is not None:
-                try:
-                    results[index] = tasks[index]()
-                finally:
-                    queue.finish(index)
+        try:
+            with worker_context():
+                while (index := queue.take()) is not None:
+                    try:
+                        messages.put((index, tasks[index](), None))
+                    except BaseException as exception:  # not handled: carried to the calling thread, which raises it
+                        messages.put((index, None, exception))
+                        if not isinstance(exception, Exception):
+                            raise  # KeyboardInterrupt, SystemExit: this worker stops
+        finally:
+            messages.put(None)
 
-    with ThreadPoolExecutor(max_workers=max(1, len(worker_contexts))) as pool:
-        futures = [pool.submit(drain, context) for context in worker_contexts]
-    for future in futures:
-        future.result()
-    return results  # type: ignore[return-value]  # every slot was filled, or future.result() raised
+    with ExitStack() as stack:
+        if executors is None:
+            executors = [stack.enter_context(ThreadPoolExecutor(max_workers=max(1, len(worker_contexts))))] * len(
+                worker_contexts
+            )
+        futures = [executor.submit(drain, context) for executor, context in zip(executors, worker_contexts, strict=True)]
+        results, failures = _collect(messages, len(futures), len(tasks), queue)
+        for future in futures:
+            future.result()  # re-raises what ended a worker outside its tasks (its context, or a BaseException)
+    if failures:
+        raise failures[min(failures)]
+    return results  # type: ignore[return-value]  # every slot was filled, or an exception was raised above
+
+
+def _collect(
+    messages: "SimpleQueue[_Message]", num_workers: int, num_tasks: int, queue: _TaskQueue
+) -> tuple[list[object], dict[int, BaseException]]:
+    """Results and exceptions by task index, from the workers' messages; continuations run here."""
+    results: list[object] = [None] * num_tasks
+    failures: dict[int, BaseException] = {}
+    while num_workers:
+        message = messages.get()
+        if message is None:
+            num_workers -= 1
+            continue
+        index, result, exception = message
+        del message  # a continuation's tensors must be freed before its cost leaves the budget
+        try:
+            if exception is None:
+                results[index] = _resolve(result)
+        except Exception as raised:  # not handled: raised after every task has run
+            exception = raised
+        finally:
+            del result
+            queue.finish(index)
+        if exception is not None:
+            failures[index] = exception
+    return results, failures
 
 
 def _record_on_stream(value: object, stream: "torch.cuda.Stream") -> None:

@@ -241,3 +241,58 @@ def test_orthogonalization() -> None:
     singular_values = torch.linalg.svdvals(approximate)
     assert ((singular_values > 0.6) & (singular_values < 1.25)).all(), singular_values
     assert torch.linalg.norm(approximate - exact) < 0.5 * torch.linalg.norm(exact)
+
+
+# ----------------------------------------------------------------------------------------- memory-saving options
+
+
+def random_spd(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    x = torch.randn(n, 2 * n, generator=torch.Generator().manual_seed(n), dtype=dtype)
+    return x @ x.T / (2 * n)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [EighEigendecompositionConfig(), EigenConfig(), QREigendecompositionConfig(max_iterations=3)],
+    ids=["eigh", "eigen", "qr"],
+)
+def test_overwriting_the_input_gives_the_same_decomposition(config: EighEigendecompositionConfig) -> None:
+    A = random_spd(24)
+    estimate = torch.eye(24)
+    expected = matrix_eigendecomposition(A, epsilon=1e-3, eigendecomposition_config=config, eigenvectors_estimate=estimate)
+    scratch = A.clone()
+    got = matrix_eigendecomposition(
+        scratch, epsilon=1e-3, eigendecomposition_config=config, eigenvectors_estimate=estimate, overwrite_input=True
+    )
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    torch.testing.assert_close(scratch, _matrix_perturbation(A, 1e-3), rtol=0, atol=0)  # perturbed in place
+    untouched = A.clone()
+    matrix_eigendecomposition(untouched, epsilon=1e-3, eigendecomposition_config=config, eigenvectors_estimate=estimate)
+    assert torch.equal(untouched, A)
+
+
+def test_a_deferred_product_gives_the_same_root() -> None:
+    from distributed_shampoo.utils.shampoo_utils import ContinueOnCaller
+
+    A = random_spd(32)
+    expected = matrix_inverse_root(A, Fraction(4), EigenConfig(), epsilon=1e-6)
+    deferred = matrix_inverse_root(A.clone(), Fraction(4), EigenConfig(), epsilon=1e-6, overwrite_input=True, defer_product=True)
+    assert isinstance(deferred, ContinueOnCaller) and len(deferred.tensors) == 2  # eigenvalues, eigenvectors
+    torch.testing.assert_close(deferred.function(*deferred.tensors), expected, rtol=0, atol=0)
+    # The iterative methods have no product to defer.
+    newton = matrix_inverse_root(A.double(), Fraction(2), CoupledNewtonConfig(), epsilon=1e-6, defer_product=True)
+    assert isinstance(newton, torch.Tensor)
+
+
+def test_eigh_workspace_and_temporary_estimates() -> None:
+    from distributed_shampoo.preconditioner.matrix_functions import (
+        eigh_workspace_elements,
+        matrix_function_temporary_elements,
+    )
+
+    assert eigh_workspace_elements(3072) == 1 + 6 * 3072 + 2 * 3072**2 == 18_892_801  # LAPACK's syevd minimum
+    assert matrix_function_temporary_elements(EigenConfig(), 768) == 768**2 + 768 + eigh_workspace_elements(768)
+    assert matrix_function_temporary_elements(CoupledHigherOrderConfig(rel_epsilon=0.0, abs_epsilon=0.0), 10) == 1000
+    with pytest.raises(NotImplementedError, match="No memory estimate for SVDOrthogonalizationConfig"):
+        matrix_function_temporary_elements(SVDOrthogonalizationConfig(), 10)

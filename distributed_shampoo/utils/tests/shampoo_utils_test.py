@@ -1,6 +1,7 @@
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from distributed_shampoo.shampoo_types import LoadBalancingConfig
 from distributed_shampoo.utils.load_balancing_utils import PolynomialComputationalCostModel
 from distributed_shampoo.utils.shampoo_utils import (
+    ContinueOnCaller,
     compress_list,
     distribute_buffer_sizes,
     generate_pairwise_indices,
@@ -354,6 +356,125 @@ def test_run_concurrently_rejects_costs_of_the_wrong_length() -> None:
 def test_run_on_side_streams_rejects_zero_streams() -> None:
     with pytest.raises(ValueError, match="num_streams=0 must be at least 1"):
         run_on_side_streams([lambda: 1], 0, torch.device("cpu"))
+
+
+@contextmanager
+def _plain_worker():  # type: ignore[no-untyped-def]
+    yield
+
+
+def test_continuations_run_on_the_calling_thread_and_give_the_results() -> None:
+    """A task may hand the rest of its work (on CUDA: its matmuls) to the thread that called run_concurrently."""
+    caller = threading.get_ident()
+    where: dict[str, set[int]] = {"task": set(), "continuation": set()}
+
+    def task(i: int) -> ContinueOnCaller[int]:
+        where["task"].add(threading.get_ident())
+        return ContinueOnCaller(lambda a, b: (where["continuation"].add(threading.get_ident()), a * 10 + b)[1], (i, 1))  # type: ignore[arg-type]
+
+    assert run_concurrently([lambda i=i: task(i) for i in range(12)], [_plain_worker] * 3) == [i * 10 + 1 for i in range(12)]
+    assert where["continuation"] == {caller} and caller not in where["task"]
+
+
+def test_run_on_side_streams_off_cuda_runs_each_continuation_right_after_its_task() -> None:
+    events: list[str] = []
+
+    def task(i: int) -> ContinueOnCaller[int]:
+        events.append(f"task {i}")
+        return ContinueOnCaller(lambda: (events.append(f"continuation {i}"), i)[1])
+
+    assert run_on_side_streams([lambda i=i: task(i) for i in range(3)], 8, torch.device("cpu")) == [0, 1, 2]
+    assert events == ["task 0", "continuation 0", "task 1", "continuation 1", "task 2", "continuation 2"]
+
+
+def test_a_task_costs_until_its_continuation_returns() -> None:
+    """The scheduler never starts a task whose cost exceeds the free budget, counting tasks whose continuation has
+    not yet run on the calling thread: their tensors are still alive."""
+    costs = [100.0] * 3 + [10.0] * 9
+    budget = 130.0
+    lock = threading.Lock()
+    holding: dict[int, float] = {}
+    peak = 0.0
+
+    def hold(i: int) -> None:
+        nonlocal peak
+        with lock:
+            holding[i] = costs[i]
+            peak = max(peak, sum(holding.values()))
+
+    def release(i: int) -> int:
+        time.sleep(0.005)  # the calling thread is slow to get to it: the cost must stay in flight meanwhile
+        with lock:
+            del holding[i]
+        return i
+
+    def task(i: int) -> ContinueOnCaller[int]:
+        hold(i)
+        time.sleep(0.002)
+        return ContinueOnCaller(lambda: release(i))
+
+    results = run_concurrently([lambda i=i: task(i) for i in range(len(costs))], [_plain_worker] * 4, costs, budget)
+    assert results == list(range(len(costs)))
+    assert 100.0 < peak <= budget  # small tasks joined a large one, never a second large one
+
+
+def test_a_failing_continuation_is_raised_after_every_task_has_run() -> None:
+    ran: list[int] = []
+
+    def task(i: int) -> ContinueOnCaller[int]:
+        def finish() -> int:
+            if i == 2:
+                raise ArithmeticError("continuation 2")
+            ran.append(i)
+            return i
+
+        return ContinueOnCaller(finish)
+
+    with pytest.raises(ArithmeticError, match="continuation 2"):
+        run_concurrently([lambda i=i: task(i) for i in range(8)], [_plain_worker] * 3, [1.0] * 8, 2.0)
+    assert sorted(ran) == [0, 1, 3, 4, 5, 6, 7]
+
+
+def test_the_first_failing_task_in_task_order_is_raised() -> None:
+    def task(i: int) -> int:
+        if i in (5, 1):
+            time.sleep(0.01 if i == 1 else 0.0)  # task 1 fails after task 5
+            raise ValueError(f"task {i}")
+        return i
+
+    with pytest.raises(ValueError, match="task 1"):
+        run_concurrently([lambda i=i: task(i) for i in range(8)], [_plain_worker] * 4)
+
+
+def test_persistent_executors_run_each_worker_on_the_same_thread_every_time() -> None:
+    """Side-stream workers keep one host thread each across root steps (so torch's thread-local cuBLAS handle meets
+    one stream, not a new one at every step)."""
+    executors = [ThreadPoolExecutor(max_workers=1) for _ in range(3)]
+    try:
+        seen: list[dict[str, int]] = []
+        for _ in range(3):
+            threads: dict[str, int] = {}
+
+            def context_of(name: str):  # type: ignore[no-untyped-def]
+                @contextmanager
+                def context():  # type: ignore[no-untyped-def]
+                    threads[name] = threading.get_ident()
+                    yield
+
+                return context
+
+            run_concurrently([lambda i=i: i for i in range(9)], [context_of(n) for n in "abc"], executors=executors)
+            seen.append(dict(threads))
+        assert seen[0] == seen[1] == seen[2] and len(set(seen[0].values())) == 3
+    finally:
+        for executor in executors:
+            executor.shutdown()
+
+
+def test_run_concurrently_needs_one_executor_per_context() -> None:
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        with pytest.raises(ValueError, match="len\\(executors\\)=1 must equal len\\(worker_contexts\\)=2"):
+            run_concurrently([lambda: 1], [_plain_worker] * 2, executors=[executor])
 
 
 # ------------------------------------------------------------------------------------------ symmetric packing
