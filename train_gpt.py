@@ -1138,13 +1138,12 @@ class AttentionInputs(NamedTuple):
     max_seqlen: int
 
 
-# The forward skips its masked-row guard (ROWS_GUARANTEED_SAFE) with 128-key tiles, one tile per mask block. Safe
-# because each query block visits its diagonal block first (_kv_block_table) and that tile holds the query
-# itself; with the default 64-key tiles, rows after a document start in a block's second half would meet an
-# all-masked first tile, exp(-inf - -inf) = NaN (val loss NaN at step 0 on an H200). bench/bench_flex.py on one
-# H200, forward + backward per call at the schedule's windows: 1.16-1.76 ms (defaults) -> 1.13-1.59 ms, outputs
-# and gradients finite, within bf16 rounding of the defaults (max |diff| 0.031).
-FLEX_KERNEL_OPTIONS: dict[str, Any] = {"ROWS_GUARANTEED_SAFE": True, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+# FlexAttention's default tiles. Measured on one H200 and left out: ROWS_GUARANTEED_SAFE with the default 64-key
+# forward tiles turns rows after a mid-block document start NaN (their first tile is all masked; val loss NaN at
+# step 0); with 128-key forward tiles it is exact (each query block visits its diagonal first) and bench_flex.py
+# ran it 3-10% faster per call, but inside the model (bench/ab.py profile, ms per step) the forward went 20.96 ->
+# 20.41 and the backward 47.99 -> 50.23, as unprefixed num_warps / num_stages also reach the backward kernel.
+FLEX_KERNEL_OPTIONS: dict[str, Any] = {}
 
 
 class Attention:

@@ -146,25 +146,6 @@ def test_flex_block_tables_are_token_exact(window_blocks, seed):
     assert expected.sum(-1).max() <= window_blocks * block + 1  # W + 1 keys at most, itself included
 
 
-@pytest.mark.parametrize("window_blocks", [1, 3, 5])
-def test_flex_first_tile_of_every_row_holds_a_visible_key(window_blocks):
-    """ROWS_GUARANTEED_SAFE in FLEX_KERNEL_OPTIONS drops the forward's all-masked guard, which is sound only if the
-    first key tile each query row meets holds a key it sees: the diagonal block listed first, one tile per block."""
-    block = 16
-    ids = random_documents(256, num_bos=11, seed=window_blocks)  # documents starting mid-block, as in training
-    docs = tg.document_ids(ids, TINY_BOS)
-    mask = tg.flex_window_mask(docs, torch.tensor(window_blocks, dtype=torch.int32), block)
-    assert tg.FLEX_KERNEL_OPTIONS["ROWS_GUARANTEED_SAFE"] and tg.FLEX_KERNEL_OPTIONS["BLOCK_N"] == 128 == tg.Hyperparameters().block_size
-    q, k = torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij")
-    visible = mask.mask_mod(0, 0, q, k)
-    for qb in range(256 // block):
-        assert mask.kv_num_blocks[0, 0, qb] > 0
-        first = int(mask.kv_indices[0, 0, qb, 0])
-        assert first == qb  # partial blocks are visited before full ones, the diagonal first
-        rows, cols = slice(qb * block, (qb + 1) * block), slice(first * block, (first + 1) * block)
-        assert visible[rows, cols].any(dim=1).all()
-
-
 def test_flex_attention_eager_matches_reference_on_packed_documents():
     torch.manual_seed(0)
     ids = random_documents(256, num_bos=7, seed=3)
