@@ -16,7 +16,6 @@ first tile and turn NaN although every query sees itself. With 128-key tiles the
 """
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from torch.nn.attention.flex_attention import flex_attention
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train_gpt as tg  # noqa: E402
+from bench.gpu_timing import median_ms  # noqa: E402
 
 TOKENS, HEADS, HEAD_DIM, BLOCK, BOS = 49152, 6, 128, 128, 50256
 VARIANTS: dict[str, dict] = {
@@ -38,20 +38,6 @@ VARIANTS: dict[str, dict] = {
 }
 TOLERANCE = 0.05  # bf16 outputs and gradients of unit-scale inputs; other tile orders differ by rounding only
 WINDOWS = ((1, 3), (3, 7), (5, 11))  # (short, long) in blocks at the three schedule stages
-
-
-def median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[repeats // 2]
 
 
 def main() -> None:
@@ -87,7 +73,7 @@ def main() -> None:
                     reference = references.setdefault(window, results)  # the first variant (default) is the reference
                     worst_nonfinite = max(worst_nonfinite, sum(int((~t.isfinite()).sum()) for t in results))
                     worst_diff = max(worst_diff, *(float((t.float() - r.float()).abs().nan_to_num(float("inf")).max()) for t, r in zip(results, reference)))
-                    figures.append(f"{window:>2} blocks {median_ms(step):6.2f} ms")
+                    figures.append(f"{window:>2} blocks {median_ms(step, repeats=20):6.2f} ms")
         except (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError) as error:
             # a variant the installed torch cannot compile is reported, the others still run
             figures.append(f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")

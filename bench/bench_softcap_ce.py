@@ -11,7 +11,6 @@ and prints the median time of:
 """
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,23 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train_gpt as tg  # noqa: E402
+from bench.gpu_timing import median_ms  # noqa: E402
 
 TOKENS, VOCAB = 49152, 50304
 TILES = ((32, 128, 8), (32, 128, 4), (32, 256, 8), (16, 128, 4), (64, 128, 8), (64, 64, 4))  # rows, columns, warps
-
-
-def median_ms(fn: Callable[[], object], repeats: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[repeats // 2]
 
 
 def main() -> None:
@@ -63,9 +49,9 @@ def main() -> None:
         return grad_f8.T.contiguous()
 
     compiled_loss = torch.compile(lambda l, t: tg.softcapped_cross_entropy(l, t, "sum"), fullgraph=True)
-    print(f"replaced path (compiled CE forward + backward, cast, transposed copy): {median_ms(replaced):.2f} ms")
+    print(f"replaced path (compiled CE forward + backward, cast, transposed copy): {median_ms(replaced, repeats=10):.2f} ms")
     for tile in TILES:
-        ms = median_ms(lambda: tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile))
+        ms = median_ms(lambda: tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile), repeats=10)
         print(f"softcap_ce_e5m2, {tile[0]}x{tile[1]} tiles, {tile[2]} warps: {ms:.2f} ms")
 
 

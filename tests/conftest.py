@@ -1,5 +1,6 @@
 """Shared helpers for the train_gpt tests: tiny shards and a tiny configuration of the 12-slot model."""
 
+import socket
 import sys
 from pathlib import Path
 
@@ -47,3 +48,22 @@ def tiny_args(train_files: str, val_files: str, log_dir: Path, **extra: object) 
     )
     values.update(extra)
     return [f"--{k}={v}" for k, v in values.items()]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def workdir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A fresh working directory and a one-process torch.distributed environment (the scripts run in-process)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DATA_PATH", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    return tmp_path

@@ -2,7 +2,6 @@
 1 process each on localhost, against the same run in one process (the e2e test's comparison)."""
 
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -11,17 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, tiny_args
+from conftest import ROOT, free_port, tiny_args
 
 # Short: 4 steps, one validation at the end, no warm-up.
 SHORT = dict(save_checkpoint="true", num_iterations=4, iteration_extension=0, val_loss_every=0, warmup_steps=0)
 TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def environment(**extra: str) -> dict[str, str]:

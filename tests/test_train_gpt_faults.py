@@ -6,7 +6,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 import train_gpt as tg
 import train_gpt_shampoo as tgs
-from conftest import ROOT, make_shards, tiny_args
+from conftest import ROOT, free_port, make_shards, tiny_args
 
 SCRIPT = ROOT / "train_gpt.py"
 NON_FINITE_TRAIN = re.compile(r"step (\d+): non-finite training loss \((nan|inf|-inf)\); stopping")
@@ -39,24 +38,6 @@ def run_track1(args: list[str], timeout: int = 300) -> subprocess.CompletedProce
 def only_log(log_dir: Path) -> Path:
     (log,) = list(log_dir.glob("*.txt"))
     return log
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def workdir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """A fresh working directory and a one-process torch.distributed environment (Track 3 runs in-process)."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("DATA_PATH", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    return tmp_path
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,23 +20,6 @@ import train_gpt_shampoo as tgs  # noqa: E402
 SCRIPT = ROOT / "train_gpt_shampoo.py"
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{5}) train_time:(\d+\.\d{3})s step_avg:(nan|\d+\.\d{2})ms$")
 MATRIX_OPTIMIZERS = ["shampoo", "adamw"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def workdir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """A fresh working directory and a one-process torch.distributed environment."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("DATA_PATH", raising=False)
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    return tmp_path
 
 
 def smoke_run(*args: str) -> tgs.RunResult:
