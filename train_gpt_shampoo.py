@@ -309,7 +309,7 @@ SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 SHARD_HEADER_INTS = 256
 GPT2_VOCAB_SIZE = 50257
-DOWNLOAD_HINT = "python data/cached_fineweb10B.py 9"
+DOWNLOAD_HINT = "python data/cached_fineweb10B.py 22"  # the record reads 22 training shards
 HUB_SHARD_SCRIPTS = {"fineweb10B": "cached_fineweb10B.py", "fineweb100B": "cached_fineweb100B.py",
                      "finewebedu10B": "cached_finewebedu10B.py"}
 
