@@ -1140,9 +1140,10 @@ class AttentionInputs(NamedTuple):
 
 # FlexAttention's default tiles. Measured on one H200 and left out: ROWS_GUARANTEED_SAFE with the default 64-key
 # forward tiles turns rows after a mid-block document start NaN (their first tile is all masked; val loss NaN at
-# step 0); with 128-key forward tiles it is exact (each query block visits its diagonal first) and bench_flex.py
-# ran it 3-10% faster per call, but inside the model (bench/ab.py profile, ms per step) the forward went 20.96 ->
-# 20.41 and the backward 47.99 -> 50.23, as unprefixed num_warps / num_stages also reach the backward kernel.
+# step 0). With 128-key forward tiles its results are finite and within bf16 rounding of the defaults (each query
+# block visits its diagonal first) and bench/bench_flex.py ran it 3-16% faster per call, but inside the model
+# (bench/ab.py profile, ms per step, against 029d93e's default-option kernels) the forward went 20.96 -> 20.41 and
+# the backward 47.99 -> 50.23, likely because unprefixed num_warps / num_stages also reach the backward kernel.
 FLEX_KERNEL_OPTIONS: dict[str, Any] = {}
 
 

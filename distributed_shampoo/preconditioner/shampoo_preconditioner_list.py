@@ -443,7 +443,7 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     def _amortized_computation_bytes(self, block: ShampooKroneckerFactorsUnwrapped, j: int) -> int:
         """Estimated peak temporaries of recomputing factor j: its normalised square copy (perturbed in place) plus
         what the matrix function allocates (for `eigh`: eigenvectors, eigenvalues and the solver's work array,
-        1 + 6d + 2d² elements), or the caller's part if that is larger (`_amortized_result_temporary_elements`).
+        `eigh_workspace_elements`), or the caller's part if that is larger (`_amortized_result_temporary_elements`).
         With packed storage the unpacking (2.5·d² at most) and packing stay below this. In the factor's dtype."""
         dimension = block.factor_dims[j]
         config = self._preconditioner_config.amortized_computation_config

@@ -168,7 +168,7 @@ def test_concurrent_root_tasks_get_a_budget_of_one_decomposition_plus_a_tenth_of
     ((costs, budget),) = calls
     factor_dims = [96, 4] * 6 + [40, 24] * 2
     # fp32: the normalised copy (perturbed in place), the eigenvectors, the eigenvalues and eigh's work array
-    # (1 + 6d + 2d²); the caller's part (3d² + d: eigenvectors, scaled eigenvectors, root) is smaller.
+    # (1 + 6d + 4d²); the caller's part (3d² + d: eigenvectors, scaled eigenvectors, root) is smaller.
     assert sorted(costs) == sorted((d * d + d * d + d + 1 + 6 * d + 4 * d * d) * 4 for d in factor_dims)
     shampoo_state = sum(
         t.numel() * t.element_size()
@@ -231,7 +231,7 @@ def test_root_computation_estimates_of_the_other_methods() -> None:
 def test_the_track3_root_step_schedule_stays_within_the_budget_with_two_large_factors_at_once() -> None:
     """The record's 144 factors on one GPU, 8 streams: 24 of 3072 and 120 of 768, largest first, with the budget
     the optimizer computes (largest estimate + 0.1 × the factors' and roots' bytes). Two 3072 decompositions fit
-    (453 MB of 464 MB) and small ones fill the rest; a third large one never starts beside them."""
+    (453 MB of 464 MB, with no room for a small one beside them); a third large one never starts beside them."""
     from distributed_shampoo.utils.shampoo_utils import ContinueOnCaller, run_concurrently
 
     costs = [eigh_root_bytes(D_LARGE)] * 24 + [eigh_root_bytes(D_SMALL)] * 120
