@@ -250,7 +250,7 @@ def test_shard_errors_name_the_file(tmp_path: Path) -> None:
     write_shard(big, [1, 2, 500])
     with pytest.raises(tgs.UserError, match="big.bin: token id 500 >= --vocab_size=100"):
         tgs.read_shard(big, vocab_size=100)
-    with pytest.raises(tgs.UserError, match=r"no files match .*nothing_\*\.bin.*cached_fineweb10B\.py 9"):
+    with pytest.raises(tgs.UserError, match=r"no files match .*nothing_\*\.bin.*cached_fineweb10B\.py 22"):
         tgs.resolve_files(str(tmp_path / "nothing_*.bin"), "train")
 
 
