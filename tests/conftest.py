@@ -1,6 +1,8 @@
 """Shared helpers for the train_gpt tests: tiny shards and a tiny configuration of the 12-slot model."""
 
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -67,3 +69,14 @@ def workdir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     return tmp_path
+
+
+def signal_when(process: subprocess.Popen, line_prefix: str, sig: signal.Signals, timeout: float) -> str:
+    """Send `sig` to a run once its stdout shows a line starting with `line_prefix`; wait for it and return its
+    stderr."""
+    for line in process.stdout:
+        if line.startswith(line_prefix):
+            break
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=timeout)
+    return stderr

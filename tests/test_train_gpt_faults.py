@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import train_gpt as tg
 import train_gpt_shampoo as tgs
-from conftest import ROOT, free_port, make_shards, tiny_args
+from conftest import ROOT, free_port, make_shards, signal_when, tiny_args
 
 SCRIPT = ROOT / "train_gpt.py"
 NON_FINITE_TRAIN = re.compile(r"step (\d+): non-finite training loss \((nan|inf|-inf)\); stopping")
@@ -265,11 +265,7 @@ def test_track3_sigterm_stops_at_a_step_boundary_after_a_checkpoint(tmp_path):
          "--val_every=100", "--cycle_train_files=true", "--checkpoint_every=1000", "--checkpoint_dir=ckpt"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    for line in process.stdout:
-        if line.startswith("step:3/400 "):
-            break
-    process.send_signal(signal.SIGTERM)
-    stdout, stderr = process.communicate(timeout=120)
+    stderr = signal_when(process, "step:3/400 ", signal.SIGTERM, timeout=120)
     assert process.returncode == 143, stderr[-2000:]
     (line,) = stderr.splitlines()
     step = int(re.fullmatch(r"step (\d+): interrupted by SIGTERM", line).group(1))

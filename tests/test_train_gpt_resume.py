@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, make_shards, tiny_args
+from conftest import ROOT, make_shards, signal_when, tiny_args
 
 SCRIPT = ROOT / "train_gpt.py"
 # 10 steps; YaRN stretches the long window at steps 2, 4, 6 and 8 (windows 3, 5, 7, 9, 11 blocks), so a resume
@@ -113,11 +113,7 @@ def test_sigint_stops_at_a_step_boundary_and_its_checkpoint_resumes_exactly(shar
     out.mkdir()
     args = tiny_args(*shards, out / "logs", **SCHEDULE, checkpoint_every=4, checkpoint_dir=checkpoints)
     process = subprocess.Popen(launch(1) + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(), cwd=out)
-    for line in process.stdout:
-        if line.startswith("step:5/10 train_time"):
-            break
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=300)
+    stderr = signal_when(process, "step:5/10 train_time", signal.SIGINT, timeout=300)
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
     (line,) = stderr.splitlines()

@@ -2,7 +2,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -262,20 +262,12 @@ def test_run_concurrently_runs_each_task_once() -> None:
         calls[i] += 1
         return i
 
-    @contextmanager
-    def worker():  # type: ignore[no-untyped-def]
-        yield
-
-    assert run_concurrently([lambda i=i: task(i) for i in range(50)], [worker] * 4) == list(range(50))
+    assert run_concurrently([lambda i=i: task(i) for i in range(50)], [nullcontext] * 4) == list(range(50))
     assert calls == [1] * 50
 
 
 def test_run_concurrently_raises_a_task_exception_after_all_workers_finish() -> None:
     finished: list[int] = []
-
-    @contextmanager
-    def worker():  # type: ignore[no-untyped-def]
-        yield
 
     def task(i: int) -> int:
         if i == 3:
@@ -284,7 +276,7 @@ def test_run_concurrently_raises_a_task_exception_after_all_workers_finish() -> 
         return i
 
     with pytest.raises(ZeroDivisionError, match="task 3"):
-        run_concurrently([lambda i=i: task(i) for i in range(10)], [worker] * 2)
+        run_concurrently([lambda i=i: task(i) for i in range(10)], [nullcontext] * 2)
     assert sorted(finished) == [0, 1, 2, 4, 5, 6, 7, 8, 9]  # the other worker drained the queue
 
 
@@ -325,11 +317,7 @@ def _track_cost_in_flight(costs: list[float], budget: float, num_workers: int) -
             del running[i]
         return i
 
-    @contextmanager
-    def worker():  # type: ignore[no-untyped-def]
-        yield
-
-    results = run_concurrently([lambda i=i: task(i) for i in range(len(costs))], [worker] * num_workers, costs, budget)
+    results = run_concurrently([lambda i=i: task(i) for i in range(len(costs))], [nullcontext] * num_workers, costs, budget)
     return results, peak, company
 
 
@@ -350,17 +338,12 @@ def test_run_concurrently_runs_a_task_larger_than_the_budget_alone() -> None:
 
 def test_run_concurrently_rejects_costs_of_the_wrong_length() -> None:
     with pytest.raises(ValueError, match="len\\(costs\\)=1 must equal len\\(tasks\\)=2"):
-        run_concurrently([lambda: 1, lambda: 2], [contextmanager(lambda: (yield))], [1.0], 10.0)
+        run_concurrently([lambda: 1, lambda: 2], [nullcontext], [1.0], 10.0)
 
 
 def test_run_on_side_streams_rejects_zero_streams() -> None:
     with pytest.raises(ValueError, match="num_streams=0 must be at least 1"):
         run_on_side_streams([lambda: 1], 0, torch.device("cpu"))
-
-
-@contextmanager
-def _plain_worker():  # type: ignore[no-untyped-def]
-    yield
 
 
 def test_continuations_run_on_the_calling_thread_and_give_the_results() -> None:
@@ -372,7 +355,7 @@ def test_continuations_run_on_the_calling_thread_and_give_the_results() -> None:
         where["task"].add(threading.get_ident())
         return ContinueOnCaller(lambda a, b: (where["continuation"].add(threading.get_ident()), a * 10 + b)[1], (i, 1))  # type: ignore[arg-type]
 
-    assert run_concurrently([lambda i=i: task(i) for i in range(12)], [_plain_worker] * 3) == [i * 10 + 1 for i in range(12)]
+    assert run_concurrently([lambda i=i: task(i) for i in range(12)], [nullcontext] * 3) == [i * 10 + 1 for i in range(12)]
     assert where["continuation"] == {caller} and caller not in where["task"]
 
 
@@ -413,7 +396,7 @@ def test_a_task_costs_until_its_continuation_returns() -> None:
         time.sleep(0.002)
         return ContinueOnCaller(lambda: release(i))
 
-    results = run_concurrently([lambda i=i: task(i) for i in range(len(costs))], [_plain_worker] * 4, costs, budget)
+    results = run_concurrently([lambda i=i: task(i) for i in range(len(costs))], [nullcontext] * 4, costs, budget)
     assert results == list(range(len(costs)))
     assert 100.0 < peak <= budget  # small tasks joined a large one, never a second large one
 
@@ -431,7 +414,7 @@ def test_a_failing_continuation_is_raised_after_every_task_has_run() -> None:
         return ContinueOnCaller(finish)
 
     with pytest.raises(ArithmeticError, match="continuation 2"):
-        run_concurrently([lambda i=i: task(i) for i in range(8)], [_plain_worker] * 3, [1.0] * 8, 2.0)
+        run_concurrently([lambda i=i: task(i) for i in range(8)], [nullcontext] * 3, [1.0] * 8, 2.0)
     assert sorted(ran) == [0, 1, 3, 4, 5, 6, 7]
 
 
@@ -443,7 +426,7 @@ def test_the_first_failing_task_in_task_order_is_raised() -> None:
         return i
 
     with pytest.raises(ValueError, match="task 1"):
-        run_concurrently([lambda i=i: task(i) for i in range(8)], [_plain_worker] * 4)
+        run_concurrently([lambda i=i: task(i) for i in range(8)], [nullcontext] * 4)
 
 
 def test_persistent_executors_run_each_worker_on_the_same_thread_every_time() -> None:
@@ -474,7 +457,7 @@ def test_persistent_executors_run_each_worker_on_the_same_thread_every_time() ->
 def test_run_concurrently_needs_one_executor_per_context() -> None:
     with ThreadPoolExecutor(max_workers=1) as executor:
         with pytest.raises(ValueError, match="len\\(executors\\)=1 must equal len\\(worker_contexts\\)=2"):
-            run_concurrently([lambda: 1], [_plain_worker] * 2, executors=[executor])
+            run_concurrently([lambda: 1], [nullcontext] * 2, executors=[executor])
 
 
 # ------------------------------------------------------------------------------------------ symmetric packing
