@@ -12,9 +12,10 @@ its masked-row guard per key tile; each query block visits its diagonal block fi
 but with the default 64-key tiles, rows after a document start in the block's second half meet an all-masked
 first tile and turn NaN although every query sees itself. With 128-key tiles the first tile holds the row itself.
 
-    python bench/bench_flex.py            # one GPU; a few minutes (one compilation per variant)
+    python bench/bench_flex.py [VARIANT ...]   # one GPU; a few minutes (one compilation per variant); default: all
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -35,6 +36,10 @@ VARIANTS: dict[str, dict] = {
     "bwd 64x128/128x64": dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64),
     "fwd 128x128 w8 s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
     "safe + fwd 128x128 w8 s2": dict(ROWS_GUARANTEED_SAFE=True, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+    # fwd_/bwd_ prefixes reach one kernel only (unprefixed num_warps/num_stages reach both)
+    "fwd_ 128x128 w8 s2": dict(fwd_BLOCK_M=128, fwd_BLOCK_N=128, fwd_num_warps=8, fwd_num_stages=2),
+    "safe + fwd_ 128x128 w8 s2": dict(ROWS_GUARANTEED_SAFE=True, fwd_BLOCK_M=128, fwd_BLOCK_N=128, fwd_num_warps=8, fwd_num_stages=2),
+    "TMA": dict(USE_TMA=True),
 }
 # |variant - default| <= ATOL + RTOL * |default|: a few bf16 rounding steps (one step is 2^-8 relative); other
 # tile orders differ by rounding only
@@ -43,6 +48,12 @@ WINDOWS = ((1, 3), (3, 7), (5, 11))  # (short, long) in blocks at the three sche
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="*", help=f"variants to run (the default options always run first): {', '.join(map(repr, VARIANTS))}")
+    chosen = parser.parse_args().variants
+    if unknown := [name for name in chosen if name not in VARIANTS]:
+        parser.error(f"unknown variant {unknown[0]!r}; choose from {', '.join(map(repr, VARIANTS))}")
+    variants = {name: options for name, options in VARIANTS.items() if name == "default" or not chosen or name in chosen}
     if not torch.cuda.is_available():
         raise SystemExit("bench_flex.py: needs a CUDA GPU.")
     torch.manual_seed(0)
@@ -56,7 +67,7 @@ def main() -> None:
     scale = torch.tensor(0.12, device="cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {TOKENS} tokens, {HEADS} heads x {HEAD_DIM}, {int(ids.eq(BOS).sum())} documents")
     references: dict[int, tuple[torch.Tensor, ...]] = {}
-    for name, options in VARIANTS.items():
+    for name, options in variants.items():
         attend = torch.compile(
             lambda q, k, v, mask: flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * scale, block_mask=mask, scale=1.0, kernel_options=options),
             fullgraph=True,

@@ -8,6 +8,7 @@ Gradients are fixed random tensors (identical on every rank), so only the optimi
     torchrun --standalone --nproc_per_node=2 bench/bench_shampoo_step.py   # DDP distributor on 2 GPUs
     python bench/bench_shampoo_step.py --tiny --device cpu           # small sizes, to check the script
     python bench/bench_shampoo_step.py --root-streams 1,2,4,8        # one Shampoo row per stream count
+    python bench/bench_shampoo_step.py --root-streams 1,8 --memory-fractions 0.1,0.5,inf   # and per memory bound
     python bench/bench_shampoo_step.py --symmetric-packing on        # packed factors (the package default; the record's are square)
 
 Prints two tables. The first: mean ms per step over the measured steps, split into steps that recompute the
@@ -49,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train_gpt_shampoo as tgs  # noqa: E402
 from distributed_shampoo import DistributedShampoo, RootInvShampooPreconditionerConfig  # noqa: E402
-from distributed_shampoo.preconditioner import shampoo_preconditioner_list  # noqa: E402
+from distributed_shampoo.preconditioner.shampoo_preconditioner_list import DEFAULT_CONCURRENT_MEMORY_FRACTION  # noqa: E402
 from distributed_shampoo.preconditioner.shampoo_preconditioner_list import BaseShampooPreconditionerList  # noqa: E402
 
 RECORD = tgs.Hyperparameters()
@@ -68,6 +69,12 @@ def parse_args() -> argparse.Namespace:
         "--root-streams",
         default=str(RECORD.shampoo_root_streams),
         help="comma-separated CUDA stream counts for the root recomputation (train_gpt_shampoo's --shampoo_root_streams)",
+    )
+    parser.add_argument(
+        "--memory-fractions",
+        default="0.1",
+        help="comma-separated ShampooRuntimeConfig.concurrent_memory_fraction values (inf: unbounded); each "
+        "multi-stream count runs once per value",
     )
     parser.add_argument(
         "--gradient-sets",
@@ -104,6 +111,12 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--root-streams must be comma-separated integers, got {args.root_streams!r}")
     if min(args.root_streams) < 1:
         parser.error(f"--root-streams must all be >= 1, got {args.root_streams}")
+    try:
+        args.memory_fractions = [float(value) for value in args.memory_fractions.split(",")]
+    except ValueError:
+        parser.error(f"--memory-fractions must be comma-separated numbers, got {args.memory_fractions!r}")
+    if not all(value >= 0 for value in args.memory_fractions):
+        parser.error(f"--memory-fractions must all be >= 0 (inf: unbounded), got {args.memory_fractions}")
     return args
 
 
@@ -162,11 +175,10 @@ def largest_root_computation_bytes(optimizer: DistributedShampoo) -> int:
 
 def concurrency_budget_bytes(optimizer: DistributedShampoo) -> float:
     """Total estimated temporaries that concurrent root computations may hold (the largest list's budget)."""
-    fraction = shampoo_preconditioner_list._CONCURRENT_MEMORY_FRACTION
     return max(
         (
             max(shampoo._amortized_computation_bytes(block, j) for block in shampoo._local_blocks for j in range(len(block.factor_dims)))
-            + fraction * shampoo._state_bytes
+            + shampoo._concurrent_memory_fraction * shampoo._state_bytes
             for shampoo in shampoo_lists(optimizer)
             if shampoo._local_blocks
         ),
@@ -328,6 +340,7 @@ def mean(values: list[float]) -> float:
 @dataclasses.dataclass
 class ShampooRun:
     root_streams: int
+    memory_fraction: float
     records: list[StepRecord]
     state: int  # bytes
     persistent: float  # bytes allocated after the last step besides the state (CUDA)
@@ -337,8 +350,8 @@ class ShampooRun:
     probe: RootStepMemory | None
 
 
-def run_shampoo(args: argparse.Namespace, root_streams: int, shapes: list[tuple[int, int]], device: torch.device,
-                world_size: int, timer: StepTimer) -> ShampooRun:
+def run_shampoo(args: argparse.Namespace, root_streams: int, memory_fraction: float, shapes: list[tuple[int, int]],
+                device: torch.device, world_size: int, timer: StepTimer) -> ShampooRun:
     cuda = device.type == "cuda"
     gc.collect()
     if cuda:
@@ -350,6 +363,8 @@ def run_shampoo(args: argparse.Namespace, root_streams: int, shapes: list[tuple[
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)  # parameters and gradients
     shampoo = make_shampoo(params, args.precondition_frequency, root_streams, world_size, args.symmetric_packing)
+    for shampoo_list in shampoo_lists(shampoo):  # ShampooRuntimeConfig.concurrent_memory_fraction, set after building
+        shampoo_list._concurrent_memory_fraction = memory_fraction
     records = time_optimizer(shampoo, params, grads, timer, args.warmup, args.steps, baseline)
     nbytes = state_bytes(shampoo)
     persistent, probe = math.nan, None
@@ -358,7 +373,7 @@ def run_shampoo(args: argparse.Namespace, root_streams: int, shapes: list[tuple[
         persistent = torch.cuda.memory_allocated(device) - baseline - nbytes
         probe = probe_root_step(shampoo, params, grads, args.warmup + args.steps + 1, args.precondition_frequency, baseline)
     largest = largest_root_computation_bytes(shampoo)
-    return ShampooRun(root_streams, records, nbytes, persistent, 0.1 * nbytes + largest, largest,
+    return ShampooRun(root_streams, memory_fraction, records, nbytes, persistent, 0.1 * nbytes + largest, largest,
                       concurrency_budget_bytes(shampoo) if root_streams > 1 else math.nan, probe)
 
 
@@ -383,7 +398,11 @@ def main() -> None:
     timer = StepTimer(device)
     shapes = track3_shapes(args.layers, args.dim)
     frequency = args.precondition_frequency
-    runs = [run_shampoo(args, root_streams, shapes, device, world_size, timer) for root_streams in args.root_streams]
+    runs = [
+        run_shampoo(args, root_streams, fraction, shapes, device, world_size, timer)
+        for root_streams in args.root_streams
+        for fraction in (args.memory_fractions if root_streams > 1 else args.memory_fractions[:1])
+    ]
 
     params, grads = make_params(shapes, device, args.gradient_sets)
     adamw = make_adamw(params, device)
@@ -398,9 +417,11 @@ def main() -> None:
         others = [record for record in measured if record.step % frequency != 0]
         shampoo_mean = mean([record.ms for record in measured])
         label = f"Shampoo, {run.root_streams} stream{'s' if run.root_streams > 1 else ''}"
+        if run.root_streams > 1 and args.memory_fractions != [DEFAULT_CONCURRENT_MEMORY_FRACTION]:
+            label += f", mem {run.memory_fraction:g}"
         peak = max_or_nan([record.peak for record in run.records])  # warm-up steps included, as the state is
         timing_rows.append(
-            f"{label:<22}{shampoo_mean:>13.2f}{mean([r.ms for r in roots]):>12.2f}{mean([r.ms for r in others]):>13.2f}"
+            f"{label:<30}{shampoo_mean:>13.2f}{mean([r.ms for r in roots]):>12.2f}{mean([r.ms for r in others]):>13.2f}"
             f"{shampoo_mean / adamw_mean:>9.2f}{run.state / mib:>11.1f}{peak / mib:>10.1f}{(peak - run.state) / mib:>11.1f}"
             f"{run.bound / mib:>8.1f}"
         )
@@ -414,14 +435,14 @@ def main() -> None:
                 run.probe.after_roots - run.state,
             ]
             memory_rows.append(
-                f"{label:<22}" + "".join(f"{value / mib:>11.1f}" for value in above_state)
+                f"{label:<30}" + "".join(f"{value / mib:>11.1f}" for value in above_state)
                 + f"{run.probe.roots_ms:>10.1f}{run.probe.one_root / mib:>9.1f}{run.one_root_estimate / mib:>10.1f}"
                 + f"{run.budget / mib:>9.1f}"
             )
     adamw_label = "AdamW (fused)" if device.type == "cuda" else "AdamW (foreach)"
     nan = math.nan
     timing_rows.append(
-        f"{adamw_label:<22}{adamw_mean:>13.2f}{nan:>12.2f}{nan:>13.2f}{1.0:>9.2f}{state_bytes(adamw) / mib:>11.1f}"
+        f"{adamw_label:<30}{adamw_mean:>13.2f}{nan:>12.2f}{nan:>13.2f}{1.0:>9.2f}{state_bytes(adamw) / mib:>11.1f}"
         f"{nan:>10.1f}{nan:>11.1f}{nan:>8.1f}"
     )
     per_rank: list[Any] = [None] * world_size
@@ -438,7 +459,7 @@ def main() -> None:
             f"symmetric packing={args.symmetric_packing}"
         )
         header = (
-            f"{'rank':>4}  {'optimizer':<22}{'mean ms/step':>13}{'root steps':>12}{'other steps':>13}{'× AdamW':>9}"
+            f"{'rank':>4}  {'optimizer':<30}{'mean ms/step':>13}{'root steps':>12}{'other steps':>13}{'× AdamW':>9}"
             f"{'state MiB':>11}{'peak MiB':>10}{'transient':>11}{'bound':>8}"
         )
         print(header)
@@ -451,7 +472,7 @@ def main() -> None:
               "within it).")
         if any(memory for _, memory in per_rank):
             header = (
-                f"{'rank':>4}  {'optimizer':<22}{'persistent':>11}{'other steps':>11}{'root steps':>11}"
+                f"{'rank':>4}  {'optimizer':<30}{'persistent':>11}{'other steps':>11}{'root steps':>11}"
                 f"{'pre-roots':>11}{'roots':>11}{'post-roots':>11}{'roots ms':>10}{'1 root':>9}{'estimate':>10}"
                 f"{'budget':>9}"
             )

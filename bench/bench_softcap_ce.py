@@ -1,15 +1,21 @@
 """The FP8 head's fused soft-capped cross-entropy kernel against what it replaces, on one GPU.
 
 On a record-sized micro-step (49,152 tokens x 50,304 padded vocabulary, bf16 logits) this checks the kernel
-(`train_gpt.softcap_ce_e5m2`) against its eager reference (loss per row; e5m2 gradient codes in both layouts)
+(`train_gpt.softcap_ce_e5m2`):
+  * its hardware casts against its integer casts (the ones the interpreter tests): loss and both e5m2 layouts
+    must be bitwise equal over the whole micro-step;
+  * against its eager reference on a slice of rows (loss per row; e5m2 codes);
 and prints the median time of:
-  * the kernel, for a few tile sizes;
+  * the kernel, for a few tile sizes, and with the integer casts;
+  * with --compare FILE, another train_gpt.py's kernel on the same input (e.g. `git show 029d93e:train_gpt.py`);
   * the path it replaces: the compiled soft-capped CE forward + backward (torch.compile, as the model was
     compiled) giving a bf16 logit gradient, then the division and cast to e5m2 and the transposed copy.
 
-    python bench/bench_softcap_ce.py        # one GPU, about a minute (mostly compilation)
+    python bench/bench_softcap_ce.py [--compare OTHER_TRAIN_GPT.py]     # one GPU, about a minute
 """
 
+import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -21,26 +27,56 @@ import train_gpt as tg  # noqa: E402
 from bench.gpu_timing import median_ms  # noqa: E402
 
 TOKENS, VOCAB = 49152, 50304
-TILES = ((32, 128, 8), (32, 128, 4), (32, 256, 8), (16, 128, 4), (64, 128, 8), (64, 64, 4))  # rows, columns, warps
+TILES = ((32, 128, 8), (32, 128, 4), (64, 128, 8), (16, 128, 4), (32, 64, 4), (64, 64, 8))  # rows, columns, warps
+
+
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("compared_train_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def codes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", help="another train_gpt.py whose softcap_ce_e5m2 to time on the same input")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_softcap_ce.py: needs a CUDA GPU.")
     torch.manual_seed(0)
     logits = (torch.randn(TOKENS, VOCAB, device="cuda") * 3).bfloat16()
+    logits[0, :4] = torch.tensor([60.0, -60.0, 1e-3, -1e-3])  # saturated and near-zero soft caps
     targets = torch.randint(0, VOCAB, (TOKENS,), device="cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, logits {TOKENS} x {VOCAB} bf16")
 
     losses, grad, grad_t = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE)
+    int_losses, int_grad, int_grad_t = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, hardware_casts=False)
+    print(
+        "hardware casts vs integer casts, whole micro-step: "
+        f"losses equal {torch.equal(losses, int_losses)}, gradient codes differ in {int((codes(grad) != codes(int_grad)).sum())}, "
+        f"transposed codes differ in {int((codes(grad_t) != codes(int_grad_t)).sum())}"
+    )
+    del int_losses, int_grad, int_grad_t
     # the reference on a slice of rows (the eager path materializes several fp32 copies of its input)
     rows = slice(0, 4096)
     want_losses, want_grad, _ = tg.softcap_ce_e5m2_eager(logits[rows], targets[rows], tg.FP8_GRAD_SCALE)
-    codes, want_codes = grad[rows].view(torch.uint8).long(), want_grad.view(torch.uint8).long()
+    got, want = codes(grad[rows]).long(), codes(want_grad).long()
     print(f"loss per row vs eager: max relative error {((losses[rows] - want_losses).abs() / want_losses).max().item():.2e}")
-    print(f"e5m2 codes vs eager: {(codes != want_codes).float().mean().item():.2e} differ, at most {(codes - want_codes).abs().max().item()} code apart")
-    print(f"transposed layout equal: {torch.equal(grad_t.view(torch.uint8), grad.view(torch.uint8).T)}")
-    del grad, grad_t, want_grad, codes, want_codes
+    print(f"e5m2 codes vs eager: {(got != want).float().mean().item():.2e} differ, at most {(got - want).abs().max().item()} code apart")
+    print(f"transposed layout equal: {torch.equal(codes(grad_t), codes(grad).T)}")
+    if args.compare:
+        other = load_module(args.compare)
+        other_losses, other_grad, _ = other.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE)
+        print(
+            f"{args.compare}: loss max relative difference {((losses - other_losses).abs() / other_losses).max().item():.2e}, "
+            f"gradient codes differ in {(codes(grad) != codes(other_grad)).float().mean().item():.2e} of them"
+        )
+        del other_grad
+    del grad, grad_t, want_grad, got, want
 
     def replaced() -> torch.Tensor:
         leaf = logits.detach().requires_grad_()
@@ -50,9 +86,13 @@ def main() -> None:
 
     compiled_loss = torch.compile(lambda l, t: tg.softcapped_cross_entropy(l, t, "sum"), fullgraph=True)
     print(f"replaced path (compiled CE forward + backward, cast, transposed copy): {median_ms(replaced, repeats=10):.2f} ms")
+    if args.compare:
+        print(f"{args.compare} kernel: {median_ms(lambda: other.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE), repeats=10):.2f} ms")
     for tile in TILES:
         ms = median_ms(lambda: tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile), repeats=10)
         print(f"softcap_ce_e5m2, {tile[0]}x{tile[1]} tiles, {tile[2]} warps: {ms:.2f} ms")
+    ms = median_ms(lambda: tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, hardware_casts=False), repeats=10)
+    print(f"softcap_ce_e5m2, default tiles, integer casts: {ms:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -275,6 +275,7 @@ def _make_preconditioner_list(
                 epsilon=group[EPSILON],
                 use_bias_correction=group[USE_BIAS_CORRECTION] and not drop,
                 num_amortized_computation_streams=runtime_config.num_amortized_computation_streams,
+                concurrent_memory_fraction=runtime_config.concurrent_memory_fraction,
             )
     raise NotImplementedError(f"{config=} not supported!")
 

@@ -498,16 +498,26 @@ class ShampooRuntimeConfig:
     one by one and concurrently, with results bitwise equal to decomposing them one after another (a package
     extension; the published optimizer has no such field). `CoupledHigherOrderConfig(disable_tf32=True)` stays
     sequential: it flips a process-wide flag.
+    `concurrent_memory_fraction` (a package extension too) bounds the concurrent computations' temporaries: they
+    start only while their estimated total stays within the largest one's plus this fraction of the
+    preconditioner state, so that a root step's peak stays near 1 + fraction times the state plus one
+    decomposition; `math.inf` removes the bound (faster root steps, more memory: see the package README).
     """
 
     eager_nan_check: bool = False
     num_amortized_computation_streams: int = 1
+    concurrent_memory_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if self.num_amortized_computation_streams < 1:
             raise ValueError(
                 f"Invalid num_amortized_computation_streams value: {self.num_amortized_computation_streams}. "
                 "Must be >= 1 (1 computes the roots one after another on the current stream)."
+            )
+        if not self.concurrent_memory_fraction >= 0.0:  # NaN fails too
+            raise ValueError(
+                f"Invalid concurrent_memory_fraction value: {self.concurrent_memory_fraction}. "
+                "Must be >= 0 (a fraction of the preconditioner state; math.inf for no bound)."
             )
 
 

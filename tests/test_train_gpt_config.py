@@ -129,6 +129,19 @@ def test_rotary_rotates_half_pairs_with_the_record_sign():
     torch.testing.assert_close(y[..., [2, 3, 6, 7]], x[..., [2, 3, 6, 7]])  # the zero-frequency half is untouched
 
 
+@pytest.mark.parametrize("table_dtype, x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_rotary_is_bitwise_the_record_cat_form(table_dtype, x_dtype):
+    """Rotary.forward avoids a cat of the two halves (faster under inductor) but computes each element with the
+    record's operations: cat(x1 cos + x2 sin, x2 cos - x1 sin) in the table's dtype."""
+    rotary = tg.Rotary(head_dim=64, max_seq_len=96, block_size=16, table_dtype=table_dtype)
+    rotary.apply_yarn(1, 3)
+    x = (torch.randn(1, 96, 3, 64) * 3).to(x_dtype)
+    cos, sin = rotary.cos[None, :, None, :], rotary.sin[None, :, None, :]
+    x1, x2 = x.to(table_dtype).chunk(2, dim=-1)
+    record = torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+    assert torch.equal(rotary(x), record)
+
+
 def test_open_log_never_overwrites(tmp_path):
     path, run_id = tg.open_log(str(tmp_path), "")
     assert path.exists() and path.name == f"{run_id}.txt"

@@ -70,9 +70,10 @@ logger: logging.Logger = logging.getLogger(__name__)
 SHAMPOO = "shampoo"
 
 # Concurrent amortized computations start only while their estimated temporaries (`_amortized_computation_bytes`)
-# total at most the largest one's plus this fraction of the list's state: the root step's peak memory stays
-# within 1.1× the state plus one computation.
-_CONCURRENT_MEMORY_FRACTION = 0.1
+# total at most the largest one's plus this fraction of the list's state (ShampooRuntimeConfig's
+# concurrent_memory_fraction): by default the root step's peak memory stays within 1.1× the state plus one
+# computation.
+DEFAULT_CONCURRENT_MEMORY_FRACTION = 0.1
 
 
 # ------------------------------------------------------------------------------------------ checkpointed state
@@ -271,6 +272,7 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         use_bias_correction: bool = True,
         *,
         num_amortized_computation_streams: int = 1,
+        concurrent_memory_fraction: float = DEFAULT_CONCURRENT_MEMORY_FRACTION,
     ) -> None:
         super().__init__(block_list, beta2, weighting_factor, epsilon, use_bias_correction)
         self._preconditioner_config = preconditioner_config
@@ -278,6 +280,7 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         if num_amortized_computation_streams < 1:
             raise ValueError(f"{num_amortized_computation_streams=} must be at least 1.")
         self._num_amortized_computation_streams = num_amortized_computation_streams
+        self._concurrent_memory_fraction = concurrent_memory_fraction
 
         blocks = []
         for block, block_info in zip(block_list, block_info_list, strict=True):
@@ -463,7 +466,7 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
 
         With several streams (CUDA only) the tasks run concurrently, largest first so that the big
         decompositions start early, while their estimated temporaries stay within the largest one's plus
-        `_CONCURRENT_MEMORY_FRACTION` of the state; each result is bitwise the sequential one.
+        the concurrent memory fraction of the state; each result is bitwise the sequential one.
         """
         work = [(block, j) for block in self._masked_blocks for j in range(len(block.factor_matrices))]
         if not work:
@@ -501,7 +504,7 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
             order.sort(key=lambda task: -work[task][0].factor_dims[work[task][1]])  # largest first
             load_linalg_library(device)  # its lazy first call is not thread safe
         costs = [self._amortized_computation_bytes(*work[task]) for task in order]
-        budget = max(costs) + _CONCURRENT_MEMORY_FRACTION * self._state_bytes
+        budget = max(costs) + self._concurrent_memory_fraction * self._state_bytes
         outcomes = run_on_side_streams(
             [partial(self._recompute_factor, *work[task]) for task in order], streams, device, costs, budget
         )

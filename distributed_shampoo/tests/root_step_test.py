@@ -5,6 +5,7 @@ those still alive after each operation: a proxy for the CUDA caching allocator's
 """
 
 import logging
+import math
 import threading
 import time
 from contextlib import nullcontext
@@ -149,7 +150,11 @@ def test_root_step_memory_is_one_decomposition_plus_a_tenth_of_the_state(use_sym
     assert tracker.peak <= bound, f"peak {tracker.peak} B of temporaries > bound {bound:.0f} B"
 
 
-def test_concurrent_root_tasks_get_a_budget_of_one_decomposition_plus_a_tenth_of_the_state(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fraction", [None, 0.5, math.inf])
+def test_concurrent_root_tasks_get_a_budget_of_one_decomposition_plus_a_fraction_of_the_state(
+    monkeypatch: pytest.MonkeyPatch, fraction: float | None
+) -> None:
+    """ShampooRuntimeConfig.concurrent_memory_fraction (default, None here: a tenth) reaches the budget."""
     from distributed_shampoo.shampoo_types import ShampooRuntimeConfig
 
     calls: list[tuple[list[float], float]] = []
@@ -161,7 +166,8 @@ def test_concurrent_root_tasks_get_a_budget_of_one_decomposition_plus_a_tenth_of
 
     monkeypatch.setattr(shampoo_preconditioner_list, "run_on_side_streams", spy)
     params = make_params()
-    optimizer = make_optimizer(params, shampoo_runtime_config=ShampooRuntimeConfig(num_amortized_computation_streams=8))
+    extra = {} if fraction is None else {"concurrent_memory_fraction": fraction}
+    optimizer = make_optimizer(params, shampoo_runtime_config=ShampooRuntimeConfig(num_amortized_computation_streams=8, **extra))
     for step in range(1, FREQUENCY + 1):
         set_grads(params, step)
         optimizer.step()
@@ -177,7 +183,7 @@ def test_concurrent_root_tasks_get_a_budget_of_one_decomposition_plus_a_tenth_of
         if isinstance(block, dict)
         for t in (*block["shampoo"].factor_matrices, *block["shampoo"].inv_factor_matrices)
     )
-    assert budget == pytest.approx(max(costs) + 0.1 * shampoo_state)
+    assert budget == pytest.approx(max(costs) + (0.1 if fraction is None else fraction) * shampoo_state)
 
 
 # ------------------------------------------------------------------------------ estimates and the concurrency budget
@@ -236,7 +242,7 @@ def test_the_track3_root_step_schedule_stays_within_the_budget_with_two_large_fa
 
     costs = [eigh_root_bytes(D_LARGE)] * 24 + [eigh_root_bytes(D_SMALL)] * 120
     state = 2 * 4 * (24 * D_LARGE**2 + 120 * D_SMALL**2)  # factor matrices and inverse roots, fp32
-    budget = max(costs) + shampoo_preconditioner_list._CONCURRENT_MEMORY_FRACTION * state
+    budget = max(costs) + shampoo_preconditioner_list.DEFAULT_CONCURRENT_MEMORY_FRACTION * state
     assert budget == pytest.approx(464_395_473, abs=1)
     lock = threading.Lock()
     running: dict[int, int] = {}

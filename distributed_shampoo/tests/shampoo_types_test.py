@@ -142,3 +142,11 @@ def test_amortized_computation_streams_must_be_positive(streams: int) -> None:
     with pytest.raises(ValueError, match=rf"Invalid num_amortized_computation_streams value: {streams}. Must be >= 1"):
         ShampooRuntimeConfig(num_amortized_computation_streams=streams)
     assert ShampooRuntimeConfig().num_amortized_computation_streams == 1
+
+
+@pytest.mark.parametrize("fraction", [-0.1, float("nan")])
+def test_concurrent_memory_fraction_must_be_a_non_negative_number(fraction: float) -> None:
+    with pytest.raises(ValueError, match=r"Invalid concurrent_memory_fraction value: .*Must be >= 0"):
+        ShampooRuntimeConfig(concurrent_memory_fraction=fraction)
+    assert ShampooRuntimeConfig().concurrent_memory_fraction == 0.1
+    assert ShampooRuntimeConfig(concurrent_memory_fraction=float("inf")).concurrent_memory_fraction == float("inf")
