@@ -125,6 +125,10 @@ class Hyperparameters:
     # CUDA streams (one host thread each) over which a step's eigendecompositions run concurrently; changes
     # the speed of the root steps only, not their result (one H200: root step 2.12 s with 1 stream, 1.73 s with 8)
     shampoo_root_streams: int = 8
+    # with several streams, the decompositions in flight may hold at most the largest one's temporaries plus this
+    # fraction of the preconditioner state (inf: no bound). One H200, Track 3 optimizer alone, 8 streams: 0.1 ->
+    # 409.6 ms/step and 468 MiB above the state, inf -> 376.9 ms/step and 2,280 MiB (distributed_shampoo/README.md)
+    shampoo_root_memory_fraction: float = 0.1
     # run
     num_trials: int = 1  # trials in one launch share the compiled model and the log
     seed: int = -1  # -1: no seed, as the record
@@ -181,7 +185,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "schedule": ("train_steps", "cooldown_frac"),
     "logging": ("val_every", "val_every_late", "late_frac", "log_dir"),
-    "runtime": ("num_trials", "seed", "compile", "shampoo_root_streams", "checkpoint_every", "checkpoint_dir", "resume"),
+    "runtime": ("num_trials", "seed", "compile", "shampoo_root_streams", "shampoo_root_memory_fraction", "checkpoint_every", "checkpoint_dir", "resume"),
 }
 FLAG_HELP: dict[str, str] = {
     "train_files": "training shards (glob; DATA_PATH is prefixed)",
@@ -221,6 +225,7 @@ FLAG_HELP: dict[str, str] = {
     "seed": "torch seed (-1: unseeded like the record)",
     "compile": "torch.compile the model",
     "shampoo_root_streams": "CUDA streams the root steps' eigendecompositions spread over (speed only)",
+    "shampoo_root_memory_fraction": "memory the concurrent eigendecompositions may hold, as a fraction of the preconditioner state (inf: unbounded; speed and memory only)",
     "checkpoint_every": "resumable checkpoint every K steps and at an interrupt (0: never)",
     "checkpoint_dir": 'folder of the resumable checkpoints ("": checkpoints/<run id>)',
     "resume": "a checkpoint folder written by --checkpoint_every: continues that run exactly",
@@ -295,6 +300,7 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
         need(getattr(hp, name) > 0, f"--{name}={getattr(hp, name)}: must be > 0")
     for name in ("shampoo_max_preconditioner_dim", "shampoo_precondition_frequency", "shampoo_root_streams"):
         need(getattr(hp, name) >= 1, f"--{name}={getattr(hp, name)}: must be >= 1")
+    need(hp.shampoo_root_memory_fraction >= 0, f"--shampoo_root_memory_fraction={hp.shampoo_root_memory_fraction}: must be >= 0 (inf: no bound)")
     start = hp.shampoo_start_preconditioning_step
     need(start == -1 or start >= hp.shampoo_precondition_frequency,
             f"--shampoo_start_preconditioning_step={start}: must be -1 or >= --shampoo_precondition_frequency")
@@ -707,7 +713,9 @@ def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) 
         # full (unpacked) factors, as the record's package stored them: packing changes float32 rounding
         preconditioner_config=RootInvShampooPreconditionerConfig(use_symmetric_packing=False),
         distributed_config=distributed_config,
-        shampoo_runtime_config=ShampooRuntimeConfig(num_amortized_computation_streams=hp.shampoo_root_streams),
+        shampoo_runtime_config=ShampooRuntimeConfig(
+            num_amortized_computation_streams=hp.shampoo_root_streams, concurrent_memory_fraction=hp.shampoo_root_memory_fraction
+        ),
     )
 
 
@@ -1036,7 +1044,9 @@ def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
 CHECKPOINT_FORMAT = "train_gpt_shampoo/2"  # /2: the settings moved from shared.pt to manifest.json
 # Settings that may differ between a checkpointed run and its resumption without changing the trajectory
 # (the root streams change only how fast the same eigendecompositions run).
-RUNTIME_ONLY_FIELDS = frozenset({"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume", "shampoo_root_streams"})
+RUNTIME_ONLY_FIELDS = frozenset(
+    {"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume", "shampoo_root_streams", "shampoo_root_memory_fraction"}
+)
 
 
 # ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----

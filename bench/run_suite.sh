@@ -28,11 +28,14 @@ step() {  # name, command...: runs one measurement, keeps its output, goes on af
 if [[ $what == all || $what == track1 ]]; then
     step t1_1gpu env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_train_gpt.py --nproc 1 --steps 150 --log-dir "$out/logs" -- $t1 --val_loss_every=25
     step softcap_ce env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_softcap_ce.py
+    step qk_rotary env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_qk_rotary.py
+    step flex env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_flex.py
+    step cuda_tests env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q tests/test_train_gpt_cuda.py
     step t1_profile env CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc_per_node=1 bench/profile_train_gpt.py $t1
     [ "$gpus" -ge 2 ] && step t1_2gpu env CUDA_VISIBLE_DEVICES=0,1 python3 bench/bench_train_gpt.py --nproc 2 --steps 100 --log-dir "$out/logs" -- $t1 --val_loss_every=50
 fi
 if [[ $what == all || $what == shampoo ]]; then
-    step shampoo_step_1gpu env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_shampoo_step.py --root-streams 1,2,4,8
+    step shampoo_step_1gpu env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_shampoo_step.py --root-streams 1,2,4,8 --memory-fractions 0.1,inf
     step eigh_probe env CUDA_VISIBLE_DEVICES=0 python3 bench/probe_eigh.py
     [ "$gpus" -ge 2 ] && step shampoo_step_2gpu env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc_per_node=2 bench/bench_shampoo_step.py --root-streams 1,8
 fi

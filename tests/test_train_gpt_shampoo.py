@@ -69,6 +69,8 @@ def test_overrides_preset_and_explicit_values_win() -> None:
         (["--shampoo_start_preconditioning_step=3"], "--shampoo_start_preconditioning_step=3"),
         (["--adam_eps=0"], "--adam_eps=0.0: must be > 0"),
         (["--shampoo_root_streams=0"], "--shampoo_root_streams=0: must be >= 1"),
+        (["--shampoo_root_memory_fraction=-1"], "--shampoo_root_memory_fraction=-1.0: must be >= 0"),
+        (["--shampoo_root_memory_fraction=nan"], "--shampoo_root_memory_fraction=nan: must be >= 0"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv: list[str], message: str) -> None:
@@ -112,6 +114,13 @@ def test_record_shampoo_keeps_every_matrix_one_block_with_full_factors() -> None
         factors = state[index]["block_0"]["shampoo"]["factor_matrices"]
         m, n = param.shape
         assert (tuple(factors[0].shape), tuple(factors[1].shape)) == ((m, m), (n, n))
+
+
+def test_root_stream_settings_reach_the_preconditioner() -> None:
+    hp, _ = tgs.parse_args(["--shampoo_root_streams=3", "--shampoo_root_memory_fraction=inf"])
+    matrices = [torch.nn.Parameter(torch.zeros(16, 8)), torch.nn.Parameter(torch.zeros(8, 8))]
+    shampoo_list = tgs.build_shampoo(matrices, hp, world_size=1)._group_runtimes[0].shampoo
+    assert (shampoo_list._num_amortized_computation_streams, shampoo_list._concurrent_memory_fraction) == (3, float("inf"))
 
 
 def shape_counts(params: list[torch.Tensor]) -> dict[tuple[int, ...], int]:

@@ -20,10 +20,10 @@ from .parse import find_logs, parse_log
 from .runs import Run
 
 # Settings that change how a run is executed or where it writes, never what it computes: the root
-# computation's CUDA streams (same eigendecompositions, run concurrently), log and checkpoint locations,
-# checkpointing and resumption (a resumed run continues the same trajectory), trials per launch.
-RESULT_NEUTRAL_SETTINGS = frozenset({"shampoo_root_streams", "log_dir", "save_checkpoint", "checkpoint_every",
-                                     "checkpoint_dir", "resume", "num_trials"})
+# computation's CUDA streams and their memory bound (same eigendecompositions, run concurrently), log and
+# checkpoint locations, checkpointing and resumption (a resumed run continues the same trajectory), trials per launch.
+RESULT_NEUTRAL_SETTINGS = frozenset({"shampoo_root_streams", "shampoo_root_memory_fraction", "log_dir", "save_checkpoint",
+                                     "checkpoint_every", "checkpoint_dir", "resume", "num_trials"})
 # Settings that differ between the runs of one configuration by design: every run has its own id and seed.
 PER_RUN_SETTINGS = frozenset({"run_id", "seed"})
 
