@@ -883,8 +883,9 @@ if triton is not None:
         # constants folded in, one 64-bit base per tile and 32-bit offsets inside it (M * N exceeds 2^31, a row
         # block does not), no column masks (N is a multiple of BLOCK_N; the wrapper checks), and on CUDA the
         # hardware's nearest-even casts: 8.05 -> 5.83 ms per micro-step on an H200 (bench/bench_softcap_ce.py).
-        # HARDWARE_CASTS=False does the casts in integer arithmetic, as the interpreter's differ from CUDA's; the
-        # two give bitwise the same bytes on a whole record micro-step (tests/test_train_gpt_cuda.py on a GPU).
+        # HARDWARE_CASTS=False does the casts in integer arithmetic, as the interpreter's differ from CUDA's; on an
+        # H200 the two gave bitwise the same bytes on a whole record micro-step (bench/bench_softcap_ce.py) and
+        # on 4,096 rows with saturated and flat logits (tests/test_train_gpt_cuda.py).
         LOG2E: tl.constexpr = 1.4426950408889634
         NEG_LOG2E_OVER_DIVISOR: tl.constexpr = -1.4426950408889634 / 7.5  # e^(-x/7.5) = 2^(x * this)
         CAP_LOG2E: tl.constexpr = 30.0 * 1.4426950408889634  # e^(30 s) = 2^(s * this)
@@ -946,22 +947,29 @@ def softcap_ce_e5m2(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row loss of softcapped_cross_entropy and its gradient w.r.t. the bf16 logits, divided by grad_scale, in
     e5m2: row-major (M, N) and transposed (N, M), both contiguous. The Triton kernel on CUDA (and under
-    TRITON_INTERPRET); softcap_ce_e5m2_eager elsewhere. hardware_casts (default: on CUDA) picks the kernel's cast
-    instructions; False gives the integer casts the interpreter tests, which the GPU check compares bitwise."""
+    TRITON_INTERPRET); softcap_ce_e5m2_eager elsewhere. The columns must be a multiple of the tile's (the padded
+    vocabulary is a multiple of 128). hardware_casts (default: on CUDA, not under the interpreter, whose casts
+    round differently) picks the kernel's cast instructions; False gives the integer casts the interpreter tests."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if triton is None or not (logits.is_cuda or interpreted):
         return softcap_ce_e5m2_eager(logits, targets, grad_scale)
+    if hardware_casts is None:
+        hardware_casts = not interpreted
+    if hardware_casts and interpreted:
+        raise ValueError("softcap_ce_e5m2: hardware_casts=True under TRITON_INTERPRET gives wrong e5m2 codes (the interpreter's casts differ from CUDA's); leave it unset")
     M, N = logits.shape
     block_m, block_n, warps = tile
-    if N % block_n or block_n * M >= 2**31 or block_m * N >= 2**31:
-        raise ValueError(f"softcap_ce_e5m2: logits {M} x {N} do not fit {block_m} x {block_n} tiles (columns a multiple of {block_n}, 32-bit tile offsets)")
+    if N % block_n:
+        raise ValueError(f"softcap_ce_e5m2: {N} columns are not a multiple of the tile's {block_n}; pad the vocabulary or pick a tile that divides it")
+    if block_n * M >= 2**31 or block_m * N >= 2**31:
+        raise ValueError(f"softcap_ce_e5m2: {M} x {N} logits with {block_m} x {block_n} tiles overflow the kernel's 32-bit offsets inside a tile; use fewer rows per call")
     losses = logits.new_empty(M, dtype=torch.float32)
     grad = logits.new_empty((M, N), dtype=torch.float8_e5m2)
     grad_t = logits.new_empty((N, M), dtype=torch.float8_e5m2)
     inv_scale = (torch.ones((), dtype=torch.float32) / grad_scale).item()  # the fp32 reciprocal, as torch computes it
     _softcap_ce_e5m2_kernel[(triton.cdiv(M, block_m),)](
         logits, targets, losses, grad.view(torch.uint8), grad_t.view(torch.uint8), M, N, inv_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, HARDWARE_CASTS=not interpreted if hardware_casts is None else hardware_casts, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, HARDWARE_CASTS=hardware_casts, num_warps=warps,
     )
     return losses, grad, grad_t
 

@@ -123,7 +123,8 @@ class Hyperparameters:
     shampoo_grafting_beta2: float = 0.95
     shampoo_grafting_epsilon: float = 1e-10
     # CUDA streams (one host thread each) over which a step's eigendecompositions run concurrently; changes
-    # the speed of the root steps only, not their result (one H200: root step 2.12 s with 1 stream, 1.73 s with 8)
+    # the speed of the root steps only, not their result (one H200, optimizer alone: root step 2.17 s with 1
+    # stream, 1.92 s with 8 at the default memory fraction below)
     shampoo_root_streams: int = 8
     # with several streams, the decompositions in flight may hold at most the largest one's temporaries plus this
     # fraction of the preconditioner state (inf: no bound). One H200, Track 3 optimizer alone, 8 streams: 0.1 ->
@@ -1043,7 +1044,7 @@ def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
 
 CHECKPOINT_FORMAT = "train_gpt_shampoo/2"  # /2: the settings moved from shared.pt to manifest.json
 # Settings that may differ between a checkpointed run and its resumption without changing the trajectory
-# (the root streams change only how fast the same eigendecompositions run).
+# (the root streams and their memory fraction change only how fast the same eigendecompositions run).
 RUNTIME_ONLY_FIELDS = frozenset(
     {"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume", "shampoo_root_streams", "shampoo_root_memory_fraction"}
 )

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train_gpt_shampoo as tgs  # noqa: E402
 from distributed_shampoo import DistributedShampoo, RootInvShampooPreconditionerConfig  # noqa: E402
-from distributed_shampoo.preconditioner.shampoo_preconditioner_list import DEFAULT_CONCURRENT_MEMORY_FRACTION  # noqa: E402
+from distributed_shampoo.shampoo_types import DEFAULT_CONCURRENT_MEMORY_FRACTION  # noqa: E402
 from distributed_shampoo.preconditioner.shampoo_preconditioner_list import BaseShampooPreconditionerList  # noqa: E402
 
 RECORD = tgs.Hyperparameters()
@@ -136,12 +136,15 @@ def make_params(
 
 
 def make_shampoo(
-    params: list[torch.nn.Parameter], precondition_frequency: int, root_streams: int, world_size: int, packing: str
+    params: list[torch.nn.Parameter], precondition_frequency: int, root_streams: int, memory_fraction: float,
+    world_size: int, packing: str,
 ) -> DistributedShampoo:
     """The Track 3 record's optimizer, built by train_gpt_shampoo.py itself, with the frequency, the number of
-    root-computation streams and (unless "default", the record's square storage) the factor layout configurable."""
+    root-computation streams, their memory fraction and (unless "default", the record's square storage) the factor
+    layout configurable."""
     hp = dataclasses.replace(
-        RECORD, shampoo_precondition_frequency=precondition_frequency, shampoo_root_streams=root_streams
+        RECORD, shampoo_precondition_frequency=precondition_frequency, shampoo_root_streams=root_streams,
+        shampoo_root_memory_fraction=memory_fraction,
     )
     if packing == "default":
         return tgs.build_shampoo(params, hp, world_size)
@@ -362,9 +365,7 @@ def run_shampoo(args: argparse.Namespace, root_streams: int, memory_fraction: fl
     if cuda:
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)  # parameters and gradients
-    shampoo = make_shampoo(params, args.precondition_frequency, root_streams, world_size, args.symmetric_packing)
-    for shampoo_list in shampoo_lists(shampoo):  # ShampooRuntimeConfig.concurrent_memory_fraction, set after building
-        shampoo_list._concurrent_memory_fraction = memory_fraction
+    shampoo = make_shampoo(params, args.precondition_frequency, root_streams, memory_fraction, world_size, args.symmetric_packing)
     records = time_optimizer(shampoo, params, grads, timer, args.warmup, args.steps, baseline)
     nbytes = state_bytes(shampoo)
     persistent, probe = math.nan, None

@@ -17,6 +17,7 @@ and prints the median time of:
 import argparse
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -30,8 +31,10 @@ TOKENS, VOCAB = 49152, 50304
 TILES = ((32, 128, 8), (32, 128, 4), (64, 128, 8), (16, 128, 4), (32, 64, 4), (64, 64, 8))  # rows, columns, warps
 
 
-def load_module(path: str):
+def load_module(path: str) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("compared_train_gpt", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"bench_softcap_ce.py: --compare {path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

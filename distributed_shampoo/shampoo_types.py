@@ -488,6 +488,12 @@ class ConcurrencyConfig:
 DefaultConcurrencyConfig = ConcurrencyConfig()
 
 
+# Concurrent amortized computations start only while their estimated temporaries total at most the largest
+# one's plus this fraction of the preconditioner list's state: by default a root step's peak memory stays within
+# 1.1× the state plus one computation.
+DEFAULT_CONCURRENT_MEMORY_FRACTION = 0.1
+
+
 @dataclass(kw_only=True)
 class ShampooRuntimeConfig:
     """Settings that change how a step runs, never what it computes.
@@ -506,7 +512,7 @@ class ShampooRuntimeConfig:
 
     eager_nan_check: bool = False
     num_amortized_computation_streams: int = 1
-    concurrent_memory_fraction: float = 0.1
+    concurrent_memory_fraction: float = DEFAULT_CONCURRENT_MEMORY_FRACTION
 
     def __post_init__(self) -> None:
         if self.num_amortized_computation_streams < 1:

@@ -1,6 +1,9 @@
-"""train_gpt.py's CUDA-only code paths, on a GPU (skipped without one; run on the lent H200 and reported in the
-closing notes): the fused soft-capped CE kernel's hardware casts against its integer casts, which the CPU
-interpreter tests (tests/test_train_gpt_triton.py) check against the eager formula."""
+"""train_gpt.py's CUDA-only code paths, on a GPU (skipped without one): the fused soft-capped CE kernel's
+hardware casts against its integer casts, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
+check against the eager formula, and the kernel against that formula on CUDA.
+
+    python -m pytest -q tests/test_train_gpt_cuda.py      # on a CUDA machine
+"""
 
 import pytest
 import torch

@@ -128,3 +128,23 @@ def test_softcap_ce_kernel_matches_the_eager_formula_under_the_interpreter():
         assert r["worst_code_distance"] <= 1 and r["same_sign"] and r["differing_fraction"] < 0.02, (shape, r)
         assert r["transposed_equal"] and r["nonzero"] > 0, (shape, r)
 
+
+
+@pytest.mark.parametrize(
+    "shape, tile, hardware_casts, message",
+    [
+        ((8, 300), (8, 64, 1), None, "300 columns are not a multiple of the tile's 64"),
+        ((2**24, 256), (8, 256, 1), None, "overflow the kernel's 32-bit offsets"),
+        ((8, 256), (8, 64, 1), True, "hardware_casts=True under TRITON_INTERPRET"),
+    ],
+)
+def test_softcap_ce_refuses_what_the_kernel_cannot_do(monkeypatch: pytest.MonkeyPatch, shape, tile, hardware_casts, message) -> None:
+    """Checked before any launch, so the interpreter flag alone routes the call to the kernel's wrapper."""
+    import torch
+
+    import train_gpt as tg
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits = torch.empty(shape, dtype=torch.bfloat16, device="meta")  # no memory: the wrapper only reads the shape
+    with pytest.raises(ValueError, match=message):
+        tg.softcap_ce_e5m2(logits, torch.empty(shape[0], dtype=torch.int64, device="meta"), tg.FP8_GRAD_SCALE, tile, hardware_casts)

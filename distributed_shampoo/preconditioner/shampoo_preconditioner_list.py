@@ -46,6 +46,7 @@ from distributed_shampoo.preconditioner.matrix_functions import (
 )
 from distributed_shampoo.preconditioner.preconditioner_list import SecondMomentPreconditionerList, profile_decorator
 from distributed_shampoo.shampoo_types import (
+    DEFAULT_CONCURRENT_MEMORY_FRACTION,
     BaseShampooPreconditionerConfig,
     ClassicShampooPreconditionerConfig,
     EigendecomposedShampooPreconditionerConfig,
@@ -68,13 +69,6 @@ from distributed_shampoo.utils.shampoo_utils import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 SHAMPOO = "shampoo"
-
-# Concurrent amortized computations start only while their estimated temporaries (`_amortized_computation_bytes`)
-# total at most the largest one's plus this fraction of the list's state (ShampooRuntimeConfig's
-# concurrent_memory_fraction): by default the root step's peak memory stays within 1.1× the state plus one
-# computation.
-DEFAULT_CONCURRENT_MEMORY_FRACTION = 0.1
-
 
 # ------------------------------------------------------------------------------------------ checkpointed state
 
@@ -280,6 +274,8 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         if num_amortized_computation_streams < 1:
             raise ValueError(f"{num_amortized_computation_streams=} must be at least 1.")
         self._num_amortized_computation_streams = num_amortized_computation_streams
+        if not concurrent_memory_fraction >= 0.0:  # NaN fails too
+            raise ValueError(f"{concurrent_memory_fraction=} must be >= 0 (math.inf for no bound).")
         self._concurrent_memory_fraction = concurrent_memory_fraction
 
         blocks = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,9 +261,20 @@ def _apply_key_value(env: Environment, key: str, value: str) -> None:
         env.settings[key] = value
 
 
+class _NonFiniteFloats(ast.NodeTransformer):
+    """repr() writes float("inf") and float("nan") as the bare names inf and nan, which literal_eval rejects."""
+
+    VALUES = {"inf": math.inf, "nan": math.nan}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in self.VALUES:
+            return ast.copy_location(ast.Constant(self.VALUES[node.id]), node)
+        return node
+
+
 def _literal_dict(text: str) -> dict[str, Any] | None:
     try:
-        value = ast.literal_eval(text)
+        value = ast.literal_eval(_NonFiniteFloats().visit(ast.parse(text.strip(), mode="eval")))
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

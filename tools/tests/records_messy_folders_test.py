@@ -78,6 +78,11 @@ def test_runtime_only_settings_do_not_split_a_configuration(tmp_path: Path, caps
     F.write(tmp_path / "b.txt", shampoo_log(3.19563, streams=1, log_dir="/tmp/runs/sh1", checkpoint_every=50))
     code, out, _ = run_cli(["stats", str(tmp_path), "--track", "3"], capsys)
     assert code == 0 and out.startswith("configuration: track 3, code ") and "n=2" in out
+    # --shampoo_root_memory_fraction=inf is logged as the bare name inf, which must still parse
+    F.write(tmp_path / "inf.txt", shampoo_log(3.2, streams=8, log_dir="/tmp/runs/inf", shampoo_root_memory_fraction=float("inf")))
+    code, out, _ = run_cli(["stats", str(tmp_path), "--track", "3"], capsys)
+    assert code == 0 and out.startswith("configuration: track 3, code ") and "n=3" in out
+    (tmp_path / "inf.txt").unlink()
     code, out, _ = run_cli(["compare", "--baseline", str(tmp_path / "a.txt"), "--candidate", str(tmp_path / "b.txt")], capsys)
     assert code == 0 and "track 3: baseline n=1, candidate n=1" in out
     F.write(tmp_path / "c.txt", shampoo_log(3.2, streams=8, log_dir="/tmp/runs/x", matrix_lr=0.002))  # this one does change results
