@@ -1106,8 +1106,9 @@ class Rotary(nn.Module):
         cos = self.cos[None, : x.size(1), None, None, :]
         sin = self.sin[None, : x.size(1), None, None, :]
         halves = x.to(cos.dtype).unflatten(-1, (2, -1))  # (..., 2, d/2): x1, x2
-        # (x1 cos + x2 sin, x2 cos + x1 (-sin)) without a cat of the halves: inductor's kernels for the cat form took
-        # 0.97 ms per layer forward + backward with the q/k norm, this form 0.80 (bench/bench_qk_rotary.py, H200)
+        # (x1 cos + x2 sin, x2 cos + x1 (-sin)) without a cat of the halves: in training, inductor's q/k norm +
+        # rotary kernels took 28.2 ms per step with the cat form and 19.0 with this one (A/B profile, one H200,
+        # bench/NOTES.md)
         return (halves * cos + halves.flip(-2) * torch.cat((sin, -sin), dim=-2)).flatten(-2).type_as(x)
 
 
