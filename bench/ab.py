@@ -11,6 +11,9 @@ comparison in one invocation is a comparison):
     compiled and warmed up once. Both groups stay alive; only one trains at a time.
   * Round r trains version A, then version B, over the same full schedule from the same starting point:
     the model re-initialised with seed r (the same seed for A and B), optimizer state reset, a fresh loader.
+    With --order abba every second round trains B first, so that an effect of the slot itself (measured
+    once: the second slot 0.38% slower with the same code on both sides, bench/NOTES.md) cancels over an
+    even number of rounds; the report then estimates that effect from the rounds of each order.
   * The timed segment is steps skip..T (synchronized at both ends; validation inside it is left out),
     so each round gives ms/step for A and for B, and their ratio B/A is paired by round.
   * The val losses at the end of each round are paired by seed: their spread over seeds is the
@@ -456,6 +459,22 @@ class WholeRunVersion:
         pass
 
 
+def round_order(index: int, order: str) -> tuple[str, str]:
+    """Which version trains first in round `index` (0-based)."""
+    if order == "abba" and index % 2 == 1:
+        return ("candidate", "baseline")
+    return ("baseline", "candidate")
+
+
+def second_slot_effect(ratios: list[float]) -> float:
+    """With abba order, the relative slowdown of whichever version trains second: if the slot costs a factor
+    (1 + e), rounds with B second measure r (1 + e) and rounds with B first r / (1 + e). NaN without both kinds."""
+    b_second, b_first = ratios[0::2], ratios[1::2]
+    if not b_second or not b_first:
+        return math.nan
+    return math.sqrt(statistics.fmean(b_second) / statistics.fmean(b_first)) - 1
+
+
 def summarize(baseline: list[RoundResult], candidate: list[RoundResult]) -> dict[str, Any]:
     ratios = [c.ms_per_step / b.ms_per_step for b, c in zip(baseline, candidate)]
     val_diffs = [c.val_loss - b.val_loss for b, c in zip(baseline, candidate)]
@@ -488,6 +507,8 @@ def print_report(versions: list[Version], baseline: list[RoundResult], candidate
     s = summary
     print(f"median ms/step: baseline {s['baseline_ms_median']:.2f}, candidate {s['candidate_ms_median']:.2f}")
     print(f"ratio B/A: median {s['ratio_median']:.4f} (min {s['ratio_min']:.4f}, max {s['ratio_max']:.4f}, {len(s['ratios'])} rounds)")
+    if "second_slot_effect" in s:
+        print(f"second slot effect (abba order): {100 * s['second_slot_effect']:+.2f}% for whichever version trains second")
     print(f"peak allocated: baseline {s['baseline_peak_mib'] / 1024:.2f} GiB, candidate {s['candidate_peak_mib'] / 1024:.2f} GiB")
     print(
         f"final val loss: baseline {s['baseline_val_mean']:.4f} (sd {s['baseline_val_sd']:.4f}), candidate {s['candidate_val_mean']:.4f} "
@@ -514,6 +535,10 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--candidate", default=WORKTREE, help=f"same kinds, or {WORKTREE} (default: the working tree)")
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per version: 1, 2, 4 or 8 (default 1)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds, each A then B (default 3)")
+    parser.add_argument(
+        "--order", choices=["alternate", "abba"], default="alternate",
+        help="alternate: every round A then B (default); abba: even rounds B then A (use an even --rounds)",
+    )
     parser.add_argument("--skip", type=int, default=10, help="steps before the timed segment (default 10)")
     parser.add_argument("--profile-steps", type=int, default=0, help="after the rounds, profile this many steps of each version")
     parser.add_argument("--out", type=Path, help="working folder (default bench/out/ab/<time>)")
@@ -548,7 +573,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ABError(f"the versions train different schedules ({steps}); time the same steps with the same overrides")
     if known and max(known) <= args.skip:
         raise ABError(f"--skip={args.skip} leaves no timed steps in a {max(known)}-step run; lower --skip or raise --num_iterations")
-    order = [f"round {i + 1} (seed {seed}): baseline, candidate" for i, seed in enumerate(args.seeds)]
+    order = [f"round {i + 1} (seed {seed}): {', '.join(round_order(i, args.order))}" for i, seed in enumerate(args.seeds)]
     print(f"plan: {args.nproc} process(es) per version; timed steps {args.skip}..end of each run; " + "; ".join(order))
     if args.dry_run:
         return 0
@@ -556,8 +581,10 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     for runner in runners:
         runner.wait_ready()
     results: dict[str, list[RoundResult]] = {v.label: [] for v in versions}
+    by_label = {runner.version.label: runner for runner in runners}
     for index in range(args.rounds):
-        for runner in runners:
+        for label in round_order(index, args.order):
+            runner = by_label[label]
             result = runner.run_round(index)
             results[runner.version.label].append(result)
             print(f"round {index + 1} {runner.version.label}: {result.ms_per_step:.2f} ms/step, val {result.val_loss:.4f}", flush=True)
@@ -565,6 +592,8 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     for runner in runners:
         runner.finish()
     summary = summarize(results["baseline"], results["candidate"])
+    if args.order == "abba":
+        summary["second_slot_effect"] = second_slot_effect(summary["ratios"])
     print_report(versions, results["baseline"], results["candidate"], summary, profiles)
     report = dict(
         command=sys.argv, overrides=overrides, nproc=args.nproc, skip=args.skip, device=_device_name(),

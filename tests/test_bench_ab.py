@@ -92,3 +92,27 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
     assert baseline[0]["val_loss"] != baseline[1]["val_loss"]
     assert len(report["summary"]["ratios"]) == 2
     assert "ratio B/A: median" in result.stdout and "paired difference B-A +0.0000" in result.stdout
+
+
+def test_abba_order_plans_every_second_round_candidate_first(tmp_path):
+    result = run_ab("--dry-run", "--order", "abba", "--rounds", "4", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "round 1 (seed 1): baseline, candidate; round 2 (seed 2): candidate, baseline; "
+        "round 3 (seed 3): baseline, candidate; round 4 (seed 4): candidate, baseline"
+    ) in result.stdout
+
+
+def test_second_slot_effect_is_recovered_from_abba_ratios(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_ab", ROOT / "bench" / "ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_ab", ab)  # its dataclasses look their module up there
+    spec.loader.exec_module(ab)
+    true_ratio, slot = 0.9, 0.004  # B is 10% faster; whoever trains second loses 0.4%
+    ratios = [true_ratio * (1 + slot), true_ratio / (1 + slot)] * 2  # abba: B second, B first, ...
+    assert ab.second_slot_effect(ratios) == pytest.approx(slot, rel=1e-9)
+    assert ab.second_slot_effect(ratios[:1]) != ab.second_slot_effect(ratios[:1])  # NaN without both orders
+    assert ab.round_order(0, "abba") == ("baseline", "candidate") and ab.round_order(1, "abba") == ("candidate", "baseline")
+    assert ab.round_order(1, "alternate") == ("baseline", "candidate")
