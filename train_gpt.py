@@ -886,7 +886,6 @@ if triton is not None:
         # HARDWARE_CASTS=False does the casts in integer arithmetic, as the interpreter's differ from CUDA's; on an
         # H200 the two gave bitwise the same bytes on a whole record micro-step (bench/bench_softcap_ce.py) and
         # on 4,096 rows with saturated and flat logits (tests/test_train_gpt_cuda.py).
-        LOG2E: tl.constexpr = 1.4426950408889634
         NEG_LOG2E_OVER_DIVISOR: tl.constexpr = -1.4426950408889634 / 7.5  # e^(-x/7.5) = 2^(x * this)
         CAP_LOG2E: tl.constexpr = 30.0 * 1.4426950408889634  # e^(30 s) = 2^(s * this)
         row0 = tl.program_id(0) * BLOCK_M
