@@ -269,7 +269,8 @@ def _idle_gaps(prof: Any, steps: int, largest: int = 6) -> list[dict]:
             busy_until, previous = e.time_range.end, e
     rows = [dict(kernel="(GPU idle between kernels)", kind="sum", ms_per_step=sum(g[0] for g in gaps) / steps / 1e3, calls_per_step=len(gaps) / steps)]
     for micros, before, after in sorted(gaps, reverse=True)[:largest]:
-        rows.append(dict(kernel=f"(idle gap) after {before} | before {after}", kind="gap", ms_per_step=micros / 1e3, calls_per_step=1))
+        # one gap's own length in the ms column (not divided by the profiled steps, unlike the total above)
+        rows.append(dict(kernel=f"(one idle gap, its length) after {before} | before {after}", kind="gap", ms_per_step=micros / 1e3, calls_per_step=1))
     return rows
 
 
