@@ -872,6 +872,12 @@ if triton is not None:
         return _e5m2_byte(x)
 
     @triton.jit
+    def _cap_sigmoid(logits):
+        """sigmoid(logits / 7.5) as 1 / (1 + 2^(logits * -log2(e) / 7.5)), with the approximate fp32 division (2 ulp;
+        the correctly rounded one is several times the instructions, and this kernel is bound by its arithmetic)."""
+        return tl.fdiv(1.0, 1.0 + tl.exp2(logits * (-1.4426950408889634 / 7.5)), ieee_rounding=False)
+
+    @triton.jit
     def _softcap_ce_e5m2_kernel(
         logits_ptr, targets_ptr, loss_ptr, grad_ptr, grad_t_ptr, M, N: tl.constexpr, grad_inv_scale,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HARDWARE_CASTS: tl.constexpr,
@@ -886,7 +892,6 @@ if triton is not None:
         # HARDWARE_CASTS=False does the casts in integer arithmetic, as the interpreter's differ from CUDA's; on an
         # H200 the two gave bitwise the same bytes on a whole record micro-step (bench/bench_softcap_ce.py) and
         # on 4,096 rows with saturated and flat logits (tests/test_train_gpt_cuda.py).
-        NEG_LOG2E_OVER_DIVISOR: tl.constexpr = -1.4426950408889634 / 7.5  # e^(-x/7.5) = 2^(x * this)
         CAP_LOG2E: tl.constexpr = 30.0 * 1.4426950408889634  # e^(30 s) = 2^(s * this)
         row0 = tl.program_id(0) * BLOCK_M
         local_rows = tl.arange(0, BLOCK_M)
@@ -899,19 +904,19 @@ if triton is not None:
         partial_sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # summed across columns once, after the loop
         for col0 in range(0, N, BLOCK_N):
             logits = tl.load(block_logits + col0 + tile_offsets, mask=tile_mask, other=0.0).to(tl.float32)
-            sig = tl.fdiv(1.0, 1.0 + tl.exp2(logits * NEG_LOG2E_OVER_DIVISOR), ieee_rounding=False)
+            sig = _cap_sigmoid(logits)
             partial_sums += tl.exp2(sig * CAP_LOG2E)
         sum_exp = tl.sum(partial_sums, axis=1)
         log2_sum_exp = tl.log2(sum_exp)
         targets = tl.load(targets_ptr + row0 + local_rows, mask=row_ok, other=0).to(tl.int32)
         target_logit = tl.load(block_logits + local_rows * N + targets, mask=row_ok, other=0.0).to(tl.float32)
-        target_sig = tl.fdiv(1.0, 1.0 + tl.exp2(target_logit * NEG_LOG2E_OVER_DIVISOR), ieee_rounding=False)
+        target_sig = _cap_sigmoid(target_logit)
         tl.store(loss_ptr + row0 + local_rows, tl.log(sum_exp) - 30.0 * target_sig, mask=row_ok)
         block_grad = grad_ptr + row0.to(tl.int64) * N
         block_grad_t = grad_t_ptr + row0  # advanced by BLOCK_N rows of grad_t per tile: col0 * M needs 64 bits
         for col0 in range(0, N, BLOCK_N):
             logits = tl.load(block_logits + col0 + tile_offsets, mask=tile_mask, other=0.0).to(tl.float32)
-            sig = tl.fdiv(1.0, 1.0 + tl.exp2(logits * NEG_LOG2E_OVER_DIVISOR), ieee_rounding=False)
+            sig = _cap_sigmoid(logits)
             prob = tl.exp2(sig * CAP_LOG2E - log2_sum_exp[:, None])
             grad_capped = tl.where((col0 + local_cols)[None, :] == targets[:, None], prob - 1.0, prob)  # softmax - one-hot
             # d(30 s)/dx = 30 s (1 - s) / 7.5 = 4 (s - s^2); then autograd's bf16 gradient, the division by the
