@@ -16,6 +16,7 @@ custom parameter groups and Triton Newton-Schulz kernels, and a sharded Adam.
 import argparse
 import copy
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -878,9 +879,24 @@ if triton is not None:
         return tl.fdiv(1.0, 1.0 + tl.exp2(logits * (-1.4426950408889634 / 7.5)), ieee_rounding=False)
 
     @triton.jit
+    def _exp2_on_fma(y):
+        """2^y for 0 <= y < 127 without the MUFU unit: 2^round(y) through the exponent bits times a degree-5
+        polynomial of y - round(y) in [-1/2, 1/2] (relative error about 2e-7 in fp32, as the MUFU's approximate
+        exp2), for a kernel whose MUFU pipe the sigmoid already loads (here y < 43.3)."""
+        shifted = y + 12582912.0  # 1.5 * 2^23: the low mantissa bits now hold round(y)
+        f = y - (shifted - 12582912.0)
+        poly = tl.fma(f, 0.001327647129073739, 0.009675541892647743)
+        poly = tl.fma(poly, f, 0.05550713092088699)
+        poly = tl.fma(poly, f, 0.24022120237350464)
+        poly = tl.fma(poly, f, 0.6931469440460205)
+        poly = tl.fma(poly, f, 1.0000001192092896)
+        # + round(y) << 23 on the exponent; shifted's own exponent bits vanish in the shift (0x4B400000 << 23 is 0 mod 2^32)
+        return (poly.to(tl.uint32, bitcast=True) + (shifted.to(tl.uint32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _softcap_ce_e5m2_kernel(
         logits_ptr, targets_ptr, loss_ptr, grad_ptr, grad_t_ptr, M, N: tl.constexpr, grad_inv_scale,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HARDWARE_CASTS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HARDWARE_CASTS: tl.constexpr, EXP2_ON_FMA: tl.constexpr,
     ):
         # Rows of logits (M, N) bf16 -> loss per row (fp32) and the e5m2 gradient in grad (M, N) and grad_t (N, M).
         # Two passes over the row block: the log-sum-exp, then the gradient. The capped logits lie in (0, 30),
@@ -905,7 +921,10 @@ if triton is not None:
         for col0 in range(0, N, BLOCK_N):
             logits = tl.load(block_logits + col0 + tile_offsets, mask=tile_mask, other=0.0).to(tl.float32)
             sig = _cap_sigmoid(logits)
-            partial_sums += tl.exp2(sig * CAP_LOG2E)
+            if EXP2_ON_FMA:  # candidate, off by default: this pass's third MUFU operation moved to the FMA pipe
+                partial_sums += _exp2_on_fma(sig * CAP_LOG2E)
+            else:
+                partial_sums += tl.exp2(sig * CAP_LOG2E)
         sum_exp = tl.sum(partial_sums, axis=1)
         log2_sum_exp = tl.log2(sum_exp)
         targets = tl.load(targets_ptr + row0 + local_rows, mask=row_ok, other=0).to(tl.int32)
@@ -947,13 +966,16 @@ def softcap_ce_e5m2_eager(logits: Tensor, targets: Tensor, grad_scale: float) ->
 
 
 def softcap_ce_e5m2(
-    logits: Tensor, targets: Tensor, grad_scale: float, tile: tuple[int, int, int] = SOFTCAP_CE_TILE, hardware_casts: bool | None = None
+    logits: Tensor, targets: Tensor, grad_scale: float, tile: tuple[int, ...] = SOFTCAP_CE_TILE, hardware_casts: bool | None = None,
+    exp2_on_fma: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row loss of softcapped_cross_entropy and its gradient w.r.t. the bf16 logits, divided by grad_scale, in
     e5m2: row-major (M, N) and transposed (N, M), both contiguous. The Triton kernel on CUDA (and under
     TRITON_INTERPRET); softcap_ce_e5m2_eager elsewhere. The columns must be a multiple of the tile's (the padded
     vocabulary is a multiple of 128). hardware_casts (default: on CUDA, not under the interpreter, whose casts
-    round differently) picks the kernel's cast instructions; False gives the integer casts the interpreter tests."""
+    round differently) picks the kernel's cast instructions; False gives the integer casts the interpreter tests.
+    tile: (rows, columns, warps) or (rows, columns, warps, pipeline stages); exp2_on_fma: a candidate variant of
+    the log-sum-exp pass (bench/bench_softcap_ce.py)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if triton is None or not (logits.is_cuda or interpreted):
         return softcap_ce_e5m2_eager(logits, targets, grad_scale)
@@ -962,7 +984,8 @@ def softcap_ce_e5m2(
     if hardware_casts and interpreted:
         raise ValueError("softcap_ce_e5m2: hardware_casts=True under TRITON_INTERPRET gives wrong e5m2 codes (the interpreter's casts differ from CUDA's); leave it unset")
     M, N = logits.shape
-    block_m, block_n, warps = tile
+    block_m, block_n, warps = tile[:3]
+    stages = dict(num_stages=tile[3]) if len(tile) > 3 else {}
     if N % block_n:
         raise ValueError(f"softcap_ce_e5m2: {N} columns are not a multiple of the tile's {block_n}; pad the vocabulary or pick a tile that divides it")
     if block_n * M >= 2**31 or block_m * N >= 2**31:
@@ -973,9 +996,73 @@ def softcap_ce_e5m2(
     inv_scale = (torch.ones((), dtype=torch.float32) / grad_scale).item()  # the fp32 reciprocal, as torch computes it
     _softcap_ce_e5m2_kernel[(triton.cdiv(M, block_m),)](
         logits, targets, losses, grad.view(torch.uint8), grad_t.view(torch.uint8), M, N, inv_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, HARDWARE_CASTS=hardware_casts, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, HARDWARE_CASTS=hardware_casts, EXP2_ON_FMA=exp2_on_fma, num_warps=warps, **stages,
     )
     return losses, grad, grad_t
+
+
+# ---- e4m3 quantization of the head's inputs ----
+# Eager formula (CUDA): x.div(scale).to(torch.float8_e4m3fn), i.e. x * fp32(1 / fp32(scale)) rounded to bf16
+# (aten divides by a host scalar on CUDA as a multiplication by its fp32 reciprocal), then torch's e4m3fn cast:
+# nearest even, NaN stays NaN, and beyond 464 (inf included) either ±448 (torch 2.13's cast saturates) or NaN
+# (older casts): the kernel asks the installed torch which (e4m3_cast_saturates). As two eager kernels this took about
+# 0.29 ms per tensor per micro-step on an H200 (the cast kernel is not vectorized: 4.0 ms per step for the 16
+# casts, bench/ab.py profile); one pass reads bf16 and writes bytes. Integer arithmetic for the bf16 rounding and
+# the cast, so the interpreter's results are the GPU's. A candidate, not yet in fp8_head_loss: it has run under
+# the interpreter only; tests/test_train_gpt_cuda.py and bench/bench_fp8_quantize.py decide on a GPU.
+if triton is not None:
+
+    @triton.jit
+    def _e4m3fn_byte(v, SATURATE: tl.constexpr):
+        """fp32 (a bf16 value, not NaN) -> e4m3fn byte as torch's cast does it: nearest even; beyond 464 (inf
+        included) the largest finite code 0x7E with SATURATE, else NaN (0x7F)."""
+        bits = v.to(tl.uint32, bitcast=True)
+        magnitude = bits & 0x7FFFFFFF
+        # normals (>= 2^-6): rebias the exponent (127 -> 7) and round away 20 of the 23 mantissa bits
+        normal = (magnitude - (120 << 23) + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20
+        # below 2^-6 the values are multiples of 2^-9: round |v| * 2^9 with the exact 1.5 * 2^23 addition trick
+        scaled = tl.minimum(magnitude.to(tl.float32, bitcast=True) * 512.0, 8.0)  # (only used below 8)
+        subnormal = ((scaled + 12582912.0) - 12582912.0).to(tl.uint32)
+        code = tl.where(magnitude >= (121 << 23), normal, subnormal)  # 464 < |v| < 480 rounds to 0x7F
+        if SATURATE:
+            code = tl.where(magnitude >= 0x43F00000, 0x7E, tl.minimum(code, 0x7E))
+        else:
+            code = tl.where(magnitude >= 0x43F00000, 0x7F, code)  # 480 and up, inf
+        return (((bits >> 24) & 0x80) | code).to(tl.uint8)
+
+    @triton.jit
+    def _quantize_e4m3_kernel(x_ptr, out_ptr, n, inv_scale, BLOCK: tl.constexpr, SATURATE: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        product = x * inv_scale
+        value = _round_to_bf16(product)
+        # a NaN product is bf16's canonical (positive) NaN in eager, whose byte is 0x7F; the integer rounding
+        # above could turn some NaNs into other values
+        code = tl.where(product != product, 0x7F, _e4m3fn_byte(value, SATURATE))
+        tl.store(out_ptr + offsets, code, mask=inside)
+
+
+QUANTIZE_BLOCK = 4096  # elements per program
+
+
+@functools.cache
+def e4m3_cast_saturates() -> bool:
+    """Whether the installed torch casts finite values beyond e4m3fn's range to ±448 (else to NaN)."""
+    return torch.tensor(480.0).to(torch.float8_e4m3fn).view(torch.uint8).item() == 0x7E
+
+
+def quantize_e4m3(x: Tensor, scale: float) -> Tensor:
+    """x.div(scale).to(torch.float8_e4m3fn) for a bf16 tensor: one Triton pass on CUDA (and under TRITON_INTERPRET),
+    the eager ops elsewhere (on CPU the division may round differently, see above). The result has x's shape."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if triton is None or not (x.is_cuda or interpreted) or x.dtype != torch.bfloat16:
+        return x.div(scale).to(torch.float8_e4m3fn)
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    inv_scale = (torch.ones((), dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)).item()  # aten's fp32 reciprocal
+    _quantize_e4m3_kernel[(triton.cdiv(x.numel(), QUANTIZE_BLOCK),)](x, out.view(torch.uint8), x.numel(), inv_scale, BLOCK=QUANTIZE_BLOCK, SATURATE=e4m3_cast_saturates())
+    return out
 
 
 @torch.library.custom_op("train_gpt::fp8_head_loss", mutates_args=())
@@ -1702,16 +1789,21 @@ def muon_groups(params: list[nn.Parameter], world_size: int) -> list[MuonGroup]:
 
 
 def _orthogonalize_chunk(updates: Tensor, owned: list[nn.Parameter]) -> Tensor:
-    """NS per entry; attn matrices as four (D, D) pieces (Q, K, V, O), zero for padding entries."""
+    """NS per entry; attn matrices as four (D, D) pieces (Q, K, V, O), zero for padding entries.
+
+    The attn entries come first (muon_groups sorts by tag), so both kinds are slices. Indexing a CUDA tensor
+    with a Python list copies the list to the GPU and waits for all queued work (bench/sync_check.py found 10
+    such waits per step), after which the host's own work shows as GPU idle time: 610.97 -> 601.77 ms per step
+    on one H200 without them (paired A/B round, bench/NOTES.md session 6)."""
     result = torch.zeros_like(updates, dtype=torch.bfloat16 if updates.device.type == "cuda" else torch.float32)
-    attn = [i for i, p in enumerate(owned) if p.module_tag == "attn"]
-    other = [i for i, p in enumerate(owned) if p.module_tag != "attn"]
-    if attn:
+    num_attn = sum(p.module_tag == "attn" for p in owned)
+    assert all(p.module_tag == "attn" for p in owned[:num_attn]), "attn entries lead their group (muon_groups)"
+    if num_attn:
         rows = updates.size(1)
-        stacked = updates[attn].reshape(len(attn) * 4, rows, -1)
-        result[attn] = orthogonalize(stacked).reshape(len(attn), *updates.shape[1:]).to(result.dtype)
-    if other:
-        result[other] = orthogonalize(updates[other]).to(result.dtype)
+        stacked = updates[:num_attn].reshape(num_attn * 4, rows, -1)
+        result[:num_attn] = orthogonalize(stacked).reshape(num_attn, *updates.shape[1:]).to(result.dtype)
+    if len(owned) > num_attn:
+        result[num_attn : len(owned)] = orthogonalize(updates[num_attn : len(owned)]).to(result.dtype)
     return result
 
 

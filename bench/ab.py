@@ -16,8 +16,12 @@ comparison in one invocation is a comparison):
     even number of rounds; the report then estimates that effect from the rounds of each order.
   * The timed segment is steps skip..T (synchronized at both ends; validation inside it is left out),
     so each round gives ms/step for A and for B, and their ratio B/A is paired by round.
-  * The val losses at the end of each round are paired by seed: their spread over seeds is the
-    run-to-run noise, their paired difference what the candidate changed.
+  * The val losses at the end of each round are paired by seed. Their spread over seeds is the noise
+    within a process; separate processes of the same code differ by more (about 0.02 at step 120 on the
+    proxy data, bench/NOTES.md), so one invocation's paired difference is one draw of that noise.
+  * --profile-steps N: afterwards N steps of each version under torch.profiler: kernel time by kind and
+    the top kernels, the GPU's idle time between kernels, and how much of it the GPU spent waiting for the
+    host (gaps after which the next launch came only after the GPU had gone idle).
 
 A version whose script lacks train_gpt.py's run()/train() structure (e.g. an older record's own script)
 is timed whole-run: each round is a fresh process with the compile caches of its first (untimed) run,
@@ -253,6 +257,40 @@ def _kernel_table(prof: Any, steps: int, top: int = 25) -> list[dict]:
     return [total, *summary, *_idle_gaps(prof, steps), *rows[:top]]
 
 
+def split_idle(kernels: list[tuple[float, float, float | None]]) -> tuple[float, float, int, int]:
+    """GPU idle time between kernels (start, end, start of the host call that launched it; None when unknown),
+    split by cause: a gap is the host's when the kernel after it was launched after the GPU went idle (the
+    GPU waited for the host), the GPU's own otherwise (queued work that started late). Returns (idle, host
+    idle, gaps, host gaps), in the inputs' time unit."""
+    idle = host_idle = 0.0
+    gaps = host_gaps = 0
+    busy_until: float | None = None
+    for start, end, launched in sorted(kernels, key=lambda k: (k[0], k[1])):
+        if busy_until is not None and start > busy_until:
+            idle += start - busy_until
+            gaps += 1
+            if launched is not None and launched > busy_until:
+                host_idle += start - busy_until
+                host_gaps += 1
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return idle, host_idle, gaps, host_gaps
+
+
+def _launch_times(prof: Any) -> list[tuple[float, float, float | None]]:
+    """(start, end, launch) in microseconds of every GPU kernel and copy, the launch from the host runtime call
+    with the same correlation id (Kineto's raw events)."""
+    import torch
+
+    gpu, launches = [], {}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CUDA:
+            if not e.is_user_annotation():  # record_function spans on the GPU timeline would cover the gaps
+                gpu.append(e)
+        elif e.name().startswith("cu") and e.correlation_id():  # cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...
+            launches[e.correlation_id()] = e.start_ns() / 1e3
+    return [(e.start_ns() / 1e3, e.end_ns() / 1e3, launches.get(e.correlation_id())) for e in gpu]
+
+
 def _idle_gaps(prof: Any, steps: int, largest: int = 6) -> list[dict]:
     """Where the GPU sat idle between kernels: the total per step and the largest gaps, named by their neighbours."""
     import torch
@@ -268,6 +306,13 @@ def _idle_gaps(prof: Any, steps: int, largest: int = 6) -> list[dict]:
         if busy_until is None or e.time_range.end > busy_until:
             busy_until, previous = e.time_range.end, e
     rows = [dict(kernel="(GPU idle between kernels)", kind="sum", ms_per_step=sum(g[0] for g in gaps) / steps / 1e3, calls_per_step=len(gaps) / steps)]
+    timed = _launch_times(prof)
+    _, host_idle, _, host_gaps = split_idle(timed)
+    matched = sum(launch is not None for _, _, launch in timed)
+    rows.append(dict(
+        kernel=f"(of which the GPU waited for the host: the next launch came after it went idle; {matched} of {len(timed)} launches traced)",
+        kind="sum", ms_per_step=host_idle / steps / 1e3, calls_per_step=host_gaps / steps,
+    ))
     for micros, before, after in sorted(gaps, reverse=True)[:largest]:
         # one gap's own length in the ms column (not divided by the profiled steps, unlike the total above)
         rows.append(dict(kernel=f"(one idle gap, its length) after {before} | before {after}", kind="gap", ms_per_step=micros / 1e3, calls_per_step=1))

@@ -40,6 +40,14 @@ VARIANTS: dict[str, dict] = {
     "fwd_ 128x128 w8 s2": dict(fwd_BLOCK_M=128, fwd_BLOCK_N=128, fwd_num_warps=8, fwd_num_stages=2),
     "safe + fwd_ 128x128 w8 s2": dict(ROWS_GUARANTEED_SAFE=True, fwd_BLOCK_M=128, fwd_BLOCK_N=128, fwd_num_warps=8, fwd_num_stages=2),
     "TMA": dict(USE_TMA=True),
+    # backward-only tiles (BLOCK_M1 x BLOCK_N1 for dK/dV, BLOCK_M2 x BLOCK_N2 for dQ), warps, stages; torch's
+    # sm90 default for head_dim 128 is 64x128 / 128x64, 8 warps, 3 stages
+    "bwd_ 64x128 w8 s2": dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=2),
+    "bwd_ 64x128 w8 s4": dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=4),
+    "bwd_ 64x128 w4 s3": dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=3),
+    "bwd_ 64x64 w4 s3": dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=64, bwd_BLOCK_M2=64, bwd_BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=3),
+    "bwd_ 32x128 w4 s3": dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=3),
+    "bwd_ 128x128 w8 s2": dict(bwd_BLOCK_M1=128, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=128, bwd_num_warps=8, bwd_num_stages=2),
 }
 # |variant - default| <= ATOL + RTOL * |default|: a few bf16 rounding steps (one step is 2^-8 relative); other
 # tile orders differ by rounding only

@@ -6,7 +6,8 @@ On a record-sized micro-step (49,152 tokens x 50,304 padded vocabulary, bf16 log
     must be bitwise equal over the whole micro-step;
   * against its eager reference on a slice of rows (loss per row; e5m2 codes);
 and prints the median time of:
-  * the kernel, for a few tile sizes, and with the integer casts;
+  * the kernel, for a few tile sizes and pipeline depths, with the integer casts, and with the candidate
+    exp2_on_fma (the log-sum-exp pass's exp2 on the FMA pipe; its numbers are checked like the kernel's);
   * with --compare FILE, another train_gpt.py's kernel on the same input (e.g. `git show 029d93e:train_gpt.py`);
   * the path it replaces: the compiled soft-capped CE forward + backward (torch.compile, as the model was
     compiled) giving a bf16 logit gradient, then the division and cast to e5m2 and the transposed copy.
@@ -28,7 +29,8 @@ import train_gpt as tg  # noqa: E402
 from bench.gpu_timing import median_ms  # noqa: E402
 
 TOKENS, VOCAB = 49152, 50304
-TILES = ((32, 128, 8), (32, 128, 4), (64, 128, 8), (16, 128, 4), (32, 64, 4), (64, 64, 8))  # rows, columns, warps
+# rows, columns, warps[, pipeline stages]
+TILES = ((32, 128, 8), (32, 128, 8, 1), (32, 128, 8, 2), (32, 128, 8, 4), (32, 128, 4), (64, 128, 8), (32, 64, 4))
 
 
 def load_module(path: str) -> types.ModuleType:
@@ -79,7 +81,7 @@ def main() -> None:
             f"gradient codes differ in {(codes(grad) != codes(other_grad)).float().mean().item():.2e} of them"
         )
         del other_grad
-    del grad, grad_t, want_grad, got, want
+    del grad, grad_t, got, want
 
     def replaced() -> torch.Tensor:
         leaf = logits.detach().requires_grad_()
@@ -93,7 +95,17 @@ def main() -> None:
         print(f"{args.compare} kernel: {median_ms(lambda: other.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE), repeats=10):.2f} ms")
     for tile in TILES:
         ms = median_ms(lambda: tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile), repeats=10)
-        print(f"softcap_ce_e5m2, {tile[0]}x{tile[1]} tiles, {tile[2]} warps: {ms:.2f} ms")
+        stages = f", {tile[3]} stages" if len(tile) > 3 else ""
+        print(f"softcap_ce_e5m2, {tile[0]}x{tile[1]} tiles, {tile[2]} warps{stages}: {ms:.2f} ms")
+    fma_losses, fma_grad, _ = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, exp2_on_fma=True)
+    fma_codes, want_codes = codes(fma_grad[rows]).long(), codes(want_grad).long()
+    print(
+        f"exp2_on_fma vs eager: loss max relative error {((fma_losses[rows] - want_losses).abs() / want_losses).max().item():.2e}, "
+        f"codes {(fma_codes != want_codes).float().mean().item():.2e} differ, at most {(fma_codes - want_codes).abs().max().item()} apart"
+    )
+    del fma_grad
+    ms = median_ms(lambda: tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, exp2_on_fma=True), repeats=10)
+    print(f"softcap_ce_e5m2, default tiles, exp2_on_fma: {ms:.2f} ms")
     ms = median_ms(lambda: tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, hardware_casts=False), repeats=10)
     print(f"softcap_ce_e5m2, default tiles, integer casts: {ms:.2f} ms")
 

@@ -116,3 +116,23 @@ def test_second_slot_effect_is_recovered_from_abba_ratios(monkeypatch):
     assert ab.second_slot_effect(ratios[:1]) != ab.second_slot_effect(ratios[:1])  # NaN without both orders
     assert ab.round_order(0, "abba") == ("baseline", "candidate") and ab.round_order(1, "abba") == ("candidate", "baseline")
     assert ab.round_order(1, "alternate") == ("baseline", "candidate")
+
+
+def test_idle_time_is_split_into_host_waits_and_queued_gaps(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_ab", ROOT / "bench" / "ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_ab", ab)
+    spec.loader.exec_module(ab)
+    kernels = [  # (start, end, launched)
+        (0.0, 10.0, -50.0),
+        (12.0, 20.0, -40.0),  # gap 2, launched long before: the GPU's own gap
+        (20.0, 25.0, -30.0),  # back to back: no gap
+        (22.0, 24.0, -29.0),  # inside the busy span (another stream): no gap
+        (35.0, 40.0, 33.0),  # gap 10, launched at 33 > 25: the GPU waited for the host
+        (41.0, 42.0, None),  # gap 1, launch unknown: counted as the GPU's
+    ]
+    idle, host_idle, gaps, host_gaps = ab.split_idle(list(reversed(kernels)))  # order of the input does not matter
+    assert (idle, host_idle, gaps, host_gaps) == (13.0, 10.0, 3, 1)
+    assert ab.split_idle([]) == (0.0, 0.0, 0, 0)

@@ -65,6 +65,10 @@ def test_muon_groups_of_the_record_model(world_size):
     assert [p.module_tag for p in groups[2].params] == ["attn"] * 10 + ["mlp"] * 6
     owned = [p for g in groups for r in range(world_size) for p in g.owned(r)]
     assert len(owned) == 43 == len({id(p) for p in owned}), "every Muon matrix is owned by exactly one rank"
+    for group in groups:  # _orthogonalize_chunk slices (no list index, no host sync): attn entries lead each chunk
+        for rank in range(world_size):
+            tags = [p.module_tag for p in group.owned(rank)]
+            assert tags == sorted(tags, key=lambda tag: tag != "attn"), (rank, tags)
 
 
 def test_muon_layout_at_eight_ranks_never_mixes_attn_and_mlp():
@@ -331,6 +335,26 @@ def test_muon_step_is_nesterov_momentum_then_newton_schulz_per_qkvo_slice():
         else:
             ortho = tg.newton_schulz_reference(update, torch.float32)
         torch.testing.assert_close(p.detach(), p0 - 0.05 * ortho, atol=1e-5, rtol=1e-5, msg=p.label)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_muon_chunk_orthogonalizes_each_owned_entry_and_zeroes_padding(world_size):
+    """Every rank's chunk at every world size (slices, not index lists): attn entries as four (D, D) pieces, the
+    others whole, padding rows zero."""
+    model = tiny_model(dim=32)
+    torch.manual_seed(2)
+    for group in tg.muon_groups(tg.muon_parameters(model), world_size):
+        for rank in range(world_size):
+            owned = group.owned(rank)
+            updates = torch.randn(group.chunk, *group.params[0].shape)
+            result = tg._orthogonalize_chunk(updates, owned)
+            for i in range(group.chunk):
+                if i >= len(owned):
+                    assert not result[i].any(), (rank, i)
+                    continue
+                pieces = updates[i].view(4, 32, 32) if owned[i].module_tag == "attn" else updates[i]
+                want = tg.newton_schulz_reference(pieces, torch.float32).reshape(updates[i].shape)
+                torch.testing.assert_close(result[i], want, atol=1e-5, rtol=1e-5, msg=f"{owned[i].label} at rank {rank}")
 
 
 def test_newton_schulz_reference_orthogonalizes():
