@@ -19,6 +19,18 @@ def run_ab(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*AB, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
 
 
+@pytest.fixture
+def ab(monkeypatch):
+    """bench/ab.py imported as a module (it is a script, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_ab", ROOT / "bench" / "ab.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_ab", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_help_describes_the_method():
     result = run_ab("--help")
     assert result.returncode == 0
@@ -103,13 +115,7 @@ def test_abba_order_plans_every_second_round_candidate_first(tmp_path):
     ) in result.stdout
 
 
-def test_second_slot_effect_is_recovered_from_abba_ratios(monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_ab", ROOT / "bench" / "ab.py")
-    ab = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_ab", ab)  # its dataclasses look their module up there
-    spec.loader.exec_module(ab)
+def test_second_slot_effect_is_recovered_from_abba_ratios(ab):
     true_ratio, slot = 0.9, 0.004  # B is 10% faster; whoever trains second loses 0.4%
     ratios = [true_ratio * (1 + slot), true_ratio / (1 + slot)] * 2  # abba: B second, B first, ...
     assert ab.second_slot_effect(ratios) == pytest.approx(slot, rel=1e-9)
@@ -118,13 +124,7 @@ def test_second_slot_effect_is_recovered_from_abba_ratios(monkeypatch):
     assert ab.round_order(1, "alternate") == ("baseline", "candidate")
 
 
-def test_idle_time_is_split_into_host_waits_and_queued_gaps(monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_ab", ROOT / "bench" / "ab.py")
-    ab = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_ab", ab)
-    spec.loader.exec_module(ab)
+def test_idle_time_is_split_into_host_waits_and_queued_gaps(ab):
     kernels = [  # (start, end, launched)
         (0.0, 10.0, -50.0),
         (12.0, 20.0, -40.0),  # gap 2, launched long before: the GPU's own gap
