@@ -16,7 +16,6 @@ custom parameter groups and Triton Newton-Schulz kernels, and a sharded Adam.
 import argparse
 import copy
 import dataclasses
-import functools
 import glob
 import json
 import math
@@ -1001,76 +1000,14 @@ def softcap_ce_e5m2(
     return losses, grad, grad_t
 
 
-# ---- e4m3 quantization of the head's inputs ----
-# Eager formula (CUDA): x.div(scale).to(torch.float8_e4m3fn), i.e. x * fp32(1 / fp32(scale)) rounded to bf16
-# (aten divides by a host scalar on CUDA as a multiplication by its fp32 reciprocal), then torch's e4m3fn cast:
-# nearest even, NaN stays NaN, and beyond 464 (inf included) either ±448 (torch 2.13's cast saturates) or NaN
-# (older casts): the kernel asks the installed torch which (e4m3_cast_saturates). As two eager kernels this took about
-# 0.29 ms per tensor per micro-step on an H200 (the cast kernel is not vectorized: 4.0 ms per step for the 16
-# casts, bench/ab.py profile); one pass reads bf16 and writes bytes. Integer arithmetic for the bf16 rounding and
-# the cast, so the interpreter's results are the GPU's. A candidate, not yet in fp8_head_loss: it has run under
-# the interpreter only; tests/test_train_gpt_cuda.py and bench/bench_fp8_quantize.py decide on a GPU.
-if triton is not None:
-
-    @triton.jit
-    def _e4m3fn_byte(v, SATURATE: tl.constexpr):
-        """fp32 (a bf16 value, not NaN) -> e4m3fn byte as torch's cast does it: nearest even; beyond 464 (inf
-        included) the largest finite code 0x7E with SATURATE, else NaN (0x7F)."""
-        bits = v.to(tl.uint32, bitcast=True)
-        magnitude = bits & 0x7FFFFFFF
-        # normals (>= 2^-6): rebias the exponent (127 -> 7) and round away 20 of the 23 mantissa bits
-        normal = (magnitude - (120 << 23) + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20
-        # below 2^-6 the values are multiples of 2^-9: round |v| * 2^9 with the exact 1.5 * 2^23 addition trick
-        scaled = tl.minimum(magnitude.to(tl.float32, bitcast=True) * 512.0, 8.0)  # (only used below 8)
-        subnormal = ((scaled + 12582912.0) - 12582912.0).to(tl.uint32)
-        code = tl.where(magnitude >= (121 << 23), normal, subnormal)  # 464 < |v| < 480 rounds to 0x7F
-        if SATURATE:
-            code = tl.where(magnitude >= 0x43F00000, 0x7E, tl.minimum(code, 0x7E))
-        else:
-            code = tl.where(magnitude >= 0x43F00000, 0x7F, code)  # 480 and up, inf
-        return (((bits >> 24) & 0x80) | code).to(tl.uint8)
-
-    @triton.jit
-    def _quantize_e4m3_kernel(x_ptr, out_ptr, n, inv_scale, BLOCK: tl.constexpr, SATURATE: tl.constexpr):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < n
-        x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        product = x * inv_scale
-        value = _round_to_bf16(product)
-        # a NaN product is bf16's canonical (positive) NaN in eager, whose byte is 0x7F; the integer rounding
-        # above could turn some NaNs into other values
-        code = tl.where(product != product, 0x7F, _e4m3fn_byte(value, SATURATE))
-        tl.store(out_ptr + offsets, code, mask=inside)
-
-
-QUANTIZE_BLOCK = 4096  # elements per program
-
-
-@functools.cache
-def e4m3_cast_saturates() -> bool:
-    """Whether the installed torch casts finite values beyond e4m3fn's range to ±448 (else to NaN)."""
-    return torch.tensor(480.0).to(torch.float8_e4m3fn).view(torch.uint8).item() == 0x7E
-
-
-def quantize_e4m3(x: Tensor, scale: float) -> Tensor:
-    """x.div(scale).to(torch.float8_e4m3fn) for a bf16 tensor: one Triton pass on CUDA (and under TRITON_INTERPRET),
-    the eager ops elsewhere (on CPU the division may round differently, see above). The result has x's shape."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if triton is None or not (x.is_cuda or interpreted) or x.dtype != torch.bfloat16:
-        return x.div(scale).to(torch.float8_e4m3fn)
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    inv_scale = (torch.ones((), dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)).item()  # aten's fp32 reciprocal
-    _quantize_e4m3_kernel[(triton.cdiv(x.numel(), QUANTIZE_BLOCK),)](x, out.view(torch.uint8), x.numel(), inv_scale, BLOCK=QUANTIZE_BLOCK, SATURATE=e4m3_cast_saturates())
-    return out
-
-
 @torch.library.custom_op("train_gpt::fp8_head_loss", mutates_args=())
 def fp8_head_loss(
     x: Tensor, w: Tensor, targets: Tensor, x_s: float, w_s: float, grad_s: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Summed soft-capped CE of the e4m3 logits (x/x_s)(w/w_s)^T (fast accumulation, bf16 out); also returns
     the FP8 copies of x and w and the e5m2 logit gradient in both layouts, all saved for the backward."""
+    # eager quantization, as in the record: 0.086-0.088 ms per tensor on an H200, where a one-pass Triton kernel that
+    # reproduced it bit for bit took 0.114-0.116 and inductor's fused version rounds differently (bench/NOTES.md, session 7)
     x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
     w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
     logits = torch._scaled_mm(x_f8, w_f8.T, scale_a=_scale(x_s, x), scale_b=_scale(w_s, x), out_dtype=torch.bfloat16, use_fast_accum=True)
@@ -2581,6 +2518,9 @@ def configure_torch(device: torch.device) -> None:
             setattr(dynamo_config, name, 64)
     if device.type == "cuda":
         torch.empty(1, device=device, requires_grad=True).backward()  # early autograd/driver init (record practice)
+        # Left off: inductor's programmatic dependent launch (torch._inductor.config.triton.enable_pdl) made a step
+        # 1.5% slower on an H200 (602.2 -> 611.2 ms, paired A/B with an e4m3 kernel since removed on both sides,
+        # bench/NOTES.md session 7).
 
 
 def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GPT:

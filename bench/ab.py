@@ -369,7 +369,7 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
 
     def rounds_of_train(*a: Any, **k: Any) -> float:
         bound = inspect.signature(original_train).bind(*a, **k)
-        raw_model, optimizers = bound.arguments["raw_model"], (bound.arguments["adam"], bound.arguments["muon"])
+        raw_model = bound.arguments["raw_model"]
         # what a round must start from again: optimizer and loader states (anything with load_state_dict but
         # the model, which is re-initialised), and plain records of progress (dataclass instances)
         stateful = {n: v for n, v in bound.arguments.items() if hasattr(v, "load_state_dict") and v is not raw_model}
@@ -424,6 +424,21 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
 # =============================================================================================
 # Coordinator
 # =============================================================================================
+def start_versions(versions: list, launch: Callable[[Any], Any], start: str) -> list:
+    """Launches every version's worker and waits until each is ready (compiled and warmed up). "together" launches
+    all at once (the compiles overlap); "in-turn" launches the next only when the previous is ready, so that
+    compile-time autotuning (e.g. inductor's max_autotune) benchmarks on a GPU no other version is using."""
+    runners = []
+    for version in versions:
+        runners.append(launch(version))
+        if start == "in-turn":
+            runners[-1].wait_ready()
+    if start == "together":
+        for runner in runners:
+            runner.wait_ready()
+    return runners
+
+
 @dataclass
 class RoundResult:
     seed: int | None
@@ -585,6 +600,11 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--order", choices=["alternate", "abba"], default="alternate",
         help="alternate: every round A then B (default); abba: even rounds B then A (use an even --rounds)",
     )
+    parser.add_argument(
+        "--start", choices=["together", "in-turn"], default="together",
+        help="together: both versions compile at once (default); in-turn: the candidate starts once the baseline is ready "
+        "(for compile-time autotuning on an idle GPU)",
+    )
     parser.add_argument("--skip", type=int, default=10, help="steps before the timed segment (default 10)")
     parser.add_argument("--profile-steps", type=int, default=0, help="after the rounds, profile this many steps of each version")
     parser.add_argument("--out", type=Path, help="working folder (default bench/out/ab/<time>)")
@@ -620,12 +640,11 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     if known and max(known) <= args.skip:
         raise ABError(f"--skip={args.skip} leaves no timed steps in a {max(known)}-step run; lower --skip or raise --num_iterations")
     order = [f"round {i + 1} (seed {seed}): {', '.join(round_order(i, args.order))}" for i, seed in enumerate(args.seeds)]
-    print(f"plan: {args.nproc} process(es) per version; timed steps {args.skip}..end of each run; " + "; ".join(order))
+    started = "started together" if args.start == "together" else "started in turn"
+    print(f"plan: {args.nproc} process(es) per version, {started}; timed steps {args.skip}..end of each run; " + "; ".join(order))
     if args.dry_run:
         return 0
-    runners = [(ResidentVersion if v.mode == "resident" else WholeRunVersion)(v, args, overrides, folder) for v in versions]
-    for runner in runners:
-        runner.wait_ready()
+    runners = start_versions(versions, lambda v: (ResidentVersion if v.mode == "resident" else WholeRunVersion)(v, args, overrides, folder), args.start)
     results: dict[str, list[RoundResult]] = {v.label: [] for v in versions}
     by_label = {runner.version.label: runner for runner in runners}
     for index in range(args.rounds):

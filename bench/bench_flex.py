@@ -1,11 +1,13 @@
 """FlexAttention at the record's shapes, forward + backward, under several kernel options, on one GPU.
 
-One attention call of train_gpt.py's FlexAttention path (49,152 tokens, 6 heads of 128, bf16, documents of
-the docs-proxy lengths or FineWeb-like random lengths, the token-exact window block mask of
-`train_gpt.flex_window_mask`, the softmax scale as a score_mod) is compiled once per kernel-options variant;
-the median time of forward + backward is printed for the short and the long window of each schedule stage,
-with each variant's output and input gradients checked against the default options' (count of non-finite
-values, largest absolute difference). A variant that changes the numbers is marked WRONG.
+One attention call of train_gpt.py's FlexAttention path (49,152 tokens, 6 heads of 128, bf16 in the model's
+(tokens, heads, head_dim) memory layout seen through a transpose, random document lengths of 100-1500 tokens,
+the token-exact window block mask of `train_gpt.flex_window_mask`, the softmax scale as a score_mod; before
+session 7 of bench/NOTES.md the bench used contiguous (heads, tokens, head_dim) tensors, unlike the model) is
+compiled once per kernel-options variant; the median time of forward + backward is printed for the short and
+the long window of each schedule stage, with each variant's output and input gradients checked against the
+default options' (count of non-finite values, largest absolute difference). A variant that changes the numbers
+is marked WRONG.
 
 ROWS_GUARANTEED_SAFE alone is kept as a variant to show why train_gpt.py does not use it: the forward drops
 its masked-row guard per key tile; each query block visits its diagonal block first (train_gpt._kv_block_table),
@@ -55,6 +57,19 @@ ATOL, RTOL = 0.02, 0.02
 WINDOWS = ((1, 3), (3, 7), (5, 11))  # (short, long) in blocks at the three schedule stages
 
 
+def record_inputs() -> tuple[torch.Tensor, ...]:
+    """One attention call's inputs at the record's shapes on the GPU: document ids (lengths 100-1500), q, k, v
+    bf16 needing gradients in the model's memory layout (1, tokens, heads, head_dim), which FlexAttentionBackend
+    hands to flex_attention through a transpose, an output gradient like them and the softmax scale (a tensor)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, BOS, (TOKENS,), device="cuda", dtype=torch.int32)
+    starts = torch.cumsum(torch.randint(100, 1500, (TOKENS // 100,), device="cuda"), 0)  # document lengths 100-1500
+    ids[0] = BOS
+    ids[starts[starts < TOKENS]] = BOS
+    q, k, v = (torch.randn(1, TOKENS, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    return ids, tg.document_ids(ids, BOS), q, k, v, torch.randn_like(q), torch.tensor(0.12, device="cuda")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", help=f"variants to run (the default options always run first): {', '.join(map(repr, VARIANTS))}")
@@ -64,20 +79,15 @@ def main() -> None:
     variants = {name: options for name, options in VARIANTS.items() if name == "default" or not chosen or name in chosen}
     if not torch.cuda.is_available():
         raise SystemExit("bench_flex.py: needs a CUDA GPU.")
-    torch.manual_seed(0)
-    ids = torch.randint(0, BOS, (TOKENS,), device="cuda", dtype=torch.int32)
-    starts = torch.cumsum(torch.randint(100, 1500, (TOKENS // 100,), device="cuda"), 0)  # document lengths 100-1500
-    ids[0] = BOS
-    ids[starts[starts < TOKENS]] = BOS
-    docs = tg.document_ids(ids, BOS)
-    q, k, v = (torch.randn(1, HEADS, TOKENS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    grad = torch.randn_like(q)
-    scale = torch.tensor(0.12, device="cuda")
+    ids, docs, q, k, v, grad, scale = record_inputs()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {TOKENS} tokens, {HEADS} heads x {HEAD_DIM}, {int(ids.eq(BOS).sum())} documents")
     references: dict[int, tuple[torch.Tensor, ...]] = {}
     for name, options in variants.items():
         attend = torch.compile(
-            lambda q, k, v, mask: flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * scale, block_mask=mask, scale=1.0, kernel_options=options),
+            lambda q, k, v, mask: flex_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=lambda s, b, h, i, j: s * scale, block_mask=mask,
+                scale=1.0, kernel_options=options,
+            ).transpose(1, 2),
             fullgraph=True,
         )
         figures, worst_nonfinite, worst_diff, worst_excess, checked = [], 0, 0.0, -1.0, False

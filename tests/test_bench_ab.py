@@ -136,3 +136,30 @@ def test_idle_time_is_split_into_host_waits_and_queued_gaps(ab):
     idle, host_idle, gaps, host_gaps = ab.split_idle(list(reversed(kernels)))  # order of the input does not matter
     assert (idle, host_idle, gaps, host_gaps) == (13.0, 10.0, 3, 1)
     assert ab.split_idle([]) == (0.0, 0.0, 0, 0)
+
+
+@pytest.mark.parametrize("start, events", [
+    ("together", ["launch baseline", "launch candidate", "ready baseline", "ready candidate"]),
+    ("in-turn", ["launch baseline", "ready baseline", "launch candidate", "ready candidate"]),
+])
+def test_versions_start_together_or_in_turn(ab, start, events):
+    """In turn, the candidate's worker is not launched before the baseline is ready; each waits for ready once
+    (a whole-run version's wait_ready is its untimed first run)."""
+    log = []
+
+    class FakeRunner:
+        def __init__(self, label):
+            self.label = label
+            log.append(f"launch {label}")
+
+        def wait_ready(self):
+            log.append(f"ready {self.label}")
+
+    runners = ab.start_versions(["baseline", "candidate"], FakeRunner, start)
+    assert log == events and [r.label for r in runners] == ["baseline", "candidate"]
+
+
+def test_dry_run_names_how_the_versions_start(tmp_path):
+    result = run_ab("--dry-run", "--start", "in-turn", "--rounds", "1", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode == 0, result.stderr
+    assert "1 process(es) per version, started in turn;" in result.stdout

@@ -150,33 +150,3 @@ def test_softcap_ce_refuses_what_the_kernel_cannot_do(monkeypatch: pytest.Monkey
     logits = torch.empty(shape, dtype=torch.bfloat16, device="meta")  # no memory: the wrapper only reads the shape
     with pytest.raises(ValueError, match=message):
         tg.softcap_ce_e5m2(logits, torch.empty(shape[0], dtype=torch.int64, device="meta"), tg.FP8_GRAD_SCALE, tile, hardware_casts)
-
-
-E4M3_CHECKS = r"""
-import json, torch, train_gpt as tg
-every_bf16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # all 65,536 patterns
-results = {}
-for scale in (1.0, tg.FP8_X_SCALE, tg.FP8_W_SCALE, 3.0):
-    inv = torch.ones((), dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)
-    # the eager formula as CUDA evaluates it: x * fp32 reciprocal, rounded to bf16, torch's e4m3fn cast
-    want = (every_bf16.float() * inv).bfloat16().to(torch.float8_e4m3fn).view(torch.uint8)
-    got = tg.quantize_e4m3(every_bf16, scale).view(torch.uint8)
-    # a NaN's sign is not kept the same way by torch's CPU and CUDA bf16 casts: NaN must give a NaN code
-    number = ~every_bf16.isnan()
-    results[str(scale)] = dict(equal=torch.equal(got[number], want[number]), nan_to_nan=bool((got[~number] & 0x7F).eq(0x7F).all()),
-                               largest_codes=int((want[number] & 0x7F).eq(0x7E).sum()),
-                               subnormal_codes=int((((want & 0x78) == 0) & ((want & 0x07) != 0)).sum()))
-finite = every_bf16[every_bf16.isfinite()]
-odd = finite[torch.randperm(finite.numel(), generator=torch.Generator().manual_seed(0))][: 6 * 2459].reshape(-1, 6)[:, ::2]  # strided, partial last block
-results["strided"] = torch.equal(tg.quantize_e4m3(odd, 1.0).view(torch.uint8), odd.contiguous().float().bfloat16().to(torch.float8_e4m3fn).view(torch.uint8))
-print(json.dumps(results))
-"""
-
-
-def test_e4m3_quantization_equals_the_eager_formula_under_the_interpreter():
-    """Every bf16 value through the kernel against the eager formula (incl. the range's edges, inf and NaN)."""
-    checks = run_under_interpreter(E4M3_CHECKS)
-    assert checks.pop("strided") is True
-    for scale, check in checks.items():
-        assert check["equal"] and check["nan_to_nan"], scale
-        assert check["largest_codes"] > 0 and check["subnormal_codes"] > 0, scale  # the edges were reached
