@@ -22,6 +22,8 @@ comparison in one invocation is a comparison):
   * --profile-steps N: afterwards N steps of each version under torch.profiler: kernel time by kind and
     the top kernels, the GPU's idle time between kernels, and how much of it the GPU spent waiting for the
     host (gaps after which the next launch came only after the GPU had gone idle).
+  * --time-limit S: on a machine lent for S seconds a call, a round (or the profile) that the last round's
+    duration says would not fit is left out, and the rounds run so far are reported rather than lost.
 
 A version whose script lacks train_gpt.py's run()/train() structure (e.g. an older record's own script)
 is timed whole-run: each round is a fresh process with the compile caches of its first (untimed) run,
@@ -191,14 +193,21 @@ class Control:
         temporary.write_text(json.dumps(payload or {}))
         os.replace(temporary, self.path(what))  # readers never see a half-written file
 
-    def wait(self, what: str, alive: Callable[[], bool] = lambda: True, timeout_s: float = 3600.0) -> dict:
+    def wait_first(self, whats: tuple[str, ...], alive: Callable[[], bool] = lambda: True, timeout_s: float = 3600.0) -> str:
+        """Blocks until one of the signals exists and returns its name."""
         deadline = time.monotonic() + timeout_s
-        while not self.path(what).exists():
+        while True:
+            for what in whats:
+                if self.path(what).exists():
+                    return what
             if not alive():
-                raise ABError(f"{self.label}: the worker exited before '{what}'; see {self.path('out')}")
+                raise ABError(f"{self.label}: the worker exited before '{whats[0]}'; see {self.path('out')}")
             if time.monotonic() > deadline:
-                raise ABError(f"{self.label}: no '{what}' within {timeout_s:.0f} s; see {self.path('out')}")
+                raise ABError(f"{self.label}: no '{whats[0]}' within {timeout_s:.0f} s; see {self.path('out')}")
             time.sleep(POLL_S)
+
+    def wait(self, what: str, alive: Callable[[], bool] = lambda: True, timeout_s: float = 3600.0) -> dict:
+        self.wait_first((what,), alive, timeout_s)
         return json.loads(self.path(what).read_text())
 
 
@@ -388,7 +397,8 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
 
         final = math.nan
         for index, seed in enumerate(args.seeds):
-            control.wait(f"go{index}")
+            if control.wait_first((f"go{index}", "stop")) == "stop":  # the coordinator's time limit
+                return final
             start_round(seed)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
@@ -403,8 +413,7 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
                     dict(seed=seed, ms_per_step=1000 * segment_s / (total - timer.first_step), steps=[timer.first_step, total],
                          val_loss=float(final), peak_allocated_mib=peak / 2**20),
                 )
-        if args.profile_steps:
-            control.wait("go_profile")
+        if args.profile_steps and control.wait_first(("go_profile", "stop")) == "go_profile":
             start_round(args.seeds[0])
             timer.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
             timer.profile_steps = args.profile_steps
@@ -474,6 +483,10 @@ class ResidentVersion:
         self.control.signal("go_profile")
         return self.control.wait("profile", self.alive)["kernels"]
 
+    def stop(self) -> None:
+        """No more rounds and no profile: the worker returns from its training loop and exits."""
+        self.control.signal("stop")
+
     def finish(self) -> None:
         code = self.process.wait()
         self.output.close()
@@ -516,8 +529,17 @@ class WholeRunVersion:
     def profile(self) -> list[dict]:
         return []
 
+    def stop(self) -> None:
+        pass
+
     def finish(self) -> None:
         pass
+
+
+def fits(elapsed_s: float, estimate_s: float | None, limit_s: float) -> bool:
+    """Whether work estimated at estimate_s seconds (None: not known yet, as before the first round) still fits in a
+    time limit of limit_s seconds (0: none) after elapsed_s."""
+    return limit_s <= 0 or estimate_s is None or elapsed_s + estimate_s <= limit_s
 
 
 def round_order(index: int, order: str) -> tuple[str, str]:
@@ -605,6 +627,11 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="together: both versions compile at once (default); in-turn: the candidate starts once the baseline is ready "
         "(for compile-time autotuning on an idle GPU)",
     )
+    parser.add_argument(
+        "--time-limit", type=float, default=0.0,
+        help="seconds for the whole invocation (default 0: none); a round or the profile that would not fit, estimated "
+        "from the last round, is left out and the rounds run so far are reported (for machines lent by the call)",
+    )
     parser.add_argument("--skip", type=int, default=10, help="steps before the timed segment (default 10)")
     parser.add_argument("--profile-steps", type=int, default=0, help="after the rounds, profile this many steps of each version")
     parser.add_argument("--out", type=Path, help="working folder (default bench/out/ab/<time>)")
@@ -621,13 +648,14 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if not args.worker and not args.check_script:
         if args.nproc < 1 or 8 % args.nproc:
             parser.error(f"--nproc={args.nproc}: use 1, 2, 4 or 8 (the record batch is split over a divisor of 8)")
-        if args.rounds < 1 or args.skip < 1 or args.profile_steps < 0:
-            parser.error("--rounds and --skip must be >= 1 and --profile-steps >= 0")
+        if args.rounds < 1 or args.skip < 1 or args.profile_steps < 0 or not args.time_limit >= 0:
+            parser.error("--rounds and --skip must be >= 1, --profile-steps and --time-limit >= 0")
         args.seeds = list(range(1, args.rounds + 1))
     return args, overrides
 
 
 def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
+    started_at = time.monotonic()
     folder = (args.out or REPO / "bench" / "out" / "ab" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     versions = [resolve_version("baseline", args.baseline, folder), resolve_version("candidate", args.candidate, folder)]
@@ -641,20 +669,38 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ABError(f"--skip={args.skip} leaves no timed steps in a {max(known)}-step run; lower --skip or raise --num_iterations")
     order = [f"round {i + 1} (seed {seed}): {', '.join(round_order(i, args.order))}" for i, seed in enumerate(args.seeds)]
     started = "started together" if args.start == "together" else "started in turn"
-    print(f"plan: {args.nproc} process(es) per version, {started}; timed steps {args.skip}..end of each run; " + "; ".join(order))
+    limit = f" time limit {args.time_limit:.0f} s;" if args.time_limit else ""
+    print(f"plan: {args.nproc} process(es) per version, {started};{limit} timed steps {args.skip}..end of each run; " + "; ".join(order))
     if args.dry_run:
         return 0
     runners = start_versions(versions, lambda v: (ResidentVersion if v.mode == "resident" else WholeRunVersion)(v, args, overrides, folder), args.start)
     results: dict[str, list[RoundResult]] = {v.label: [] for v in versions}
     by_label = {runner.version.label: runner for runner in runners}
+    round_s, left_out = None, []
     for index in range(args.rounds):
+        if not fits(time.monotonic() - started_at, round_s, args.time_limit):
+            left_out.append(f"rounds {index + 1}-{args.rounds} (about {round_s:.0f} s each)")
+            break
+        round_started = time.monotonic()
         for label in round_order(index, args.order):
             runner = by_label[label]
             result = runner.run_round(index)
             results[runner.version.label].append(result)
             print(f"round {index + 1} {runner.version.label}: {result.ms_per_step:.2f} ms/step, val {result.val_loss:.4f}", flush=True)
-    profiles = {r.version.label: r.profile() for r in runners} if args.profile_steps else {}
+        round_s = time.monotonic() - round_started
+    profiles = {}
+    if args.profile_steps:
+        # a profiled run stops after skip + profile steps of the round's train_steps
+        profile_s = round_s * min(1.0, (args.skip + args.profile_steps) / (steps["baseline"] or args.skip + args.profile_steps))
+        if left_out or not fits(time.monotonic() - started_at, profile_s, args.time_limit):
+            left_out.append(f"the profile (about {profile_s:.0f} s)")
+        else:
+            profiles = {r.version.label: r.profile() for r in runners}
+    if left_out:
+        print(f"time limit {args.time_limit:.0f} s: left out {' and '.join(left_out)}", flush=True)
     for runner in runners:
+        if left_out:
+            runner.stop()
         runner.finish()
     summary = summarize(results["baseline"], results["candidate"])
     if args.order == "abba":
@@ -664,6 +710,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         command=sys.argv, overrides=overrides, nproc=args.nproc, skip=args.skip, device=_device_name(),
         versions=[asdict(v) | dict(script=str(v.script)) for v in versions],
         rounds={label: [asdict(r) for r in rs] for label, rs in results.items()}, summary=summary, profiles=profiles,
+        rounds_planned=args.rounds, time_limit_s=args.time_limit, left_out=left_out,
     )
     json_path = args.json or folder / "ab.json"
     json_path.write_text(json.dumps(report, indent=2))

@@ -163,3 +163,26 @@ def test_dry_run_names_how_the_versions_start(tmp_path):
     result = run_ab("--dry-run", "--start", "in-turn", "--rounds", "1", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN)
     assert result.returncode == 0, result.stderr
     assert "1 process(es) per version, started in turn;" in result.stdout
+
+
+def test_work_fits_the_time_limit_by_the_last_estimate(ab):
+    assert ab.fits(elapsed_s=100.0, estimate_s=None, limit_s=50.0)  # nothing known yet (the first round): it runs
+    assert ab.fits(100.0, 200.0, 0.0)  # no limit
+    assert ab.fits(100.0, 200.0, 300.0) and not ab.fits(100.0, 200.5, 300.0)
+
+
+@pytest.mark.slow
+def test_a_time_limit_leaves_out_what_does_not_fit_and_reports_the_rest(tmp_path):
+    """A limit that the first round already exceeds: round 1 runs (nothing is known before it), rounds 2-3 and the
+    profile are left out, the workers are told to stop, and the report and JSON hold the one round."""
+    result = run_ab(
+        "--baseline", "train_gpt.py", "--candidate", "train_gpt.py", "--rounds", "3", "--skip", "2", "--profile-steps", "1",
+        "--time-limit", "1", "--out", str(tmp_path), "--", *TINY_RUN, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "time limit 1 s; timed steps" in result.stdout
+    assert "time limit 1 s: left out rounds 2-3 (about" in result.stdout and "s each) and the profile (about" in result.stdout
+    report = json.loads((tmp_path / "ab.json").read_text())
+    assert [len(report["rounds"][label]) for label in ("baseline", "candidate")] == [1, 1]
+    assert report["rounds_planned"] == 3 and len(report["left_out"]) == 2 and report["profiles"] == {}
+    assert "ratio B/A: median" in result.stdout and "profile of" not in result.stdout
