@@ -35,6 +35,10 @@ from typing import Any, BinaryIO, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
+# torch._dynamo before any process group exists: imported later (torch.optim and torch.compile do), it keeps
+# references to the group past destroy_process_group, whose gloo threads then race the interpreter's exit and
+# abort a finished CPU run now and then (SIGABRT in 1 of about 100 two-process smoke runs)
+import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn

@@ -8,8 +8,12 @@ and comments may not) or in DIFFERENT with the reason the two definitions differ
 
 import ast
 import io
+import os
 import re
+import subprocess
+import sys
 import tokenize
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,3 +144,29 @@ def test_synchronize_is_no_barrier(script, monkeypatch):
     monkeypatch.setattr(script.dist, "barrier", lambda *args, **kwargs: calls.append("barrier"))
     script.synchronize(script.torch.device("cpu"))
     assert calls == []
+
+
+GLOO_EXIT_CHECK = r"""
+import importlib, os, sys, torch
+module = importlib.import_module(sys.argv[1])  # the training script, as torchrun starts it
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))])  # imports what torch.optim needs, after the group exists
+value = torch.ones(3)
+torch.distributed.all_reduce(value)
+torch.distributed.destroy_process_group()
+print(sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the thread names from Linux's /proc")
+@pytest.mark.parametrize("script", ["train_gpt", "train_gpt_shampoo"])
+def test_destroying_the_process_group_ends_its_gloo_threads(script: str) -> None:
+    """torch._dynamo imported after the group exists keeps it alive past destroy_process_group; its gloo threads
+    then outlive main() and can abort the process at exit. Each script imports dynamo first."""
+    from conftest import free_port
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", GLOO_EXIT_CHECK, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    threads = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+    assert not [name for name in threads if "gloo" in name], threads
