@@ -142,13 +142,13 @@ def main() -> None:
             raise SystemExit(f"ncu_kernels.py: {args.csv}: no such file")
         summarize(args.csv)
         return
+    if args.launches < 1:
+        parser.error(f"--launches={args.launches}: give at least 1")
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("ncu_kernels.py: run needs a CUDA GPU.")
     torch.manual_seed(0)
-    if args.launches < 1:
-        parser.error(f"--launches={args.launches}: give at least 1")
     {"softcap_ce": run_softcap_ce, "flex": run_flex, "head_matmul": run_head_matmul}[args.target](args.launches)
     torch.cuda.synchronize()
 
