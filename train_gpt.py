@@ -862,55 +862,74 @@ if triton is not None:
         return (((bits >> 24) & 0x80) | code).to(tl.uint8)
 
     @triton.jit
-    def _bf16_value(x, HARDWARE_CASTS: tl.constexpr):
-        """x rounded to the nearest-even bf16, as fp32."""
-        if HARDWARE_CASTS:
-            return x.to(tl.bfloat16).to(tl.float32)
-        return _round_to_bf16(x)
+    def _scaled_e5m2_codes_ptx(grad, inv_scale):
+        """e5m2(bf16(fp32(bf16(grad)) * inv_scale)) of 4 fp32 values as 4 bytes: the eager chain, each cast a CUDA
+        instruction converting two values at once (the one-value bf16 cast runs on the XU pipe that the kernel's
+        exp2 and reciprocals load)."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 p0, p1, f0, f1, f2, f3;
+            .reg .b16 e0, e1;
+            cvt.rn.bf16x2.f32 p0, $2, $1;
+            cvt.rn.bf16x2.f32 p1, $4, $3;
+            shl.b32 f0, p0, 16;
+            and.b32 f1, p0, 0xFFFF0000;
+            shl.b32 f2, p1, 16;
+            and.b32 f3, p1, 0xFFFF0000;
+            mul.rn.f32 f0, f0, $5;
+            mul.rn.f32 f1, f1, $5;
+            mul.rn.f32 f2, f2, $5;
+            mul.rn.f32 f3, f3, $5;
+            cvt.rn.bf16x2.f32 p0, f1, f0;
+            cvt.rn.bf16x2.f32 p1, f3, f2;
+            shl.b32 f0, p0, 16;
+            and.b32 f1, p0, 0xFFFF0000;
+            shl.b32 f2, p1, 16;
+            and.b32 f3, p1, 0xFFFF0000;
+            cvt.rn.satfinite.e5m2x2.f32 e0, f1, f0;
+            cvt.rn.satfinite.e5m2x2.f32 e1, f3, f2;
+            mov.b32 $0, {e0, e1};
+            }""",
+            "=r,r,r,r,r,r,r,r,r", [grad, inv_scale], dtype=tl.uint8, is_pure=True, pack=4,
+        )
 
     @triton.jit
-    def _e5m2_code(x, HARDWARE_CASTS: tl.constexpr):
-        """e5m2 byte of x (a bf16 value held in fp32, |x| < 57344: the saturating and the overflowing casts agree)."""
-        if HARDWARE_CASTS:
-            return x.to(tl.bfloat16).to(tl.float8e5).to(tl.uint8, bitcast=True)
-        return _e5m2_byte(x)
+    def _scaled_e5m2_codes(grad, inv_scale, HARDWARE: tl.constexpr):
+        """e5m2 byte of bf16(bf16(grad) * inv_scale), the product in fp32 (|result| < 57344: the saturating and the
+        overflowing casts agree)."""
+        if HARDWARE:
+            return _scaled_e5m2_codes_ptx(grad, inv_scale)
+        return _e5m2_byte(_round_to_bf16(_round_to_bf16(grad) * inv_scale))
 
     @triton.jit
-    def _cap_sigmoid(logits):
-        """sigmoid(logits / 7.5) as 1 / (1 + 2^(logits * -log2(e) / 7.5)), with the approximate fp32 division (2 ulp;
-        the correctly rounded one is several times the instructions, and this kernel is bound by its arithmetic)."""
-        return tl.fdiv(1.0, 1.0 + tl.exp2(logits * (-1.4426950408889634 / 7.5)), ieee_rounding=False)
-
-    @triton.jit
-    def _exp2_on_fma(y):
-        """2^y for 0 <= y < 127 without the MUFU unit: 2^round(y) through the exponent bits times a degree-5
-        polynomial of y - round(y) in [-1/2, 1/2] (relative error about 2e-7 in fp32, as the MUFU's approximate
-        exp2), for a kernel whose MUFU pipe the sigmoid already loads (here y < 43.3)."""
-        shifted = y + 12582912.0  # 1.5 * 2^23: the low mantissa bits now hold round(y)
-        f = y - (shifted - 12582912.0)
-        poly = tl.fma(f, 0.001327647129073739, 0.009675541892647743)
-        poly = tl.fma(poly, f, 0.05550713092088699)
-        poly = tl.fma(poly, f, 0.24022120237350464)
-        poly = tl.fma(poly, f, 0.6931469440460205)
-        poly = tl.fma(poly, f, 1.0000001192092896)
-        # + round(y) << 23 on the exponent; shifted's own exponent bits vanish in the shift (0x4B400000 << 23 is 0 mod 2^32)
-        return (poly.to(tl.uint32, bitcast=True) + (shifted.to(tl.uint32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+    def _cap_sigmoid(logits, HARDWARE: tl.constexpr):
+        """sigmoid(logits / 7.5) as 1 / (1 + 2^(logits * -log2(e) / 7.5)) with an approximate reciprocal: the correctly
+        rounded division is several times the instructions, and this kernel is bound by its arithmetic. On CUDA the
+        bare MUFU reciprocal; elsewhere the approximate division, which on CUDA gives the same bits here (its range
+        guard only acts above 2^126) and which the interpreter can run."""
+        denominator = 1.0 + tl.exp2(logits * (-1.4426950408889634 / 7.5))
+        if HARDWARE:
+            return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [denominator], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.fdiv(1.0, denominator, ieee_rounding=False)
 
     @triton.jit
     def _softcap_ce_e5m2_kernel(
         logits_ptr, targets_ptr, loss_ptr, grad_ptr, grad_t_ptr, M, N: tl.constexpr, grad_inv_scale,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HARDWARE_CASTS: tl.constexpr, EXP2_ON_FMA: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HARDWARE: tl.constexpr,
     ):
         # Rows of logits (M, N) bf16 -> loss per row (fp32) and the e5m2 gradient in grad (M, N) and grad_t (N, M).
         # Two passes over the row block: the log-sum-exp, then the gradient. The capped logits lie in (0, 30),
-        # so exp() cannot overflow and needs no running maximum. The kernel is bound by arithmetic more than by
-        # memory (its memory floor is about 3.4 ms per record micro-step), hence: exponentials as exp2 with the
-        # constants folded in, one 64-bit base per tile and 32-bit offsets inside it (M * N exceeds 2^31, a row
-        # block does not), no column masks (N is a multiple of BLOCK_N; the wrapper checks), and on CUDA the
-        # hardware's nearest-even casts: 8.05 -> 5.83 ms per micro-step on an H200 (bench/bench_softcap_ce.py).
-        # HARDWARE_CASTS=False does the casts in integer arithmetic, as the interpreter's differ from CUDA's; on an
-        # H200 the two gave bitwise the same bytes on a whole record micro-step (bench/bench_softcap_ce.py) and
-        # on 4,096 rows with saturated and flat logits (tests/test_train_gpt_cuda.py).
+        # so exp() cannot overflow and needs no running maximum. Nsight Compute on an H200 (bench/ncu_kernels.sh,
+        # bench/NOTES.md session 8) found the XU pipe (exp2, reciprocals, one-value casts) 76% busy and loads
+        # waiting on memory the largest stall, hence: exponentials as exp2 with the constants folded in, the
+        # bare reciprocal and the two-value casts (HARDWARE), each tile's load issued one tile ahead, the target
+        # column's "- 1" of the softmax gradient written once per row after the loop instead of a compare per
+        # element, one 64-bit base per tile and 32-bit offsets inside it (M * N exceeds 2^31, a row block does not),
+        # and no column masks (N is a multiple of BLOCK_N; the wrapper checks): 5.76 -> 4.67 ms per record
+        # micro-step in one invocation, bitwise the same losses and codes (bench/bench_softcap_ce.py --compare
+        # with the previous kernel; Nsight Compute then: XU 79%, L2 81%, 4.56 ms). HARDWARE=False does the casts in
+        # integer arithmetic, as the interpreter's differ from CUDA's; on an H200 the two give bitwise the same
+        # bytes (bench/bench_softcap_ce.py, tests/test_train_gpt_cuda.py).
         CAP_LOG2E: tl.constexpr = 30.0 * 1.4426950408889634  # e^(30 s) = 2^(s * this)
         row0 = tl.program_id(0) * BLOCK_M
         local_rows = tl.arange(0, BLOCK_M)
@@ -921,36 +940,44 @@ if triton is not None:
         tile_offsets_t = local_cols[:, None] * M + local_rows[None, :]  # < BLOCK_N * M
         block_logits = logits_ptr + row0.to(tl.int64) * N
         partial_sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # summed across columns once, after the loop
+        ahead = tl.load(block_logits + tile_offsets, mask=tile_mask, other=0.0)
         for col0 in range(0, N, BLOCK_N):
-            logits = tl.load(block_logits + col0 + tile_offsets, mask=tile_mask, other=0.0).to(tl.float32)
-            sig = _cap_sigmoid(logits)
-            if EXP2_ON_FMA:  # candidate, off by default: this pass's third MUFU operation moved to the FMA pipe
-                partial_sums += _exp2_on_fma(sig * CAP_LOG2E)
-            else:
-                partial_sums += tl.exp2(sig * CAP_LOG2E)
+            logits = ahead.to(tl.float32)  # the next tile's load goes out before this one's arithmetic (the last reloads itself)
+            ahead = tl.load(block_logits + tl.minimum(col0 + BLOCK_N, N - BLOCK_N) + tile_offsets, mask=tile_mask, other=0.0)
+            partial_sums += tl.exp2(_cap_sigmoid(logits, HARDWARE) * CAP_LOG2E)
         sum_exp = tl.sum(partial_sums, axis=1)
         log2_sum_exp = tl.log2(sum_exp)
         targets = tl.load(targets_ptr + row0 + local_rows, mask=row_ok, other=0).to(tl.int32)
         target_logit = tl.load(block_logits + local_rows * N + targets, mask=row_ok, other=0.0).to(tl.float32)
-        target_sig = _cap_sigmoid(target_logit)
-        tl.store(loss_ptr + row0 + local_rows, tl.log(sum_exp) - 30.0 * target_sig, mask=row_ok)
+        target_sig = _cap_sigmoid(target_logit, HARDWARE)
+        tl.store(loss_ptr + row0 + local_rows, tl.fma(target_sig, -30.0, tl.log(sum_exp)), mask=row_ok)
+        # d(30 s)/dx = 30 s (1 - s) / 7.5 = 4 (s - s^2); the 4 rides in the scale (exact: a power of two before and
+        # after each rounding); then autograd's bf16 gradient, the division by the gradient scale in bf16 (torch
+        # multiplies by the fp32 reciprocal) and the e5m2 cast
+        grad_scale4 = grad_inv_scale * 4.0
         block_grad = grad_ptr + row0.to(tl.int64) * N
         block_grad_t = grad_t_ptr + row0  # advanced by BLOCK_N rows of grad_t per tile: col0 * M needs 64 bits
+        ahead = tl.load(block_logits + tile_offsets, mask=tile_mask, other=0.0)
         for col0 in range(0, N, BLOCK_N):
-            logits = tl.load(block_logits + col0 + tile_offsets, mask=tile_mask, other=0.0).to(tl.float32)
-            sig = _cap_sigmoid(logits)
-            prob = tl.exp2(sig * CAP_LOG2E - log2_sum_exp[:, None])
-            grad_capped = tl.where((col0 + local_cols)[None, :] == targets[:, None], prob - 1.0, prob)  # softmax - one-hot
-            # d(30 s)/dx = 30 s (1 - s) / 7.5 = 4 (s - s^2); then autograd's bf16 gradient, the division by the
-            # gradient scale in bf16, and the e5m2 cast
-            grad = _bf16_value(grad_capped * ((sig - sig * sig) * 4.0), HARDWARE_CASTS)
-            code = _e5m2_code(_bf16_value(grad * grad_inv_scale, HARDWARE_CASTS), HARDWARE_CASTS)
+            logits = ahead.to(tl.float32)
+            ahead = tl.load(block_logits + tl.minimum(col0 + BLOCK_N, N - BLOCK_N) + tile_offsets, mask=tile_mask, other=0.0)
+            sig = _cap_sigmoid(logits, HARDWARE)
+            prob = tl.exp2(sig * CAP_LOG2E - log2_sum_exp[:, None])  # the softmax; the target's "- 1" comes below
+            code = _scaled_e5m2_codes(prob * (sig - sig * sig), grad_scale4, HARDWARE)
             tl.store(block_grad + col0 + tile_offsets, code, mask=tile_mask)
             tl.store(block_grad_t + tile_offsets_t, tl.trans(code), mask=tl.trans(tile_mask))
             block_grad_t += BLOCK_N * M
+        # the target columns again, softmax - 1, over the loop's bytes: the barrier orders this block's stores
+        tl.debug_barrier()
+        target_prob = tl.exp2(target_sig * CAP_LOG2E - log2_sum_exp)
+        target_code = _scaled_e5m2_codes((target_prob - 1.0) * (target_sig - target_sig * target_sig), grad_scale4, HARDWARE)
+        rows = row0 + local_rows
+        tl.store(grad_ptr + rows.to(tl.int64) * N + targets, target_code, mask=row_ok)
+        tl.store(grad_t_ptr + targets.to(tl.int64) * M + rows, target_code, mask=row_ok)
 
-# rows x columns per tile, warps: 5.83 ms per record micro-step on an H200, against 6.41-6.78 for 32x64 w4, 64x64 w8,
-# 32x128 w4 and 64x128 w8 (bench/bench_softcap_ce.py); 32 rows store 32-byte runs of the transposed gradient
+# rows x columns per tile, warps: 4.67 ms per record micro-step on an H200, against 4.72 with 2 pipeline stages and
+# 4.92 with 4 warps (one invocation), and 5.10 against 4.81 for 64x128 w8 in another (bench/NOTES.md session 8);
+# 32 rows store 32-byte runs of the transposed gradient
 SOFTCAP_CE_TILE = (32, 128, 8)
 
 
@@ -969,23 +996,21 @@ def softcap_ce_e5m2_eager(logits: Tensor, targets: Tensor, grad_scale: float) ->
 
 
 def softcap_ce_e5m2(
-    logits: Tensor, targets: Tensor, grad_scale: float, tile: tuple[int, ...] = SOFTCAP_CE_TILE, hardware_casts: bool | None = None,
-    exp2_on_fma: bool = False,
+    logits: Tensor, targets: Tensor, grad_scale: float, tile: tuple[int, ...] = SOFTCAP_CE_TILE, hardware: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row loss of softcapped_cross_entropy and its gradient w.r.t. the bf16 logits, divided by grad_scale, in
     e5m2: row-major (M, N) and transposed (N, M), both contiguous. The Triton kernel on CUDA (and under
     TRITON_INTERPRET); softcap_ce_e5m2_eager elsewhere. The columns must be a multiple of the tile's (the padded
-    vocabulary is a multiple of 128). hardware_casts (default: on CUDA, not under the interpreter, whose casts
-    round differently) picks the kernel's cast instructions; False gives the integer casts the interpreter tests.
-    tile: (rows, columns, warps) or (rows, columns, warps, pipeline stages); exp2_on_fma: a candidate variant of
-    the log-sum-exp pass (bench/bench_softcap_ce.py)."""
+    vocabulary is a multiple of 128). hardware (default: on CUDA, not under the interpreter, which runs no PTX and
+    whose casts round differently) picks CUDA's cast and reciprocal instructions; False gives the integer casts and
+    the division that the interpreter tests. tile: (rows, columns, warps) or (rows, columns, warps, pipeline stages)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if triton is None or not (logits.is_cuda or interpreted):
         return softcap_ce_e5m2_eager(logits, targets, grad_scale)
-    if hardware_casts is None:
-        hardware_casts = not interpreted
-    if hardware_casts and interpreted:
-        raise ValueError("softcap_ce_e5m2: hardware_casts=True under TRITON_INTERPRET gives wrong e5m2 codes (the interpreter's casts differ from CUDA's); leave it unset")
+    if hardware is None:
+        hardware = not interpreted
+    if hardware and interpreted:
+        raise ValueError("softcap_ce_e5m2: hardware=True under TRITON_INTERPRET cannot run (the interpreter runs no PTX, and its casts differ from CUDA's); leave it unset")
     M, N = logits.shape
     block_m, block_n, warps = tile[:3]
     stages = dict(num_stages=tile[3]) if len(tile) > 3 else {}
@@ -999,7 +1024,7 @@ def softcap_ce_e5m2(
     inv_scale = (torch.ones((), dtype=torch.float32) / grad_scale).item()  # the fp32 reciprocal, as torch computes it
     _softcap_ce_e5m2_kernel[(triton.cdiv(M, block_m),)](
         logits, targets, losses, grad.view(torch.uint8), grad_t.view(torch.uint8), M, N, inv_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, HARDWARE_CASTS=hardware_casts, EXP2_ON_FMA=exp2_on_fma, num_warps=warps, **stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, HARDWARE=hardware, num_warps=warps, **stages,
     )
     return losses, grad, grad_t
 

@@ -536,6 +536,14 @@ class WholeRunVersion:
         pass
 
 
+def check_fresh(folder: Path) -> None:
+    """Refuses a folder holding an earlier invocation's worker files: their signals and results would be read as this
+    invocation's (a reused --out once reported an earlier call's round and stopped a new worker at once)."""
+    earlier = sorted(p.name for label in ("baseline", "candidate") for p in folder.glob(f"{label}.*"))
+    if earlier:
+        raise ABError(f"--out {folder} holds an earlier invocation's files ({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}); pass a new or empty folder")
+
+
 def fits(elapsed_s: float, estimate_s: float | None, limit_s: float) -> bool:
     """Whether work estimated at estimate_s seconds (None: not known yet, as before the first round) still fits in a
     time limit of limit_s seconds (0: none) after elapsed_s."""
@@ -658,6 +666,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     started_at = time.monotonic()
     folder = (args.out or REPO / "bench" / "out" / "ab" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     folder.mkdir(parents=True, exist_ok=True)
+    check_fresh(folder)
     versions = [resolve_version("baseline", args.baseline, folder), resolve_version("candidate", args.candidate, folder)]
     steps = {v.label: check_version(v, overrides)["train_steps"] for v in versions}
     for v in versions:

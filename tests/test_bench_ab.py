@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -186,3 +185,14 @@ def test_a_time_limit_leaves_out_what_does_not_fit_and_reports_the_rest(tmp_path
     assert [len(report["rounds"][label]) for label in ("baseline", "candidate")] == [1, 1]
     assert report["rounds_planned"] == 3 and len(report["left_out"]) == 2 and report["profiles"] == {}
     assert "ratio B/A: median" in result.stdout and "profile of" not in result.stdout
+
+
+def test_an_out_folder_with_an_earlier_invocations_files_is_refused(tmp_path):
+    """A reused --out once fed a new invocation the earlier one's 'result0' and 'stop' files."""
+    (tmp_path / "baseline.result0").write_text('{"ms_per_step": 1.0}')
+    (tmp_path / "notes.txt").write_text("kept")
+    result = run_ab("--dry-run", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode != 0
+    assert "holds an earlier invocation's files (baseline.result0)" in result.stderr and "new or empty folder" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "baseline.result0").read_text() == '{"ms_per_step": 1.0}' and not (tmp_path / "baseline").exists()

@@ -1,5 +1,5 @@
 """train_gpt.py's CUDA-only code paths, on a GPU (skipped without one): the fused soft-capped CE kernel's
-hardware casts against its integer casts, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
+hardware instructions (casts, reciprocal) against its integer casts and division, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
 check against the eager formula, and the kernel against that formula on CUDA.
 
     python -m pytest -q tests/test_train_gpt_cuda.py      # on a CUDA machine
@@ -14,14 +14,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or tg.triton is No
 
 
 @pytest.mark.parametrize("tile", [tg.SOFTCAP_CE_TILE, (16, 64, 4)])
-def test_softcap_ce_hardware_casts_equal_integer_casts(tile: tuple[int, int, int]) -> None:
+def test_softcap_ce_hardware_instructions_equal_the_portable_path(tile: tuple[int, int, int]) -> None:
     torch.manual_seed(0)
     logits = (torch.randn(4096, 50304, device="cuda") * 4).bfloat16()
     logits[0, :6] = torch.tensor([60.0, -60.0, 0.0, 1e-3, -1e-3, 30.0])  # saturated and near-zero soft caps
     logits[1] = 0.0  # a flat row: every gradient is small, many codes subnormal
     targets = torch.randint(0, 50304, (4096,), device="cuda")
-    hardware = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile, hardware_casts=True)
-    integer = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile, hardware_casts=False)
+    hardware = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile, hardware=True)
+    integer = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile, hardware=False)
     assert torch.equal(hardware[0], integer[0])
     for got, want in zip(hardware[1:], integer[1:]):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
