@@ -865,7 +865,7 @@ if triton is not None:
     def _scaled_e5m2_codes_ptx(grad, inv_scale):
         """e5m2(bf16(fp32(bf16(grad)) * inv_scale)) of 4 fp32 values as 4 bytes: the eager chain, each cast a CUDA
         instruction converting two values at once (the one-value bf16 cast runs on the XU pipe that the kernel's
-        exp2 and reciprocals load)."""
+        exp2 and reciprocals load). inv_scale is one value for all four: the asm reads the first of its registers."""
         return tl.inline_asm_elementwise(
             """{
             .reg .b32 p0, p1, f0, f1, f2, f3;
@@ -905,8 +905,8 @@ if triton is not None:
     def _cap_sigmoid(logits, HARDWARE: tl.constexpr):
         """sigmoid(logits / 7.5) as 1 / (1 + 2^(logits * -log2(e) / 7.5)) with an approximate reciprocal: the correctly
         rounded division is several times the instructions, and this kernel is bound by its arithmetic. On CUDA the
-        bare MUFU reciprocal; elsewhere the approximate division, which on CUDA gives the same bits here (its range
-        guard only acts above 2^126) and which the interpreter can run."""
+        bare MUFU reciprocal; otherwise the approximate division, which on CUDA gives the same bits here (its range
+        guard only acts above 2^126) and which the interpreter runs (there as an exact division)."""
         denominator = 1.0 + tl.exp2(logits * (-1.4426950408889634 / 7.5))
         if HARDWARE:
             return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [denominator], dtype=tl.float32, is_pure=True, pack=1)
@@ -928,8 +928,8 @@ if triton is not None:
         # and no column masks (N is a multiple of BLOCK_N; the wrapper checks): 5.76 -> 4.67 ms per record
         # micro-step in one invocation, bitwise the same losses and codes (bench/bench_softcap_ce.py --compare
         # with the previous kernel; Nsight Compute then: XU 79%, L2 81%, 4.56 ms). HARDWARE=False does the casts in
-        # integer arithmetic, as the interpreter's differ from CUDA's; on an H200 the two give bitwise the same
-        # bytes (bench/bench_softcap_ce.py, tests/test_train_gpt_cuda.py).
+        # integer arithmetic, as the interpreter's differ from CUDA's, and the reciprocal as a division; on an H200
+        # the two paths give bitwise the same bytes (bench/bench_softcap_ce.py, tests/test_train_gpt_cuda.py).
         CAP_LOG2E: tl.constexpr = 30.0 * 1.4426950408889634  # e^(30 s) = 2^(s * this)
         row0 = tl.program_id(0) * BLOCK_M
         local_rows = tl.arange(0, BLOCK_M)
@@ -954,7 +954,7 @@ if triton is not None:
         # d(30 s)/dx = 30 s (1 - s) / 7.5 = 4 (s - s^2); the 4 rides in the scale (exact: a power of two before and
         # after each rounding); then autograd's bf16 gradient, the division by the gradient scale in bf16 (torch
         # multiplies by the fp32 reciprocal) and the e5m2 cast
-        grad_scale4 = grad_inv_scale * 4.0
+        inv_scale_times_4 = grad_inv_scale * 4.0
         block_grad = grad_ptr + row0.to(tl.int64) * N
         block_grad_t = grad_t_ptr + row0  # advanced by BLOCK_N rows of grad_t per tile: col0 * M needs 64 bits
         ahead = tl.load(block_logits + tile_offsets, mask=tile_mask, other=0.0)
@@ -963,14 +963,14 @@ if triton is not None:
             ahead = tl.load(block_logits + tl.minimum(col0 + BLOCK_N, N - BLOCK_N) + tile_offsets, mask=tile_mask, other=0.0)
             sig = _cap_sigmoid(logits, HARDWARE)
             prob = tl.exp2(sig * CAP_LOG2E - log2_sum_exp[:, None])  # the softmax; the target's "- 1" comes below
-            code = _scaled_e5m2_codes(prob * (sig - sig * sig), grad_scale4, HARDWARE)
+            code = _scaled_e5m2_codes(prob * (sig - sig * sig), inv_scale_times_4, HARDWARE)
             tl.store(block_grad + col0 + tile_offsets, code, mask=tile_mask)
             tl.store(block_grad_t + tile_offsets_t, tl.trans(code), mask=tl.trans(tile_mask))
             block_grad_t += BLOCK_N * M
         # the target columns again, softmax - 1, over the loop's bytes: the barrier orders this block's stores
         tl.debug_barrier()
         target_prob = tl.exp2(target_sig * CAP_LOG2E - log2_sum_exp)
-        target_code = _scaled_e5m2_codes((target_prob - 1.0) * (target_sig - target_sig * target_sig), grad_scale4, HARDWARE)
+        target_code = _scaled_e5m2_codes((target_prob - 1.0) * (target_sig - target_sig * target_sig), inv_scale_times_4, HARDWARE)
         rows = row0 + local_rows
         tl.store(grad_ptr + rows.to(tl.int64) * N + targets, target_code, mask=row_ok)
         tl.store(grad_t_ptr + targets.to(tl.int64) * M + rows, target_code, mask=row_ok)
@@ -1001,7 +1001,7 @@ def softcap_ce_e5m2(
     """Per-row loss of softcapped_cross_entropy and its gradient w.r.t. the bf16 logits, divided by grad_scale, in
     e5m2: row-major (M, N) and transposed (N, M), both contiguous. The Triton kernel on CUDA (and under
     TRITON_INTERPRET); softcap_ce_e5m2_eager elsewhere. The columns must be a multiple of the tile's (the padded
-    vocabulary is a multiple of 128). hardware (default: on CUDA, not under the interpreter, which runs no PTX and
+    vocabulary is a multiple of 128) and the targets in [0, columns) (token ids are: the kernel writes there). hardware (default: on CUDA, not under the interpreter, which runs no PTX and
     whose casts round differently) picks CUDA's cast and reciprocal instructions; False gives the integer casts and
     the division that the interpreter tests. tile: (rows, columns, warps) or (rows, columns, warps, pipeline stages)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"

@@ -61,7 +61,7 @@ def main() -> None:
     losses, grad, grad_t = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE)
     int_losses, int_grad, int_grad_t = tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, hardware=False)
     print(
-        "hardware instructions vs integer casts, whole micro-step: "
+        "hardware instructions vs integer casts and division, whole micro-step: "
         f"losses equal {torch.equal(losses, int_losses)}, gradient codes differ in {int((codes(grad) != codes(int_grad)).sum())}, "
         f"transposed codes differ in {int((codes(grad_t) != codes(int_grad_t)).sum())}"
     )
