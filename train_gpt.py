@@ -1001,9 +1001,10 @@ def softcap_ce_e5m2(
     """Per-row loss of softcapped_cross_entropy and its gradient w.r.t. the bf16 logits, divided by grad_scale, in
     e5m2: row-major (M, N) and transposed (N, M), both contiguous. The Triton kernel on CUDA (and under
     TRITON_INTERPRET); softcap_ce_e5m2_eager elsewhere. The columns must be a multiple of the tile's (the padded
-    vocabulary is a multiple of 128) and the targets in [0, columns) (token ids are: the kernel writes there). hardware (default: on CUDA, not under the interpreter, which runs no PTX and
-    whose casts round differently) picks CUDA's cast and reciprocal instructions; False gives the integer casts and
-    the division that the interpreter tests. tile: (rows, columns, warps) or (rows, columns, warps, pipeline stages)."""
+    vocabulary is a multiple of 128) and the targets in [0, columns) (token ids are: the kernel writes there).
+    hardware (default: on CUDA, not under the interpreter, which runs no PTX and whose casts round differently)
+    picks CUDA's cast and reciprocal instructions; False gives the integer casts and the division that the
+    interpreter tests. tile: (rows, columns, warps) or (rows, columns, warps, pipeline stages)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if triton is None or not (logits.is_cuda or interpreted):
         return softcap_ce_e5m2_eager(logits, targets, grad_scale)

@@ -27,15 +27,14 @@ INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_.]+
 XU_PREFIXES = ("MUFU", "F2F.")  # F2FP (the two-value casts) runs elsewhere
 
 
-def compile_kernel() -> bytes:
-    """The kernel's cubin for sm_90 with the default tile and CUDA's instructions (HARDWARE=True)."""
+def compile_kernel(block_m: int, block_n: int, warps: int) -> bytes:
+    """The kernel's cubin for sm_90 with this tile and CUDA's instructions (HARDWARE=True)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     import train_gpt as tg
 
-    block_m, block_n, warps = tg.SOFTCAP_CE_TILE[:3]
     signature = {
         "logits_ptr": "*bf16", "targets_ptr": "*i64", "loss_ptr": "*fp32", "grad_ptr": "*u8", "grad_t_ptr": "*u8",
         "M": "i32", "N": "constexpr", "grad_inv_scale": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HARDWARE": "constexpr",
@@ -76,13 +75,13 @@ def main() -> None:
     args = parser.parse_args()
     if importlib.util.find_spec("triton") is None:
         raise SystemExit("sass_loops.py: needs Triton (pip install -r requirements.txt)")
+    os.environ.pop("TRITON_INTERPRET", None)  # before Triton is imported: its jit reads it then
 
     import train_gpt as tg
 
     block_m, block_n, warps = tg.SOFTCAP_CE_TILE[:3]
-    os.environ.pop("TRITON_INTERPRET", None)
     with tempfile.TemporaryDirectory() as folder:
-        loops = loop_counts(disassemble(compile_kernel(), Path(folder)), block_m * block_n // (32 * warps))
+        loops = loop_counts(disassemble(compile_kernel(block_m, block_n, warps), Path(folder)), block_m * block_n // (32 * warps))
     if args.json:
         print(json.dumps(loops))
         return
