@@ -16,6 +16,7 @@ custom parameter groups and Triton Newton-Schulz kernels, and a sharded Adam.
 import argparse
 import copy
 import dataclasses
+import gc
 import glob
 import json
 import math
@@ -1762,16 +1763,19 @@ def _orthogonalize_chunk(updates: Tensor, owned: list[nn.Parameter]) -> Tensor:
     with a Python list copies the list to the GPU and waits for all queued work (bench/sync_check.py found 10
     such waits per step), after which the host's own work shows as GPU idle time: 610.97 -> 601.77 ms per step
     on one H200 without them (paired A/B round, bench/NOTES.md session 6)."""
-    result = torch.zeros_like(updates, dtype=torch.bfloat16 if updates.device.type == "cuda" else torch.float32)
+    dtype = torch.bfloat16 if updates.device.type == "cuda" else torch.float32
     num_attn = sum(p.module_tag == "attn" for p in owned)
     assert all(p.module_tag == "attn" for p in owned[:num_attn]), "attn entries lead their group (muon_groups)"
+    parts = []
     if num_attn:
         rows = updates.size(1)
         stacked = updates[:num_attn].reshape(num_attn * 4, rows, -1)
-        result[:num_attn] = orthogonalize(stacked).reshape(num_attn, *updates.shape[1:]).to(result.dtype)
+        parts.append(orthogonalize(stacked).reshape(num_attn, *updates.shape[1:]).to(dtype))
     if len(owned) > num_attn:
-        result[num_attn : len(owned)] = orthogonalize(updates[num_attn : len(owned)]).to(result.dtype)
-    return result
+        parts.append(orthogonalize(updates[num_attn : len(owned)]).to(dtype))
+    if len(owned) < len(updates):
+        parts.append(updates.new_zeros(len(updates) - len(owned), *updates.shape[1:], dtype=dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # one kind and no padding (most chunks): no copy
 
 
 class Muon(torch.optim.Optimizer):
@@ -1794,8 +1798,12 @@ class Muon(torch.optim.Optimizer):
         for group, layout in zip(self.param_groups, self.layout):
             grads = [p.grad for p in layout.params]
             grads += [torch.zeros_like(grads[0])] * (layout.padded - len(grads))
+            stacked = torch.stack(grads)
+            if self.world_size == 1:  # the stack is its own average: no copy
+                self._reductions.append((group, layout, stacked, _Finished()))
+                continue
             local = grads[0].new_empty(layout.chunk, *grads[0].shape)
-            self._reductions.append((group, layout, local, reduce_scatter_avg(local, torch.stack(grads), self.world_size)))
+            self._reductions.append((group, layout, local, reduce_scatter_avg(local, stacked, self.world_size)))
 
     @torch.no_grad()
     def step(self) -> None:
@@ -1817,18 +1825,21 @@ class Muon(torch.optim.Optimizer):
             rows, cols = first.shape[-2:]
             eff_lr = group["lr"] * max(1.0, rows / cols) ** 0.5 * first.lr_mul
             eff_wd = group["lr"] * group["weight_decay"] * first.wd_mul
-            slots = torch.zeros(layout.chunk, *first.shape, dtype=first.dtype, device=first.device)  # padding stays 0
+            if len(owned) == layout.chunk:  # a full chunk (always at one rank): the stack itself, no zero fill and copy
+                slots = torch.stack(owned)
+            else:
+                slots = torch.zeros(layout.chunk, *first.shape, dtype=first.dtype, device=first.device)  # padding stays 0
+                if owned:
+                    slots[: len(owned)] = torch.stack(owned)
             if owned:
-                slots[: len(owned)] = torch.stack(owned)
                 if eff_wd:
                     slots.mul_(1 - eff_wd)
                 slots.add_(_orthogonalize_chunk(update, owned), alpha=-eff_lr)
-            gathered = slots.new_empty(layout.padded, *first.shape)
+            gathered = slots if self.world_size == 1 else slots.new_empty(layout.padded, *first.shape)
             gathers.append((layout, gathered, all_gather_into(gathered, slots, self.world_size)))
         for layout, gathered, work in gathers:
             work.wait()
-            for param, value in zip(layout.params, gathered):
-                param.copy_(value)
+            torch._foreach_copy_(layout.params, list(gathered[: len(layout.params)]))  # one launch per group
 
 
 # ---- DistAdam ----
@@ -2644,6 +2655,11 @@ def run(argv: list[str]) -> float:
     warmup_kernels(model, raw_model, adam, muon, hp, make_train_loader)
     synchronize(rt.device)
     print0(f"warmup_time: {time.perf_counter() - warmup_start:.1f}s", console=True)
+    # Compiling leaves hundreds of thousands of Python objects that live to the end (750,000 for a small model on
+    # CPU, whose full collection then took 250-600 ms there). Frozen, the collector never walks them again, so no
+    # collection in the timed loop can hold the host up while the GPU runs out of queued work.
+    gc.collect()
+    gc.freeze()
 
     loader = make_train_loader()
     progress = load_resumable(resume, rt, raw_model, adam, muon, loader) if resume is not None else Progress()

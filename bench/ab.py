@@ -24,6 +24,10 @@ comparison in one invocation is a comparison):
     host (gaps after which the next launch came only after the GPU had gone idle).
   * --time-limit S: on a machine lent for S seconds a call, a round (or the profile) that the last round's
     duration says would not fit is left out, and the rounds run so far are reported rather than lost.
+  * --deadline S: a worker still busy S seconds after the start (hung, or far slower than planned) is
+    stopped after writing every thread's Python stack, which is printed; the rounds so far are reported and
+    the exit status is 3 (a worker once hung before its first step until the call was killed, and the call's
+    output went with it: bench/NOTES.md session 9). On a lent machine: a little below the call's limit.
 
 A version whose script lacks train_gpt.py's run()/train() structure (e.g. an older record's own script)
 is timed whole-run: each round is a fresh process with the compile caches of its first (untimed) run,
@@ -37,12 +41,14 @@ import argparse
 import ast
 import copy
 import dataclasses
+import faulthandler
 import inspect
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,10 +65,16 @@ TRAIN_TIME = re.compile(r"train_time:(\d+)ms")
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.naife]+)")
 PEAK_LINE = re.compile(r"peak memory allocated: (\d+) MiB")
 POLL_S = 0.02
+STACK_DUMP_WAIT_S = 3.0
+HUNG_EXIT_STATUS = 3
 
 
 class ABError(Exception):
     """A bad version, option or failed worker: printed as one line."""
+
+
+class WorkerTimeout(ABError):
+    """A worker gave no expected signal by the invocation's --deadline: it hangs or is far too slow."""
 
 
 # =============================================================================================
@@ -193,22 +205,51 @@ class Control:
         temporary.write_text(json.dumps(payload or {}))
         os.replace(temporary, self.path(what))  # readers never see a half-written file
 
-    def wait_first(self, whats: tuple[str, ...], alive: Callable[[], bool] = lambda: True, timeout_s: float = 3600.0) -> str:
-        """Blocks until one of the signals exists and returns its name."""
-        deadline = time.monotonic() + timeout_s
+    def wait_first(
+        self, whats: tuple[str, ...], alive: Callable[[], bool] = lambda: True, timeout_s: float = 3600.0, deadline: float | None = None
+    ) -> str:
+        """Blocks until one of the signals exists and returns its name. deadline (time.monotonic()) is the
+        invocation's (--deadline): passing it raises WorkerTimeout."""
+        give_up = time.monotonic() + timeout_s
         while True:
             for what in whats:
                 if self.path(what).exists():
                     return what
             if not alive():
                 raise ABError(f"{self.label}: the worker exited before '{whats[0]}'; see {self.path('out')}")
-            if time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerTimeout(f"{self.label}: no '{whats[0]}' by the deadline; see {self.path('out')}")
+            if time.monotonic() > give_up:
                 raise ABError(f"{self.label}: no '{whats[0]}' within {timeout_s:.0f} s; see {self.path('out')}")
             time.sleep(POLL_S)
 
-    def wait(self, what: str, alive: Callable[[], bool] = lambda: True, timeout_s: float = 3600.0) -> dict:
-        self.wait_first((what,), alive, timeout_s)
+    def wait(self, what: str, alive: Callable[[], bool] = lambda: True, deadline: float | None = None) -> dict:
+        self.wait_first((what,), alive, deadline=deadline)
         return json.loads(self.path(what).read_text())
+
+    def worker_pids(self) -> list[int]:
+        """The process ids the worker ranks wrote at their start (see install_stack_dump)."""
+        return [json.loads(p.read_text())["pid"] for p in sorted(self.folder.glob(f"{self.label}.pid*")) if not p.name.endswith(".tmp")]
+
+
+def install_stack_dump(control: Control, rank: int) -> None:
+    """SIGUSR1 makes this process write every thread's Python stack to stderr (its .out file): the coordinator
+    sends it to a worker that hangs, so that the report says where (faulthandler works while the main thread is
+    stuck in C code, e.g. a CUDA wait). The pid file tells the coordinator whom to signal."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    control.signal(f"pid{rank}", dict(pid=os.getpid()))
+
+
+def dump_stacks(control: Control) -> list[int]:
+    """Asks each of the worker's ranks for its stacks; returns the pids signalled (exited ranks are skipped)."""
+    signalled = []
+    for pid in control.worker_pids():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            continue
+        signalled.append(pid)
+    return signalled
 
 
 # =============================================================================================
@@ -245,7 +286,7 @@ def kind_of(kernel: str) -> str:
     return "other"
 
 
-def _kernel_table(prof: Any, steps: int, top: int = 25) -> list[dict]:
+def _kernel_table(prof: Any, steps: int, top: int = 40) -> list[dict]:
     import torch
 
     events = [
@@ -335,6 +376,7 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
     module = _load_module(args.script)
     control = Control(args.control, args.label)
     rank = int(os.environ.get("RANK", "0"))
+    install_stack_dump(control, rank)
     original_train, original_print0, original_evaluate = module.train, module.print0, module.evaluate
     timer = RoundTimer(args.skip)
 
@@ -423,6 +465,9 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
             except _EndRound:
                 pass
             if rank == 0:
+                if args.trace is not None:  # the timeline itself, for chrome://tracing or Perfetto
+                    args.trace.mkdir(parents=True, exist_ok=True)
+                    timer.profile.export_chrome_trace(str(args.trace / f"{args.label}.trace.json.gz"))
                 control.signal("profile", dict(kernels=_kernel_table(timer.profile, args.profile_steps) if torch.cuda.is_available() else []))
         return final
 
@@ -433,11 +478,11 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
 # =============================================================================================
 # Coordinator
 # =============================================================================================
-def start_versions(versions: list, launch: Callable[[Any], Any], start: str) -> list:
-    """Launches every version's worker and waits until each is ready (compiled and warmed up). "together" launches
-    all at once (the compiles overlap); "in-turn" launches the next only when the previous is ready, so that
-    compile-time autotuning (e.g. inductor's max_autotune) benchmarks on a GPU no other version is using."""
-    runners = []
+def start_versions(versions: list, launch: Callable[[Any], Any], start: str, runners: list) -> list:
+    """Launches every version's worker into runners (the caller's list, so that a worker that hangs while starting
+    can still be stopped) and waits until each is ready (compiled and warmed up). "together" launches all at once
+    (the compiles overlap); "in-turn" launches the next only when the previous is ready, so that compile-time
+    autotuning (e.g. inductor's max_autotune) benchmarks on a GPU no other version is using."""
     for version in versions:
         runners.append(launch(version))
         if start == "in-turn":
@@ -457,14 +502,14 @@ class RoundResult:
 
 
 class ResidentVersion:
-    def __init__(self, version: Version, args: argparse.Namespace, overrides: list[str], folder: Path):
-        self.version, self.control = version, Control(folder, version.label)
+    def __init__(self, version: Version, args: argparse.Namespace, overrides: list[str], folder: Path, deadline: float | None = None):
+        self.version, self.control, self.deadline = version, Control(folder, version.label), deadline
         self.output = open(self.control.path("out"), "w")
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
             str(Path(__file__).resolve()), "--worker", "--script", str(version.script), "--control", str(folder),
             "--label", version.label, "--skip", str(args.skip), "--profile-steps", str(args.profile_steps),
-            "--seeds", ",".join(map(str, args.seeds)), "--", *overrides, f"--log_dir={folder / version.label / 'logs'}",
+            "--seeds", ",".join(map(str, args.seeds)), *(["--trace", str(args.trace.resolve())] if args.trace else []), "--", *overrides, f"--log_dir={folder / version.label / 'logs'}",
         ]
         self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.output, stderr=subprocess.STDOUT)
 
@@ -472,16 +517,30 @@ class ResidentVersion:
         return self.process.poll() is None
 
     def wait_ready(self) -> None:
-        self.control.wait("ready", self.alive)
+        self.control.wait("ready", self.alive, self.deadline)
 
     def run_round(self, index: int) -> RoundResult:
         self.control.signal(f"go{index}")
-        r = self.control.wait(f"result{index}", self.alive)
+        r = self.control.wait(f"result{index}", self.alive, self.deadline)
         return RoundResult(r["seed"], r["ms_per_step"], r["val_loss"], r["peak_allocated_mib"])
 
     def profile(self) -> list[dict]:
         self.control.signal("go_profile")
-        return self.control.wait("profile", self.alive)["kernels"]
+        return self.control.wait("profile", self.alive, self.deadline)["kernels"]
+
+    def dump_stacks(self) -> Path | None:
+        """Has every live rank write its threads' stacks into the .out file, which it returns (None: no rank left)."""
+        return self.control.path("out") if dump_stacks(self.control) else None
+
+    def kill(self) -> None:
+        """Ends torchrun and its ranks (SIGTERM, which torchrun passes on; SIGKILL if still there after 10 s)."""
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.output.close()
 
     def stop(self) -> None:
         """No more rounds and no profile: the worker returns from its training loop and exits."""
@@ -497,8 +556,8 @@ class ResidentVersion:
 class WholeRunVersion:
     """Each round a fresh run of the script (compile caches kept from its untimed first run)."""
 
-    def __init__(self, version: Version, args: argparse.Namespace, overrides: list[str], folder: Path):
-        self.version, self.args, self.overrides, self.folder = version, args, overrides, folder
+    def __init__(self, version: Version, args: argparse.Namespace, overrides: list[str], folder: Path, deadline: float | None = None):
+        self.version, self.args, self.overrides, self.folder, self.deadline = version, args, overrides, folder, deadline
         self.env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor_cache"), TRITON_CACHE_DIR=str(folder / "triton_cache"))
         self.runs = 0
 
@@ -506,8 +565,12 @@ class WholeRunVersion:
         self.runs += 1
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.args.nproc}", str(self.version.script), *self.overrides]
         out = self.folder / f"{self.version.label}.run{self.runs}.out"
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         with open(out, "w") as handle:
-            code = subprocess.run(cmd, cwd=self.version.script.parent, stdout=handle, stderr=subprocess.STDOUT, env=self.env).returncode
+            try:
+                code = subprocess.run(cmd, cwd=self.version.script.parent, stdout=handle, stderr=subprocess.STDOUT, env=self.env, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:  # subprocess.run has killed the run
+                raise WorkerTimeout(f"{self.version.label}: run {self.runs} had not finished by the deadline; see {out}") from None
         if code != 0:
             raise ABError(f"{self.version.label}: run exited with status {code}; see {out}")
         return out.read_text()
@@ -533,6 +596,12 @@ class WholeRunVersion:
         pass
 
     def finish(self) -> None:
+        pass
+
+    def dump_stacks(self) -> Path | None:
+        return None  # a whole run is not ours to instrument; subprocess.run killed it at the deadline
+
+    def kill(self) -> None:
         pass
 
 
@@ -640,8 +709,14 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="seconds for the whole invocation (default 0: none); a round or the profile that would not fit, estimated "
         "from the last round, is left out and the rounds run so far are reported (for machines lent by the call)",
     )
+    parser.add_argument(
+        "--deadline", type=float, default=0.0,
+        help="seconds after which a worker still busy is stopped, its Python stacks printed, the rounds so far reported "
+        "(exit status 3; default 0: none); give the call's limit less the report's few seconds",
+    )
     parser.add_argument("--skip", type=int, default=10, help="steps before the timed segment (default 10)")
     parser.add_argument("--profile-steps", type=int, default=0, help="after the rounds, profile this many steps of each version")
+    parser.add_argument("--trace", type=Path, help="with --profile-steps: write each version's profiled timeline there (<label>.trace.json.gz)")
     parser.add_argument("--out", type=Path, help="working folder (default bench/out/ab/<time>)")
     parser.add_argument("--json", type=Path, help="results file (default <out>/ab.json)")
     parser.add_argument("--dry-run", action="store_true", help="resolve, extract and check both versions, print the plan, run nothing")
@@ -656,8 +731,10 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if not args.worker and not args.check_script:
         if args.nproc < 1 or 8 % args.nproc:
             parser.error(f"--nproc={args.nproc}: use 1, 2, 4 or 8 (the record batch is split over a divisor of 8)")
-        if args.rounds < 1 or args.skip < 1 or args.profile_steps < 0 or not args.time_limit >= 0:
-            parser.error("--rounds and --skip must be >= 1, --profile-steps and --time-limit >= 0")
+        if args.rounds < 1 or args.skip < 1 or args.profile_steps < 0 or not args.time_limit >= 0 or not args.deadline >= 0:
+            parser.error("--rounds and --skip must be >= 1, --profile-steps, --time-limit and --deadline >= 0")
+        if args.trace is not None and not args.profile_steps:
+            parser.error("--trace writes the profiled steps' timeline: give --profile-steps N too")
         args.seeds = list(range(1, args.rounds + 1))
     return args, overrides
 
@@ -679,52 +756,82 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     order = [f"round {i + 1} (seed {seed}): {', '.join(round_order(i, args.order))}" for i, seed in enumerate(args.seeds)]
     started = "started together" if args.start == "together" else "started in turn"
     limit = f" time limit {args.time_limit:.0f} s;" if args.time_limit else ""
+    limit += f" deadline {args.deadline:.0f} s;" if args.deadline else ""
     print(f"plan: {args.nproc} process(es) per version, {started};{limit} timed steps {args.skip}..end of each run; " + "; ".join(order))
     if args.dry_run:
         return 0
-    runners = start_versions(versions, lambda v: (ResidentVersion if v.mode == "resident" else WholeRunVersion)(v, args, overrides, folder), args.start)
+    # a worker still busy at the deadline (hung, or far slower than planned) is stopped, its stacks are printed
+    # and what was measured is reported: a call's own limit never takes the results along
+    deadline = started_at + args.deadline if args.deadline else None
+    launch = lambda v: (ResidentVersion if v.mode == "resident" else WholeRunVersion)(v, args, overrides, folder, deadline)
     results: dict[str, list[RoundResult]] = {v.label: [] for v in versions}
-    by_label = {runner.version.label: runner for runner in runners}
-    round_s, left_out = None, []
-    for index in range(args.rounds):
-        if not fits(time.monotonic() - started_at, round_s, args.time_limit):
-            left_out.append(f"rounds {index + 1}-{args.rounds} (about {round_s:.0f} s each)")
-            break
-        round_started = time.monotonic()
-        for label in round_order(index, args.order):
-            runner = by_label[label]
-            result = runner.run_round(index)
-            results[runner.version.label].append(result)
-            print(f"round {index + 1} {runner.version.label}: {result.ms_per_step:.2f} ms/step, val {result.val_loss:.4f}", flush=True)
-        round_s = time.monotonic() - round_started
-    profiles = {}
-    if args.profile_steps:
-        # a profiled run stops after skip + profile steps of the round's train_steps
-        profile_s = round_s * min(1.0, (args.skip + args.profile_steps) / (steps["baseline"] or args.skip + args.profile_steps))
-        if left_out or not fits(time.monotonic() - started_at, profile_s, args.time_limit):
-            left_out.append(f"the profile (about {profile_s:.0f} s)")
-        else:
-            profiles = {r.version.label: r.profile() for r in runners}
-    if left_out:
+    runners: list = []
+    round_s, left_out, profiles, hung = None, [], {}, None
+    try:
+        start_versions(versions, launch, args.start, runners)
+        by_label = {runner.version.label: runner for runner in runners}
+        for index in range(args.rounds):
+            if not fits(time.monotonic() - started_at, round_s, args.time_limit):
+                left_out.append(f"rounds {index + 1}-{args.rounds} (about {round_s:.0f} s each)")
+                break
+            round_started = time.monotonic()
+            for label in round_order(index, args.order):
+                runner = by_label[label]
+                result = runner.run_round(index)
+                results[runner.version.label].append(result)
+                print(f"round {index + 1} {runner.version.label}: {result.ms_per_step:.2f} ms/step, val {result.val_loss:.4f}", flush=True)
+            round_s = time.monotonic() - round_started
+        if args.profile_steps:
+            # a profiled run stops after skip + profile steps of the round's train_steps
+            profile_s = round_s * min(1.0, (args.skip + args.profile_steps) / (steps["baseline"] or args.skip + args.profile_steps))
+            if left_out or not fits(time.monotonic() - started_at, profile_s, args.time_limit):
+                left_out.append(f"the profile (about {profile_s:.0f} s)")
+            else:
+                profiles = {r.version.label: r.profile() for r in runners}
+    except WorkerTimeout as timeout:
+        hung = str(timeout)
+        left_out.append("everything after that")
+        stop_hung_workers(runners, hung, args.deadline)
+    if left_out and hung is None:
         print(f"time limit {args.time_limit:.0f} s: left out {' and '.join(left_out)}", flush=True)
-    for runner in runners:
-        if left_out:
-            runner.stop()
-        runner.finish()
-    summary = summarize(results["baseline"], results["candidate"])
-    if args.order == "abba":
+    if hung is None:
+        for runner in runners:
+            if left_out:
+                runner.stop()
+            runner.finish()
+    complete = min(len(results["baseline"]), len(results["candidate"]))  # rounds with both versions timed
+    summary = summarize(results["baseline"][:complete], results["candidate"][:complete]) if complete else {}
+    if summary and args.order == "abba":
         summary["second_slot_effect"] = second_slot_effect(summary["ratios"])
-    print_report(versions, results["baseline"], results["candidate"], summary, profiles)
+    if summary:
+        print_report(versions, results["baseline"], results["candidate"], summary, profiles)
+    else:
+        print("no round was completed by both versions: nothing to compare")
     report = dict(
         command=sys.argv, overrides=overrides, nproc=args.nproc, skip=args.skip, device=_device_name(),
         versions=[asdict(v) | dict(script=str(v.script)) for v in versions],
         rounds={label: [asdict(r) for r in rs] for label, rs in results.items()}, summary=summary, profiles=profiles,
-        rounds_planned=args.rounds, time_limit_s=args.time_limit, left_out=left_out,
+        rounds_planned=args.rounds, time_limit_s=args.time_limit, left_out=left_out, hung=hung,
     )
     json_path = args.json or folder / "ab.json"
     json_path.write_text(json.dumps(report, indent=2))
     print(f"json: {json_path}")
-    return 0
+    return HUNG_EXIT_STATUS if hung else 0
+
+
+def stop_hung_workers(runners: list, reason: str, deadline_s: float, stack_lines: int = 60) -> None:
+    """At the deadline: each resident worker's stacks (SIGUSR1, see install_stack_dump), their end printed, then
+    every worker killed."""
+    print(f"bench/ab.py: deadline {deadline_s:.0f} s reached: {reason}; stopping the workers", file=sys.stderr, flush=True)
+    dumped = [(runner.version.label, out) for runner in runners if (out := runner.dump_stacks()) is not None]
+    if dumped:
+        time.sleep(STACK_DUMP_WAIT_S)  # faulthandler writes from a signal handler: give it a moment
+    for label, out in dumped:
+        tail = out.read_text(errors="replace").splitlines()[-stack_lines:]
+        print(f"--- {label}: the last {len(tail)} lines of {out} (its stacks at the time limit) ---", file=sys.stderr)
+        print("\n".join(tail), file=sys.stderr, flush=True)
+    for runner in runners:
+        runner.kill()
 
 
 def _device_name() -> str:

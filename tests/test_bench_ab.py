@@ -74,6 +74,7 @@ def test_a_script_without_run_and_train_is_timed_whole_run(tmp_path):
         (["--nproc", "3"], "--nproc=3: use 1, 2, 4 or 8"),
         (["--skip", "6"], "--skip=6 leaves no timed steps in a 6-step run"),
         (["--", "--no_such_flag=1"], "does not accept the overrides"),
+        (["--trace", "traces"], "give --profile-steps N too"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message):
@@ -154,7 +155,8 @@ def test_versions_start_together_or_in_turn(ab, start, events):
         def wait_ready(self):
             log.append(f"ready {self.label}")
 
-    runners = ab.start_versions(["baseline", "candidate"], FakeRunner, start)
+    runners = []
+    assert ab.start_versions(["baseline", "candidate"], FakeRunner, start, runners) is runners
     assert log == events and [r.label for r in runners] == ["baseline", "candidate"]
 
 
@@ -196,3 +198,64 @@ def test_an_out_folder_with_an_earlier_invocations_files_is_refused(tmp_path):
     assert "holds an earlier invocation's files (baseline.result0)" in result.stderr and "new or empty folder" in result.stderr
     assert "Traceback" not in result.stderr
     assert (tmp_path / "baseline.result0").read_text() == '{"ms_per_step": 1.0}' and not (tmp_path / "baseline").exists()
+
+
+def test_a_wait_past_the_deadline_names_the_worker_and_its_signal(ab, tmp_path):
+    control = ab.Control(tmp_path, "candidate")
+    with pytest.raises(ab.WorkerTimeout, match=r"candidate: no 'result0' by the deadline; see .*candidate\.out"):
+        control.wait("result0", deadline=0.0)  # time.monotonic() is past 0 at once
+    (tmp_path / "candidate.result0").write_text('{"ms_per_step": 2.0}')
+    assert control.wait("result0", deadline=0.0) == {"ms_per_step": 2.0}  # a signal already there is read
+
+
+def test_a_signalled_worker_writes_its_stacks(ab, tmp_path):
+    """The worker side (install_stack_dump) in a child process stuck in a sleep, the coordinator side (dump_stacks)
+    here: the child's stderr gets the stuck function's frame."""
+    child = f"""
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("bench_ab", {str(ROOT / "bench" / "ab.py")!r})
+ab = importlib.util.module_from_spec(spec); sys.modules["bench_ab"] = ab; spec.loader.exec_module(ab)
+ab.install_stack_dump(ab.Control(__import__("pathlib").Path({str(tmp_path)!r}), "candidate"), 0)
+def stuck_here():
+    time.sleep(60)
+stuck_here()
+"""
+    with open(tmp_path / "candidate.out", "w") as out:
+        process = subprocess.Popen([sys.executable, "-c", child], stderr=out)
+        try:
+            control = ab.Control(tmp_path, "candidate")
+            control.wait_first(("pid0",), alive=lambda: process.poll() is None, timeout_s=60)
+            assert ab.dump_stacks(control) == [process.pid]
+            for _ in range(100):
+                text = (tmp_path / "candidate.out").read_text()
+                if "stuck_here" in text:
+                    break
+                __import__("time").sleep(0.1)
+            assert "in stuck_here" in text and "Current thread" in text, text
+        finally:
+            process.kill()
+            process.wait()
+    assert ab.dump_stacks(control) == []  # an exited worker is skipped, not an error
+
+
+@pytest.mark.slow
+def test_a_worker_that_hangs_is_stopped_at_the_deadline_with_its_stacks(tmp_path):
+    """The candidate hangs before it is ready (a sleep at the top of its run()): at --deadline both workers print
+    their stacks, are killed, the report says no round was completed, the JSON names the hang, exit status 3."""
+    source = (ROOT / "train_gpt.py").read_text()
+    marker = "def run(argv: list[str]) -> float:\n"
+    assert source.count(marker) == 1
+    hanging = tmp_path / "hanging_train_gpt.py"
+    hanging.write_text(source.replace(marker, marker + "    time.sleep(3600)  # this test's hang\n"))
+    out = tmp_path / "out"
+    result = run_ab(
+        "--baseline", "train_gpt.py", "--candidate", str(hanging), "--rounds", "1", "--skip", "2", "--deadline", "60",
+        "--out", str(out), "--", *TINY_RUN, timeout=300,
+    )
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "deadline 60 s reached: candidate: no 'ready' by the deadline" in result.stderr
+    assert "--- candidate: the last" in result.stderr and "this test's hang" not in result.stdout
+    assert ", line " in result.stderr and " in run" in result.stderr  # the candidate's frame in its run()
+    assert "no round was completed by both versions" in result.stdout
+    report = json.loads((out / "ab.json").read_text())
+    assert report["hung"].startswith("candidate: no 'ready'") and report["rounds"] == {"baseline": [], "candidate": []}
