@@ -2656,8 +2656,8 @@ def run(argv: list[str]) -> float:
     synchronize(rt.device)
     print0(f"warmup_time: {time.perf_counter() - warmup_start:.1f}s", console=True)
     # Compiling leaves hundreds of thousands of Python objects that live to the end (750,000 for a small model on
-    # CPU, whose full collection then took 250-600 ms there). Frozen, the collector never walks them again, so no
-    # collection in the timed loop can hold the host up while the GPU runs out of queued work.
+    # CPU, whose full collection then took 250-600 ms there). Frozen, the collections in the timed loop no longer
+    # walk them, so none of them holds the host up for long while the GPU runs out of queued work.
     gc.collect()
     gc.freeze()
 

@@ -228,8 +228,22 @@ class Control:
         return json.loads(self.path(what).read_text())
 
     def worker_pids(self) -> list[int]:
-        """The process ids the worker ranks wrote at their start (see install_stack_dump)."""
-        return [json.loads(p.read_text())["pid"] for p in sorted(self.folder.glob(f"{self.label}.pid*")) if not p.name.endswith(".tmp")]
+        """The process ids the worker ranks wrote at their start (see install_stack_dump) that still run this
+        worker (a pid of an exited rank may have been given to another process since)."""
+        pids = [json.loads(p.read_text())["pid"] for p in sorted(self.folder.glob(f"{self.label}.pid*")) if not p.name.endswith(".tmp")]
+        return [pid for pid in pids if _runs_worker(pid, self.label)]
+
+
+def _runs_worker(pid: int, label: str) -> bool:
+    """Whether process pid is this invocation's worker for label (its command line, on Linux; elsewhere trusted)."""
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if not Path("/proc/self/cmdline").exists():
+        return True
+    try:
+        words = cmdline.read_bytes().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):  # exited meanwhile, or not ours to read
+        return False
+    return b"--worker" in words and label.encode() in words
 
 
 def install_stack_dump(control: Control, rank: int) -> None:
@@ -242,14 +256,19 @@ def install_stack_dump(control: Control, rank: int) -> None:
 
 def dump_stacks(control: Control) -> list[int]:
     """Asks each of the worker's ranks for its stacks; returns the pids signalled (exited ranks are skipped)."""
-    signalled = []
-    for pid in control.worker_pids():
+    return _signal_all(control.worker_pids(), signal.SIGUSR1)
+
+
+def _signal_all(pids: list[int], signum: int) -> list[int]:
+    """Sends signum to each pid; returns those reached (an exited one, or one not ours, is skipped)."""
+    reached = []
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:
+            os.kill(pid, signum)
+        except (ProcessLookupError, PermissionError):
             continue
-        signalled.append(pid)
-    return signalled
+        reached.append(pid)
+    return reached
 
 
 # =============================================================================================
@@ -370,13 +389,14 @@ def _idle_gaps(prof: Any, steps: int, largest: int = 6) -> list[dict]:
 
 
 def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
+    control = Control(args.control, args.label)
+    rank = int(os.environ.get("RANK", "0"))
+    install_stack_dump(control, rank)  # first: a hang in the imports below gets its stacks too
+
     import torch
     import torch.distributed as dist
 
     module = _load_module(args.script)
-    control = Control(args.control, args.label)
-    rank = int(os.environ.get("RANK", "0"))
-    install_stack_dump(control, rank)
     original_train, original_print0, original_evaluate = module.train, module.print0, module.evaluate
     timer = RoundTimer(args.skip)
 
@@ -427,7 +447,7 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
         start_states = {n: copy.deepcopy(v.state_dict()) for n, v in stateful.items()}
         records = {n: v for n, v in bound.arguments.items() if dataclasses.is_dataclass(v) and not isinstance(v, type)}
         if rank == 0:
-            control.signal("ready", dict(pid=os.getpid()))
+            control.signal("ready", dict(pid=os.getpid(), device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"))
 
         def start_round(seed: int) -> None:
             reinitialise(raw_model, seed)
@@ -504,6 +524,7 @@ class RoundResult:
 class ResidentVersion:
     def __init__(self, version: Version, args: argparse.Namespace, overrides: list[str], folder: Path, deadline: float | None = None):
         self.version, self.control, self.deadline = version, Control(folder, version.label), deadline
+        self.device: str | None = None  # the GPU's name, as the worker reports it when ready
         self.output = open(self.control.path("out"), "w")
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
@@ -517,7 +538,7 @@ class ResidentVersion:
         return self.process.poll() is None
 
     def wait_ready(self) -> None:
-        self.control.wait("ready", self.alive, self.deadline)
+        self.device = self.control.wait("ready", self.alive, self.deadline).get("device")
 
     def run_round(self, index: int) -> RoundResult:
         self.control.signal(f"go{index}")
@@ -533,10 +554,15 @@ class ResidentVersion:
         return self.control.path("out") if dump_stacks(self.control) else None
 
     def kill(self) -> None:
-        """Ends torchrun and its ranks (SIGTERM, which torchrun passes on; SIGKILL if still there after 10 s)."""
+        """Starts ending the worker: SIGKILL to each rank (a hung rank may be deaf to SIGTERM: stuck in C code, or
+        in train_gpt's training loop, which defers it; torchrun starts each in its own session, so its own
+        escalation would come only after 30 s), then SIGTERM to torchrun. reap() waits for it."""
+        _signal_all(self.control.worker_pids(), signal.SIGKILL)
         self.process.terminate()
+
+    def reap(self, timeout_s: float = 10.0) -> None:
         try:
-            self.process.wait(timeout=10)
+            self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
@@ -567,9 +593,17 @@ class WholeRunVersion:
         out = self.folder / f"{self.version.label}.run{self.runs}.out"
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         with open(out, "w") as handle:
+            process = subprocess.Popen(cmd, cwd=self.version.script.parent, stdout=handle, stderr=subprocess.STDOUT, env=self.env)
             try:
-                code = subprocess.run(cmd, cwd=self.version.script.parent, stdout=handle, stderr=subprocess.STDOUT, env=self.env, timeout=timeout).returncode
-            except subprocess.TimeoutExpired:  # subprocess.run has killed the run
+                code = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # SIGTERM, which torchrun passes on to its ranks (a SIGKILL would orphan them), then its own 30 s
+                process.terminate()
+                try:
+                    process.wait(timeout=40)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
                 raise WorkerTimeout(f"{self.version.label}: run {self.runs} had not finished by the deadline; see {out}") from None
         if code != 0:
             raise ABError(f"{self.version.label}: run exited with status {code}; see {out}")
@@ -599,9 +633,12 @@ class WholeRunVersion:
         pass
 
     def dump_stacks(self) -> Path | None:
-        return None  # a whole run is not ours to instrument; subprocess.run killed it at the deadline
+        return None  # a whole run is not ours to instrument; _run ended it at the deadline
 
     def kill(self) -> None:
+        pass
+
+    def reap(self, timeout_s: float = 10.0) -> None:
         pass
 
 
@@ -787,11 +824,15 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
             if left_out or not fits(time.monotonic() - started_at, profile_s, args.time_limit):
                 left_out.append(f"the profile (about {profile_s:.0f} s)")
             else:
-                profiles = {r.version.label: r.profile() for r in runners}
+                for runner in runners:  # filled one by one: a profile taken before a hang is kept
+                    profiles[runner.version.label] = runner.profile()
     except WorkerTimeout as timeout:
         hung = str(timeout)
         left_out.append("everything after that")
         stop_hung_workers(runners, hung, args.deadline)
+    except ABError:
+        stop_workers(runners)  # a worker failed: the other must not stay resident on the GPUs
+        raise
     if left_out and hung is None:
         print(f"time limit {args.time_limit:.0f} s: left out {' and '.join(left_out)}", flush=True)
     if hung is None:
@@ -808,7 +849,8 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         print("no round was completed by both versions: nothing to compare")
     report = dict(
-        command=sys.argv, overrides=overrides, nproc=args.nproc, skip=args.skip, device=_device_name(),
+        command=sys.argv, overrides=overrides, nproc=args.nproc, skip=args.skip,
+        device=next((r.device for r in runners if getattr(r, "device", None)), None) or _device_name(),
         versions=[asdict(v) | dict(script=str(v.script)) for v in versions],
         rounds={label: [asdict(r) for r in rs] for label, rs in results.items()}, summary=summary, profiles=profiles,
         rounds_planned=args.rounds, time_limit_s=args.time_limit, left_out=left_out, hung=hung,
@@ -828,10 +870,17 @@ def stop_hung_workers(runners: list, reason: str, deadline_s: float, stack_lines
         time.sleep(STACK_DUMP_WAIT_S)  # faulthandler writes from a signal handler: give it a moment
     for label, out in dumped:
         tail = out.read_text(errors="replace").splitlines()[-stack_lines:]
-        print(f"--- {label}: the last {len(tail)} lines of {out} (its stacks at the time limit) ---", file=sys.stderr)
+        print(f"--- {label}: the last {len(tail)} lines of {out} (its stacks at the deadline) ---", file=sys.stderr)
         print("\n".join(tail), file=sys.stderr, flush=True)
+    stop_workers(runners)
+
+
+def stop_workers(runners: list) -> None:
+    """Kills every worker, all at once and then waits for them (the time after a deadline is short)."""
     for runner in runners:
         runner.kill()
+    for runner in runners:
+        runner.reap()
 
 
 def _device_name() -> str:
