@@ -1,5 +1,6 @@
 """bench/ab.py, the paired A/B timing runner: its plan and version handling on CPU, and one real (tiny) run."""
 
+import gzip
 import json
 import os
 import re
@@ -89,13 +90,18 @@ def test_bad_input_is_one_line(tmp_path, args, message):
 
 @pytest.mark.slow
 def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
-    """Two resident workers (one gloo process each), two rounds. The same script on both sides: the val losses
-    of a round are equal bitwise (same seed, same code) and differ between rounds (seeds 1 and 2)."""
+    """Two resident workers (one gloo process each), two rounds, then one profiled step each written as a trace.
+    The same script on both sides: the val losses of a round are equal bitwise (same seed, same code) and differ
+    between rounds (seeds 1 and 2)."""
     result = run_ab(
-        "--baseline", "train_gpt.py", "--candidate", "train_gpt.py", "--rounds", "2", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN,
+        "--baseline", "train_gpt.py", "--candidate", "train_gpt.py", "--rounds", "2", "--skip", "2", "--profile-steps", "1",
+        "--trace", str(tmp_path / "trace"), "--out", str(tmp_path), "--", *TINY_RUN,
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for label in ("baseline", "candidate"):  # --trace: each version's profiled step as a Chrome trace
+        with gzip.open(tmp_path / "trace" / f"{label}.trace.json.gz", "rt") as trace:
+            assert any(event.get("name", "").startswith("aten::") for event in json.load(trace)["traceEvents"])
     report = json.loads((tmp_path / "ab.json").read_text())
     baseline, candidate = report["rounds"]["baseline"], report["rounds"]["candidate"]
     assert [r["seed"] for r in baseline] == [r["seed"] for r in candidate] == [1, 2]
