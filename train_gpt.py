@@ -1557,7 +1557,8 @@ class _Finished:
 def reduce_scatter_avg(out: Tensor, stacked: Tensor, world_size: int) -> Any:
     """Async: rank r receives the cross-rank average of stacked's r-th slice along dim 0."""
     if world_size == 1:
-        out.copy_(stacked)
+        if out.data_ptr() != stacked.data_ptr():
+            out.copy_(stacked)
         return _Finished()
     return dist.reduce_scatter_tensor(out, stacked, op=dist.ReduceOp.AVG, async_op=True)
 
@@ -1799,10 +1800,7 @@ class Muon(torch.optim.Optimizer):
             grads = [p.grad for p in layout.params]
             grads += [torch.zeros_like(grads[0])] * (layout.padded - len(grads))
             stacked = torch.stack(grads)
-            if self.world_size == 1:  # the stack is its own average: no copy
-                self._reductions.append((group, layout, stacked, _Finished()))
-                continue
-            local = grads[0].new_empty(layout.chunk, *grads[0].shape)
+            local = stacked if self.world_size == 1 else grads[0].new_empty(layout.chunk, *grads[0].shape)  # one rank: its own average
             self._reductions.append((group, layout, local, reduce_scatter_avg(local, stacked, self.world_size)))
 
     @torch.no_grad()

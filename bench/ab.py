@@ -236,12 +236,11 @@ class Control:
 
 def _runs_worker(pid: int, label: str) -> bool:
     """Whether process pid is this invocation's worker for label (its command line, on Linux; elsewhere trusted)."""
-    cmdline = Path(f"/proc/{pid}/cmdline")
     if not Path("/proc/self/cmdline").exists():
         return True
     try:
-        words = cmdline.read_bytes().split(b"\0")
-    except (FileNotFoundError, ProcessLookupError, PermissionError):  # exited meanwhile, or not ours to read
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (FileNotFoundError, PermissionError):  # exited meanwhile, or not ours to read
         return False
     return b"--worker" in words and label.encode() in words
 
@@ -833,9 +832,9 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     except ABError:
         stop_workers(runners)  # a worker failed: the other must not stay resident on the GPUs
         raise
-    if left_out and hung is None:
-        print(f"time limit {args.time_limit:.0f} s: left out {' and '.join(left_out)}", flush=True)
     if hung is None:
+        if left_out:
+            print(f"time limit {args.time_limit:.0f} s: left out {' and '.join(left_out)}", flush=True)
         for runner in runners:
             if left_out:
                 runner.stop()
