@@ -498,11 +498,48 @@ def bos_positions(tokens: np.ndarray, bos_token: int) -> np.ndarray:
     return np.flatnonzero(tokens == bos_token).astype(np.int64)
 
 
+class PinnedStaging:
+    """Page-locked host buffers for the batches' host-to-device copies: `slots` per (dtype, length), made at the
+    first copy of that kind (the warm-up's, for training batches) and then filled in turn. A buffer is refilled
+    only after the copy out of it, `slots` copies of its kind earlier, has run (its event); a host more than that
+    ahead waits there, with that many micro-batches still queued on the GPU. 16 slots: about 12 MiB for the record's
+    training batches and 48 MiB for its validation batches, per process. Why: with a fresh tensor.pin_memory() per
+    copy, 2-10 of a step's batch copies took 7-15 ms each on an H200 host, and a profile had the GPU idle for
+    11.9 ms between two copies of one batch (bench/host_pauses.py, bench/NOTES.md session 10). On a CPU device
+    the returned tensor is the buffer itself, valid until its turn comes again (tests only; _to_device does not
+    stage CPU batches)."""
+
+    def __init__(self, slots: int = 16, pin: bool = True, new_event: Callable[[], Any] | None = None):
+        self.slots, self.pin = slots, pin
+        self.new_event = new_event or torch.cuda.Event
+        self.rings: dict[tuple[torch.dtype, int], list[tuple[Tensor, Any]]] = {}
+        self.turns: dict[tuple[torch.dtype, int], int] = {}
+
+    def to_device(self, array: np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
+        key = (dtype, array.size)
+        if key not in self.rings:
+            self.rings[key] = [(torch.empty(array.size, dtype=dtype, pin_memory=self.pin), self.new_event()) for _ in range(self.slots)]
+            self.turns[key] = 0
+        turn = self.turns[key]
+        buffer, copied = self.rings[key][turn]
+        copied.synchronize()  # its last copy has left (an event never recorded counts as done)
+        buffer.copy_(torch.from_numpy(array))
+        on_device = buffer.to(device, non_blocking=True)
+        copied.record(torch.cuda.current_stream(device) if device.type == "cuda" else None)  # the copy's stream
+        self.turns[key] = (turn + 1) % self.slots
+        return on_device
+
+
+_pinned_staging: PinnedStaging | None = None  # made at the first CUDA batch: one per process, shared by every loader
+
+
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
-    tensor = torch.from_numpy(array).to(dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
+    global _pinned_staging
+    if device.type != "cuda":
+        return torch.from_numpy(array).to(dtype)
+    if _pinned_staging is None:
+        _pinned_staging = PinnedStaging()
+    return _pinned_staging.to_device(array, dtype, device)
 
 
 def max_docs_per_batch(num_tokens_local: int) -> int:
@@ -1031,6 +1068,48 @@ def softcap_ce_e5m2(
     return losses, grad, grad_t
 
 
+# ---- FP8 operand transpose ----
+# Replaces t.T.contiguous() on the head's e4m3 x (49,152 x 768) and w (50,304 x 768), which the backward's
+# _scaled_mm calls take column-major: ATen copies a transposed 1-byte tensor element by element, 243-256 µs per
+# call on an H200 (two calls per micro-step, 4.0 ms per step in session 9's trace, bench/NOTES.md session 10).
+# A tile is read row-major and written transposed, both in whole rows of bytes. It only moves bytes, so it is
+# the eager copy bit for bit (tests/test_train_gpt_triton.py under the interpreter, tests/test_train_gpt_cuda.py).
+# rows, columns, warps: 0.063 / 0.051 ms for x / w on an H200 against 0.256 / 0.267 for the eager copy; 64x256 with 8
+# warps 0.055 / 0.055, the other tiles of bench/bench_fp8_head.py 0.052-0.080 (one invocation, bench/NOTES.md session 10)
+FP8_TRANSPOSE_TILE = (64, 128, 4)
+
+if triton is not None:
+
+    @triton.jit
+    def _transpose_bytes_kernel(src_ptr, dst_ptr, rows, cols, col_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """dst (cols, rows) = src (rows, cols).T, both contiguous uint8; one BLOCK_R x BLOCK_C tile per program."""
+        block = tl.program_id(0)
+        r = (block // col_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = (block % col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+        inside = (r[:, None] < rows) & (c[None, :] < cols)
+        tile = tl.load(src_ptr + r[:, None].to(tl.int64) * cols + c[None, :], mask=inside)
+        tl.store(dst_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile), mask=tl.trans(inside))
+
+
+def transpose_fp8(t: Tensor, tile: tuple[int, int, int] = FP8_TRANSPOSE_TILE) -> Tensor:
+    """t.T.contiguous() of a contiguous 2-D tensor of 1-byte elements (the FP8 dtypes): the Triton kernel on CUDA
+    and under TRITON_INTERPRET, the eager copy elsewhere."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if triton is None or not (t.is_cuda or interpreted):
+        return t.T.contiguous()
+    if t.dim() != 2 or t.element_size() != 1 or not t.is_contiguous():
+        raise ValueError(f"transpose_fp8: needs a contiguous 2-D tensor of 1-byte elements, got {tuple(t.shape)} {t.dtype} (contiguous: {t.is_contiguous()})")
+    rows, cols = t.shape
+    out = t.new_empty((cols, rows))
+    block_r, block_c, warps = tile
+    col_blocks = triton.cdiv(cols, block_c)
+    if out.numel():
+        _transpose_bytes_kernel[(triton.cdiv(rows, block_r) * col_blocks,)](
+            t.view(torch.uint8), out.view(torch.uint8), rows, cols, col_blocks, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        )
+    return out
+
+
 @torch.library.custom_op("train_gpt::fp8_head_loss", mutates_args=())
 def fp8_head_loss(
     x: Tensor, w: Tensor, targets: Tensor, x_s: float, w_s: float, grad_s: float
@@ -1065,10 +1144,12 @@ def fp8_head_backward(
     """grad_x = g (w/w_s) in bf16, grad_w = g^T (x/x_s) in fp32, g = grad_loss * grad_s * (e5m2 gradient), no fast
     accumulation. grad_loss rides in _scaled_mm's scale (one fp32 multiply: exact for loss.backward()'s 1)."""
     grad_scale = grad_loss.float() * grad_s
-    column_major = lambda t: t.T.contiguous().T  # _scaled_mm wants its second operand column-major
+    column_major = lambda t: transpose_fp8(t).T  # _scaled_mm wants its second operand column-major
     grad_x = torch._scaled_mm(grad_f8, column_major(w_f8), scale_a=grad_scale, scale_b=_scale(w_s, x_f8), out_dtype=torch.bfloat16, use_fast_accum=False)
     # g^T (x/x_s) directly in the weight's (V, D) layout, so that the gradient comes out contiguous for the
-    # optimizer's reduce-scatter
+    # optimizer's reduce-scatter. In fp32, cast by autograd: out_dtype=bf16 gave the same bits on the bench's
+    # record-sized data, but cuBLAS picked a slower kernel for it (2.75 against 2.52 ms with the cast,
+    # bench/bench_fp8_head.py, bench/NOTES.md session 10)
     grad_w = torch._scaled_mm(grad_f8_t, column_major(x_f8), scale_a=grad_scale, scale_b=_scale(x_s, x_f8), out_dtype=torch.float32, use_fast_accum=False)
     return grad_x, grad_w
 

@@ -28,11 +28,13 @@ step() {  # name, command...: runs one measurement, keeps its output, goes on af
 if [[ $what == all || $what == track1 ]]; then
     step t1_1gpu env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_train_gpt.py --nproc 1 --steps 150 --log-dir "$out/logs" -- $t1 --val_loss_every=25
     step softcap_ce env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_softcap_ce.py
+    step fp8_head env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_fp8_head.py
     step qk_rotary env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_qk_rotary.py
     step flex env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_flex.py
     step ncu env CUDA_VISIBLE_DEVICES=0 bash bench/ncu_kernels.sh "$out/ncu"
     step cuda_tests env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q tests/test_train_gpt_cuda.py
     step t1_syncs env CUDA_VISIBLE_DEVICES=0 python3 bench/sync_check.py --compile=false --train_batch_size=32768 --num_iterations=4 --iteration_extension=0 --warmup_steps=1 --train_files="$data/docs_train_*.bin" --val_files="$data/docs_val_*.bin" --cycle_train_files=true --val_tokens=65536 --val_batch_size=65536 --log_dir="$out/logs"
+    step t1_host_pauses env CUDA_VISIBLE_DEVICES=0 python3 bench/host_pauses.py -- $t1 --num_iterations=50 --log_dir="$out/logs"
     step t1_profile env CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc_per_node=1 bench/profile_train_gpt.py $t1
     [ "$gpus" -ge 2 ] && step t1_2gpu env CUDA_VISIBLE_DEVICES=0,1 python3 bench/bench_train_gpt.py --nproc 2 --steps 100 --log-dir "$out/logs" -- $t1 --val_loss_every=50
 fi

@@ -1,10 +1,11 @@
 """train_gpt.py's CUDA-only code paths, on a GPU (skipped without one): the fused soft-capped CE kernel's
 hardware instructions (casts, reciprocal) against its integer casts and division, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
-check against the eager formula, and the kernel against that formula on CUDA.
+check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, and the pinned batch staging against overwritten batches.
 
     python -m pytest -q tests/test_train_gpt_cuda.py      # on a CUDA machine
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,3 +42,24 @@ def test_softcap_ce_kernel_matches_eager_on_cuda() -> None:
     got, want = grad.view(torch.uint8).long(), want_grad.view(torch.uint8).long()
     assert (got - want).abs().max().item() <= 1 and (got != want).float().mean().item() < 0.02
     assert torch.equal(grad_t.view(torch.uint8), grad.view(torch.uint8).T.contiguous())
+
+
+def test_fp8_transpose_is_the_eager_copy_on_cuda() -> None:
+    torch.manual_seed(2)
+    for rows, cols in ((49152, 768), (50304, 768), (1000, 130)):
+        src = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        assert torch.equal(tg.transpose_fp8(src).view(torch.uint8), src.view(torch.uint8).T.contiguous())
+
+
+def test_pinned_staging_keeps_a_batch_until_its_copy_has_run() -> None:
+    """Copies queued behind GPU busy-waits: refilling a buffer before its copy ran would change an earlier batch."""
+    staging = tg.PinnedStaging(slots=3)
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 50304, 49153, dtype=np.uint16) for _ in range(12)]
+    batches = []
+    for array in arrays:
+        torch.cuda._sleep(2_000_000)  # about a millisecond of GPU time ahead of each copy
+        batches.append(staging.to_device(array, torch.int64, torch.device("cuda")))
+    torch.cuda.synchronize()
+    for batch, array in zip(batches, arrays):
+        assert torch.equal(batch.cpu(), torch.from_numpy(array).to(torch.int64))

@@ -208,3 +208,34 @@ def test_too_many_documents_for_fixed_cu_seqlens(tmp_path):
 
 def test_max_docs_matches_the_record():
     assert tg.max_docs_per_batch(49_152) == 256 and tg.max_docs_per_batch(262_144) == 896
+
+
+def test_pinned_staging_waits_for_a_buffer_before_refilling_it() -> None:
+    """The ring's order on CPU with stand-in events that note what their buffer holds: each copy waits for its
+    buffer while it still holds the batch of `slots` copies earlier, fills it, then records. (That the record
+    comes after the device copy itself only a GPU shows: tests/test_train_gpt_cuda.py.)"""
+    events, log = [], []
+
+    class StandInEvent:
+        def __init__(self) -> None:
+            self.number = len(events)
+            events.append(self)
+
+        def held(self) -> int:
+            return next(int(buffer[0]) for ring in staging.rings.values() for buffer, event in ring if event is self)
+
+        def synchronize(self) -> None:
+            log.append(("wait", self.number, self.held()))
+
+        def record(self, stream: object = None) -> None:
+            log.append(("record", self.number, self.held()))
+
+    staging = tg.PinnedStaging(slots=2, pin=False, new_event=StandInEvent)
+    for value in range(5):
+        out = staging.to_device(np.full(6, value, dtype=np.uint16), torch.int64, torch.device("cpu"))
+        assert out.dtype == torch.int64 and out.tolist() == [value] * 6
+    assert [(what, number) for what, number, _ in log] == [(what, n) for n in (0, 1, 0, 1, 0) for what in ("wait", "record")]
+    assert [held for what, _, held in log if what == "record"] == [0, 1, 2, 3, 4]
+    assert [held for what, _, held in log if what == "wait"][2:] == [0, 1, 2]  # refilled only after the wait
+    staging.to_device(np.zeros(7, dtype=np.uint16), torch.int64, torch.device("cpu"))  # another length: its own ring
+    assert len(events) == 4 and [(what, number) for what, number, _ in log[-2:]] == [("wait", 2), ("record", 2)]

@@ -150,3 +150,39 @@ def test_softcap_ce_refuses_what_the_kernel_cannot_do(monkeypatch: pytest.Monkey
     logits = torch.empty(shape, dtype=torch.bfloat16, device="meta")  # no memory: the wrapper only reads the shape
     with pytest.raises(ValueError, match=message):
         tg.softcap_ce_e5m2(logits, torch.empty(shape[0], dtype=torch.int64, device="meta"), tg.FP8_GRAD_SCALE, tile, hardware)
+
+
+TRANSPOSE_CHECKS = r"""
+import json, torch, train_gpt as tg
+torch.manual_seed(0)
+results = {}
+# partial tiles in both directions, one tile exactly, a single row, and the two FP8 dtypes
+cases = (((100, 72), (32, 64, 4)), ((64, 128), (64, 128, 4)), ((1, 300), (16, 128, 1)), ((130, 5), (64, 128, 4)), ((0, 5), (64, 128, 4)))
+for (rows, cols), tile in cases:
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        src = torch.randint(0, 256, (rows, cols), dtype=torch.uint8).view(dtype)
+        out = tg.transpose_fp8(src, tile)
+        results[f"{rows}x{cols} {tile} {dtype}"] = out.dtype == dtype and out.is_contiguous() and torch.equal(out.view(torch.uint8), src.view(torch.uint8).T)
+print(json.dumps(results))
+"""
+
+
+def test_fp8_transpose_kernel_is_the_eager_copy_under_the_interpreter():
+    results = run_under_interpreter(TRANSPOSE_CHECKS)
+    assert len(results) == 10 and all(results.values()), results
+
+
+@pytest.mark.parametrize("case", ["transposed view", "3-D", "2-byte elements"])
+def test_fp8_transpose_refuses_what_the_kernel_cannot_do(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    import torch
+
+    import train_gpt as tg
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t = {
+        "transposed view": torch.zeros(4, 6, dtype=torch.float8_e4m3fn).T,
+        "3-D": torch.zeros(4, 6, 2, dtype=torch.uint8),
+        "2-byte elements": torch.zeros(4, 6, dtype=torch.bfloat16),
+    }[case]
+    with pytest.raises(ValueError, match="contiguous 2-D tensor of 1-byte elements"):
+        tg.transpose_fp8(t)
