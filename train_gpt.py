@@ -876,6 +876,15 @@ def _scale(value: float, like: Tensor) -> Tensor:
     return torch.full((), value, dtype=torch.float32, device=like.device)  # a fill kernel: no host copy, no sync
 
 
+def _interpreting_triton() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_kernels_for(t: Tensor) -> bool:
+    """The FP8 head's Triton kernels run on CUDA tensors, and on CPU ones under TRITON_INTERPRET (the tests)."""
+    return triton is not None and (t.is_cuda or _interpreting_triton())
+
+
 if triton is not None:
 
     @triton.jit
@@ -1043,9 +1052,9 @@ def softcap_ce_e5m2(
     hardware (default: on CUDA, not under the interpreter, which runs no PTX and whose casts round differently)
     picks CUDA's cast and reciprocal instructions; False gives the integer casts and the division that the
     interpreter tests. tile: (rows, columns, warps) or (rows, columns, warps, pipeline stages)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if triton is None or not (logits.is_cuda or interpreted):
+    if not _triton_kernels_for(logits):
         return softcap_ce_e5m2_eager(logits, targets, grad_scale)
+    interpreted = _interpreting_triton()
     if hardware is None:
         hardware = not interpreted
     if hardware and interpreted:
@@ -1094,8 +1103,7 @@ if triton is not None:
 def transpose_fp8(t: Tensor, tile: tuple[int, int, int] = FP8_TRANSPOSE_TILE) -> Tensor:
     """t.T.contiguous() of a contiguous 2-D tensor of 1-byte elements (the FP8 dtypes): the Triton kernel on CUDA
     and under TRITON_INTERPRET, the eager copy elsewhere."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if triton is None or not (t.is_cuda or interpreted):
+    if not _triton_kernels_for(t):
         return t.T.contiguous()
     if t.dim() != 2 or t.element_size() != 1 or not t.is_contiguous():
         raise ValueError(f"transpose_fp8: needs a contiguous 2-D tensor of 1-byte elements, got {tuple(t.shape)} {t.dtype} (contiguous: {t.is_contiguous()})")

@@ -65,9 +65,14 @@ def main() -> None:
     gc.callbacks.append(on_gc)
     try:
         tg.run(argv)
-    finally:  # what was seen up to a failure is printed too
-        gc.callbacks.remove(on_gc)
+    except tg.UserError as error:  # refused before training: nothing to report
+        raise SystemExit(f"host_pauses.py: error: {error}")
+    except (tg.RunStopped, KeyboardInterrupt) as stop:  # what was seen up to the stop is printed too
         report(collections, transfers)
+        raise SystemExit(f"host_pauses.py: stopped: {str(stop) or 'interrupted (Ctrl-C)'}")
+    finally:
+        gc.callbacks.remove(on_gc)
+    report(collections, transfers)
 
 
 def report(collections: dict[int, list[tuple[float, object]]], transfers: list[tuple[float, object]]) -> None:
