@@ -52,6 +52,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -649,6 +650,115 @@ def check_fresh(folder: Path) -> None:
         raise ABError(f"--out {folder} holds an earlier invocation's files ({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}); pass a new or empty folder")
 
 
+# =============================================================================================
+# The card's clock while each version trains (nvidia-smi)
+# =============================================================================================
+SW_POWER_CAP = 0x4  # nvidia-smi's clocks_event_reasons bit: clocks held down to stay under the power limit
+CLOCK_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+
+@dataclass
+class ClockSample:
+    at: float  # time.monotonic() when the line arrived
+    sm_mhz: float
+    power_w: float
+    power_capped: bool
+
+
+def parse_clock_line(line: str) -> ClockSample | None:
+    """One line of `nvidia-smi --query-gpu=CLOCK_QUERY --format=csv,noheader,nounits` (None: not a sample, e.g.
+    "[N/A]" fields or a message)."""
+    fields = [f.strip() for f in line.split(",")]
+    if len(fields) != 3:
+        return None
+    try:
+        return ClockSample(time.monotonic(), float(fields[0]), float(fields[1]), bool(int(fields[2], 16) & SW_POWER_CAP))
+    except ValueError:
+        return None
+
+
+class ClockSampler:
+    """Samples the SM clock, power and power-cap flag of the GPUs the workers use, every 0.5 s, so that the report
+    can say at what clock each version trained. Why: on an H200 both versions train at the 700 W cap, so a
+    version that does the same work in less time draws the same power and gets a lower clock (session 11:
+    029d93e 1,785 MHz, main 1,728, capped in 167 of 168 samples; bench/NOTES.md). Absent nvidia-smi, nothing."""
+
+    def __init__(self, gpus: list[str], interval_ms: int = 500, command: str = "nvidia-smi"):
+        self.samples: list[ClockSample] = []
+        self.segments: list[tuple[str, float, float]] = []  # (label, start, end) of each version's rounds
+        self.process: subprocess.Popen | None = None
+        executable = shutil.which(command)
+        if executable is None:
+            return
+        try:
+            self.process = subprocess.Popen(
+                [executable, f"--query-gpu={CLOCK_QUERY}", "--format=csv,noheader,nounits", "-lms", str(interval_ms), "-i", ",".join(gpus)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )
+        except OSError as error:  # a monitoring aid: the A/B goes on without it
+            print(f"bench/ab.py: {executable} did not start ({error}); the clocks go unsampled", file=sys.stderr)
+            return
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            if (sample := parse_clock_line(line)) is not None:
+                self.samples.append(sample)
+
+    def segment(self, label: str, start: float, end: float) -> None:
+        self.segments.append((label, start, end))
+
+    def stop(self) -> None:
+        """Ends nvidia-smi without waiting on it for long: on a wedged GPU it can sit in the driver, deaf to SIGTERM,
+        and the report must still come (the reader thread is a daemon and may be left behind)."""
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                return
+        self.reader.join(timeout=5)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per version: mean SM clock and power, and the share of samples at the power cap, over its rounds (each
+        round whole: its steps before the timed segment and its final validation included); a sample is one GPU's
+        line, so N GPUs give N per tick."""
+        result = {}
+        for label in dict.fromkeys(label for label, _, _ in self.segments):
+            inside = [s for s in self.samples if any(l == label and start <= s.at <= end for l, start, end in self.segments)]
+            if inside:
+                result[label] = dict(
+                    samples=len(inside), sm_mhz_mean=statistics.fmean(s.sm_mhz for s in inside),
+                    power_w_mean=statistics.fmean(s.power_w for s in inside),
+                    power_capped_share=sum(s.power_capped for s in inside) / len(inside),
+                )
+        return result
+
+
+def gpus_of_workers(nproc: int) -> list[str]:
+    """nvidia-smi's ids of the GPUs the workers' local ranks 0..nproc-1 use (CUDA_VISIBLE_DEVICES, when set, maps
+    them; nvidia-smi itself ignores it)."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[:nproc] if visible else [str(i) for i in range(nproc)]
+
+
+def print_clocks(clocks: dict[str, dict[str, float]]) -> None:
+    if not clocks:
+        print("SM clock while each version trained: not sampled (no nvidia-smi, or no sample inside a round)")
+        return
+    parts = [
+        f"{label} {c['sm_mhz_mean']:.0f} MHz, {c['power_w_mean']:.0f} W, at the power cap in {100 * c['power_capped_share']:.0f}% of {c['samples']} samples"
+        for label, c in clocks.items()
+    ]
+    print("SM clock while each version trained (nvidia-smi, mean): " + "; ".join(parts))
+
+
 def fits(elapsed_s: float, estimate_s: float | None, limit_s: float) -> bool:
     """Whether work estimated at estimate_s seconds (None: not known yet, as before the first round) still fits in a
     time limit of limit_s seconds (0: none) after elapsed_s."""
@@ -803,6 +913,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     results: dict[str, list[RoundResult]] = {v.label: [] for v in versions}
     runners: list = []
     round_s, left_out, profiles, hung = None, [], {}, None
+    sampler = ClockSampler(gpus_of_workers(args.nproc))
     try:
         start_versions(versions, launch, args.start, runners)
         by_label = {runner.version.label: runner for runner in runners}
@@ -813,7 +924,9 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
             round_started = time.monotonic()
             for label in round_order(index, args.order):
                 runner = by_label[label]
+                segment_start = time.monotonic()
                 result = runner.run_round(index)
+                sampler.segment(label, segment_start, time.monotonic())
                 results[runner.version.label].append(result)
                 print(f"round {index + 1} {runner.version.label}: {result.ms_per_step:.2f} ms/step, val {result.val_loss:.4f}", flush=True)
             round_s = time.monotonic() - round_started
@@ -832,6 +945,9 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     except ABError:
         stop_workers(runners)  # a worker failed: the other must not stay resident on the GPUs
         raise
+    finally:
+        sampler.stop()
+    clocks = sampler.summary()
     if hung is None:
         if left_out:
             print(f"time limit {args.time_limit:.0f} s: left out {' and '.join(left_out)}", flush=True)
@@ -845,6 +961,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         summary["second_slot_effect"] = second_slot_effect(summary["ratios"])
     if summary:
         print_report(versions, results["baseline"], results["candidate"], summary, profiles)
+        print_clocks(clocks)
     else:
         print("no round was completed by both versions: nothing to compare")
     report = dict(
@@ -852,7 +969,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         device=next((r.device for r in runners if getattr(r, "device", None)), None) or _device_name(),
         versions=[asdict(v) | dict(script=str(v.script)) for v in versions],
         rounds={label: [asdict(r) for r in rs] for label, rs in results.items()}, summary=summary, profiles=profiles,
-        rounds_planned=args.rounds, time_limit_s=args.time_limit, left_out=left_out, hung=hung,
+        rounds_planned=args.rounds, time_limit_s=args.time_limit, left_out=left_out, hung=hung, clocks=clocks,
     )
     json_path = args.json or folder / "ab.json"
     json_path.write_text(json.dumps(report, indent=2))

@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -111,6 +112,8 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
     assert baseline[0]["val_loss"] != baseline[1]["val_loss"]
     assert len(report["summary"]["ratios"]) == 2
     assert "ratio B/A: median" in result.stdout and "paired difference B-A +0.0000" in result.stdout
+    if shutil.which("nvidia-smi") is None:  # CI: nothing to sample, and the report says so
+        assert report["clocks"] == {} and "SM clock while each version trained: not sampled" in result.stdout
 
 
 def test_abba_order_plans_every_second_round_candidate_first(tmp_path):
@@ -285,3 +288,78 @@ def test_a_worker_that_hangs_is_stopped_at_the_deadline_with_its_stacks(tmp_path
     for pid in pids:  # no rank outlives the invocation
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_clock_line_is_parsed_and_anything_else_skipped(ab):
+    sample = ab.parse_clock_line("1785, 690.52, 0x0000000000000004\n")
+    assert (sample.sm_mhz, sample.power_w, sample.power_capped) == (1785.0, 690.52, True)
+    assert ab.parse_clock_line("1980, 122.1, 0x0000000000000000").power_capped is False
+    for line in ("[N/A], [N/A], [N/A]", "No devices were found", "1785, 690.5", ""):
+        assert ab.parse_clock_line(line) is None
+
+
+FAKE_NVIDIA_SMI = """#!{python}
+import sys, time
+open({argv_file!r}, "w").write(" ".join(sys.argv[1:]))
+print("[N/A], [N/A], [N/A]", flush=True)
+while True:
+    print("1700, 695.0, 0x0000000000000004", flush=True)
+    time.sleep(0.02)
+"""
+
+
+def test_the_sampler_attributes_samples_to_the_version_that_trained(ab, tmp_path):
+    """A stand-in nvidia-smi prints capped samples: those inside a version's segment count for it, none outside;
+    the command asks for the workers' GPUs only."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(FAKE_NVIDIA_SMI.format(python=sys.executable, argv_file=str(tmp_path / "argv")))
+    fake.chmod(0o755)
+    sampler = ab.ClockSampler(["2", "3"], interval_ms=20, command=str(fake))
+    try:
+        import time
+
+        time.sleep(0.5)
+        start = time.monotonic()
+        time.sleep(0.3)
+        sampler.segment("candidate", start, time.monotonic())
+        time.sleep(0.2)
+    finally:
+        sampler.stop()
+    clocks = sampler.summary()
+    assert set(clocks) == {"candidate"}
+    c = clocks["candidate"]
+    assert 0 < c["samples"] < len(sampler.samples)  # the samples before and after the segment are not its
+    assert (c["sm_mhz_mean"], c["power_w_mean"], c["power_capped_share"]) == (1700.0, 695.0, 1.0)
+    argv = (tmp_path / "argv").read_text()
+    assert "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active" in argv and argv.endswith("-i 2,3")
+
+
+def test_without_nvidia_smi_nothing_is_sampled(ab, capsys):
+    sampler = ab.ClockSampler(["0"], command="no-such-nvidia-smi-here")
+    sampler.segment("baseline", 0.0, 1e12)
+    sampler.stop()
+    assert sampler.summary() == {}
+    ab.print_clocks({})
+    assert "not sampled" in capsys.readouterr().out
+
+
+def test_the_workers_gpus_follow_cuda_visible_devices(ab, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert ab.gpus_of_workers(2) == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert ab.gpus_of_workers(2) == ["4", "5"]
+
+
+def test_a_sampler_deaf_to_sigterm_is_killed_not_waited_for(ab, tmp_path):
+    """nvidia-smi stuck in a wedged driver ignores SIGTERM; stop() must still return (then the report comes)."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('1700, 695.0, 0x4', flush=True)\ntime.sleep(600)\n")
+    fake.chmod(0o755)
+    sampler = ab.ClockSampler(["0"], command=str(fake))
+    import time
+
+    time.sleep(0.5)
+    started = time.monotonic()
+    sampler.stop()
+    assert time.monotonic() - started < 15
+    assert sampler.process.poll() is not None  # killed

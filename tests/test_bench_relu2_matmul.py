@@ -1,0 +1,58 @@
+"""bench/bench_relu2_matmul.py's persistent matmul with ReLU² epilogues, run by Triton's CPU interpreter (fp16 and
+fp32 buffers: the interpreter's tl.dot mishandles bf16, see tests/test_train_gpt_triton.py), so that what the
+benchmark times on a GPU is known to compute the MLP's formula."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytest.importorskip("triton", reason="Triton is not installed (CPU-only install): the kernel tests need its interpreter")
+
+CHECKS = r"""
+import json, torch
+from bench import bench_relu2_matmul as b
+torch.manual_seed(0)
+results = {}
+M, K, N = 300, 48, 96  # 10 row tiles of 32 (the last partial): a whole group of 8, then a group of 2
+config = (32, 32, 16, 2, 4, False)
+for dtype in (torch.float16, torch.float32):
+    x = (torch.randn(M, K) / K ** 0.5).to(dtype)
+    w = torch.randn(K, N).to(dtype)
+    x[5, 7] = float("nan")  # one NaN row of the product, which ReLU² must keep
+    grad = torch.randn(M, K).to(dtype)
+    pre = (x.double() @ w.double()).to(dtype)
+    plain, _ = b.relu2_matmul(x, w, b.PLAIN, None, config, num_programs=4)
+    fwd, relu2 = b.relu2_matmul(x, w, b.FORWARD, None, config, num_programs=4)
+    grad_plain, _ = b.relu2_matmul(grad, w, b.PLAIN, None, config, num_programs=4)
+    bwd, _ = b.relu2_matmul(grad, w, b.BACKWARD, pre, config, num_programs=4)
+    finite = ~pre.isnan()
+    ref = x.double() @ w.double()
+    results[str(dtype)] = dict(
+        plain_error=((plain.double() - ref)[finite].norm() / ref[finite].norm()).item(),
+        forward_out=b.bitwise_equal(fwd, plain),
+        forward_relu2=b.bitwise_equal(relu2, b.relu2_eager(plain)),
+        backward=b.bitwise_equal(bwd, b.relu2_backward_eager(grad_plain, pre)),
+        nan_rows_kept=bool(relu2[5].isnan().all() and bwd[5].isnan().all()),
+        zeros=int((relu2 == 0).sum()),
+    )
+print(json.dumps(results))
+"""
+
+
+def test_relu2_matmul_epilogues_are_the_unfused_formula_under_the_interpreter():
+    """The plain product against float64; each epilogue bitwise the PyTorch formula applied to that product, NaN
+    rows kept (a relu that dropped NaN would hide a diverged run), a partial row tile and a partial tile group;
+    4 persistent programs for 30 tiles, so two programs redo the last tile."""
+    done = subprocess.run([sys.executable, "-c", CHECKS], cwd=ROOT, env={**__import__("os").environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(results) == {"torch.float16", "torch.float32"}
+    for dtype, r in results.items():
+        assert r["plain_error"] < (2e-3 if "16" in dtype else 1e-6), (dtype, r)
+        assert r["forward_out"] and r["forward_relu2"] and r["backward"] and r["nan_rows_kept"], (dtype, r)
+        assert r["zeros"] > 0, (dtype, r)  # the ReLU cut some pre-activations
