@@ -10,9 +10,10 @@ cuBLAS's 673 TFLOP/s and lost (bench/NOTES.md). This script times, per tile conf
   * the backward epilogue (2: `grad_h * 2 relu(pre)` where `pre > 0`, else 0) against cuBLAS + the compiled
     pointwise backward,
 each as the median ratio over pairs timed back to back, orders alternating (session 11's first version timed
-cuBLAS once before and once after the sweep: 0.324 and 0.359 ms; the SM clock read 1650-1980 MHz meanwhile). It checks that the epilogues give bitwise the unfused pointwise formula
-applied to the same kernel's plain product, and prints how many product elements differ from cuBLAS's (session
-11, one H200: none, in every configuration).
+cuBLAS once before and once after the sweep: 0.324 and 0.359 ms; the SM clock read 1650-1980 MHz meanwhile).
+It checks that the epilogues give bitwise the unfused pointwise formula applied to the same kernel's plain
+product, and prints how many product elements differ from cuBLAS's (session 11, one H200: none, in every
+configuration).
 
     python bench/bench_relu2_matmul.py        # one GPU (Hopper for TMA descriptors), about two minutes
 """

@@ -1,5 +1,7 @@
 """Shared helpers for the train_gpt tests: tiny shards and a tiny configuration of the 12-slot model."""
 
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -16,6 +18,15 @@ import train_gpt  # noqa: E402
 
 TINY_VOCAB = 512
 TINY_BOS = 511
+
+
+def run_under_interpreter(script: str, timeout: int = 300) -> dict:
+    """The JSON object that `script` prints last, run in a fresh process with TRITON_INTERPRET=1 (which must be set
+    before any kernel is decorated, so never in the test process itself)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def make_shards(folder: Path, train_tokens: int = 60_000, val_tokens: int = 8193, num_train: int = 2) -> tuple[str, str]:

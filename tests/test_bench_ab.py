@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -316,8 +317,6 @@ def test_the_sampler_attributes_samples_to_the_version_that_trained(ab, tmp_path
     fake.chmod(0o755)
     sampler = ab.ClockSampler(["2", "3"], interval_ms=20, command=str(fake))
     try:
-        import time
-
         time.sleep(0.5)
         start = time.monotonic()
         time.sleep(0.3)
@@ -356,8 +355,6 @@ def test_a_sampler_deaf_to_sigterm_is_killed_not_waited_for(ab, tmp_path):
     fake.write_text(f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('1700, 695.0, 0x4', flush=True)\ntime.sleep(600)\n")
     fake.chmod(0o755)
     sampler = ab.ClockSampler(["0"], command=str(fake))
-    import time
-
     time.sleep(0.5)
     started = time.monotonic()
     sampler.stop()

@@ -2,13 +2,9 @@
 fp32 buffers: the interpreter's tl.dot mishandles bf16, see tests/test_train_gpt_triton.py), so that what the
 benchmark times on a GPU is known to compute the MLP's formula."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT
+from conftest import run_under_interpreter
 
 pytest.importorskip("triton", reason="Triton is not installed (CPU-only install): the kernel tests need its interpreter")
 
@@ -47,10 +43,7 @@ def test_relu2_matmul_epilogues_are_the_unfused_formula_under_the_interpreter():
     """The plain product against float64; each epilogue bitwise the PyTorch formula applied to that product, NaN
     rows kept (a relu that dropped NaN would hide a diverged run), a partial row tile and a partial tile group;
     4 persistent programs for 30 tiles, so two programs redo the last tile."""
-    done = subprocess.run([sys.executable, "-c", CHECKS], cwd=ROOT, env={**__import__("os").environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_under_interpreter(CHECKS)
     assert set(results) == {"torch.float16", "torch.float32"}
     for dtype, r in results.items():
         assert r["plain_error"] < (2e-3 if "16" in dtype else 1e-6), (dtype, r)

@@ -6,14 +6,9 @@ checks run in a fresh interpreter process. The interpreter's tl.dot mishandles b
 bf16), so the same kernels are driven with fp16 and fp32 buffers here; on CUDA they run in bf16.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT
+from conftest import run_under_interpreter
 
 pytest.importorskip("triton", reason="Triton is not installed (CPU-only install): the kernel tests need its interpreter")
 
@@ -40,14 +35,6 @@ ref = tg.newton_schulz_reference(G, torch.float64)
 results["newton_schulz fp16"] = ((ns.double() - ref).norm() / ref.norm()).item()
 print(json.dumps(results))
 """
-
-
-def run_under_interpreter(script: str) -> dict:
-    """The JSON object that `script` prints last, run in a fresh process with TRITON_INTERPRET=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
