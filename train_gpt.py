@@ -48,6 +48,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs without Triton use the PyTorch Newton-Schulz
     triton = None
     tl = None
@@ -1451,6 +1452,124 @@ def choose_attention_backend(requested: str, device: torch.device) -> str:
     return "reference"
 
 
+# ---- MLP backward: ReLU² in the epilogue of grad_h's matmul ----
+# The MLP is out = relu(pre)^2 @ W_proj^T with pre = x @ W_fc. Autograd's backward runs grad_h = grad_out @ W_proj
+# (cuBLAS, 49,152 x 3,072 bf16 per record micro-step), then a memory-bound kernel for the eager formula
+#     grad_pre = threshold_backward(grad_h * (2 * relu(pre)), relu(pre), 0)
+# which reads grad_h back: 604 MB written and read per call, 88 calls per step. relu2_backward_matmul computes
+# grad_h tile by tile in a persistent Triton matmul and applies the formula in its epilogue, so grad_h never
+# reaches memory. Its product is cuBLAS's bit for bit on the record's shape (K = 768 summed in the same order:
+# bench/bench_relu2_matmul.py, tests/test_train_gpt_cuda.py) and the epilogue rounds once, as the unfused kernel
+# does, so training's numbers stay the same. One H200, each pair timed back to back (bench/NOTES.md session 12):
+# 0.520 against 0.563 ms per call for cuBLAS + the compiled formula. The forward's twin (pre and relu(pre)^2 from
+# one kernel) lost, 0.510 against 0.495, so the forward stays inductor's.
+# (BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages, warps): the best of bench/bench_relu2_matmul.py's tiles there
+RELU2_MATMUL_TILE = (128, 128, 64, 4, 4)
+
+if triton is not None:
+
+    @triton.jit
+    def _relu2_backward_matmul_kernel(
+        g_desc, w_desc, pre_desc, out_desc, M, N,
+        TILES_PER_PROGRAM: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    ):
+        # out = threshold_backward(bf16(g @ w) * 2 relu(pre), relu(pre), 0); g (M, K), w (K, N), pre and out (M, N),
+        # all row-major through TMA descriptors, which zero-fill reads and clip writes past the edges. Persistent:
+        # NUM_PROGRAMS programs walk the tiles GROUP_M row tiles at a time, so that neighbours share g's rows in L2.
+        # Every program runs the same trip count (compile-time, as the interpreter needs); one past the end redoes
+        # the last tile and stores the same values.
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        for i in tl.range(0, TILES_PER_PROGRAM, flatten=True):
+            tile = tl.minimum(tl.program_id(0) + i * NUM_PROGRAMS, tiles_m * tiles_n - 1)
+            group_first_m = (tile // (GROUP_M * tiles_n)) * GROUP_M
+            group_rows = tl.minimum(tiles_m - group_first_m, GROUP_M)
+            m = (group_first_m + tile % group_rows) * BLOCK_M
+            n = (tile % (GROUP_M * tiles_n)) // group_rows * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(K_STEPS):
+                acc = tl.dot(g_desc.load([m, kk * BLOCK_K]), w_desc.load([kk * BLOCK_K, n]), acc)
+            grad_h = acc.to(out_desc.dtype).to(tl.float32)  # rounded as cuBLAS rounds its output
+            r = pre_desc.load([m, n]).to(tl.float32)
+            r = tl.where(r < 0, 0.0, r)  # relu that keeps NaN, as torch's does
+            grad = grad_h * (2.0 * r)  # exact in fp32 (two 8-bit significands): the one rounding is the store's
+            out_desc.store([m, n], tl.where(r <= 0, 0.0, grad).to(out_desc.dtype))
+
+
+def relu2_backward_eager(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
+    """Autograd's gradient with respect to pre of F.linear(F.relu(pre).square(), w.T), given its output's gradient:
+    grad_h = grad_out @ w, square's grad_h * 2 r, then relu's threshold (0 where r = relu(pre) <= 0). The CPU path
+    and the kernel's reference."""
+    r = F.relu(pre)
+    return torch.ops.aten.threshold_backward((grad_out @ w) * (2 * r), r, 0)
+
+
+def _tma_kernels_for(t: Tensor) -> bool:
+    """TMA descriptors need Hopper or newer; the interpreter emulates them on CPU (the tests)."""
+    if triton is None:
+        return False
+    return _interpreting_triton() or (t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0))
+
+
+def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[int, ...] = RELU2_MATMUL_TILE, programs: int | None = None) -> Tensor:
+    """relu2_backward_eager(grad_out, w, pre) for 2-D grad_out (M, K), w (K, N), pre (M, N) of one dtype: the Triton
+    kernel on Hopper and under TRITON_INTERPRET, the eager formula elsewhere and where a row is not a whole number of
+    16 bytes (a TMA descriptor's stride). programs: persistent programs (default: one per SM; 4 interpreted)."""
+    M, K = grad_out.shape
+    N = w.size(1)
+    if w.shape != (K, N) or pre.shape != (M, N) or not (grad_out.dtype == w.dtype == pre.dtype):
+        raise ValueError(f"relu2_backward_matmul: needs grad_out (M, K), w (K, N), pre (M, N) of one dtype, got {tuple(grad_out.shape)} {grad_out.dtype}, {tuple(w.shape)} {w.dtype}, {tuple(pre.shape)} {pre.dtype}")
+    if not _tma_kernels_for(grad_out) or (K * grad_out.element_size()) % 16 or (N * w.element_size()) % 16 or min(M, N, K) == 0:
+        return relu2_backward_eager(grad_out, w, pre)
+    grad_out, w, pre = grad_out.contiguous(), w.contiguous(), pre.contiguous()  # no-ops in training
+    out = torch.empty_like(pre)
+    block_m, block_n, block_k, stages, warps = tile
+    if programs is None:
+        programs = 4 if _interpreting_triton() else torch.cuda.get_device_properties(grad_out.device).multi_processor_count
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    programs = min(programs, tiles)
+    _relu2_backward_matmul_kernel[(programs,)](
+        TensorDescriptor.from_tensor(grad_out, [block_m, block_k]),
+        TensorDescriptor.from_tensor(w, [block_k, block_n]),
+        TensorDescriptor.from_tensor(pre, [block_m, block_n]),
+        TensorDescriptor.from_tensor(out, [block_m, block_n]),
+        M, N, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), K_STEPS=triton.cdiv(K, block_k), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, NUM_PROGRAMS=programs, num_stages=stages, num_warps=warps,
+    )
+    return out
+
+
+@torch.library.custom_op("train_gpt::relu2_backward_matmul", mutates_args=())
+def relu2_backward_matmul_op(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
+    """relu2_backward_matmul as one opaque op, so that inductor calls the kernel from the compiled backward."""
+    return relu2_backward_matmul(grad_out, w, pre)
+
+
+@relu2_backward_matmul_op.register_fake
+def _(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
+    return torch.empty_like(pre, memory_format=torch.contiguous_format)
+
+
+class ReLUSquaredProjection(torch.autograd.Function):
+    """F.linear(F.relu(pre).square(), w) for pre (..., N), w (D, N), with autograd's gradients: grad_pre from
+    relu2_backward_matmul, grad_w as autograd's linear computes it (grad_out^T @ h, the same mm call). Saves pre
+    and h, as inductor's partition of the unfused MLP saves relu(pre) and h (the same bytes)."""
+
+    @staticmethod
+    def forward(ctx: Any, pre: Tensor, w: Tensor) -> Tensor:
+        h = F.relu(pre).square()
+        ctx.save_for_backward(pre, h, w)
+        return F.linear(h, w)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        pre, h, w = ctx.saved_tensors
+        grad_rows = grad_out.reshape(-1, grad_out.size(-1))
+        grad_pre = relu2_backward_matmul_op(grad_rows, w, pre.reshape(-1, pre.size(-1))).view(pre.shape)
+        grad_w = grad_rows.t().mm(h.reshape(-1, h.size(-1)))
+        return grad_pre, grad_w
+
+
 # ---- blocks ----
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
@@ -1489,8 +1608,8 @@ class MLP(nn.Module):
         self.c_fc = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as h @ c_fc
         self.c_proj = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as a @ c_proj^T
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(F.relu(x @ self.c_fc.type_as(x)).square(), self.c_proj.type_as(x))
+    def forward(self, x: Tensor) -> Tensor:  # F.linear(F.relu(x @ c_fc).square(), c_proj), its backward fused
+        return ReLUSquaredProjection.apply(x @ self.c_fc.type_as(x), self.c_proj.type_as(x))
 
 
 class Block(nn.Module):

@@ -1,19 +1,21 @@
 """Can a persistent Triton matmul with ReLU² in its epilogue beat cuBLAS + inductor's ReLU² kernels? One GPU.
 
-The MLP's two matmuls with a hidden-size output (record micro-step: 49,152 tokens, 768 -> 3,072, bf16) are each
-followed by a memory-bound pointwise kernel in train_gpt.py today (session 11 profile, one H200: 12.3 ms per
-step forward, 18.2 backward, both at about 4.3 TB/s). Fused into the matmul's epilogue they would save about
-0.2 ms per MLP if the matmul kept up with cuBLAS; session 3's non-persistent Triton matmul reached 513 of
-cuBLAS's 673 TFLOP/s and lost (bench/NOTES.md). This script times, per tile configuration:
+The MLP's two matmuls with a hidden-size output (record micro-step: 49,152 tokens, 768 -> 3,072, bf16) were each
+followed by a memory-bound pointwise kernel in train_gpt.py (session 11 profile, one H200: 12.3 ms per step
+forward, 18.2 backward, both at about 4.3 TB/s). Fused into the matmul's epilogue they would save about 0.2 ms
+per MLP if the matmul kept up with cuBLAS; session 3's non-persistent Triton matmul reached 513 of cuBLAS's 673
+TFLOP/s and lost (bench/NOTES.md). In session 12 this script found the backward's fusion faster and the
+forward's slower; the backward's is in train_gpt.py since. It times, per tile configuration:
   * the plain matmul (epilogue 0) against cuBLAS `x @ w`;
   * the forward epilogue (1: `pre` and `relu(pre)^2`, both bf16) against cuBLAS + a compiled ReLU²;
-  * the backward epilogue (2: `grad_h * 2 relu(pre)` where `pre > 0`, else 0) against cuBLAS + the compiled
-    pointwise backward,
+  * the backward: train_gpt.relu2_backward_matmul (what training runs since session 12: `grad_h * 2 relu(pre)`
+    where `pre > 0`, else 0, in the epilogue) at the configuration's tile, against cuBLAS + the compiled
+    pointwise backward (not for warp-specialized tiles, which that kernel does not take),
 each as the median ratio over pairs timed back to back, orders alternating (session 11's first version timed
 cuBLAS once before and once after the sweep: 0.324 and 0.359 ms; the SM clock read 1650-1980 MHz meanwhile).
-It checks that the epilogues give bitwise the unfused pointwise formula applied to the same kernel's plain
-product, and prints how many product elements differ from cuBLAS's (session 11, one H200: none, in every
-configuration).
+It checks that the forward epilogue gives bitwise the unfused formula applied to the same kernel's plain product
+and the backward bitwise cuBLAS + the unfused formula, and prints how many product elements differ from cuBLAS's
+(sessions 11-12, one H200: none, in every configuration).
 
     python bench/bench_relu2_matmul.py        # one GPU (Hopper for TMA descriptors), about two minutes
 """
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import train_gpt  # noqa: E402
 from bench.gpu_timing import median_ms  # noqa: E402
 
 CALLS_PER_TIMING = 5  # back to back, so each launch's host work (descriptors, allocation) hides behind the last
@@ -42,7 +45,7 @@ except ImportError:  # CPU-only installs: the tests skip, main() refuses
     triton = None
 
 TOKENS, DIM, HIDDEN = 49152, 768, 3072
-PLAIN, FORWARD, BACKWARD = 0, 1, 2
+PLAIN, FORWARD = 0, 1
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize)
 CONFIGS = (  # session 11 on an H200: 128x256 and 256x128 with 3 stages, and 128x128x128, exceed shared memory
     (128, 128, 64, 4, 4, False),
@@ -61,13 +64,6 @@ def relu2_eager(pre: torch.Tensor) -> torch.Tensor:
     return F.relu(pre).square()
 
 
-def relu2_backward_eager(grad_h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Autograd's gradient of relu(pre).square() with respect to pre, given grad_h: square's 2 r grad_h, then
-    relu's threshold (0 where r <= 0)."""
-    r = F.relu(pre)
-    return torch.ops.aten.threshold_backward(grad_h * (2 * r), r, 0)
-
-
 if triton is not None:
 
     @triton.jit
@@ -77,8 +73,8 @@ if triton is not None:
         NUM_PROGRAMS: tl.constexpr, EPILOGUE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     ):
         """out = a @ b (a M x K, b K x N, row-major, fp32 accumulation, one rounding to a's dtype), then by
-        EPILOGUE: PLAIN stores it; FORWARD stores it and relu(it)^2 into aux; BACKWARD reads pre from aux and
-        stores it * 2 relu(pre) where relu(pre) > 0, else 0. Persistent: NUM_PROGRAMS programs walk the tiles,
+        EPILOGUE: PLAIN stores it; FORWARD stores it and relu(it)^2 into aux (the backward's epilogue lives in
+        train_gpt.py's _relu2_backward_matmul_kernel, the same loop). Persistent: NUM_PROGRAMS programs walk the tiles,
         GROUP_M row tiles at a time so that neighbours share a's rows in L2. Every program runs the same number
         of tiles (a uniform trip count, which the CPU interpreter also needs); a program past the end redoes the
         last tile, storing the same values. Trip counts are compile-time constants: one shape per compile, as
@@ -94,27 +90,19 @@ if triton is not None:
             for kk in range(K_STEPS):
                 acc = tl.dot(a_desc.load([m, kk * BLOCK_K]), b_desc.load([kk * BLOCK_K, n]), acc)
             product = acc.to(out_desc.dtype)
-            if EPILOGUE == 0:
-                out_desc.store([m, n], product)
-            elif EPILOGUE == 1:
-                out_desc.store([m, n], product)
+            out_desc.store([m, n], product)
+            if EPILOGUE == 1:
                 r = product.to(tl.float32)
                 r = tl.where(r < 0, 0.0, r)  # relu that keeps NaN, as torch's does
                 aux_desc.store([m, n], (r * r).to(out_desc.dtype))
-            else:
-                r = aux_desc.load([m, n]).to(tl.float32)
-                r = tl.where(r < 0, 0.0, r)
-                grad = product.to(tl.float32) * (2.0 * r)  # 2 r is exact: one rounding, as in the unfused kernel
-                out_desc.store([m, n], tl.where(r <= 0, 0.0, grad).to(out_desc.dtype))
 
 
-def relu2_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: int, aux: torch.Tensor | None, config: tuple, num_programs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launches _relu2_matmul_kernel; returns (out, aux): FORWARD allocates aux (relu^2), BACKWARD reads it (pre)."""
+def relu2_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: int, config: tuple, num_programs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launches _relu2_matmul_kernel; returns (out, aux): FORWARD's aux is relu(out)^2, PLAIN's None."""
     block_m, block_n, block_k, stages, warps, warp_specialize = config
     (M, K), N = a.shape, b.shape[1]
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    if epilogue == FORWARD:
-        aux = torch.empty_like(out)
+    aux = torch.empty_like(out) if epilogue == FORWARD else None
     descriptors = (
         TensorDescriptor.from_tensor(a, [block_m, block_k]),
         TensorDescriptor.from_tensor(b, [block_k, block_n]),
@@ -155,7 +143,7 @@ def main() -> None:
     w_proj = (torch.randn(DIM, HIDDEN, device="cuda") * 0.02).bfloat16()
     pre = x @ w
     relu2_compiled = torch.compile(relu2_eager, fullgraph=True)
-    backward_compiled = torch.compile(relu2_backward_eager, fullgraph=True)
+    backward_compiled = torch.compile(train_gpt.relu2_backward_eager, fullgraph=True)
     flops = 2 * TOKENS * DIM * HIDDEN
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {sms} SMs; "
           f"{TOKENS} x {DIM} @ {DIM} x {HIDDEN} bf16, {args.repeats} calls per median")
@@ -166,15 +154,14 @@ def main() -> None:
     references = (
         ("plain", lambda: x @ w),
         ("forward", lambda: relu2_compiled(x @ w)),
-        ("backward", lambda: backward_compiled(grad_out @ w_proj, pre)),
+        ("backward", lambda: backward_compiled(grad_out, w_proj, pre)),
     )
     for config in CONFIGS:
         name = "{}x{}x{} s{} w{}{}".format(*config[:5], " ws" if config[5] else "")
         try:
-            plain, _ = relu2_matmul(x, w, PLAIN, None, config, sms)
-            fwd_out, fwd_aux = relu2_matmul(x, w, FORWARD, None, config, sms)
-            grad_plain, _ = relu2_matmul(grad_out, w_proj, PLAIN, None, config, sms)
-            bwd_out, _ = relu2_matmul(grad_out, w_proj, BACKWARD, pre, config, sms)
+            plain, _ = relu2_matmul(x, w, PLAIN, config, sms)
+            fwd_out, fwd_aux = relu2_matmul(x, w, FORWARD, config, sms)
+            bwd_out = None if config[5] else train_gpt.relu2_backward_matmul(grad_out, w_proj, pre, config[:5], sms)
         except (triton.CompilationError, triton.runtime.errors.OutOfResources, RuntimeError) as error:
             # what Triton raises for a configuration it cannot build or fit (its MLIR passes fail as RuntimeError);
             # a CUDA error is not that, and would leave every later configuration on a broken context
@@ -185,18 +172,20 @@ def main() -> None:
         exact = (
             bitwise_equal(fwd_out, plain)
             and bitwise_equal(fwd_aux, relu2_eager(plain))
-            and bitwise_equal(bwd_out, relu2_backward_eager(grad_plain, pre))
+            and (bwd_out is None or bitwise_equal(bwd_out, train_gpt.relu2_backward_eager(grad_out, w_proj, pre)))
         )
         unlike_cublas = int((plain.view(torch.int16) != pre.view(torch.int16)).sum())
         fused = (
-            lambda: relu2_matmul(x, w, PLAIN, None, config, sms),
-            lambda: relu2_matmul(x, w, FORWARD, None, config, sms),
-            lambda: relu2_matmul(grad_out, w_proj, BACKWARD, pre, config, sms),
+            lambda: relu2_matmul(x, w, PLAIN, config, sms),
+            lambda: relu2_matmul(x, w, FORWARD, config, sms),
+            None if config[5] else lambda: train_gpt.relu2_backward_matmul(grad_out, w_proj, pre, config[:5], sms),
         )
         # the card's clock moves within seconds: each pair is timed back to back, in both orders, and compared by
         # the median of the per-pair ratios
         parts = []
         for (kind, reference), candidate in zip(references, fused):
+            if candidate is None:
+                continue
             pairs = []
             for turn in range(args.pairs):
                 first, second = (reference, candidate) if turn % 2 == 0 else (candidate, reference)
@@ -207,7 +196,7 @@ def main() -> None:
             ratio = statistics.median(p[1] / p[0] for p in pairs)
             extra = f", {flops / fused_ms / 1e9:.0f} TFLOP/s" if kind == "plain" else ""
             parts.append(f"{kind} {fused_ms:.3f} vs {ref_ms:.3f} ms (x{ratio:.3f}{extra})")
-        print(f"{name}: " + "; ".join(parts) + f"; epilogues bitwise the unfused formula: {exact}; "
+        print(f"{name}: " + "; ".join(parts) + f"; epilogues bitwise the unfused formula (backward: with cuBLAS): {exact}; "
               f"product elements unlike cuBLAS's: {unlike_cublas} of {plain.numel()}", flush=True)
 
 

@@ -360,3 +360,13 @@ def test_a_sampler_deaf_to_sigterm_is_killed_not_waited_for(ab, tmp_path):
     sampler.stop()
     assert time.monotonic() - started < 15
     assert sampler.process.poll() is not None  # killed
+
+
+def test_kernel_kinds_of_the_profiles(ab) -> None:
+    """Names seen in session 12's profile: the MLP's fused kernel is its own kind, the inductor kernels that carry
+    its op's name stay inductor's, and the cuBLAS and FP8 head kernels keep theirs."""
+    assert ab.kind_of("_relu2_backward_matmul_kernel") == "MLP grad_h matmul + ReLU² backward (Triton)"
+    assert ab.kind_of("triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mul_relu2_backward_matmul_slice_backwa") == "Triton fused (inductor)"
+    assert ab.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "bf16/fp32 GEMM"
+    assert ab.kind_of("_softcap_ce_e5m2_kernel") == "fp8 head (scaled_mm, casts, copies)"
+    assert ab.kind_of("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>") == "other"

@@ -1,6 +1,6 @@
 """train_gpt.py's CUDA-only code paths, on a GPU (skipped without one): the fused soft-capped CE kernel's
 hardware instructions (casts, reciprocal) against its integer casts and division, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
-check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, and the pinned batch staging against overwritten batches.
+check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, and the MLP's fused ReLU² backward against cuBLAS + the unfused formula, eager and compiled.
 
     python -m pytest -q tests/test_train_gpt_cuda.py      # on a CUDA machine
 """
@@ -63,3 +63,43 @@ def test_pinned_staging_keeps_a_batch_until_its_copy_has_run() -> None:
     torch.cuda.synchronize()
     for batch, array in zip(batches, arrays):
         assert torch.equal(batch.cpu(), torch.from_numpy(array).to(torch.int64))
+
+
+def _record_mlp_inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    """One record micro-step's MLP input (49,152 RMS-normed tokens of 768) and weights of training's scale."""
+    torch.manual_seed(seed)
+    x = torch.nn.functional.rms_norm(torch.randn(1, 49152, 768, device="cuda"), (768,)).bfloat16()
+    c_fc = torch.randn(768, 3072, device="cuda") * 768**-0.5
+    c_proj = torch.randn(768, 3072, device="cuda") * 0.02
+    grad_out = torch.randn(1, 49152, 768, device="cuda").bfloat16()
+    return x, c_fc, c_proj, grad_out
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs TMA (Hopper)")
+def test_relu2_backward_matmul_is_cublas_and_the_formula_on_cuda() -> None:
+    """At the record's shape the kernel's product is cuBLAS's bit for bit, so the fused result is the unfused one."""
+    x, c_fc, c_proj, grad_out = _record_mlp_inputs(3)
+    pre = (x @ c_fc.bfloat16())[0]
+    got = tg.relu2_backward_matmul(grad_out[0], c_proj.bfloat16(), pre)
+    want = tg.relu2_backward_eager(grad_out[0], c_proj.bfloat16(), pre)
+    assert torch.equal(got, want)
+    assert 0.3 < (got == 0).float().mean().item() < 0.7  # the ReLU cut about half
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs TMA (Hopper)")
+def test_compiled_mlp_with_the_fused_backward_equals_the_compiled_unfused_mlp() -> None:
+    """As training runs it: both MLPs through torch.compile (inductor's own ReLU² kernels in the unfused one)."""
+    x, c_fc, c_proj, grad_out = _record_mlp_inputs(4)
+    results = []
+    for forward in (tg.MLP.forward, lambda self, x: torch.nn.functional.linear(torch.relu(x @ self.c_fc.type_as(x)).square(), self.c_proj.type_as(x))):
+        mlp = tg.MLP(768).cuda()
+        with torch.no_grad():
+            mlp.c_fc.copy_(c_fc)
+            mlp.c_proj.copy_(c_proj)
+        leaf = x.clone().requires_grad_()
+        out = torch.compile(lambda t: forward(mlp, t), fullgraph=True, dynamic=False)(leaf)
+        out.backward(grad_out)
+        results.append((out.detach(), leaf.grad, mlp.c_fc.grad, mlp.c_proj.grad))
+        torch._dynamo.reset()
+    for name, fused, unfused in zip(("out", "grad x", "grad c_fc", "grad c_proj"), *results):
+        assert torch.equal(fused, unfused), name

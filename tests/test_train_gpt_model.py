@@ -395,3 +395,66 @@ def test_model_traces_without_graph_breaks(backend, training):
                 loss.backward()
             assert torch.isfinite(loss)
     assert len(graphs) == (1 if backend == "flex" else 2)  # ints and a float attn_scale specialize, as in the record
+
+
+def _unfused_mlp(x: torch.Tensor, c_fc: torch.Tensor, c_proj: torch.Tensor) -> torch.Tensor:
+    """MLP.forward before its backward was fused: autograd differentiates every op."""
+    return F.linear(F.relu(x @ c_fc.type_as(x)).square(), c_proj.type_as(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mlp_with_the_fused_backward_is_autograd_bitwise(dtype: torch.dtype) -> None:
+    """ReLUSquaredProjection's output and the gradients of x and both weights against autograd of the unfused MLP,
+    with pre-activations that are exactly 0 and -0 (relu's threshold) and a gradient that is not contiguous."""
+    torch.manual_seed(4)
+    mlp = tg.MLP(64)
+    nn_init = (torch.randn(64, 256) * 0.1, torch.randn(64, 256) * 0.1)
+    with torch.no_grad():
+        mlp.c_fc.copy_(nn_init[0])
+        mlp.c_proj.copy_(nn_init[1])
+        mlp.c_fc[:, :4] = 0.0  # pre = 0 in four columns
+        mlp.c_fc[:, 4:6] = -0.0
+    x = torch.randn(1, 96, 64).to(dtype).requires_grad_()
+    grad_out = torch.randn(1, 64, 96).to(dtype).transpose(1, 2)  # not contiguous
+    out = mlp(x)
+    out.backward(grad_out)
+    got = (out.detach(), x.grad, mlp.c_fc.grad, mlp.c_proj.grad)
+    x_ref = x.detach().clone().requires_grad_()
+    c_fc, c_proj = (p.detach().clone().requires_grad_() for p in (mlp.c_fc, mlp.c_proj))
+    want_out = _unfused_mlp(x_ref, c_fc, c_proj)
+    want_out.backward(grad_out)
+    want = (want_out.detach(), x_ref.grad, c_fc.grad, c_proj.grad)
+    for name, g, w in zip(("out", "grad x", "grad c_fc", "grad c_proj"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w), name
+    assert int((x @ mlp.c_fc.type_as(x) <= 0).sum()) > 0 and int((x @ mlp.c_fc.type_as(x) > 0).sum()) > 0
+
+
+def test_relu2_backward_matmul_refuses_mismatched_operands() -> None:
+    with pytest.raises(ValueError, match=r"needs grad_out \(M, K\), w \(K, N\), pre \(M, N\) of one dtype"):
+        tg.relu2_backward_matmul(torch.zeros(4, 8), torch.zeros(8, 16), torch.zeros(4, 12))
+    with pytest.raises(ValueError, match="of one dtype"):
+        tg.relu2_backward_matmul(torch.zeros(4, 8), torch.zeros(8, 16), torch.zeros(4, 16, dtype=torch.bfloat16))
+
+
+def test_mlp_saves_what_the_unfused_mlp_saved() -> None:
+    """Peak memory: the fused backward saves the pre-activation and h (bf16 each) where autograd's unfused MLP saves
+    relu(pre) and h: the same activation bytes per layer. (Compiled, inductor's partition of the joint graph
+    saves the same two in both, which a CPU run of aot_autograd's min-cut partitioner showed in session 12.)"""
+    mlp = tg.MLP(64)
+    x = torch.randn(1, 96, 64).bfloat16().requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    def activation_bytes(fn) -> int:
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        hidden = {t.untyped_storage().data_ptr(): t for t in saved if t.numel() == 96 * 256}  # one per storage
+        return sum(t.numel() * t.element_size() for t in hidden.values())
+
+    fused = activation_bytes(lambda: mlp(x))
+    unfused = activation_bytes(lambda: _unfused_mlp(x, mlp.c_fc, mlp.c_proj))
+    assert fused == unfused == 2 * 96 * 256 * 2

@@ -173,3 +173,50 @@ def test_fp8_transpose_refuses_what_the_kernel_cannot_do(monkeypatch: pytest.Mon
     }[case]
     with pytest.raises(ValueError, match="contiguous 2-D tensor of 1-byte elements"):
         tg.transpose_fp8(t)
+
+
+RELU2_CHECKS = r"""
+import json, torch, train_gpt as tg
+torch.manual_seed(0)
+results = {}
+# partial row, column and K tiles (300 rows of 32, 80 columns of 32, K = 40 in steps of 16), 4 persistent
+# programs for 30 tiles (two redo the last tile), then one tile per program and more programs than tiles
+cases = (((300, 40, 80), (32, 32, 16, 2, 4), 4), ((64, 32, 64), (32, 32, 16, 3, 4), 4), ((40, 16, 24), (16, 16, 16, 2, 1), 8))
+for (M, K, N), tile, programs in cases:
+    for dtype in (torch.float16, torch.float32):
+        pre = torch.randn(M, N).to(dtype)
+        pre[0, :3] = torch.tensor([0.0, -0.0, float("nan")])
+        w = torch.randn(K, N).to(dtype)
+        # small integers: every product and sum exact in both dtypes, so the epilogue alone decides the bits
+        g_int = torch.randint(-3, 4, (M, K)).to(dtype)
+        w_int = torch.randint(-3, 4, (K, N)).to(dtype)
+        exact = tg.relu2_backward_matmul(g_int, w_int, pre, tile, programs)
+        g = (torch.randn(M, K) / K ** 0.5).to(dtype)
+        got = tg.relu2_backward_matmul(g, w, pre, tile, programs)
+        want = tg.relu2_backward_eager(g.double(), w.double(), pre.double())
+        finite = ~want.isnan()
+        results[f"{M}x{K}x{N} {tile} {dtype}"] = dict(
+            exact_inputs_bitwise=bool(torch.equal(exact.isnan(), tg.relu2_backward_eager(g_int, w_int, pre).isnan())
+                                      and torch.equal(exact.nan_to_num(), tg.relu2_backward_eager(g_int, w_int, pre).nan_to_num())),
+            error=((got.double() - want)[finite].norm() / want[finite].norm()).item(),
+            nan_kept=bool(got[0, 2].isnan()) and int(got.isnan().sum()) == 1,
+            zeros=int((got == 0).sum()),
+            same_dtype_and_shape=got.dtype == dtype and got.shape == (M, N),
+        )
+# K * 2 bytes not a multiple of 16: no TMA descriptor, the eager formula
+g, w, pre = torch.randn(20, 12).half(), torch.randn(12, 16).half(), torch.randn(20, 16).half()
+results["unaligned K"] = dict(eager=torch.equal(tg.relu2_backward_matmul(g, w, pre), tg.relu2_backward_eager(g, w, pre)))
+print(json.dumps(results))
+"""
+
+
+def test_relu2_backward_matmul_kernel_is_the_eager_formula_under_the_interpreter():
+    """With exactly summable inputs, bitwise relu2_backward_eager (NaN kept, 0 and -0 pre-activations cut); with
+    random ones, within a rounding of the float64 formula; an unaligned K takes the eager path."""
+    results = run_under_interpreter(RELU2_CHECKS)
+    assert len(results) == 7
+    assert results.pop("unaligned K") == {"eager": True}
+    for case, r in results.items():
+        assert r["exact_inputs_bitwise"] and r["nan_kept"] and r["same_dtype_and_shape"], (case, r)
+        assert r["error"] < (2e-3 if "float16" in case else 1e-6), (case, r)
+        assert r["zeros"] > 0, (case, r)
