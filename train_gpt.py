@@ -1458,7 +1458,7 @@ def choose_attention_backend(requested: str, device: torch.device) -> str:
 #     grad_pre = threshold_backward(grad_h * (2 * relu(pre)), relu(pre), 0)
 # which reads grad_h back: 604 MB written and read per call, 88 calls per step. relu2_backward_matmul computes
 # grad_h tile by tile in a persistent Triton matmul and applies the formula in its epilogue, so grad_h never
-# reaches memory. Its product is cuBLAS's bit for bit on the record's shape (K = 768 summed in the same order:
+# reaches memory. Its product was measured equal to cuBLAS's bit for bit on the record's shape (bf16, K = 768:
 # bench/bench_relu2_matmul.py, tests/test_train_gpt_cuda.py) and the epilogue rounds once, as the unfused kernel
 # does, so training's numbers stay the same. One H200, each pair timed back to back (bench/NOTES.md session 12):
 # 0.520 against 0.563 ms per call for cuBLAS + the compiled formula. The forward's twin (pre and relu(pre)^2 from
@@ -1504,24 +1504,34 @@ def relu2_backward_eager(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
     return torch.ops.aten.threshold_backward((grad_out @ w) * (2 * r), r, 0)
 
 
-def _tma_kernels_for(t: Tensor) -> bool:
-    """TMA descriptors need Hopper or newer; the interpreter emulates them on CPU (the tests)."""
+def _tma_matmul_available_for(t: Tensor) -> bool:
+    """The kernel takes bf16/fp16 (fp32 would run its dot in TF32, and its tiles overflow shared memory) on
+    Hopper/Blackwell data-centre GPUs (TMA and about 228 KB of shared memory per SM), and anything under
+    TRITON_INTERPRET (the tests, which use fp16 and fp32: the interpreter's dot is exact there)."""
     if triton is None:
         return False
-    return _interpreting_triton() or (t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0))
+    if _interpreting_triton():
+        return True
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(t.device)[0] in (9, 10)
 
 
 def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[int, ...] = RELU2_MATMUL_TILE, programs: int | None = None) -> Tensor:
     """relu2_backward_eager(grad_out, w, pre) for 2-D grad_out (M, K), w (K, N), pre (M, N) of one dtype: the Triton
-    kernel on Hopper and under TRITON_INTERPRET, the eager formula elsewhere and where a row is not a whole number of
-    16 bytes (a TMA descriptor's stride). programs: persistent programs (default: one per SM; 4 interpreted)."""
+    kernel where _tma_matmul_available_for says so, the eager formula elsewhere and where a TMA descriptor cannot
+    take the tensors (a row or a base address not on 16 bytes). programs: persistent programs (default: one per
+    SM; 4 interpreted)."""
+    shapes = f"{tuple(grad_out.shape)} {grad_out.dtype}, {tuple(w.shape)} {w.dtype}, {tuple(pre.shape)} {pre.dtype}"
+    if not grad_out.dim() == w.dim() == pre.dim() == 2:
+        raise ValueError(f"relu2_backward_matmul: needs 2-D grad_out (M, K), w (K, N), pre (M, N); got {shapes}: flatten the leading dimensions")
     M, K = grad_out.shape
     N = w.size(1)
     if w.shape != (K, N) or pre.shape != (M, N) or not (grad_out.dtype == w.dtype == pre.dtype):
-        raise ValueError(f"relu2_backward_matmul: needs grad_out (M, K), w (K, N), pre (M, N) of one dtype, got {tuple(grad_out.shape)} {grad_out.dtype}, {tuple(w.shape)} {w.dtype}, {tuple(pre.shape)} {pre.dtype}")
-    if not _tma_kernels_for(grad_out) or (K * grad_out.element_size()) % 16 or (N * w.element_size()) % 16 or min(M, N, K) == 0:
+        raise ValueError(f"relu2_backward_matmul: needs grad_out (M, K), w (K, N), pre (M, N) of one dtype, got {shapes}")
+    if not _tma_matmul_available_for(grad_out) or (K * grad_out.element_size()) % 16 or (N * w.element_size()) % 16 or min(M, N, K) == 0:
         return relu2_backward_eager(grad_out, w, pre)
     grad_out, w, pre = grad_out.contiguous(), w.contiguous(), pre.contiguous()  # no-ops in training
+    if any(t.data_ptr() % 16 for t in (grad_out, w, pre)):  # a view starting mid-row of its storage
+        return relu2_backward_eager(grad_out, w, pre)
     out = torch.empty_like(pre)
     block_m, block_n, block_k, stages, warps = tile
     if programs is None:
@@ -1562,11 +1572,14 @@ class ReLUSquaredProjection(torch.autograd.Function):
         return F.linear(h, w)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None]:
         pre, h, w = ctx.saved_tensors
         grad_rows = grad_out.reshape(-1, grad_out.size(-1))
-        grad_pre = relu2_backward_matmul_op(grad_rows, w, pre.reshape(-1, pre.size(-1))).view(pre.shape)
-        grad_w = grad_rows.t().mm(h.reshape(-1, h.size(-1)))
+        grad_pre = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_pre = relu2_backward_matmul_op(grad_rows, w, pre.reshape(-1, pre.size(-1))).view(pre.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_rows.t().mm(h.reshape(-1, h.size(-1)))
         return grad_pre, grad_w
 
 

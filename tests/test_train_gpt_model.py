@@ -405,15 +405,13 @@ def _unfused_mlp(x: torch.Tensor, c_fc: torch.Tensor, c_proj: torch.Tensor) -> t
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mlp_with_the_fused_backward_is_autograd_bitwise(dtype: torch.dtype) -> None:
     """ReLUSquaredProjection's output and the gradients of x and both weights against autograd of the unfused MLP,
-    with pre-activations that are exactly 0 and -0 (relu's threshold) and a gradient that is not contiguous."""
+    with pre-activations that are exactly 0 (relu's threshold) and a gradient that is not contiguous."""
     torch.manual_seed(4)
     mlp = tg.MLP(64)
-    nn_init = (torch.randn(64, 256) * 0.1, torch.randn(64, 256) * 0.1)
     with torch.no_grad():
-        mlp.c_fc.copy_(nn_init[0])
-        mlp.c_proj.copy_(nn_init[1])
+        mlp.c_fc.copy_(torch.randn(64, 256) * 0.1)
+        mlp.c_proj.copy_(torch.randn(64, 256) * 0.1)
         mlp.c_fc[:, :4] = 0.0  # pre = 0 in four columns
-        mlp.c_fc[:, 4:6] = -0.0
     x = torch.randn(1, 96, 64).to(dtype).requires_grad_()
     grad_out = torch.randn(1, 64, 96).to(dtype).transpose(1, 2)  # not contiguous
     out = mlp(x)
@@ -429,7 +427,29 @@ def test_mlp_with_the_fused_backward_is_autograd_bitwise(dtype: torch.dtype) -> 
     assert int((x @ mlp.c_fc.type_as(x) <= 0).sum()) > 0 and int((x @ mlp.c_fc.type_as(x) > 0).sum()) > 0
 
 
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
+def test_relu_squared_projection_at_signed_zeros_and_partial_needs(needs: tuple[bool, bool]) -> None:
+    """A pre-activation holding 0, -0, NaN and both signs, given directly (x @ W cannot make a -0), against autograd
+    of the formula; an input that needs no gradient gets none."""
+    torch.manual_seed(5)
+    pre = torch.randn(2, 40, 32).bfloat16()
+    pre[0, 0, :4] = torch.tensor([0.0, -0.0, float("nan"), -1.0])
+    w = (torch.randn(16, 32) * 0.1).bfloat16()
+    grad_out = torch.randn(2, 40, 16).bfloat16()
+    leaves = [pre.clone().requires_grad_(needs[0]), w.clone().requires_grad_(needs[1])]
+    refs = [pre.clone().requires_grad_(needs[0]), w.clone().requires_grad_(needs[1])]
+    tg.ReLUSquaredProjection.apply(*leaves).backward(grad_out)
+    F.linear(F.relu(refs[0]).square(), refs[1]).backward(grad_out)
+    for leaf, ref, needed in zip(leaves, refs, needs):
+        assert (leaf.grad is None) == (not needed)
+        if needed:
+            assert torch.equal(leaf.grad.isnan(), ref.grad.isnan()) and torch.equal(leaf.grad.nan_to_num(), ref.grad.nan_to_num())
+            assert torch.equal(leaf.grad.signbit(), ref.grad.signbit())  # -0 and +0 as autograd gives them
+
+
 def test_relu2_backward_matmul_refuses_mismatched_operands() -> None:
+    with pytest.raises(ValueError, match="needs 2-D grad_out"):
+        tg.relu2_backward_matmul(torch.zeros(1, 4, 8), torch.zeros(8, 16), torch.zeros(4, 16))
     with pytest.raises(ValueError, match=r"needs grad_out \(M, K\), w \(K, N\), pre \(M, N\) of one dtype"):
         tg.relu2_backward_matmul(torch.zeros(4, 8), torch.zeros(8, 16), torch.zeros(4, 12))
     with pytest.raises(ValueError, match="of one dtype"):

@@ -191,6 +191,12 @@ for (M, K, N), tile, programs in cases:
         g_int = torch.randint(-3, 4, (M, K)).to(dtype)
         w_int = torch.randint(-3, 4, (K, N)).to(dtype)
         exact = tg.relu2_backward_matmul(g_int, w_int, pre, tile, programs)
+        # larger integers: sums exact in fp32 but beyond fp16's integers (2048), so the product's rounding to the
+        # output dtype before the epilogue decides bits (a kernel without it differs in thousands of elements)
+        g_big = torch.randint(-30, 31, (M, K)).to(dtype)
+        w_big = torch.randint(-30, 31, (K, N)).to(dtype)
+        big = tg.relu2_backward_matmul(g_big, w_big, pre, tile, programs)
+        want_big = tg.relu2_backward_eager(g_big, w_big, pre)
         g = (torch.randn(M, K) / K ** 0.5).to(dtype)
         got = tg.relu2_backward_matmul(g, w, pre, tile, programs)
         want = tg.relu2_backward_eager(g.double(), w.double(), pre.double())
@@ -198,6 +204,8 @@ for (M, K, N), tile, programs in cases:
         results[f"{M}x{K}x{N} {tile} {dtype}"] = dict(
             exact_inputs_bitwise=bool(torch.equal(exact.isnan(), tg.relu2_backward_eager(g_int, w_int, pre).isnan())
                                       and torch.equal(exact.nan_to_num(), tg.relu2_backward_eager(g_int, w_int, pre).nan_to_num())),
+            big_inputs_bitwise=bool(torch.equal(big.isnan(), want_big.isnan()) and torch.equal(big.nan_to_num(), want_big.nan_to_num())),
+            big_products_round=bool(((g_big.double() @ w_big.double()).abs() > 2048).any()),
             error=((got.double() - want)[finite].norm() / want[finite].norm()).item(),
             nan_kept=bool(got[0, 2].isnan()) and int(got.isnan().sum()) == 1,
             zeros=int((got == 0).sum()),
@@ -206,6 +214,10 @@ for (M, K, N), tile, programs in cases:
 # K * 2 bytes not a multiple of 16: no TMA descriptor, the eager formula
 g, w, pre = torch.randn(20, 12).half(), torch.randn(12, 16).half(), torch.randn(20, 16).half()
 results["unaligned K"] = dict(eager=torch.equal(tg.relu2_backward_matmul(g, w, pre), tg.relu2_backward_eager(g, w, pre)))
+# a view whose first element is not on 16 bytes (a TMA descriptor asserts on it): the eager formula too
+storage = torch.randn(1 + 20 * 16).half()
+g16, w16, pre16 = storage[1:].view(20, 16), torch.randn(16, 16).half(), torch.randn(20, 16).half()
+results["unaligned base"] = dict(eager=torch.equal(tg.relu2_backward_matmul(g16, w16, pre16), tg.relu2_backward_eager(g16, w16, pre16)))
 print(json.dumps(results))
 """
 
@@ -214,9 +226,10 @@ def test_relu2_backward_matmul_kernel_is_the_eager_formula_under_the_interpreter
     """With exactly summable inputs, bitwise relu2_backward_eager (NaN kept, 0 and -0 pre-activations cut); with
     random ones, within a rounding of the float64 formula; an unaligned K takes the eager path."""
     results = run_under_interpreter(RELU2_CHECKS)
-    assert len(results) == 7
-    assert results.pop("unaligned K") == {"eager": True}
+    assert len(results) == 8
+    assert results.pop("unaligned K") == {"eager": True} and results.pop("unaligned base") == {"eager": True}
     for case, r in results.items():
         assert r["exact_inputs_bitwise"] and r["nan_kept"] and r["same_dtype_and_shape"], (case, r)
+        assert r["big_inputs_bitwise"] and (r["big_products_round"] or "float32" in case), (case, r)
         assert r["error"] < (2e-3 if "float16" in case else 1e-6), (case, r)
         assert r["zeros"] > 0, (case, r)
