@@ -11,7 +11,6 @@ train_gpt.py's --name=value overrides.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -46,6 +45,7 @@ def main() -> None:
             compiled(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, hp.train_max_seq_len).backward()
         adam.step()
         muon.step()
+        model.refresh_bf16_copies()
         model.zero_grad(set_to_none=True)
 
     for _ in range(WARMUP_STEPS):
@@ -66,8 +66,8 @@ def main() -> None:
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<26} {us / PROFILED_STEPS / 1e3:8.1f} ms  {100 * us / total_us:5.1f}%")
     print("top kernels:")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-        print(f"  {e.self_device_time_total / PROFILED_STEPS / 1e3:8.2f} ms  x{e.count // PROFILED_STEPS:<4} {e.key[:110]}")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:int(os.environ.get("PROFILE_TOP", "25"))]:
+        print(f"  {e.self_device_time_total / PROFILED_STEPS / 1e3:8.2f} ms  x{e.count // PROFILED_STEPS:<4} {e.key[:170]}")
     torch.distributed.destroy_process_group()
 
 

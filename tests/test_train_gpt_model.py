@@ -478,3 +478,89 @@ def test_mlp_saves_what_the_unfused_mlp_saved() -> None:
     fused = activation_bytes(lambda: mlp(x))
     unfused = activation_bytes(lambda: _unfused_mlp(x, mlp.c_fc, mlp.c_proj))
     assert fused == unfused == 2 * 96 * 256 * 2
+
+
+def bf16_tiny_model(copies: bool) -> tg.GPT:
+    """tiny_model laid out as build_model lays out the model on CUDA (embeddings and linears bf16, matrices
+    fp32), every parameter perturbed so that no matrix starts at zero; with copies the forward reads bf16 copies."""
+    model = tiny_model()
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.Linear)):
+            module.bfloat16()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator).to(param.dtype) * 0.02)
+    if copies:
+        model.use_bf16_copies()
+    return model
+
+
+def _micro_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(random_documents(128, num_bos=3, seed=20 + i).to(torch.int32), random_documents(128, num_bos=0, seed=40 + i)) for i in range(count)]
+
+
+def _train_and_record(model: tg.GPT, forward, steps: int = 2, micro_steps: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Each step's accumulated gradients, then the parameters after all steps, as the training loop runs them."""
+    hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2)
+    adam, muon = tg.build_optimizers(model, hp, 0, 1)
+    windows = model.attention.window_args(1, 3, torch.device("cpu"))
+    records = []
+    for step in range(steps):
+        for ids, targets in _micro_batches(micro_steps):
+            forward(ids, targets, None, *windows, 128).backward()
+        records.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        adam.step()
+        muon.step()
+        model.refresh_bf16_copies()
+        model.zero_grad(set_to_none=True)
+    records.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return records
+
+
+def _assert_records_equal(expected: list[dict[str, torch.Tensor]], actual: list[dict[str, torch.Tensor]]) -> None:
+    for index, (a, b) in enumerate(zip(expected, actual, strict=True)):
+        assert a.keys() == b.keys()
+        differ = [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
+        assert differ == [], (index, differ)
+
+
+def test_bf16_copies_train_bitwise_like_the_cast_at_use() -> None:
+    """Three micro-steps a step, Adam and Muon: every accumulated gradient and every parameter after two steps
+    equal the cast-at-use model's bit for bit; the fp32 matrices get fp32 gradients, the copies keep none."""
+    cast_at_use, with_copies = bf16_tiny_model(copies=False), bf16_tiny_model(copies=True)
+    expected = _train_and_record(cast_at_use, cast_at_use)
+    actual = _train_and_record(with_copies, with_copies)
+    _assert_records_equal(expected, actual)
+    assert {p.dtype for p in with_copies.matrix_copies.masters} == {torch.float32}
+    assert all(copy.grad is None and copy.dtype == torch.bfloat16 for copy in with_copies.matrix_copies.copies)
+    assert len(with_copies.matrix_copies.copies) == len(with_copies.matrix_owners()) == 10 + 2 * 11
+
+
+def test_the_forward_reads_the_copies_until_they_are_refreshed() -> None:
+    """A change of a matrix reaches the forward only through refresh_bf16_copies (train and the warm-up call it
+    after every change; tests/test_train_gpt_e2e.py runs both with copies against the cast at use)."""
+    with_copies, cast_at_use = bf16_tiny_model(copies=True), bf16_tiny_model(copies=False)
+    ((ids, targets),) = _micro_batches(1)
+    windows = with_copies.attention.window_args(1, 3, torch.device("cpu"))
+    loss = lambda model: model(ids, targets, None, *windows, 128).detach()
+    before = loss(with_copies)
+    assert torch.equal(before, loss(cast_at_use))
+    with torch.no_grad():
+        for model in (with_copies, cast_at_use):
+            model.blocks[2].mlp.c_fc.mul_(3.0)
+    assert torch.equal(loss(with_copies), before), "the forward read the fp32 matrix, not its copy"
+    with_copies.refresh_bf16_copies()
+    assert torch.equal(loss(with_copies), loss(cast_at_use)) and not torch.equal(loss(cast_at_use), before)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_bf16_copies_under_aot_autograd_are_the_cast_at_use() -> None:
+    """torch.compile's autograd graphs (aot_eager: no code generation) with the copies as graph inputs: the same
+    gradients and updates as the compiled cast-at-use model, bit for bit."""
+    cast_at_use, with_copies = bf16_tiny_model(copies=False), bf16_tiny_model(copies=True)
+    compile = lambda m: torch.compile(m, dynamic=False, fullgraph=True, backend="aot_eager")
+    expected = _train_and_record(cast_at_use, compile(cast_at_use))
+    actual = _train_and_record(with_copies, compile(with_copies))
+    _assert_records_equal(expected, actual)
