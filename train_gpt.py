@@ -1583,43 +1583,6 @@ class ReLUSquaredProjection(torch.autograd.Function):
         return grad_pre, grad_w
 
 
-# ---- bf16 copies of the fp32 matrices ----
-# The attention and MLP matrices are fp32 (Muon updates them) and multiply in bf16. Cast at use, as in the record,
-# every micro-step's compiled graph cast each matrix again and returned its gradient in fp32, which autograd then
-# added into .grad: on one H200 at 8 micro-steps a step, 2.8 ms of cast kernels and 2.0 ms of fp32 adds per step
-# (bench/NOTES.md session 13). On CUDA the forward reads persistent bf16 copies instead, refreshed once a step,
-# and a hook adds each micro-step's bf16 gradient into the fp32 .grad in one mixed-dtype add_. The numbers stay:
-# the copy is the cast's round-to-nearest-even, and .grad + float(g) is the sum autograd's accumulation formed.
-class Bf16Copies:
-    """bf16 copies of fp32 parameters for the forward; their gradients land in the parameters' fp32 .grad."""
-
-    def __init__(self, masters: list[nn.Parameter]):
-        self.masters = masters
-        self.copies = [torch.empty_like(m, dtype=torch.bfloat16, requires_grad=True) for m in masters]
-        for master, bf16 in zip(masters, self.copies):
-            bf16.register_post_accumulate_grad_hook(lambda bf16, master=master: _accumulate_grad(master, bf16))
-        self.refresh()
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """After every change of the fp32 values (optimizer step, initialization, loading): one cast of each."""
-        torch._foreach_copy_(self.copies, self.masters)
-
-
-def _accumulate_grad(master: nn.Parameter, bf16: Tensor) -> None:
-    grad, bf16.grad = bf16.grad, None
-    if master.grad is None:
-        master.grad = grad.to(master.dtype)
-    else:
-        master.grad.add_(grad)  # fp32 + float(bf16) in one kernel
-
-
-def matrix_in(module: nn.Module, name: str, x: Tensor) -> Tensor:
-    """The fp32 matrix module.<name> in x's dtype: the step's bf16 copy where GPT.use_bf16_copies made one."""
-    bf16 = module.bf16_copies.get(name)
-    return bf16 if bf16 is not None and bf16.dtype == x.dtype else getattr(module, name).type_as(x)
-
-
 # ---- blocks ----
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
@@ -1629,7 +1592,6 @@ class CausalSelfAttention(nn.Module):
         self.qkvo_w = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "attn")
         self.attn_gate = CastedLinear(GATE_INPUT_DIMS, num_heads)
         tag(self.attn_gate.weight, "attn_gate")
-        self.bf16_copies: dict[str, Tensor] = {}  # see matrix_in
 
     def forward(
         self,
@@ -1643,7 +1605,7 @@ class CausalSelfAttention(nn.Module):
         scale: float | Tensor,
     ) -> Tensor:
         T, D = x.size(1), x.size(2)
-        weights = matrix_in(self, "qkvo_w", x).view(4, D, D)
+        weights = self.qkvo_w.view(4, D, D).type_as(x)
         qkv = F.linear(x, weights[:3].flatten(0, 1)).view(1, T, 3 * self.num_heads, self.head_dim)
         q, k, v = qkv.chunk(3, dim=-2)
         q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
@@ -1658,10 +1620,9 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as h @ c_fc
         self.c_proj = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as a @ c_proj^T
-        self.bf16_copies: dict[str, Tensor] = {}  # see matrix_in
 
     def forward(self, x: Tensor) -> Tensor:  # F.linear(F.relu(x @ c_fc).square(), c_proj), its backward fused
-        return ReLUSquaredProjection.apply(x @ matrix_in(self, "c_fc", x), matrix_in(self, "c_proj", x))
+        return ReLUSquaredProjection.apply(x @ self.c_fc.type_as(x), self.c_proj.type_as(x))
 
 
 class Block(nn.Module):
@@ -1730,28 +1691,7 @@ class GPT(nn.Module):
         tag(self.scalars, lr_mul=5.0)
         for name, param in self.named_parameters():
             param.label = name
-        self.matrix_copies: Bf16Copies | None = None  # use_bf16_copies
         self.reset_parameters()
-
-    def matrix_owners(self) -> list[tuple[nn.Module, str]]:
-        """(module, name) of every fp32 matrix the forward multiplies: attention qkvo, MLP c_fc and c_proj."""
-        owners = []
-        for block in self.blocks:
-            owners += [(block.attn, "qkvo_w")] if block.attn is not None else []
-            owners += [(block.mlp, "c_fc"), (block.mlp, "c_proj")] if block.mlp is not None else []
-        return owners
-
-    def use_bf16_copies(self) -> None:
-        """From now on the forward reads bf16 copies of the matrices (see Bf16Copies); whoever changes the fp32
-        values calls refresh_bf16_copies() before the next forward (train and warmup_kernels do)."""
-        owners = self.matrix_owners()
-        self.matrix_copies = Bf16Copies([getattr(module, name) for module, name in owners])
-        for (module, name), bf16 in zip(owners, self.matrix_copies.copies):
-            module.bf16_copies[name] = bf16
-
-    def refresh_bf16_copies(self) -> None:
-        if self.matrix_copies is not None:
-            self.matrix_copies.refresh()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -2698,11 +2638,9 @@ def warmup_kernels(
         model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
         adam.step()
         muon.step()
-        raw_model.refresh_bf16_copies()
         model.zero_grad(set_to_none=True)
     raw_model.rotary.reset()
     raw_model.load_state_dict(saved["model"])
-    raw_model.refresh_bf16_copies()
     adam.load_state_dict(saved["adam"])
     muon.load_state_dict(saved["muon"])
 
@@ -2765,7 +2703,6 @@ def train(
     ws_long = replay_yarn(raw_model, hp, start)  # the long window the rotary tables are set for
     health = StepHealth(rt.device, rt.world_size, HEALTH_LAG_CUDA if rt.device.type == "cuda" else 0)
     final_loss = float("nan")
-    raw_model.refresh_bf16_copies()  # the fp32 values may be new (a checkpoint, a re-initialization)
     _defer_stop = True
     synchronize(rt.device)
     t0 = time.perf_counter()
@@ -2822,7 +2759,6 @@ def train(
         muon.launch_reductions()  # in flight while Adam updates
         adam.step()
         muon.step()
-        raw_model.refresh_bf16_copies()
         model.zero_grad(set_to_none=True)
         health.push(step, step_loss, _stop_signal is not None)
         approx_ms = progress.training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
@@ -2863,8 +2799,6 @@ def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GP
     raw_model.lm_head.use_fp8 = fp8
     for param in raw_model.parameters():
         dist.broadcast(param.detach(), 0)
-    if on_cuda:
-        raw_model.use_bf16_copies()
     return raw_model
 
 

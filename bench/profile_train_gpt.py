@@ -45,7 +45,6 @@ def main() -> None:
             compiled(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, hp.train_max_seq_len).backward()
         adam.step()
         muon.step()
-        model.refresh_bf16_copies()
         model.zero_grad(set_to_none=True)
 
     for _ in range(WARMUP_STEPS):

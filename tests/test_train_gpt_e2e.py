@@ -111,36 +111,3 @@ def test_two_gloo_processes_match_one_process(tiny_shards, tmp_path):
         a, b = state_two[name].double(), state_one[name].double()
         assert not a.isnan().any()
         assert (a - b).norm() <= 5e-3 * b.norm() + 1e-6, f"{name}: relative difference {((a - b).norm() / b.norm()).item():.2e}"
-
-
-_BF16_LAYOUT_RUN = """
-import sys, torch, train_gpt
-build_model, with_copies = train_gpt.build_model, sys.argv.pop(1) == "copies"
-def bf16_layout(*args, **kwargs):  # CUDA's dtypes on CPU: embeddings and linears bf16, matrices fp32
-    model = build_model(*args, **kwargs)
-    for module in model.modules():
-        if isinstance(module, (torch.nn.Embedding, torch.nn.Linear)):
-            module.bfloat16()
-    if with_copies:
-        model.use_bf16_copies()
-    return model
-train_gpt.build_model = bf16_layout
-train_gpt.main()
-"""
-
-
-@pytest.mark.slow
-def test_bf16_copies_run_bitwise_like_the_cast_at_use(tiny_shards, tmp_path):
-    """The whole run (warm-up and its restore, validation, training) in CUDA's dtypes on CPU, with the bf16
-    copies of the matrices (as on CUDA) and with the cast at use: the same val losses and final weights, bit for
-    bit; a copy left stale anywhere, or a gradient accumulated differently, would change them."""
-    train_files, val_files = tiny_shards
-    runs = {}
-    for mode in ("copies", "cast"):
-        log_dir = tmp_path / mode
-        _run([sys.executable, "-c", _BF16_LAYOUT_RUN, mode, *tiny_args(train_files, val_files, log_dir, save_checkpoint="true")])
-        runs[mode] = ([m[3] for m in _step_lines(_single_log(log_dir))[0]], _checkpoint(log_dir)["model"])
-    (losses, state), (cast_losses, cast_state) = runs["copies"], runs["cast"]
-    assert len(losses) == 3 and losses == cast_losses
-    assert state.keys() == cast_state.keys() and state["blocks.1.mlp.c_fc"].dtype == torch.float32
-    assert [n for n in state if not torch.equal(state[n], cast_state[n])] == []
