@@ -3,7 +3,7 @@
 Builds the record model and optimizers from train_gpt.py's own pieces, compiles, runs WARMUP_STEPS steps,
 then records PROFILED_STEPS steps with torch.profiler and prints the top kernels by GPU time and a summary
 by kind (attention, FP8 head, GEMMs, Newton-Schulz, communication, Triton elementwise). The arguments are
-train_gpt.py's --name=value overrides.
+train_gpt.py's --name=value overrides; PROFILE_TOP=N lists N kernels (default 25).
 
     python bench/profile_train_gpt.py --train_files=.proxy/docs_train_*.bin --val_files=.proxy/docs_val_*.bin
 """
@@ -25,7 +25,15 @@ from ab import kind_of  # noqa: E402  (the kernel kinds of the A/B runner's prof
 WARMUP_STEPS = 4  # compile and autotune outside the profile
 PROFILED_STEPS = 2
 
+
+def kernels_to_list() -> int:
+    text = os.environ.get("PROFILE_TOP", "25")
+    if not text.isdigit():
+        sys.exit(f"profile_train_gpt.py: PROFILE_TOP={text!r}: give a whole number of kernels to list, e.g. PROFILE_TOP=100")
+    return int(text)
+
 def main() -> None:
+    top = kernels_to_list()
     hp, _ = tg.parse_args(sys.argv[1:])
     rt = tg.setup_distributed()
     tg.configure_torch(rt.device)
@@ -65,7 +73,7 @@ def main() -> None:
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<26} {us / PROFILED_STEPS / 1e3:8.1f} ms  {100 * us / total_us:5.1f}%")
     print("top kernels:")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:int(os.environ.get("PROFILE_TOP", "25"))]:
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"  {e.self_device_time_total / PROFILED_STEPS / 1e3:8.2f} ms  x{e.count // PROFILED_STEPS:<4} {e.key[:170]}")
     torch.distributed.destroy_process_group()
 
