@@ -1,0 +1,100 @@
+"""The tables' backward for one training step at one GPU: autograd's, compiled, against train_gpt's in-place one.
+
+A step of the record at one GPU runs 8 micro-steps of 49,152 tokens, each looking up four 50,304 x 768 bf16 tables
+(the token embedding and three value embeddings) and adding their gradients into the tables' .grad. Both versions
+run those lookups and their backward in a compiled function, given the lookups' output gradients:
+  * autograd: F.embedding, whose compiled backward zeroes an fp32 table, scatter-adds into it and rounds it to
+    bf16, then AccumulateGrad adds that into .grad (train_gpt.py before the in-place gradients);
+  * in place: train_gpt.EmbeddingIntoGradBuffer, whose backward is accumulate_embedding_grad (zero, scatter into and
+    add only the rows the ids name).
+Each is timed as a whole step (8 micro-steps x 4 tables, gradients zeroed between steps), in pairs back to back,
+orders alternating; it prints each pair's milliseconds, the median ratio, how many rows a micro-step names, and
+how many gradient elements differ between the two (both sum a row's fp32 terms with atomics in no fixed order, so
+a rounding to bf16 may differ by one place: 2^-8 relative).
+
+    python bench/bench_embedding_grad.py --tokens '.proxy/docs_train_*.bin'   # one GPU, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import train_gpt  # noqa: E402
+from bench.gpu_timing import median_ms  # noqa: E402
+
+TOKENS, ROWS, DIM, TABLES, MICRO_STEPS = 49152, 50304, 768, 4, 8
+
+
+def token_ids(pattern: str | None, vocab: int) -> list[torch.Tensor]:
+    """MICRO_STEPS windows of TOKENS ids: from the first shard matching pattern, else Zipf-distributed."""
+    if pattern:
+        files = sorted(glob.glob(pattern))
+        if not files:
+            raise SystemExit(f"bench_embedding_grad.py: no file matches --tokens {pattern!r}; pass a shard pattern such as '.proxy/docs_train_*.bin'")
+        tokens = torch.from_numpy(train_gpt.read_shard(files[0], vocab).astype("int32"))
+        if tokens.numel() < TOKENS * MICRO_STEPS:
+            raise SystemExit(f"bench_embedding_grad.py: {files[0]} holds {tokens.numel()} tokens, fewer than {TOKENS * MICRO_STEPS}; pass a larger shard")
+        return [tokens[i * TOKENS : (i + 1) * TOKENS].cuda() for i in range(MICRO_STEPS)]
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    return [torch.multinomial(weights, TOKENS, replacement=True).to(torch.int32).cuda() for _ in range(MICRO_STEPS)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", help="a glob of token shards to take the ids from (default: Zipf-distributed ids)")
+    parser.add_argument("--pairs", type=int, default=8, help="autograd/in-place pairs, orders alternating")
+    parser.add_argument("--repeats", type=int, default=5, help="steps per median")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or train_gpt.triton is None:
+        raise SystemExit("bench_embedding_grad.py: needs a CUDA GPU and Triton.")
+    torch.manual_seed(0)
+    ids = token_ids(args.tokens, 50257)
+    grad_outs = [[torch.randn(TOKENS, DIM, device="cuda").bfloat16() for _ in range(TABLES)] for _ in range(MICRO_STEPS)]
+    tables = [torch.randn(ROWS, DIM, device="cuda").bfloat16().requires_grad_() for _ in range(TABLES)]
+    buffers = [torch.zeros_like(t) for t in tables]
+    look_up = torch.compile(lambda i, *ws: [F.embedding(i, w) for w in ws], fullgraph=True, dynamic=False)
+    look_up_in_place = torch.compile(
+        lambda i, ws, bs: [train_gpt.EmbeddingIntoGradBuffer.apply(i, w, b) for w, b in zip(ws, bs)], fullgraph=True, dynamic=False
+    )
+
+    def autograd_step() -> None:
+        for t in tables:
+            t.grad = None
+        for i, g in zip(ids, grad_outs):
+            torch.autograd.backward(look_up(i, *tables), g)
+
+    def in_place_step() -> None:
+        for b in buffers:
+            b.zero_()
+        for i, g in zip(ids, grad_outs):
+            torch.autograd.backward(look_up_in_place(i, tables, buffers), g)
+
+    autograd_step()
+    in_place_step()
+    torch.cuda.synchronize()
+    named = [int(torch.unique(i).numel()) for i in ids]
+    print(f"rows named per micro-step: {min(named)}-{max(named)} of {ROWS} (median {statistics.median(named):.0f})")
+    for index, (t, b) in enumerate(zip(tables, buffers)):
+        differ = t.grad.view(torch.int16) != b.view(torch.int16)
+        relative = ((t.grad.float() - b.float()).abs() / t.grad.float().abs().clamp_min(2.0**-126)).max().item()
+        print(f"table {index}: {int(differ.sum())} of {b.numel()} gradient elements differ (largest relative difference {relative:.2e})")
+    ratios = []
+    for pair in range(args.pairs):
+        order = ((autograd_step, "autograd"), (in_place_step, "in place"))[:: 1 if pair % 2 == 0 else -1]
+        ms = {name: median_ms(fn, args.repeats) for fn, name in order}
+        ratios.append(ms["in place"] / ms["autograd"])
+        print(f"pair {pair + 1}: autograd {ms['autograd']:.3f} ms, in place {ms['in place']:.3f} ms per step (x{ratios[-1]:.3f})")
+    print(f"in place / autograd: median x{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} pairs)")
+
+
+if __name__ == "__main__":
+    main()
