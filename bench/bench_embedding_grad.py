@@ -21,6 +21,8 @@ import argparse
 import glob
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--tokens", help="a glob of token shards to take the ids from (default: Zipf-distributed ids)")
     parser.add_argument("--pairs", type=int, default=8, help="autograd/in-place pairs, orders alternating")
     parser.add_argument("--repeats", type=int, default=5, help="steps per median")
+    parser.add_argument("--profile", action="store_true", help="also list each version's kernels (device ms per step) and its host time per step")
     args = parser.parse_args()
     if not torch.cuda.is_available() or train_gpt.triton is None:
         raise SystemExit("bench_embedding_grad.py: needs a CUDA GPU and Triton.")
@@ -94,6 +97,27 @@ def main() -> None:
         ratios.append(ms["in place"] / ms["autograd"])
         print(f"pair {pair + 1}: autograd {ms['autograd']:.3f} ms, in place {ms['in place']:.3f} ms per step (x{ratios[-1]:.3f})")
     print(f"in place / autograd: median x{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} pairs)")
+    if args.profile:
+        for fn, name in ((autograd_step, "autograd"), (in_place_step, "in place")):
+            print_profile(fn, name)
+
+
+def print_profile(step: Callable[[], None], name: str) -> None:
+    """One step under torch.profiler: the kernels by device time, and the host's time to issue the step (if it
+    exceeds the kernels' sum, the timing above measured the host, not the GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        host_ms = 1000 * (time.perf_counter() - start)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in kernels) / 1000
+    print(f"{name}: kernels {total:.3f} ms, host {host_ms:.3f} ms to issue the step (profiled)")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]:
+        print(f"    {e.self_device_time_total / 1000:8.3f} ms  x{e.count:<4d} {e.key[:100]}")
 
 
 if __name__ == "__main__":
