@@ -890,11 +890,10 @@ if triton is not None:
 
     @triton.jit
     def _round_to_bf16(x):
-        """fp32 -> nearest-even bf16, returned as fp32 (integer arithmetic, exact under the interpreter too). NaN stays
-        NaN: the carry would turn CUDA's 0x7FFFFFFF into -0."""
+        """fp32 -> nearest-even bf16, returned as fp32 (integer arithmetic, exact under the interpreter too)."""
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _e5m2_byte(x):
@@ -1584,120 +1583,6 @@ class ReLUSquaredProjection(torch.autograd.Function):
         return grad_pre, grad_w
 
 
-# ---- embedding tables: gradients added in place, row by row ----
-# Autograd's gradient of a bf16 table as inductor compiles it (a zeroed fp32 table, an atomic scatter-add, a rounding
-# to bf16, then AccumulateGrad's add from the second micro-step on; the first takes the tensor), as an eager formula:
-#     summed = zeros(rows, dim, fp32).index_add_(0, ids, grad_out.float()); table.grad += summed.bfloat16()
-# moves the whole table about four times per micro-step although a micro-step's 49,152 tokens name a minority of
-# its 50,304 rows: the zero fill and the scatter's fp32 table (155 MB), the bf16 rounding pass (232 MB), the add
-# (232 MB); four tables, 8 micro-steps per step at one GPU. accumulate_embedding_grad keeps the formula's roundings
-# (fp32 sums, one rounding to bf16, then the add in fp32 rounded to bf16) and touches only the named rows: it zeroes
-# them in an uninitialised fp32 table, scatter-adds with fp32 atomics (as inductor's kernel does: neither fixes the
-# order of a row's sums), and adds them into the table's gradient buffer. The tables' .grad are those buffers, set
-# by GPT.accumulate_table_grads_in_place, whose backward hands autograd no gradient for them.
-EMBEDDING_GRAD_TILE = (16, 256, 4)  # (ids or rows per program, columns per program, warps)
-
-if triton is not None:
-
-    @triton.jit
-    def _clear_named_rows_kernel(ids_ptr, summed_ptr, named_ptr, n_ids, n_rows, DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-        # summed[ids[i], :] = 0 and named[ids[i]] = 1; a repeated id writes the same values again
-        positions = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        rows = tl.load(ids_ptr + positions, mask=positions < n_ids, other=n_rows).to(tl.int64)
-        valid = rows < n_rows  # past the end, and (never in training: read_shard checks every token) an id past the table
-        tl.store(named_ptr + rows, tl.full((ROWS,), 1, tl.int8), mask=valid)
-        tile = valid[:, None] & (cols[None, :] < DIM)
-        tl.store(summed_ptr + rows[:, None] * DIM + cols[None, :], tl.zeros((ROWS, BLOCK_D), tl.float32), mask=tile)
-
-    @triton.jit
-    def _scatter_add_kernel(ids_ptr, grad_out_ptr, summed_ptr, n_ids, n_rows, DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-        # summed[ids[i], :] += float(grad_out[i, :])
-        positions = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        rows = tl.load(ids_ptr + positions, mask=positions < n_ids, other=n_rows).to(tl.int64)
-        tile = (rows < n_rows)[:, None] & (cols[None, :] < DIM)
-        values = tl.load(grad_out_ptr + positions.to(tl.int64)[:, None] * DIM + cols[None, :], mask=tile).to(tl.float32)
-        tl.atomic_add(summed_ptr + rows[:, None] * DIM + cols[None, :], values, mask=tile, sem="relaxed")
-
-    @triton.jit
-    def _add_named_rows_kernel(
-        named_ptr, summed_ptr, grad_ptr, n_rows, DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_TO_BF16: tl.constexpr
-    ):
-        # grad[r, :] = grad[r, :] + summed[r, :] for the named rows r, each rounded as the eager formula rounds it
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        named = tl.load(named_ptr + rows, mask=rows < n_rows, other=0) != 0
-        offsets = rows.to(tl.int64)[:, None] * DIM + cols[None, :]
-        tile = named[:, None] & (cols[None, :] < DIM)  # rows no id names are never read
-        summed = tl.load(summed_ptr + offsets, mask=tile)
-        total = tl.load(grad_ptr + offsets, mask=tile).to(tl.float32)
-        if ROUND_TO_BF16:
-            total = _round_to_bf16(total + _round_to_bf16(summed))  # summed.bfloat16(), then bf16 + bf16 in fp32
-        else:
-            total = total + summed
-        tl.store(grad_ptr + offsets, total.to(grad_ptr.dtype.element_ty), mask=tile)
-
-
-def accumulate_embedding_grad_eager(grad_out: Tensor, ids: Tensor, grad: Tensor) -> None:
-    """grad += the gradient of F.embedding(ids, table) given its output's gradient, summed in fp32 and rounded to
-    grad's dtype once (the formula above). The CPU path and the kernels' reference."""
-    summed = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
-    summed.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, grad.size(1)).float())  # on CPU in the ids' order
-    grad.add_(summed.to(grad.dtype))
-
-
-def accumulate_embedding_grad(grad_out: Tensor, ids: Tensor, grad: Tensor, tile: tuple[int, int, int] = EMBEDDING_GRAD_TILE) -> None:
-    """accumulate_embedding_grad_eager(grad_out, ids, grad) for a contiguous 2-D bf16 or fp32 grad (rows, dim), ids
-    (any shape, values in [0, rows)) and grad_out (*ids.shape, dim): the three Triton kernels on CUDA and under
-    TRITON_INTERPRET, the eager formula elsewhere and for other dtypes."""
-    shapes = f"grad_out {tuple(grad_out.shape)}, ids {tuple(ids.shape)}, grad {tuple(grad.shape)}"
-    if grad.dim() != 2 or grad_out.shape != (*ids.shape, grad.size(1)):
-        raise ValueError(f"accumulate_embedding_grad: needs grad (rows, dim) and grad_out (*ids.shape, dim); got {shapes}")
-    if not _triton_kernels_for(grad) or grad.dtype not in (torch.bfloat16, torch.float32) or not grad.is_contiguous():
-        accumulate_embedding_grad_eager(grad_out, ids, grad)
-        return
-    n_rows, dim = grad.shape
-    ids, grad_out = ids.reshape(-1).contiguous(), grad_out.reshape(-1, dim).contiguous()
-    rows_per_program, block_d, warps = tile
-    block_d = min(block_d, triton.next_power_of_2(dim))
-    summed = torch.empty((n_rows, dim), dtype=torch.float32, device=grad.device)  # only the named rows are used
-    named = torch.zeros(n_rows, dtype=torch.int8, device=grad.device)
-    shape = dict(DIM=dim, ROWS=rows_per_program, BLOCK_D=block_d, num_warps=warps)
-    by_id = (triton.cdiv(ids.numel(), rows_per_program), triton.cdiv(dim, block_d))
-    _clear_named_rows_kernel[by_id](ids, summed, named, ids.numel(), n_rows, **shape)
-    _scatter_add_kernel[by_id](ids, grad_out, summed, ids.numel(), n_rows, **shape)
-    by_row = (triton.cdiv(n_rows, rows_per_program), triton.cdiv(dim, block_d))
-    _add_named_rows_kernel[by_row](named, summed, grad, n_rows, ROUND_TO_BF16=grad.dtype == torch.bfloat16, **shape)
-
-
-@torch.library.custom_op("train_gpt::accumulate_embedding_grad", mutates_args=("grad",))
-def accumulate_embedding_grad_op(grad_out: Tensor, ids: Tensor, grad: Tensor) -> None:
-    """accumulate_embedding_grad as one opaque op: the compiled backward calls it and adds into grad in place."""
-    accumulate_embedding_grad(grad_out, ids, grad)
-
-
-@accumulate_embedding_grad_op.register_fake
-def _(grad_out: Tensor, ids: Tensor, grad: Tensor) -> None:
-    return None
-
-
-class EmbeddingIntoGradBuffer(torch.autograd.Function):
-    """F.embedding(ids, weight) whose backward adds weight's gradient into grad_buffer (accumulate_embedding_grad)
-    and gives autograd none for weight, so no AccumulateGrad runs for it: weight.grad must be grad_buffer."""
-
-    @staticmethod
-    def forward(ctx: Any, ids: Tensor, weight: Tensor, grad_buffer: Tensor) -> Tensor:
-        ctx.save_for_backward(ids, grad_buffer)
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[None, None, None]:
-        ids, grad_buffer = ctx.saved_tensors
-        accumulate_embedding_grad_op(grad_out, ids, grad_buffer)
-        return None, None, None
-
-
 # ---- blocks ----
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
@@ -1808,32 +1693,6 @@ class GPT(nn.Module):
             param.label = name
         self.reset_parameters()
 
-    @property
-    def tables(self) -> tuple[nn.Embedding, ...]:
-        return (self.embed, *self.value_embeds)
-
-    def accumulate_table_grads_in_place(self) -> None:
-        """From here on each table's .grad is a fixed buffer that every backward adds into, row by row, through
-        EmbeddingIntoGradBuffer, and zero_grad zeroes it instead of dropping it. Call after the last dtype or
-        device change (build_model does)."""
-        for index, table in enumerate(self.tables):
-            self.register_buffer(f"table_grad_{index}", torch.zeros_like(table.weight), persistent=False)
-        self.zero_grad()
-
-    def table_grad_buffers(self) -> list[Tensor]:
-        """The buffers of accumulate_table_grads_in_place, one per table; empty before it."""
-        names = [f"table_grad_{index}" for index in range(len(self.tables))]
-        return [getattr(self, name) for name in names if hasattr(self, name)]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        for table, buffer in zip(self.tables, self.table_grad_buffers()):
-            buffer.zero_()
-            table.weight.grad = buffer
-
-    def look_up(self, table: nn.Embedding, grad_buffer: Tensor | None, ids: Tensor) -> Tensor:
-        return table(ids) if grad_buffer is None else EmbeddingIntoGradBuffer.apply(ids, table.weight, grad_buffer)
-
     @torch.no_grad()
     def reset_parameters(self) -> None:
         dim = self.embed.embedding_dim
@@ -1859,9 +1718,8 @@ class GPT(nn.Module):
         scalars = Scalars.of(self.scalars)
         inputs = self.attention.prepare(ids, cu_seqlens, {"short": ws_short, "long": ws_long}, max_seqlen)
         scale = self.rotary.softmax_scale(self.attention.takes_tensors)
-        grad_buffers = self.table_grad_buffers() or [None] * len(self.tables)
-        x, *value_embeds = [self.look_up(table, buffer, ids) for table, buffer in zip(self.tables, grad_buffers)]
-        value_embeds = [value_embed[None] for value_embed in value_embeds]
+        value_embeds = [table(ids)[None] for table in self.value_embeds]
+        x = self.embed(ids)
         # smear: mix the previous token's embedding into each position, gated by the current token
         gate = torch.sigmoid(self.smear_gate(x[1:, :GATE_INPUT_DIMS]))
         x = torch.cat([x[:1], x[1:] + scalars.smear_lambda * gate * x[:-1]])
@@ -2780,7 +2638,7 @@ def warmup_kernels(
         model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
         adam.step()
         muon.step()
-        raw_model.zero_grad()
+        model.zero_grad(set_to_none=True)
     raw_model.rotary.reset()
     raw_model.load_state_dict(saved["model"])
     adam.load_state_dict(saved["adam"])
@@ -2901,7 +2759,7 @@ def train(
         muon.launch_reductions()  # in flight while Adam updates
         adam.step()
         muon.step()
-        raw_model.zero_grad()  # keeps the tables' gradient buffers, zeroed
+        model.zero_grad(set_to_none=True)
         health.push(step, step_loss, _stop_signal is not None)
         approx_ms = progress.training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
         print0(f"step:{step + 1}/{train_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms", console=True)
@@ -2927,8 +2785,7 @@ def configure_torch(device: torch.device) -> None:
 
 def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GPT:
     """The record model on this rank's device, every parameter broadcast from rank 0: on CUDA the embeddings and
-    linears (head, gates) in bf16, the raw matrices and scalars fp32, and the FP8 head in training when fp8; the
-    tables' gradients added in place (GPT.accumulate_table_grads_in_place)."""
+    linears (head, gates) in bf16, the raw matrices and scalars fp32, and the FP8 head in training when fp8."""
     on_cuda = rt.device.type == "cuda"
     rotary_positions = max(hp.train_batch_size, hp.val_batch_size) // (rt.grad_accum_steps * rt.world_size)
     attention = Attention(backend, hp.block_size, hp.bos_token)
@@ -2942,7 +2799,6 @@ def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GP
     raw_model.lm_head.use_fp8 = fp8
     for param in raw_model.parameters():
         dist.broadcast(param.detach(), 0)
-    raw_model.accumulate_table_grads_in_place()
     return raw_model
 
 

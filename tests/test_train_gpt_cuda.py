@@ -1,6 +1,6 @@
 """train_gpt.py's CUDA-only code paths, on a GPU (skipped without one): the fused soft-capped CE kernel's
 hardware instructions (casts, reciprocal) against its integer casts and division, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
-check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, the MLP's fused ReLU² backward against cuBLAS + the unfused formula, eager and compiled, and the tables' in-place gradient kernels against their eager formula and compiled autograd.
+check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, and the MLP's fused ReLU² backward against cuBLAS + the unfused formula, eager and compiled.
 
     python -m pytest -q tests/test_train_gpt_cuda.py      # on a CUDA machine
 """
@@ -103,53 +103,3 @@ def test_compiled_mlp_with_the_fused_backward_equals_the_compiled_unfused_mlp() 
         torch._dynamo.reset()
     for name, fused, unfused in zip(("out", "grad x", "grad c_fc", "grad c_proj"), *results):
         assert torch.equal(fused, unfused), name
-
-
-def _record_table_backward_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A record micro-step's ids (Zipf-distributed: a few rows named thousands of times, most never), their
-    lookups' output gradient, and a bf16 gradient already holding an earlier micro-step's sums."""
-    torch.manual_seed(seed)
-    weights = 1.0 / torch.arange(1, 50305, dtype=torch.float64)
-    ids = torch.multinomial(weights, 49152, replacement=True).to(torch.int32).cuda()
-    grad_out = torch.randn(49152, 768, device="cuda").bfloat16()
-    earlier = torch.randn(50304, 768, device="cuda").bfloat16()
-    return ids, grad_out, earlier
-
-
-def _one_place_apart(got: torch.Tensor, want: torch.Tensor) -> None:
-    """bf16 results of the same fp32 sums taken with atomics in different orders: equal, or one rounding apart."""
-    differ = got.view(torch.int16) != want.view(torch.int16)
-    relative = (got.float() - want.float()).abs() / want.float().abs().clamp_min(2.0**-126)
-    assert differ.float().mean().item() < 1e-3 and relative.max().item() <= 2.0**-7
-
-
-def test_table_gradient_kernels_match_the_eager_formula_on_cuda() -> None:
-    ids, grad_out, earlier = _record_table_backward_inputs(2)
-    got, want = earlier.clone(), earlier.clone()
-    tg.accumulate_embedding_grad(grad_out, ids, got)
-    tg.accumulate_embedding_grad_eager(grad_out, ids, want)
-    named = torch.zeros(50304, dtype=torch.bool, device="cuda")
-    named[ids.long()] = True
-    assert torch.equal(got[~named].view(torch.int16), earlier[~named].view(torch.int16))  # rows no id names: untouched
-    _one_place_apart(got, want)
-    assert not torch.equal(got, earlier)
-
-
-def test_compiled_in_place_table_gradients_equal_compiled_autograd() -> None:
-    """As training runs it: three micro-steps through torch.compile, autograd's compiled embedding backward +
-    AccumulateGrad against EmbeddingIntoGradBuffer's."""
-    ids, _, _ = _record_table_backward_inputs(3)
-    table = torch.randn(50304, 768, device="cuda").bfloat16()
-    results = []
-    for in_place in (False, True):
-        weight = table.clone().requires_grad_()
-        buffer = torch.zeros_like(weight)
-        look_up = (lambda i: tg.EmbeddingIntoGradBuffer.apply(i, weight, buffer)) if in_place else (lambda i: torch.nn.functional.embedding(i, weight))
-        compiled = torch.compile(lambda i: look_up(i).square().sum(), fullgraph=True, dynamic=False)
-        for step in range(3):
-            compiled(ids.roll(step * 1000)).backward()
-        results.append(buffer if in_place else weight.grad)
-        if in_place:
-            assert weight.grad is None  # autograd got no gradient for the table: no AccumulateGrad ran
-        torch._dynamo.reset()
-    _one_place_apart(results[1], results[0])
