@@ -32,7 +32,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, NamedTuple
+from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -890,10 +890,11 @@ if triton is not None:
 
     @triton.jit
     def _round_to_bf16(x):
-        """fp32 -> nearest-even bf16, returned as fp32 (integer arithmetic, exact under the interpreter too)."""
+        """fp32 -> nearest-even bf16, returned as fp32 (integer arithmetic, exact under the interpreter too). NaN stays
+        NaN: the carry would turn CUDA's 0x7FFFFFFF into -0."""
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
     @triton.jit
     def _e5m2_byte(x):
@@ -1583,6 +1584,169 @@ class ReLUSquaredProjection(torch.autograd.Function):
         return grad_pre, grad_w
 
 
+# ---- embedding tables: gradients summed over sorted ids, added in place ----
+# Autograd's gradient of a bf16 table as inductor compiles it, written as an eager formula:
+#     summed = zeros(rows, dim, fp32).index_add_(0, ids, grad_out.float()); table.grad += summed.bfloat16()
+# (a zeroed fp32 table, an atomic scatter-add, a rounding pass, AccumulateGrad's add from the second micro-step on)
+# moves each whole 50,304-row table about four times per micro-step, although a micro-step's 49,152 tokens name
+# about 6,300 of its rows: 8.5 ms of kernels per step at one GPU for the four tables (bench/NOTES.md session 15).
+# accumulate_table_grads sorts the ids once for the four tables (stably, so a row's terms keep the ids' order) and
+# reads each lookup gradient once. A program walks a chunk of sorted positions and sums its runs of equal ids; a run
+# inside the chunk is added into its row of the gradient at once; the parts of a run that crosses chunk edges are
+# summed in a small buffer (fp32 atomics: autograd's scatter sums every term so) and a second kernel adds each such
+# sum into its row. Each row of the gradient is written by one program. The roundings are the formula's: fp32 sums,
+# one rounding to bf16, the add in fp32 rounded to bf16. The lookups' gradient reaches the op as a bf16 tensor, as in
+# eager autograd; where inductor fused its producer into the scatter it summed the unrounded fp32 values instead
+# (found on CPU, session 16), a difference of one bf16 rounding per term. The tables' .grad are buffers that the
+# backward adds into (GPT.accumulate_table_grads_in_place): autograd gets no gradient for them, so no AccumulateGrad
+# runs. Session 14's version (zero and scatter-add the named rows with fp32 atomics, once per id) was slower than
+# autograd's.
+TABLE_GRAD_TILE = (32, 256, 1)  # (sorted positions per chunk, columns per program, warps): bench/bench_embedding_grad.py
+
+if triton is not None:
+
+    @triton.jit
+    def _add_into_grad(grad_ptr, offsets, mask, summed, ROUND_TO_BF16: tl.constexpr):
+        # grad += summed as the eager formula rounds it: summed.bfloat16(), then bf16 + bf16 computed in fp32
+        old = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if ROUND_TO_BF16:
+            new = _round_to_bf16(old + _round_to_bf16(summed))
+        else:
+            new = old + summed
+        tl.store(grad_ptr + offsets, new.to(grad_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _table_grad_runs_kernel(
+        sorted_ids_ptr, order_ptr, run_starts_ptr, grad_out_ptr, grad_ptr, parts_ptr, n_ids, n_rows,
+        DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_TO_BF16: tl.constexpr,
+    ):
+        # Chunk c of the sorted positions, one tile of columns, walked position by position (a row's terms summed in
+        # sorted order). A run that begins and ends in the chunk goes into grad. A run that crosses the chunk's
+        # edges is summed in parts[b], b the chunk where it begins: each chunk it touches adds its part with an
+        # atomic (a part per chunk, so a frequent id's dozens of chunks never wait on each other). A segmented scan
+        # over the chunk as one tile ran 2-2.5 times slower on an H200 (its shared-memory passes), and summing the
+        # crossing parts by walking from the first chunk took 27-42 µs per call (bench/NOTES.md session 16).
+        chunk = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < DIM
+        first = chunk * CHUNK
+        stop = tl.minimum(first + CHUNK, n_ids)
+        row = tl.load(sorted_ids_ptr + first)
+        begun_here = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1) != row
+        begin = tl.load(run_starts_ptr + first) // CHUNK  # where the chunk's first run begins
+        total = tl.zeros((BLOCK_D,), tl.float32)
+        # two rows in flight: this position's and the next one's, and the source of the one after
+        terms = tl.load(grad_out_ptr + tl.load(order_ptr + first).to(tl.int64) * DIM + cols, mask=col_ok, other=0.0)
+        source = tl.load(order_ptr + first + 1, mask=first + 1 < stop, other=0).to(tl.int64)
+        next_terms = tl.load(grad_out_ptr + source * DIM + cols, mask=col_ok & (first + 1 < stop), other=0.0)
+        source = tl.load(order_ptr + first + 2, mask=first + 2 < stop, other=0).to(tl.int64)
+        for step in range(CHUNK):  # a fixed trip count: the interpreter takes no tensor bounds
+            position = first + step
+            if position < stop:
+                third_terms = tl.load(grad_out_ptr + source * DIM + cols, mask=col_ok & (position + 2 < stop), other=0.0)
+                source = tl.load(order_ptr + position + 3, mask=position + 3 < stop, other=0).to(tl.int64)
+                next_row = tl.load(sorted_ids_ptr + position + 1, mask=position + 1 < n_ids, other=-1)
+                total += terms.to(tl.float32)
+                if next_row != row:  # the run ends here
+                    if begun_here:
+                        if (row >= 0) & (row < n_rows):
+                            _add_into_grad(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
+                    else:  # the last part of a run that began in chunk `begin`
+                        tl.atomic_add(parts_ptr + begin * DIM + cols, total, mask=col_ok, sem="relaxed")
+                    total = tl.zeros((BLOCK_D,), tl.float32)
+                    begun_here = True
+                row = next_row
+                terms = next_terms
+                next_terms = third_terms
+        if tl.load(sorted_ids_ptr + stop, mask=stop < n_ids, other=-1) == tl.load(sorted_ids_ptr + stop - 1):  # goes on
+            owner = tl.where(begun_here, chunk, begin)  # not begun here: the run spans the chunk
+            tl.atomic_add(parts_ptr + owner * DIM + cols, total, mask=col_ok, sem="relaxed")
+
+    @triton.jit
+    def _table_grad_crossing_kernel(
+        sorted_ids_ptr, grad_ptr, parts_ptr, n_ids, n_rows,
+        DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_TO_BF16: tl.constexpr,
+    ):
+        # The run that goes on past chunk c's end, if it began in chunk c: its summed parts added into grad
+        chunk = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < DIM
+        first = chunk * CHUNK
+        last = tl.minimum(first + CHUNK, n_ids) - 1
+        row = tl.load(sorted_ids_ptr + last)
+        goes_on = tl.load(sorted_ids_ptr + last + 1, mask=last + 1 < n_ids, other=-1) == row
+        began_here = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1) != row
+        if goes_on & began_here & (row >= 0) & (row < n_rows):
+            total = tl.load(parts_ptr + chunk * DIM + cols, mask=col_ok, other=0.0)
+            _add_into_grad(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
+
+
+def accumulate_table_grads_eager(grad_outs: Sequence[Tensor], ids: Tensor, grads: Sequence[Tensor]) -> None:
+    """grads[i] += the gradient of F.embedding(ids, table i) given grad_outs[i], summed in fp32 and rounded to the
+    gradient's dtype once (the formula above). The CPU path and the kernels' reference."""
+    for grad_out, grad in zip(grad_outs, grads, strict=True):
+        summed = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+        summed.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, grad.size(1)).float())  # on CPU in the ids' order
+        grad.add_(summed.to(grad.dtype))
+
+
+def accumulate_table_grads(grad_outs: Sequence[Tensor], ids: Tensor, grads: Sequence[Tensor], tile: tuple[int, int, int] = TABLE_GRAD_TILE) -> None:
+    """accumulate_table_grads_eager(grad_outs, ids, grads) for 2-D gradients (rows, dim) and grad_outs (*ids.shape,
+    dim), ids in [0, rows): the two Triton kernels per table on CUDA and under TRITON_INTERPRET for contiguous bf16
+    or fp32 gradients, the eager formula otherwise. chunk and columns of the tile: powers of two."""
+    if len(grad_outs) != len(grads):
+        raise ValueError(f"accumulate_table_grads: {len(grad_outs)} lookup gradients for {len(grads)} tables")
+    for grad_out, grad in zip(grad_outs, grads):
+        if grad.dim() != 2 or grad_out.shape != (*ids.shape, grad.size(1)):
+            shapes = f"grad_out {tuple(grad_out.shape)}, ids {tuple(ids.shape)}, grad {tuple(grad.shape)}"
+            raise ValueError(f"accumulate_table_grads: needs grad (rows, dim) and grad_out (*ids.shape, dim); got {shapes}")
+    kernels = [_triton_kernels_for(g) and g.dtype in (torch.bfloat16, torch.float32) and g.is_contiguous() for g in grads]
+    if not all(kernels) or ids.numel() == 0:
+        accumulate_table_grads_eager(grad_outs, ids, grads)
+        return
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    positions = torch.arange(sorted_ids.numel(), device=sorted_ids.device)
+    run_starts = torch.where(sorted_ids != sorted_ids.roll(1), positions, 0).cummax(0).values  # (position 0 starts one)
+    chunk, block_d, warps = tile
+    n_ids, n_chunks = sorted_ids.numel(), triton.cdiv(sorted_ids.numel(), chunk)
+    for grad_out, grad in zip(grad_outs, grads):
+        n_rows, dim = grad.shape
+        parts = torch.zeros((n_chunks, dim), dtype=torch.float32, device=grad.device)  # the crossing runs' sums
+        shape = dict(DIM=dim, CHUNK=chunk, BLOCK_D=min(block_d, triton.next_power_of_2(dim)), ROUND_TO_BF16=grad.dtype == torch.bfloat16, num_warps=warps)
+        grid = (n_chunks, triton.cdiv(dim, shape["BLOCK_D"]))
+        _table_grad_runs_kernel[grid](sorted_ids, order, run_starts, grad_out.reshape(n_ids, dim).contiguous(), grad, parts, n_ids, n_rows, **shape)
+        _table_grad_crossing_kernel[grid](sorted_ids, grad, parts, n_ids, n_rows, **shape)
+
+
+@torch.library.custom_op("train_gpt::accumulate_table_grads", mutates_args=("grads",))
+def accumulate_table_grads_op(grad_outs: list[Tensor], ids: Tensor, grads: list[Tensor]) -> None:
+    """accumulate_table_grads as one opaque op: the compiled backward calls it and adds into grads in place."""
+    accumulate_table_grads(grad_outs, ids, grads)
+
+
+@accumulate_table_grads_op.register_fake
+def _(grad_outs: list[Tensor], ids: Tensor, grads: list[Tensor]) -> None:
+    return None
+
+
+class TableLookups(torch.autograd.Function):
+    """TableLookups.apply(ids, *weights, *grad_buffers) = [F.embedding(ids, w) for w in weights], whose backward adds
+    each table's gradient into its buffer (accumulate_table_grads) and gives autograd none for the tables, so no
+    AccumulateGrad runs for them: each table's .grad must be its buffer (GPT.accumulate_table_grads_in_place)."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: Tensor, *weights_and_buffers: Tensor) -> tuple[Tensor, ...]:
+        count = len(weights_and_buffers) // 2
+        ctx.save_for_backward(ids, *weights_and_buffers[count:])
+        return tuple(F.embedding(ids, weight) for weight in weights_and_buffers[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outs: Tensor) -> tuple[None, ...]:
+        ids, *buffers = ctx.saved_tensors
+        accumulate_table_grads_op(list(grad_outs), ids, buffers)
+        return (None,) * (1 + 2 * len(buffers))
+
+
 # ---- blocks ----
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
@@ -1693,6 +1857,36 @@ class GPT(nn.Module):
             param.label = name
         self.reset_parameters()
 
+    @property
+    def tables(self) -> tuple[nn.Embedding, ...]:
+        return (self.embed, *self.value_embeds)
+
+    def accumulate_table_grads_in_place(self) -> None:
+        """From here on each table's .grad is a fixed buffer that every backward adds into, row by row, through
+        TableLookups, and zero_grad zeroes it instead of dropping it. Call after the last dtype or
+        device change (build_model does)."""
+        for index, table in enumerate(self.tables):
+            self.register_buffer(f"table_grad_{index}", torch.zeros_like(table.weight), persistent=False)
+        self.zero_grad()
+
+    def table_grad_buffers(self) -> list[Tensor]:
+        """The buffers of accumulate_table_grads_in_place, one per table; empty before it."""
+        names = [f"table_grad_{index}" for index in range(len(self.tables))]
+        return [getattr(self, name) for name in names if hasattr(self, name)]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for table, buffer in zip(self.tables, self.table_grad_buffers()):
+            buffer.zero_()
+            table.weight.grad = buffer
+
+    def look_up_tables(self, ids: Tensor) -> list[Tensor]:
+        """Every table's rows for ids: through TableLookups once the tables' gradients go into buffers."""
+        buffers = self.table_grad_buffers()
+        if not buffers:
+            return [table(ids) for table in self.tables]
+        return list(TableLookups.apply(ids, *(table.weight for table in self.tables), *buffers))
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         dim = self.embed.embedding_dim
@@ -1718,8 +1912,8 @@ class GPT(nn.Module):
         scalars = Scalars.of(self.scalars)
         inputs = self.attention.prepare(ids, cu_seqlens, {"short": ws_short, "long": ws_long}, max_seqlen)
         scale = self.rotary.softmax_scale(self.attention.takes_tensors)
-        value_embeds = [table(ids)[None] for table in self.value_embeds]
-        x = self.embed(ids)
+        x, *value_embeds = self.look_up_tables(ids)
+        value_embeds = [value_embed[None] for value_embed in value_embeds]
         # smear: mix the previous token's embedding into each position, gated by the current token
         gate = torch.sigmoid(self.smear_gate(x[1:, :GATE_INPUT_DIMS]))
         x = torch.cat([x[:1], x[1:] + scalars.smear_lambda * gate * x[:-1]])
@@ -2638,7 +2832,7 @@ def warmup_kernels(
         model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
         adam.step()
         muon.step()
-        model.zero_grad(set_to_none=True)
+        raw_model.zero_grad()
     raw_model.rotary.reset()
     raw_model.load_state_dict(saved["model"])
     adam.load_state_dict(saved["adam"])
@@ -2759,7 +2953,7 @@ def train(
         muon.launch_reductions()  # in flight while Adam updates
         adam.step()
         muon.step()
-        model.zero_grad(set_to_none=True)
+        raw_model.zero_grad()  # keeps the tables' gradient buffers, zeroed
         health.push(step, step_loss, _stop_signal is not None)
         approx_ms = progress.training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
         print0(f"step:{step + 1}/{train_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms", console=True)
@@ -2785,7 +2979,8 @@ def configure_torch(device: torch.device) -> None:
 
 def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GPT:
     """The record model on this rank's device, every parameter broadcast from rank 0: on CUDA the embeddings and
-    linears (head, gates) in bf16, the raw matrices and scalars fp32, and the FP8 head in training when fp8."""
+    linears (head, gates) in bf16, the raw matrices and scalars fp32, and the FP8 head in training when fp8; the
+    tables' gradients added in place (GPT.accumulate_table_grads_in_place)."""
     on_cuda = rt.device.type == "cuda"
     rotary_positions = max(hp.train_batch_size, hp.val_batch_size) // (rt.grad_accum_steps * rt.world_size)
     attention = Attention(backend, hp.block_size, hp.bos_token)
@@ -2799,6 +2994,7 @@ def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GP
     raw_model.lm_head.use_fp8 = fp8
     for param in raw_model.parameters():
         dist.broadcast(param.detach(), 0)
+    raw_model.accumulate_table_grads_in_place()
     return raw_model
 
 

@@ -1,6 +1,6 @@
 """train_gpt.py's CUDA-only code paths, on a GPU (skipped without one): the fused soft-capped CE kernel's
 hardware instructions (casts, reciprocal) against its integer casts and division, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
-check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, and the MLP's fused ReLU² backward against cuBLAS + the unfused formula, eager and compiled.
+check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, the MLP's fused ReLU² backward against cuBLAS + the unfused formula, eager and compiled, and the tables' sorted-ids gradient kernels against their eager formula and compiled autograd.
 
     python -m pytest -q tests/test_train_gpt_cuda.py      # on a CUDA machine
 """
@@ -103,3 +103,74 @@ def test_compiled_mlp_with_the_fused_backward_equals_the_compiled_unfused_mlp() 
         torch._dynamo.reset()
     for name, fused, unfused in zip(("out", "grad x", "grad c_fc", "grad c_proj"), *results):
         assert torch.equal(fused, unfused), name
+
+
+def _record_table_backward_inputs(seed: int, tables: int = 4) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """A record micro-step's ids (Zipf-distributed: a few rows named thousands of times, most never), the lookups'
+    output gradients, and bf16 gradients already holding an earlier micro-step's sums."""
+    torch.manual_seed(seed)
+    weights = 1.0 / torch.arange(1, 50305, dtype=torch.float64)
+    ids = torch.multinomial(weights, 49152, replacement=True).to(torch.int32).cuda()
+    grad_outs = [torch.randn(49152, 768, device="cuda").bfloat16() for _ in range(tables)]
+    earlier = [torch.randn(50304, 768, device="cuda").bfloat16() for _ in range(tables)]
+    return ids, grad_outs, earlier
+
+
+def _one_place_apart(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 roundings of the same fp32 sums taken in different orders: equal, or one place apart."""
+    differ = got.view(torch.int16) != want.view(torch.int16)
+    relative = (got.float() - want.float()).abs() / want.float().abs().clamp_min(2.0**-126)
+    assert differ.float().mean().item() < 1e-3 and relative.max().item() <= 2.0**-7
+
+
+def test_table_gradient_kernels_match_the_eager_formula_on_cuda() -> None:
+    ids, grad_outs, earlier = _record_table_backward_inputs(2)
+    got, want = [e.clone() for e in earlier], [e.clone() for e in earlier]
+    tg.accumulate_table_grads(grad_outs, ids, got)
+    tg.accumulate_table_grads_eager(grad_outs, ids, want)
+    named = torch.zeros(50304, dtype=torch.bool, device="cuda")
+    named[ids.long()] = True
+    for g, w, e in zip(got, want, earlier):
+        assert torch.equal(g[~named].view(torch.int16), e[~named].view(torch.int16))  # rows no id names: untouched
+        _one_place_apart(g, w)
+        assert not torch.equal(g, e)
+
+
+def test_table_gradient_kernels_are_the_eager_formula_on_exact_sums_on_cuda() -> None:
+    """Multiples of 1/8 below 8: every fp32 sum is exact in any order, so the kernels equal index_add_'s atomics bit
+    for bit, also for the rows named thousands of times."""
+    ids, _, _ = _record_table_backward_inputs(4, tables=0)
+    torch.manual_seed(4)
+    grad_outs = [(torch.randint(-63, 64, (49152, 768), device="cuda") / 8).bfloat16() for _ in range(2)]
+    earlier = [(torch.randint(-63, 64, (50304, 768), device="cuda") / 8).bfloat16() for _ in range(2)]
+    got, want = [e.clone() for e in earlier], [e.clone() for e in earlier]
+    tg.accumulate_table_grads(grad_outs, ids, got)
+    tg.accumulate_table_grads_eager(grad_outs, ids, want)
+    assert torch.bincount(ids.long()).max() > 2 * tg.TABLE_GRAD_TILE[0]  # a run crosses chunk edges
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_compiled_table_lookups_equal_compiled_autograd() -> None:
+    """As training runs it: three micro-steps through torch.compile, autograd's compiled embedding backward +
+    AccumulateGrad against TableLookups' (the lookups' gradients 2x their rows: exact in bf16, so that inductor's
+    fusing their producer into its scatter, which keeps them unrounded, does not enter)."""
+    ids, _, _ = _record_table_backward_inputs(3, tables=0)
+    tables = [torch.randn(50304, 768, device="cuda").bfloat16() for _ in range(2)]
+    results = []
+    for in_place in (False, True):
+        weights = [t.clone().requires_grad_() for t in tables]
+        buffers = [torch.zeros_like(w) for w in weights]
+        if in_place:
+            look_up = lambda i: tg.TableLookups.apply(i, *weights, *buffers)  # noqa: E731
+        else:
+            look_up = lambda i: [torch.nn.functional.embedding(i, w) for w in weights]  # noqa: E731
+        compiled = torch.compile(lambda i: sum(rows.float().square().sum() for rows in look_up(i)), fullgraph=True, dynamic=False)
+        for step in range(3):
+            compiled(ids.roll(step * 1000)).backward()
+        results.append(buffers if in_place else [w.grad for w in weights])
+        if in_place:
+            assert all(w.grad is None for w in weights)  # autograd got no gradient for the tables: no AccumulateGrad ran
+        torch._dynamo.reset()
+    for got, want in zip(*reversed(results)):
+        _one_place_apart(got, want)

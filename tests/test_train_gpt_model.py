@@ -116,6 +116,47 @@ def test_every_parameter_gets_a_gradient_path_after_two_updates():
     assert used.smear_lambda and not (model.scalars.grad[61:] != 0).any()
 
 
+def test_in_place_table_gradients_equal_autograds_through_three_updates():
+    """GPT.accumulate_table_grads_in_place (as build_model sets it up) against autograd's embedding backward and
+    AccumulateGrad: every gradient after three micro-steps and every weight after three Adam + Muon steps, bit for
+    bit; the tables' .grad are the buffers, and checkpoints do not see them."""
+    plain, in_place = tiny_model(), tiny_model()
+    in_place.accumulate_table_grads_in_place()
+    assert in_place.state_dict().keys() == plain.state_dict().keys()
+    hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2)
+    optimizers = [tg.build_optimizers(model, hp, 0, 1) for model in (plain, in_place)]
+    torch.manual_seed(1)
+    for step in range(3):  # zero-initialized matrices pass the tables no gradient before two updates
+        for _ in range(3):
+            ids = torch.randint(0, TINY_VOCAB - 1, (128,), dtype=torch.int32)
+            ids[::37] = TINY_BOS
+            for model in (plain, in_place):
+                model(ids, ids.long(), None, 1, 3, 128).backward()
+        assert all(table.weight.grad is buffer for table, buffer in zip(in_place.tables, in_place.table_grad_buffers()))
+        for (name, p), q in zip(plain.named_parameters(), in_place.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        assert step < 2 or all(table.weight.grad.abs().sum() > 0 for table in in_place.tables)
+        for (model, (adam, muon)) in zip((plain, in_place), optimizers):
+            adam.step()
+            muon.step()
+            model.zero_grad()
+        assert in_place.embed.weight.grad is not None and not in_place.embed.weight.grad.any()
+    for (name, p), q in zip(plain.named_parameters(), in_place.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("shapes", [((10, 8), (10,), (6,)), ((10, 7), (10,), (6, 8)), ((2, 5, 8), (2, 4), (6, 8))])
+def test_table_gradients_refuse_mismatched_shapes(shapes):
+    grad_out, ids, grad = (torch.zeros(shape) for shape in shapes)
+    with pytest.raises(ValueError, match="accumulate_table_grads: needs grad"):
+        tg.accumulate_table_grads([grad_out], ids.long(), [grad])
+
+
+def test_table_gradients_refuse_a_count_mismatch():
+    with pytest.raises(ValueError, match="accumulate_table_grads: 2 lookup gradients for 1 tables"):
+        tg.accumulate_table_grads([torch.zeros(4, 8)] * 2, torch.zeros(4, dtype=torch.long), [torch.zeros(6, 8)])
+
+
 # ---- attention masks ----
 def random_documents(T: int, num_bos: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

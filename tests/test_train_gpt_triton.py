@@ -233,3 +233,68 @@ def test_relu2_backward_matmul_kernel_is_the_eager_formula_under_the_interpreter
         assert r["big_inputs_bitwise"] and (r["big_products_round"] or "float32" in case), (case, r)
         assert r["error"] < (2e-3 if "float16" in case else 1e-6), (case, r)
         assert r["zeros"] > 0, (case, r)
+
+
+TABLE_GRAD_CHECKS = r"""
+import json, torch, train_gpt as tg
+torch.manual_seed(0)
+results = {}
+
+def bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+def shuffled_ids(rows, n, chunk):
+    # sorted, id 0 fills chunk 0, id 1 lies inside chunk 1, id 2 crosses two chunk edges and ends on the third (when
+    # the ids fill four chunks), id 3 is a sixth of the ids, the rest are drawn; row rows - 1 is never named
+    unit = min(chunk, n // 5)
+    runs = [0] * unit + [1] * (unit // 2) + [2] * (2 * unit + unit // 2) + [3] * (n // 6)
+    ids = torch.cat([torch.tensor(runs), torch.randint(4, rows - 1, (n - len(runs),))])
+    return ids[torch.randperm(n)]
+
+for dtype in (torch.bfloat16, torch.float32):
+    for rows, dim, n, tile in ((50, 24, 300, (16, 16, 4)), (37, 40, 77, (8, 32, 1)), (20, 16, 30, (64, 16, 1)), (90, 24, 600, (8, 16, 1))):
+        ids = shuffled_ids(rows, n, tile[0])
+        # multiples of 1/8 below 8 in magnitude: every sum exact in fp32 whatever its order
+        grad_outs = [(torch.randint(-63, 64, (n, dim)) / 8).to(dtype) for _ in range(2)]
+        earlier = [(torch.randint(-63, 64, (rows, dim)) / 8).to(dtype) for _ in range(2)]
+        for e in earlier:
+            e[rows - 1, 0] = -0.0
+        got, want = [e.clone() for e in earlier], [e.clone() for e in earlier]
+        tg.accumulate_table_grads(grad_outs, ids, got, tile)
+        tg.accumulate_table_grads_eager(grad_outs, ids, want)
+        named = torch.zeros(rows, dtype=torch.bool)
+        named[ids] = True
+        random_outs = [torch.randn(n, dim).to(dtype) for _ in range(2)]
+        got_random, want_random = [e.clone() for e in earlier], [e.clone() for e in earlier]
+        tg.accumulate_table_grads(random_outs, ids, got_random, tile)
+        tg.accumulate_table_grads_eager(random_outs, ids, want_random)
+        results[f"{dtype} {rows}x{dim} n={n} tile={tile}"] = dict(
+            named_rows_bitwise=all(torch.equal(bits(g[named]), bits(w[named])) for g, w in zip(got, want)),
+            unnamed_rows_kept=all(torch.equal(bits(g[~named]), bits(e[~named])) for g, e in zip(got, earlier)),  # the -0 too
+            changed=all(not torch.equal(g, e) for g, e in zip(got, earlier)),
+            random_error=max(((g.double() - w.double()).abs().max() / w.double().abs().max()).item() for g, w in zip(got_random, want_random)),
+        )
+# a NaN in one lookup's gradient reaches its row's column and nothing else; inf too
+grad_out = torch.randn(64, 16).bfloat16()
+ids = torch.arange(64) % 8
+grad_out[5, 3], grad_out[6, 2] = float("nan"), float("inf")
+got = torch.zeros(8, 16).bfloat16()
+tg.accumulate_table_grads([grad_out], ids, [got], (16, 16, 4))
+results["non-finite"] = dict(nan=bool(got[5, 3].isnan()), inf=bool(got[6, 2].isinf()), others_finite=int(got.isfinite().sum()) == 8 * 16 - 2)
+print(json.dumps(results))
+"""
+
+
+def test_table_gradient_kernels_are_the_eager_formula_under_the_interpreter():
+    """accumulate_table_grads's two kernels against accumulate_table_grads_eager: bit for bit on exactly summable
+    values (the kernels sum a row's terms in another bracketing than index_add_), within fp32 rounding on random ones;
+    bf16 and fp32 gradients, two tables sharing one sort, runs that fill a chunk, lie inside one, cross two chunk
+    edges and end on a third, a run across more chunks than the crossing kernel walks at a time (100 ids in 8-id chunks),
+    chunks larger than the ids, tiles that do not divide the width; rows no id names
+    untouched (a -0 kept, where the formula adds 0); NaN and inf kept to their element."""
+    results = run_under_interpreter(TABLE_GRAD_CHECKS)
+    assert len(results) == 9
+    assert results.pop("non-finite") == {"nan": True, "inf": True, "others_finite": True}
+    for case, r in results.items():
+        assert r.pop("random_error") < (2 ** -8 if "bfloat16" in case else 1e-6), case
+        assert r == {"named_rows_bitwise": True, "unnamed_rows_kept": True, "changed": True}, (case, r)
