@@ -6,8 +6,8 @@ run those lookups and their backward in a compiled function, given the lookups' 
   * autograd: F.embedding, whose compiled backward zeroes an fp32 table, scatter-adds into it and rounds it to
     bf16, then AccumulateGrad adds that into .grad (train_gpt.py before the in-place gradients);
   * in place: train_gpt.TableLookups, whose backward is accumulate_table_grads (one stable sort of the ids, then per
-    table a segmented sum over each chunk of sorted positions and a pass for the runs that cross chunk edges, added
-    into the .grad buffers row by row).
+    table a kernel that walks chunks of sorted positions and adds each run of equal ids into its row of the .grad
+    buffer, and one that adds the runs crossing chunk edges).
 Each is timed as a whole step (8 micro-steps x 4 tables, gradients zeroed between steps), in pairs back to back,
 orders alternating; it prints each pair's milliseconds, the median ratio, how many rows a micro-step names, and
 how many gradient elements differ between the two (autograd sums a row's fp32 terms with atomics in no fixed order,

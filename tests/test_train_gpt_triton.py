@@ -289,7 +289,7 @@ def test_table_gradient_kernels_are_the_eager_formula_under_the_interpreter():
     """accumulate_table_grads's two kernels against accumulate_table_grads_eager: bit for bit on exactly summable
     values (the kernels sum a row's terms in another bracketing than index_add_), within fp32 rounding on random ones;
     bf16 and fp32 gradients, two tables sharing one sort, runs that fill a chunk, lie inside one, cross two chunk
-    edges and end on a third, a run across more chunks than the crossing kernel walks at a time (100 ids in 8-id chunks),
+    edges and end on a third, a run across a dozen chunks (100 ids in 8-id chunks, its parts summed by atomics),
     chunks larger than the ids, tiles that do not divide the width; rows no id names
     untouched (a -0 kept, where the formula adds 0); NaN and inf kept to their element."""
     results = run_under_interpreter(TABLE_GRAD_CHECKS)
