@@ -1282,19 +1282,88 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: fl
     return torch.einsum("bhqk,bkhd->bqhd", probs, v.float()).type_as(q)
 
 
-def _kv_block_table(blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """Boolean (NB, NB) block matrix → (counts (1,1,NB), indices (1,1,NB,NB)), selected blocks first."""
-    order = torch.where(blocks, torch.arange(blocks.size(1), device=blocks.device), -1)
-    indices = torch.argsort(order, dim=-1, descending=True)
-    return blocks.sum(dim=-1, dtype=torch.int32)[None, None], indices.to(torch.int32)[None, None]
+# ---- FlexAttention block tables without a sort ----
+# The eager formula block_tables_eager replaces: per boolean block matrix, counts = selected.sum(-1) and indices =
+# argsort(where(selected, column, -1), descending) for the kv tables, BlockMask.from_kv_blocks' stable argsort of
+# the transposed matrix for the q tables; tests/test_train_gpt_model.py checks the two against each other.
+def block_tables_eager(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
+    """The four block tables of a window from its boolean (rows, cols) block matrices: counts (4, rows) and indices
+    (4, rows, cols), int32, in the order partial kv, full kv, partial q, full q. A kv table lists each query block's
+    key blocks from the highest down, a q table (from the transposed matrix) each key block's query blocks
+    ascending; the blocks not selected follow, ascending. Without a sort: each column's place is a count of the
+    selected columns up to it, and the columns are scattered there."""
+    counts, indices = [], []
+    for selected, descending in ((partial, True), (full, True), (partial.T, False), (full.T, False)):
+        chosen = selected.to(torch.int32)
+        count = chosen.sum(dim=-1, keepdim=True, dtype=torch.int32)
+        chosen_up_to = chosen.cumsum(dim=-1, dtype=torch.int32)  # selected columns <= this one
+        cols = torch.arange(selected.size(-1), dtype=torch.int32, device=selected.device).expand_as(chosen)
+        place_if_chosen = count - chosen_up_to if descending else chosen_up_to - 1
+        place = torch.where(selected, place_if_chosen, count + cols - chosen_up_to)  # the others after them, ascending
+        counts.append(count[:, 0])
+        indices.append(torch.empty_like(cols).scatter_(-1, place.long(), cols))
+    return torch.stack(counts), torch.stack(indices)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _block_tables_kernel(matrices_ptr, counts_ptr, indices_ptr, n_blocks, BLOCK: tl.constexpr):
+        # block_tables_eager for one row of one table: tables 0/1 the rows of matrices 0/1 (partial, full), tables
+        # 2/3 their columns
+        row = tl.program_id(0)
+        table = tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n_blocks
+        offsets = (table % 2) * n_blocks * n_blocks + tl.where(table < 2, row * n_blocks + cols, cols * n_blocks + row)
+        chosen = (tl.load(matrices_ptr + offsets, mask=inside, other=0) != 0).to(tl.int32)
+        chosen_up_to = tl.cumsum(chosen, axis=0)
+        count = tl.sum(chosen, axis=0)
+        place_if_chosen = tl.where(table < 2, count - chosen_up_to, chosen_up_to - 1)
+        place = tl.where(chosen != 0, place_if_chosen, count + cols - chosen_up_to)
+        out_row = (table * n_blocks + row).to(tl.int64)
+        tl.store(indices_ptr + out_row * n_blocks + place, cols, mask=inside)
+        tl.store(counts_ptr + out_row, count)
+
+
+def block_tables(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
+    """block_tables_eager for square matrices: one Triton launch for the four tables on CUDA and under
+    TRITON_INTERPRET, the eager formula otherwise."""
+    if partial.shape != full.shape or partial.dim() != 2 or partial.size(0) != partial.size(1):
+        raise ValueError(f"block_tables: needs two square block matrices of one shape; got {tuple(partial.shape)} and {tuple(full.shape)}")
+    if not _triton_kernels_for(partial):
+        return block_tables_eager(partial, full)
+    n = partial.size(0)
+    counts = partial.new_empty((4, n), dtype=torch.int32)
+    indices = partial.new_empty((4, n, n), dtype=torch.int32)
+    if n:
+        matrices = torch.stack([partial, full]).to(torch.uint8)
+        _block_tables_kernel[(n, 4)](matrices, counts, indices, n, BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return counts, indices
+
+
+# inductor's own code for block_tables_eager failed to compile for CUDA (torch 2.11: an InductorError in its Triton
+# code generation, bench/NOTES.md session 17), and its sorts took 3.0 ms per step: hence an opaque op of our own
+@torch.library.custom_op("train_gpt::block_tables", mutates_args=())
+def block_tables_op(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
+    return block_tables(partial, full)
+
+
+@block_tables_op.register_fake
+def _(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
+    n = partial.size(0)
+    return partial.new_empty((4, n), dtype=torch.int32), partial.new_empty((4, n, n), dtype=torch.int32)
+
+
+# ---- the FlexAttention window mask and the attention backends ----
 def flex_window_mask(docs: Tensor, window_blocks: int, block_size: int) -> BlockMask:
     """Token-exact document-causal sliding-window BlockMask: the window is written into the dense block tables, so
     the mask equals FlashAttention-3's window exactly (docs/track1_recipe.md#attention-backends).
 
     With d = query block - key block: blocks with d in [1, W-1] inside one document are fully visible;
     the diagonal, document-cut blocks and the band d = W are partial (token rule applied); d > W is empty.
+    Each query block lists its key blocks from the diagonal back; each key block lists its query blocks in
+    ascending order, the tables BlockMask.from_kv_blocks would derive (tests/test_train_gpt_model.py).
     """
     num_blocks = docs.numel() // block_size
     per_block = docs.view(num_blocks, block_size)
@@ -1310,9 +1379,13 @@ def flex_window_mask(docs: Tensor, window_blocks: int, block_size: int) -> Block
     def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & (docs[q_idx] == docs[kv_idx])
 
-    partial_count, partial_index = _kv_block_table(partial)
-    full_count, full_index = _kv_block_table(full)
-    return BlockMask.from_kv_blocks(partial_count, partial_index, full_count, full_index, BLOCK_SIZE=block_size, mask_mod=visible)
+    counts, indices = block_tables_op(partial, full)
+    counts, indices = counts[:, None, None], indices[:, None, None]  # (1, 1, rows) and (1, 1, rows, cols) per table
+    return BlockMask(
+        seq_lengths=(num_blocks * block_size,) * 2, kv_num_blocks=counts[0], kv_indices=indices[0],
+        full_kv_num_blocks=counts[1], full_kv_indices=indices[1], q_num_blocks=counts[2], q_indices=indices[2],
+        full_q_num_blocks=counts[3], full_q_indices=indices[3], BLOCK_SIZE=(block_size, block_size), mask_mod=visible,
+    )
 
 
 Window = int | Tensor  # in blocks; a 0-dim int32 device tensor on the FlexAttention path (see window_args)
@@ -1617,7 +1690,7 @@ if triton is not None:
 
     @triton.jit
     def _table_grad_runs_kernel(
-        sorted_ids_ptr, order_ptr, run_starts_ptr, grad_out_ptr, grad_ptr, parts_ptr, n_ids, n_rows,
+        sorted_ids_ptr, order_ptr, chunk_run_starts_ptr, grad_out_ptr, grad_ptr, parts_ptr, n_ids, n_rows,
         DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_TO_BF16: tl.constexpr,
     ):
         # Chunk c of the sorted positions, one tile of columns, walked position by position (a row's terms summed in
@@ -1633,7 +1706,7 @@ if triton is not None:
         stop = tl.minimum(first + CHUNK, n_ids)
         row = tl.load(sorted_ids_ptr + first)
         begun_here = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1) != row
-        begin = tl.load(run_starts_ptr + first) // CHUNK  # where the chunk's first run begins
+        begin = tl.load(chunk_run_starts_ptr + chunk) // CHUNK  # the chunk where the chunk's first run begins
         total = tl.zeros((BLOCK_D,), tl.float32)
         # two rows in flight: this position's and the next one's, and the source of the one after
         terms = tl.load(grad_out_ptr + tl.load(order_ptr + first).to(tl.int64) * DIM + cols, mask=col_ok, other=0.0)
@@ -1705,16 +1778,17 @@ def accumulate_table_grads(grad_outs: Sequence[Tensor], ids: Tensor, grads: Sequ
         accumulate_table_grads_eager(grad_outs, ids, grads)
         return
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
-    positions = torch.arange(sorted_ids.numel(), device=sorted_ids.device)
-    run_starts = torch.where(sorted_ids != sorted_ids.roll(1), positions, 0).cummax(0).values  # (position 0 starts one)
     chunk, block_d, warps = tile
     n_ids, n_chunks = sorted_ids.numel(), triton.cdiv(sorted_ids.numel(), chunk)
+    # where the run at each chunk's first position begins: a binary search per chunk (a cummax over every position
+    # took 0.16 ms per micro-step on an H200, ATen's scan with indices; bench/NOTES.md session 17)
+    chunk_run_starts = torch.searchsorted(sorted_ids, sorted_ids[::chunk], side="left")
     for grad_out, grad in zip(grad_outs, grads):
         n_rows, dim = grad.shape
         parts = torch.zeros((n_chunks, dim), dtype=torch.float32, device=grad.device)  # the crossing runs' sums
         shape = dict(DIM=dim, CHUNK=chunk, BLOCK_D=min(block_d, triton.next_power_of_2(dim)), ROUND_TO_BF16=grad.dtype == torch.bfloat16, num_warps=warps)
         grid = (n_chunks, triton.cdiv(dim, shape["BLOCK_D"]))
-        _table_grad_runs_kernel[grid](sorted_ids, order, run_starts, grad_out.reshape(n_ids, dim).contiguous(), grad, parts, n_ids, n_rows, **shape)
+        _table_grad_runs_kernel[grid](sorted_ids, order, chunk_run_starts, grad_out.reshape(n_ids, dim).contiguous(), grad, parts, n_ids, n_rows, **shape)
         _table_grad_crossing_kernel[grid](sorted_ids, grad, parts, n_ids, n_rows, **shape)
 
 
@@ -1747,6 +1821,77 @@ class TableLookups(torch.autograd.Function):
         return (None,) * (1 + 2 * len(buffers))
 
 
+# ---- matrices: bf16 gradients added into their fp32 .grad ----
+# The attention and MLP matrices are fp32 parameters cast to bf16 at use. Autograd's gradient for such a matrix,
+# as an eager formula:
+#     grad_fp32 = grad_bf16.float(); matrix.grad = grad_fp32 (first micro-step) or matrix.grad += grad_fp32
+# inductor writes the fp32 copy (4 bytes per element) and AccumulateGrad reads it back beside .grad: 18 bytes moved
+# per element and micro-step, 2.7 ms per step at one GPU for the 32 matrices (bench/NOTES.md session 17, the
+# `_to_copy` and `CUDAFunctor_add<float>` kernels). add_into_grad does .grad += grad_bf16 in one pass (10 bytes):
+# the same sum, as bf16 -> fp32 is exact and the add is one fp32 rounding either way. The matrices' .grad are
+# fixed buffers, zeroed by GPT.zero_grad (GPT.accumulate_matrix_grads_in_place), so the first micro-step adds to 0.
+ADD_INTO_GRAD_BLOCK = 2048  # elements per program
+
+if triton is not None:
+
+    @triton.jit
+    def _add_into_grad_kernel(grad_ptr, addend_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        total = tl.load(grad_ptr + offsets, mask=inside) + tl.load(addend_ptr + offsets, mask=inside).to(tl.float32)
+        tl.store(grad_ptr + offsets, total, mask=inside)
+
+
+def add_into_grad(grad: Tensor, addend: Tensor) -> None:
+    """grad += addend for an fp32 grad and an addend of its shape, computed in fp32 (eager: grad.add_(addend.float())).
+    One Triton pass on CUDA and under TRITON_INTERPRET when both are contiguous; the eager formula otherwise."""
+    if grad.dtype != torch.float32 or addend.shape != grad.shape:
+        raise ValueError(f"add_into_grad: needs an fp32 grad and an addend of its shape; got grad {tuple(grad.shape)} {grad.dtype}, addend {tuple(addend.shape)} {addend.dtype}")
+    if not (_triton_kernels_for(grad) and grad.is_contiguous() and addend.is_contiguous()):
+        grad.add_(addend.float())
+        return
+    n = grad.numel()
+    if n:
+        _add_into_grad_kernel[(triton.cdiv(n, ADD_INTO_GRAD_BLOCK),)](grad, addend, n, BLOCK=ADD_INTO_GRAD_BLOCK, num_warps=4)
+
+
+@torch.library.custom_op("train_gpt::add_into_grad", mutates_args=("grad",))
+def add_into_grad_op(grad: Tensor, addend: Tensor) -> None:
+    """add_into_grad as one opaque op: the compiled backward calls it and adds into grad in place."""
+    add_into_grad(grad, addend)
+
+
+@add_into_grad_op.register_fake
+def _(grad: Tensor, addend: Tensor) -> None:
+    return None
+
+
+class CastIntoGrad(torch.autograd.Function):
+    """CastIntoGrad.apply(matrix, buffer, dtype) = matrix.to(dtype), a copy, whose backward adds the gradient into
+    buffer (add_into_grad) and gives autograd none for the matrix, so no AccumulateGrad runs for it: the matrix's
+    .grad must be its buffer (GPT.accumulate_matrix_grads_in_place)."""
+
+    @staticmethod
+    def forward(ctx: Any, matrix: Tensor, buffer: Tensor, dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(buffer)
+        return matrix.to(dtype, copy=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
+        (buffer,) = ctx.saved_tensors
+        add_into_grad_op(buffer, grad)
+        return None, None, None
+
+
+def cast_matrix(module: nn.Module, name: str, like: Tensor) -> Tensor:
+    """module's matrix `name` in like's dtype; through CastIntoGrad once the module holds its gradient buffer."""
+    matrix = getattr(module, name)
+    buffer = getattr(module, f"{name}_grad", None)
+    if buffer is None:
+        return matrix.type_as(like)
+    return CastIntoGrad.apply(matrix, buffer, like.dtype)
+
+
 # ---- blocks ----
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
@@ -1769,7 +1914,7 @@ class CausalSelfAttention(nn.Module):
         scale: float | Tensor,
     ) -> Tensor:
         T, D = x.size(1), x.size(2)
-        weights = self.qkvo_w.view(4, D, D).type_as(x)
+        weights = cast_matrix(self, "qkvo_w", x).view(4, D, D)
         qkv = F.linear(x, weights[:3].flatten(0, 1)).view(1, T, 3 * self.num_heads, self.head_dim)
         q, k, v = qkv.chunk(3, dim=-2)
         q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
@@ -1786,7 +1931,10 @@ class MLP(nn.Module):
         self.c_proj = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as a @ c_proj^T
 
     def forward(self, x: Tensor) -> Tensor:  # F.linear(F.relu(x @ c_fc).square(), c_proj), its backward fused
-        return ReLUSquaredProjection.apply(x @ self.c_fc.type_as(x), self.c_proj.type_as(x))
+        return ReLUSquaredProjection.apply(x @ cast_matrix(self, "c_fc", x), cast_matrix(self, "c_proj", x))
+
+
+MATRIX_NAMES: dict[type, tuple[str, ...]] = {CausalSelfAttention: ("qkvo_w",), MLP: ("c_fc", "c_proj")}
 
 
 class Block(nn.Module):
@@ -1874,11 +2022,31 @@ class GPT(nn.Module):
         names = [f"table_grad_{index}" for index in range(len(self.tables))]
         return [getattr(self, name) for name in names if hasattr(self, name)]
 
+    def matrices(self) -> list[tuple[nn.Module, str]]:
+        """(module, attribute name) of every fp32 matrix cast to bf16 at use: attention qkvo, MLP c_fc and c_proj."""
+        return [(module, name) for module in self.modules() for name in MATRIX_NAMES.get(type(module), ())]
+
+    def accumulate_matrix_grads_in_place(self) -> None:
+        """From here on each matrix's .grad is a fixed buffer (the module's `<name>_grad`) that every backward adds
+        into through CastIntoGrad, and zero_grad zeroes it instead of dropping it. Call after the last dtype or
+        device change (build_model does)."""
+        for module, name in self.matrices():
+            module.register_buffer(f"{name}_grad", torch.zeros_like(getattr(module, name)), persistent=False)
+        self.zero_grad()
+
+    def grad_buffers(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """(parameter, its gradient buffer) for the tables and matrices whose gradients are added in place."""
+        pairs = [(table.weight, buffer) for table, buffer in zip(self.tables, self.table_grad_buffers())]
+        for module, name in self.matrices():
+            if hasattr(module, f"{name}_grad"):
+                pairs.append((getattr(module, name), getattr(module, f"{name}_grad")))
+        return pairs
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        for table, buffer in zip(self.tables, self.table_grad_buffers()):
+        for param, buffer in self.grad_buffers():
             buffer.zero_()
-            table.weight.grad = buffer
+            param.grad = buffer
 
     def look_up_tables(self, ids: Tensor) -> list[Tensor]:
         """Every table's rows for ids: through TableLookups once the tables' gradients go into buffers."""
@@ -2980,7 +3148,8 @@ def configure_torch(device: torch.device) -> None:
 def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GPT:
     """The record model on this rank's device, every parameter broadcast from rank 0: on CUDA the embeddings and
     linears (head, gates) in bf16, the raw matrices and scalars fp32, and the FP8 head in training when fp8; the
-    tables' gradients added in place (GPT.accumulate_table_grads_in_place)."""
+    tables' and matrices' gradients added in place (GPT.accumulate_table_grads_in_place,
+    GPT.accumulate_matrix_grads_in_place)."""
     on_cuda = rt.device.type == "cuda"
     rotary_positions = max(hp.train_batch_size, hp.val_batch_size) // (rt.grad_accum_steps * rt.world_size)
     attention = Attention(backend, hp.block_size, hp.bos_token)
@@ -2995,6 +3164,7 @@ def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GP
     for param in raw_model.parameters():
         dist.broadcast(param.detach(), 0)
     raw_model.accumulate_table_grads_in_place()
+    raw_model.accumulate_matrix_grads_in_place()
     return raw_model
 
 

@@ -174,3 +174,53 @@ def test_compiled_table_lookups_equal_compiled_autograd() -> None:
         torch._dynamo.reset()
     for got, want in zip(*reversed(results)):
         _one_place_apart(got, want)
+
+
+def test_add_into_grad_is_the_eager_sum_on_cuda() -> None:
+    torch.manual_seed(2)
+    grad = torch.randn(768, 3072, device="cuda")
+    addend = torch.randn(768, 3072, device="cuda").bfloat16()
+    expected = grad + addend.float()
+    tg.add_into_grad(grad, addend)
+    assert torch.equal(grad, expected)
+
+
+def test_compiled_cast_into_grad_equals_compiled_autograd() -> None:
+    """As training runs it: three micro-steps of x @ W (W fp32, x bf16) through torch.compile, autograd's cast
+    backward + AccumulateGrad against CastIntoGrad adding into a zeroed buffer: the same fp32 sums, bit for bit."""
+    torch.manual_seed(3)
+    matrix = torch.randn(768, 3072, device="cuda") * 0.02
+    xs = [torch.randn(8192, 768, device="cuda").bfloat16() for _ in range(3)]
+    results = []
+    for in_place in (False, True):
+        weight = matrix.clone().requires_grad_()
+        buffer = torch.zeros_like(weight)
+        cast = (lambda: tg.CastIntoGrad.apply(weight, buffer, torch.bfloat16)) if in_place else (lambda: weight.bfloat16())
+        compiled = torch.compile(lambda x: torch.relu(x @ cast()).float().square().sum(), fullgraph=True, dynamic=False)
+        for x in xs:
+            compiled(x).backward()
+        results.append(buffer if in_place else weight.grad)
+        assert (weight.grad is None) == in_place  # no AccumulateGrad ran for the in-place version
+        torch._dynamo.reset()
+    assert results[1].abs().sum() > 0 and torch.equal(results[0], results[1])
+
+
+def test_compiled_flex_block_tables_equal_the_eager_ones() -> None:
+    """The sort-free block tables of flex_window_mask as inductor compiles them, at the record's shape (49,152 tokens,
+    128-token blocks), against eager PyTorch's, for every window of the schedule."""
+    torch.manual_seed(4)
+    ids = torch.randint(0, 50000, (49152,), device="cuda")
+    ids[torch.randint(0, 49152, (70,), device="cuda")] = 50256
+    ids[1000:1010] = 50256  # one-token documents
+
+    def tables(ids: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mask = tg.flex_window_mask(tg.document_ids(ids, 50256), window, 128)
+        return (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+                mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)
+
+    compiled = torch.compile(tables, fullgraph=True, dynamic=False)
+    for window_blocks in (1, 3, 5, 7, 9, 11, 13):
+        window = torch.tensor(window_blocks, dtype=torch.int32, device="cuda")
+        for got, want in zip(compiled(ids, window), tables(ids, window)):
+            assert torch.equal(got, want)
+    torch._dynamo.reset()

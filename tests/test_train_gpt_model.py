@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 import train_gpt as tg
 from conftest import TINY_BOS, TINY_VOCAB
@@ -145,6 +146,69 @@ def test_in_place_table_gradients_equal_autograds_through_three_updates():
         assert torch.equal(p, q), name
 
 
+def in_cuda_dtypes(model: tg.GPT) -> tg.GPT:
+    """build_model's dtypes on CUDA: tables and linears bf16 (so activations are bf16), matrices and scalars fp32."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.Linear)):
+            module.bfloat16()
+    return model
+
+
+@pytest.mark.parametrize("cuda_dtypes", [False, True])
+def test_in_place_matrix_gradients_equal_autograds_through_three_updates(cuda_dtypes):
+    """GPT.accumulate_matrix_grads_in_place (tables in place on both sides, as build_model sets them up) against autograd's cast
+    backward and AccumulateGrad: every gradient after three micro-steps and every weight after three Adam + Muon
+    steps, bit for bit, in fp32 and in CUDA's dtypes (bf16 activations, fp32 matrices); checkpoints do not see the
+    buffers."""
+    convert = in_cuda_dtypes if cuda_dtypes else (lambda model: model)
+    plain, in_place = convert(tiny_model()), convert(tiny_model())
+    for model in (plain, in_place):  # the tables' sums as inductor computes them on both sides (not eager bf16's)
+        model.accumulate_table_grads_in_place()
+    in_place.accumulate_matrix_grads_in_place()
+    assert in_place.state_dict().keys() == plain.state_dict().keys()
+    matrices = [getattr(module, name) for module, name in in_place.matrices()]
+    assert len(matrices) == 10 + 11 * 2 and all(m.dtype == torch.float32 for m in matrices)
+    hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2)
+    optimizers = [tg.build_optimizers(model, hp, 0, 1) for model in (plain, in_place)]
+    torch.manual_seed(1)
+    for step in range(3):
+        for _ in range(3):
+            ids = torch.randint(0, TINY_VOCAB - 1, (128,), dtype=torch.int32)
+            ids[::37] = TINY_BOS
+            for model in (plain, in_place):
+                model(ids, ids.long(), None, 1, 3, 128).backward()
+        assert all(p.grad is buffer for p, buffer in in_place.grad_buffers()) and len(in_place.grad_buffers()) == 4 + 32
+        for (name, p), q in zip(plain.named_parameters(), in_place.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        assert step < 2 or all(m.grad.abs().sum() > 0 for m in matrices)
+        for (model, (adam, muon)) in zip((plain, in_place), optimizers):
+            adam.step()
+            muon.step()
+            model.zero_grad()
+        assert all(m.grad is not None and not m.grad.any() for m in matrices)
+    for (name, p), q in zip(plain.named_parameters(), in_place.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("addend_dtype", [torch.bfloat16, torch.float32])
+def test_add_into_grad_is_the_eager_sum(addend_dtype):
+    grad = torch.randn(33, 70)
+    addend = torch.randn(33, 70).to(addend_dtype)
+    expected = grad + addend.float()
+    tg.add_into_grad(grad, addend)
+    assert torch.equal(grad, expected)
+    transposed = torch.randn(70, 33).to(addend_dtype).T  # not contiguous: the eager formula
+    expected = grad + transposed.float()
+    tg.add_into_grad(grad, transposed)
+    assert torch.equal(grad, expected)
+
+
+@pytest.mark.parametrize("grad, addend", [(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 8)), (torch.zeros(4, 8), torch.zeros(8, 4))])
+def test_add_into_grad_refuses_other_dtypes_and_shapes(grad, addend):
+    with pytest.raises(ValueError, match="add_into_grad: needs an fp32 grad and an addend of its shape"):
+        tg.add_into_grad(grad, addend)
+
+
 @pytest.mark.parametrize("shapes", [((10, 8), (10,), (6,)), ((10, 7), (10,), (6, 8)), ((2, 5, 8), (2, 4), (6, 8))])
 def test_table_gradients_refuse_mismatched_shapes(shapes):
     grad_out, ids, grad = (torch.zeros(shape) for shape in shapes)
@@ -189,6 +253,38 @@ def test_flex_block_tables_are_token_exact(window_blocks, seed):
     expected = tg.dense_window_mask(docs, window_blocks * block)
     assert torch.equal(block_mask_as_dense(mask, docs, block), expected)
     assert expected.sum(-1).max() <= window_blocks * block + 1  # W + 1 keys at most, itself included
+
+
+def sorted_block_table(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables by sorting: selected columns first, from the highest down, the others ascending (a stable sort)."""
+    order = torch.where(selected, torch.arange(selected.size(-1)), -1)
+    return selected.sum(-1, dtype=torch.int32)[None, None], torch.argsort(order, dim=-1, descending=True, stable=True).to(torch.int32)[None, None]
+
+
+@pytest.mark.parametrize("window_blocks", [1, 2, 3, 5])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_flex_block_tables_are_the_sorted_tables_and_their_transposes(window_blocks, seed):
+    """The kv tables are the sorted ones; the q tables (the backward's) are what BlockMask.from_kv_blocks derives
+    from them, bit for bit; and every table stays a permutation of the columns."""
+    block = 16
+    ids = random_documents(256, num_bos=3 + 4 * seed, seed=seed)
+    if seed == 2:
+        ids[:40] = TINY_BOS  # a run of one-token documents
+    docs = tg.document_ids(ids, TINY_BOS)
+    mask = tg.flex_window_mask(docs, torch.tensor(window_blocks, dtype=torch.int32), block)
+    dense_partial = torch.zeros(16, 16, dtype=torch.bool)
+    dense_full = torch.zeros(16, 16, dtype=torch.bool)
+    for dense, counts, indices in ((dense_partial, mask.kv_num_blocks, mask.kv_indices), (dense_full, mask.full_kv_num_blocks, mask.full_kv_indices)):
+        for qb in range(16):
+            dense[qb, indices[0, 0, qb, : counts[0, 0, qb]].long()] = True
+    assert dense_partial.any() and (dense_full.any() or window_blocks == 1 or seed > 0)  # seed 0 has long documents
+    by_sorting = BlockMask.from_kv_blocks(*sorted_block_table(dense_partial), *sorted_block_table(dense_full), BLOCK_SIZE=block)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        ours, theirs = getattr(mask, name), getattr(by_sorting, name)
+        assert ours.dtype == theirs.dtype == torch.int32 and ours.is_contiguous(), name
+        assert torch.equal(ours, theirs), name
+    assert torch.equal(mask.q_indices.sort(-1).values[0, 0], torch.arange(16, dtype=torch.int32).expand(16, 16))
+    assert mask.seq_lengths == (256, 256) and mask.BLOCK_SIZE == (block, block)
 
 
 def test_flex_attention_eager_matches_reference_on_packed_documents():

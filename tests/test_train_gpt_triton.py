@@ -298,3 +298,50 @@ def test_table_gradient_kernels_are_the_eager_formula_under_the_interpreter():
     for case, r in results.items():
         assert r.pop("random_error") < (2 ** -8 if "bfloat16" in case else 1e-6), case
         assert r == {"named_rows_bitwise": True, "unnamed_rows_kept": True, "changed": True}, (case, r)
+
+
+ADD_INTO_GRAD_CHECKS = r"""
+import json, torch, train_gpt as tg
+torch.manual_seed(0)
+results = {}
+# a partial last block, exactly one block, several blocks, nothing; non-finite values pass through as the eager sum's
+for shape in ((3, 700), (tg.ADD_INTO_GRAD_BLOCK,), (5, 1000), (0, 8)):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        grad = torch.randn(shape) * 100
+        addend = torch.randn(shape).to(dtype)
+        if grad.numel():
+            grad.view(-1)[:3] = torch.tensor([float("inf"), 1.0, float("nan")])
+            addend.view(-1)[:3] = torch.tensor([float("-inf"), float("nan"), 2.0]).to(dtype)
+        expected = grad + addend.float()
+        tg.add_into_grad(grad, addend)
+        results[f"{shape} {dtype}"] = torch.equal(grad.nan_to_num(), expected.nan_to_num()) and torch.equal(grad.isnan(), expected.isnan())
+print(json.dumps(results))
+"""
+
+
+def test_add_into_grad_kernel_is_the_eager_sum_under_the_interpreter():
+    results = run_under_interpreter(ADD_INTO_GRAD_CHECKS)
+    assert len(results) == 12 and all(results.values()), results
+
+
+BLOCK_TABLE_CHECKS = r"""
+import json, torch, train_gpt as tg
+torch.manual_seed(0)
+results = {}
+for n in (1, 5, 16, 40):
+    for density in (0.0, 0.3, 1.0):
+        partial, full = torch.rand(n, n) < density, torch.rand(n, n) < density / 2
+        counts, indices = tg.block_tables(partial, full)
+        want_counts, want_indices = tg.block_tables_eager(partial, full)
+        results[f"{n} {density}"] = counts.dtype == indices.dtype == torch.int32 and torch.equal(counts, want_counts) and torch.equal(indices, want_indices)
+# the window tables of a packed row of documents, as flex_window_mask builds them
+ids = torch.randint(0, 100, (640,)); ids[torch.randint(0, 640, (9,))] = 100
+mask = tg.flex_window_mask(tg.document_ids(ids, 100), torch.tensor(3, dtype=torch.int32), 16)
+results["mask"] = mask.q_indices.shape == (1, 1, 40, 40) and bool(mask.kv_num_blocks.sum() > 0)
+print(json.dumps(results))
+"""
+
+
+def test_block_tables_kernel_is_the_eager_formula_under_the_interpreter():
+    results = run_under_interpreter(BLOCK_TABLE_CHECKS)
+    assert len(results) == 13 and all(results.values()), results
