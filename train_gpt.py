@@ -1287,8 +1287,8 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: fl
 # argsort(where(selected, column, -1), descending) for the kv tables, BlockMask.from_kv_blocks' stable argsort of
 # the transposed matrix for the q tables; tests/test_train_gpt_model.py checks the two against each other.
 def block_tables_eager(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
-    """The four block tables of a window from its boolean (rows, cols) block matrices: counts (4, rows) and indices
-    (4, rows, cols), int32, in the order partial kv, full kv, partial q, full q. A kv table lists each query block's
+    """The four block tables of a window from its two square boolean (n, n) block matrices: counts (4, n) and indices
+    (4, n, n), int32, in the order partial kv, full kv, partial q, full q. A kv table lists each query block's
     key blocks from the highest down, a q table (from the transposed matrix) each key block's query blocks
     ascending; the blocks not selected follow, ascending. Without a sort: each column's place is a count of the
     selected columns up to it, and the columns are scattered there."""
@@ -1331,6 +1331,8 @@ def block_tables(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
     TRITON_INTERPRET, the eager formula otherwise."""
     if partial.shape != full.shape or partial.dim() != 2 or partial.size(0) != partial.size(1):
         raise ValueError(f"block_tables: needs two square block matrices of one shape; got {tuple(partial.shape)} and {tuple(full.shape)}")
+    if 2 * partial.size(0) ** 2 >= 2**31:
+        raise ValueError(f"block_tables: {partial.size(0)} blocks per sequence overflow the kernel's 32-bit offsets; use fewer tokens per sequence or larger blocks")
     if not _triton_kernels_for(partial):
         return block_tables_eager(partial, full)
     n = partial.size(0)
@@ -1356,15 +1358,13 @@ def _(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # ---- the FlexAttention window mask and the attention backends ----
-def flex_window_mask(docs: Tensor, window_blocks: int, block_size: int) -> BlockMask:
-    """Token-exact document-causal sliding-window BlockMask: the window is written into the dense block tables, so
-    the mask equals FlashAttention-3's window exactly (docs/track1_recipe.md#attention-backends).
+Window = int | Tensor  # in blocks; a 0-dim int32 device tensor on the FlexAttention path (see window_args)
 
-    With d = query block - key block: blocks with d in [1, W-1] inside one document are fully visible;
-    the diagonal, document-cut blocks and the band d = W are partial (token rule applied); d > W is empty.
-    Each query block lists its key blocks from the diagonal back; each key block lists its query blocks in
-    ascending order, the tables BlockMask.from_kv_blocks would derive (tests/test_train_gpt_model.py).
-    """
+
+def window_block_matrices(docs: Tensor, window_blocks: Window, block_size: int) -> tuple[Tensor, Tensor]:
+    """(partial, full): boolean (query block, key block) matrices of the document-causal window. With d = query
+    block - key block: blocks with d in [1, W-1] inside one document are fully visible; the diagonal,
+    document-cut blocks and the band d = W are partial (token rule applied); d > W is empty."""
     num_blocks = docs.numel() // block_size
     per_block = docs.view(num_blocks, block_size)
     first, last = per_block[:, 0], per_block[:, -1]
@@ -1374,21 +1374,29 @@ def flex_window_mask(docs: Tensor, window_blocks: int, block_size: int) -> Block
     one_document = (first[:, None] == last[None, :]) & (last[:, None] == first[None, :])
     full = one_document & (distance >= 1) & (distance <= window_blocks - 1)
     partial = may_overlap & (distance <= window_blocks) & ~full
+    return partial, full
+
+
+def flex_window_mask(docs: Tensor, window_blocks: Window, block_size: int) -> BlockMask:
+    """Token-exact document-causal sliding-window BlockMask: the window is written into the dense block tables
+    (window_block_matrices), so the mask equals FlashAttention-3's window exactly
+    (docs/track1_recipe.md#attention-backends). Each query block lists its key blocks from the diagonal back; each
+    key block lists its query blocks in ascending order, the tables BlockMask.from_kv_blocks would derive
+    (tests/test_train_gpt_model.py)."""
+    partial, full = window_block_matrices(docs, window_blocks, block_size)
     window = window_blocks * block_size
 
     def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & (docs[q_idx] == docs[kv_idx])
 
     counts, indices = block_tables_op(partial, full)
-    counts, indices = counts[:, None, None], indices[:, None, None]  # (1, 1, rows) and (1, 1, rows, cols) per table
+    counts, indices = counts[:, None, None], indices[:, None, None]  # (1, 1, n) and (1, 1, n, n) per table
+    length = partial.size(0) * block_size
     return BlockMask(
-        seq_lengths=(num_blocks * block_size,) * 2, kv_num_blocks=counts[0], kv_indices=indices[0],
+        seq_lengths=(length, length), kv_num_blocks=counts[0], kv_indices=indices[0],
         full_kv_num_blocks=counts[1], full_kv_indices=indices[1], q_num_blocks=counts[2], q_indices=indices[2],
         full_q_num_blocks=counts[3], full_q_indices=indices[3], BLOCK_SIZE=(block_size, block_size), mask_mod=visible,
     )
-
-
-Window = int | Tensor  # in blocks; a 0-dim int32 device tensor on the FlexAttention path (see window_args)
 
 
 class AttentionInputs(NamedTuple):
@@ -1679,7 +1687,7 @@ TABLE_GRAD_TILE = (32, 256, 1)  # (sorted positions per chunk, columns per progr
 if triton is not None:
 
     @triton.jit
-    def _add_into_grad(grad_ptr, offsets, mask, summed, ROUND_TO_BF16: tl.constexpr):
+    def _add_into_table_row(grad_ptr, offsets, mask, summed, ROUND_TO_BF16: tl.constexpr):
         # grad += summed as the eager formula rounds it: summed.bfloat16(), then bf16 + bf16 computed in fp32
         old = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         if ROUND_TO_BF16:
@@ -1723,7 +1731,7 @@ if triton is not None:
                 if next_row != row:  # the run ends here
                     if begun_here:
                         if (row >= 0) & (row < n_rows):
-                            _add_into_grad(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
+                            _add_into_table_row(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
                     else:  # the last part of a run that began in chunk `begin`
                         tl.atomic_add(parts_ptr + begin * DIM + cols, total, mask=col_ok, sem="relaxed")
                     total = tl.zeros((BLOCK_D,), tl.float32)
@@ -1751,7 +1759,7 @@ if triton is not None:
         began_here = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1) != row
         if goes_on & began_here & (row >= 0) & (row < n_rows):
             total = tl.load(parts_ptr + chunk * DIM + cols, mask=col_ok, other=0.0)
-            _add_into_grad(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
+            _add_into_table_row(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
 
 
 def accumulate_table_grads_eager(grad_outs: Sequence[Tensor], ids: Tensor, grads: Sequence[Tensor]) -> None:
@@ -1782,7 +1790,7 @@ def accumulate_table_grads(grad_outs: Sequence[Tensor], ids: Tensor, grads: Sequ
     n_ids, n_chunks = sorted_ids.numel(), triton.cdiv(sorted_ids.numel(), chunk)
     # where the run at each chunk's first position begins: a binary search per chunk (a cummax over every position
     # took 0.16 ms per micro-step on an H200, ATen's scan with indices; bench/NOTES.md session 17)
-    chunk_run_starts = torch.searchsorted(sorted_ids, sorted_ids[::chunk], side="left")
+    chunk_run_starts = torch.searchsorted(sorted_ids, sorted_ids[::chunk].contiguous(), side="left")
     for grad_out, grad in zip(grad_outs, grads):
         n_rows, dim = grad.shape
         parts = torch.zeros((n_chunks, dim), dtype=torch.float32, device=grad.device)  # the crossing runs' sums
@@ -1829,7 +1837,8 @@ class TableLookups(torch.autograd.Function):
 # per element and micro-step, 2.7 ms per step at one GPU for the 32 matrices (bench/NOTES.md session 17, the
 # `_to_copy` and `CUDAFunctor_add<float>` kernels). add_into_grad does .grad += grad_bf16 in one pass (10 bytes):
 # the same sum, as bf16 -> fp32 is exact and the add is one fp32 rounding either way. The matrices' .grad are
-# fixed buffers, zeroed by GPT.zero_grad (GPT.accumulate_matrix_grads_in_place), so the first micro-step adds to 0.
+# fixed buffers, zeroed by GPT.zero_grad (GPT.accumulate_matrix_grads_in_place), so the first micro-step adds to 0:
+# the one difference from autograd's values is that an exactly zero gradient is +0 where autograd kept a -0.
 ADD_INTO_GRAD_BLOCK = 2048  # elements per program
 
 if triton is not None:
@@ -2043,6 +2052,8 @@ class GPT(nn.Module):
         return pairs
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # zeroes the gradient buffers and re-attaches them; nn.Module.zero_grad of a wrapper (torch.compile's) or an
+        # optimizer's zero_grad would drop them, so training calls this one on the raw model
         super().zero_grad(set_to_none)
         for param, buffer in self.grad_buffers():
             buffer.zero_()

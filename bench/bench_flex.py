@@ -10,7 +10,7 @@ default options' (count of non-finite values, largest absolute difference). A va
 is marked WRONG.
 
 ROWS_GUARANTEED_SAFE alone is kept as a variant to show why train_gpt.py does not use it: the forward drops
-its masked-row guard per key tile; each query block visits its diagonal block first (train_gpt._block_table),
+its masked-row guard per key tile; each query block visits its diagonal block first (train_gpt.block_tables_eager),
 but with the default 64-key tiles, rows after a document start in the block's second half meet an all-masked
 first tile and turn NaN although every query sees itself. With 128-key tiles the first tile holds the row itself.
 

@@ -1,6 +1,6 @@
 """train_gpt.py's CUDA-only code paths, on a GPU (skipped without one): the fused soft-capped CE kernel's
 hardware instructions (casts, reciprocal) against its integer casts and division, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
-check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, the MLP's fused ReLU² backward against cuBLAS + the unfused formula, eager and compiled, and the tables' sorted-ids gradient kernels against their eager formula and compiled autograd.
+check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, the MLP's fused ReLU² backward against cuBLAS + the unfused formula, eager and compiled, the tables' sorted-ids gradient kernels against their eager formula and compiled autograd, the matrices' in-place gradients (add_into_grad, CastIntoGrad compiled) against the eager sum and compiled autograd, and the FlexAttention block tables compiled against eager.
 
     python -m pytest -q tests/test_train_gpt_cuda.py      # on a CUDA machine
 """
@@ -205,22 +205,30 @@ def test_compiled_cast_into_grad_equals_compiled_autograd() -> None:
     assert results[1].abs().sum() > 0 and torch.equal(results[0], results[1])
 
 
-def test_compiled_flex_block_tables_equal_the_eager_ones() -> None:
-    """The sort-free block tables of flex_window_mask as inductor compiles them, at the record's shape (49,152 tokens,
-    128-token blocks), against eager PyTorch's, for every window of the schedule."""
+def test_block_tables_kernel_and_the_compiled_mask_equal_the_eager_formula_on_cuda() -> None:
+    """At the record's shape (49,152 tokens, 128-token blocks), for every window of the schedule: the Triton kernel
+    behind block_tables against block_tables_eager (PyTorch's own CUDA ops), and the tables of flex_window_mask as
+    torch.compile runs it against the same eager tables."""
     torch.manual_seed(4)
     ids = torch.randint(0, 50000, (49152,), device="cuda")
     ids[torch.randint(0, 49152, (70,), device="cuda")] = 50256
     ids[1000:1010] = 50256  # one-token documents
+    docs = tg.document_ids(ids, 50256)
 
-    def tables(ids: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def mask_tables(ids: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = tg.flex_window_mask(tg.document_ids(ids, 50256), window, 128)
-        return (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
-                mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)
+        counts = (mask.kv_num_blocks, mask.full_kv_num_blocks, mask.q_num_blocks, mask.full_q_num_blocks)
+        indices = (mask.kv_indices, mask.full_kv_indices, mask.q_indices, mask.full_q_indices)
+        return torch.stack([c[0, 0] for c in counts]), torch.stack([i[0, 0] for i in indices])
 
-    compiled = torch.compile(tables, fullgraph=True, dynamic=False)
+    compiled = torch.compile(mask_tables, fullgraph=True, dynamic=False)
     for window_blocks in (1, 3, 5, 7, 9, 11, 13):
         window = torch.tensor(window_blocks, dtype=torch.int32, device="cuda")
-        for got, want in zip(compiled(ids, window), tables(ids, window)):
-            assert torch.equal(got, want)
+        partial, full = tg.window_block_matrices(docs, window, 128)
+        want_counts, want_indices = tg.block_tables_eager(partial, full)
+        counts, indices = tg.block_tables(partial, full)
+        assert torch.equal(counts, want_counts) and torch.equal(indices, want_indices)
+        counts, indices = compiled(ids, window)
+        assert torch.equal(counts, want_counts) and torch.equal(indices, want_indices)
+        assert window_blocks == 1 or int(want_counts[1].sum()) > 0  # full blocks exist from 2-block windows on
     torch._dynamo.reset()

@@ -192,6 +192,7 @@ def test_in_place_matrix_gradients_equal_autograds_through_three_updates(cuda_dt
 
 @pytest.mark.parametrize("addend_dtype", [torch.bfloat16, torch.float32])
 def test_add_into_grad_is_the_eager_sum(addend_dtype):
+    """The CPU path (the eager formula itself); the kernel is checked under the interpreter and on CUDA."""
     grad = torch.randn(33, 70)
     addend = torch.randn(33, 70).to(addend_dtype)
     expected = grad + addend.float()
