@@ -3132,7 +3132,7 @@ def train(
         muon.launch_reductions()  # in flight while Adam updates
         adam.step()
         muon.step()
-        raw_model.zero_grad()  # keeps the tables' gradient buffers, zeroed
+        raw_model.zero_grad()  # keeps the tables' and matrices' gradient buffers, zeroed
         health.push(step, step_loss, _stop_signal is not None)
         approx_ms = progress.training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
         print0(f"step:{step + 1}/{train_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms", console=True)

@@ -288,6 +288,13 @@ def test_flex_block_tables_are_the_sorted_tables_and_their_transposes(window_blo
     assert mask.seq_lengths == (256, 256) and mask.BLOCK_SIZE == (block, block)
 
 
+@pytest.mark.parametrize("shapes", [((4, 4), (4, 5)), ((4, 5), (4, 5)), ((4,), (4,))])
+def test_block_tables_refuse_matrices_that_are_not_square_or_differ(shapes):
+    partial, full = (torch.zeros(shape, dtype=torch.bool) for shape in shapes)
+    with pytest.raises(ValueError, match="block_tables: needs two square block matrices of one shape"):
+        tg.block_tables(partial, full)
+
+
 def test_flex_attention_eager_matches_reference_on_packed_documents():
     torch.manual_seed(0)
     ids = random_documents(256, num_bos=7, seed=3)
