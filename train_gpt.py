@@ -4,15 +4,17 @@ Implements the 2025-09-23 "MuonCustomSizing" record recipe (modded-nanogpt track
 constant in docs/track1_recipe.md:
 12 block slots with U-net skips, value embeddings, smear and attention gates, YaRN rotary, sliding-window
 document attention (FlashAttention-3 varlen, FlexAttention, or a plain reference), an FP8 head, Muon with
-custom parameter groups and Triton Newton-Schulz kernels, and a sharded Adam.
+custom parameter groups, and a sharded Adam.
 
     torchrun --standalone --nproc_per_node=8 train_gpt.py              # the record run
     python train_gpt.py --preset=smoke                                  # tiny CPU run of the whole pipeline
+
+Read top to bottom: Hyperparameters, Model, Optimizers, Data, Setup (processes, log, checkpoints), Warm-up,
+Train and validate, Main. The Fast paths appendix at the end holds the Triton kernels and custom ops that
+make the same math fast on the GPU; each names the eager formula it replaces, which is what the sections
+above read as (and what runs on CPU).
 """
 
-# =============================================================================================
-# Imports and setup helpers
-# =============================================================================================
 import argparse
 import copy
 import dataclasses
@@ -32,7 +34,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -49,7 +51,7 @@ try:
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # CPU-only installs without Triton use the PyTorch Newton-Schulz
+except ImportError:  # CPU-only installs without Triton run the eager formulas
     triton = None
     tl = None
 
@@ -81,53 +83,67 @@ def ceil_to(value: int, multiple: int) -> int:
 # =============================================================================================
 # Hyperparameters
 # =============================================================================================
+HELP_GROUPS = ("data", "model", "optimizer", "schedule", "logging", "runtime")  # --help's sections, in order
+
+
+def setting(group: str, default: Any, help: str) -> Any:
+    """A Hyperparameters field: its default (the record's), and its --help section and text."""
+    return dataclasses.field(default=default, metadata=dict(group=group, help=help))
+
+
 @dataclass
 class Hyperparameters:
     # data (DATA_PATH, when set, is prefixed to both patterns)
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760  # fixed for comparability with every record
-    train_batch_size: int = 2048 * 24 * 8  # tokens per optimizer step, all ranks together
-    train_max_seq_len: int = 128 * 16  # documents are truncated to this many tokens
-    val_batch_size: int = 4 * 64 * 1024 * 8  # tokens per validation step, all ranks together
-    cycle_train_files: bool = False  # let small proxy datasets repeat; a record run never repeats data
-    # schedule
-    num_iterations: int = 1640  # the LR and window schedules are defined over this many steps
-    iteration_extension: int = 40  # extra steps at the final LR and windows
-    cooldown_frac: float = 0.5
-    val_loss_every: int = 125  # 0: validate only at the end
-    warmup_steps: int = 30  # untimed kernel warm-up steps (state restored afterwards)
-    # attention windows, in units of block_size tokens
-    block_size: int = 128
-    ws_schedule: tuple[int, ...] = (3, 7, 11)
-    ws_validate: int = 13
-    ws_long_validate: int = 20
+    train_files: str = setting("data", "data/fineweb10B/fineweb_train_*.bin", "training shards (glob; DATA_PATH is prefixed)")
+    val_files: str = setting("data", "data/fineweb10B/fineweb_val_*.bin", "validation shards (glob; DATA_PATH is prefixed)")
+    val_tokens: int = setting("data", 10_485_760, "tokens per validation")  # fixed for comparability with every record
+    train_batch_size: int = setting("data", 2048 * 24 * 8, "tokens per optimizer step, all ranks together")
+    train_max_seq_len: int = setting("data", 128 * 16, "documents are truncated to this many tokens")
+    val_batch_size: int = setting("data", 4 * 64 * 1024 * 8, "tokens per validation step, all ranks together")
+    cycle_train_files: bool = setting("data", False, "start the training shards over when they run out (small data sets; never a record)")
     # model (the record's constants; overridable for tiny test and smoke models)
-    vocab_size: int = 50257
-    bos_token: int = 50256  # GPT-2 <|endoftext|>, which opens every document
-    model_dim: int = 768
-    num_heads: int = 6
+    vocab_size: int = setting("model", 50257, "token ids must lie below it")
+    bos_token: int = setting("model", 50256, "the token that opens every document")  # GPT-2 <|endoftext|>
+    model_dim: int = setting("model", 768, "width of the residual stream")
+    num_heads: int = setting("model", 6, "attention heads")
+    block_size: int = setting("model", 128, "tokens per attention block (windows are counted in blocks)")
+    disable_fp8: bool = setting("model", False, "bf16 head instead of FP8")
     # optimizers
-    adam_lr: float = 0.008
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    muon_lr: float = 0.05
-    muon_momentum: float = 0.95
-    muon_momentum_start: float = 0.85
-    muon_momentum_warmup_steps: int = 300
-    weight_decay: float = 0.0
-    # run
-    run_id: str = ""  # empty: a fresh uuid4
-    log_dir: str = "logs"
-    save_checkpoint: bool = False  # the record's end-of-run state file, logs/<run_id>/state_step<N>.pt
-    checkpoint_every: int = 0  # 0: never; else a resumable checkpoint every K steps (untimed) and at an interrupt
-    checkpoint_dir: str = ""  # empty: checkpoints/<run_id>
-    resume: str = ""  # a checkpoint directory written by --checkpoint_every; continues that run exactly
-    compile: bool = True
-    attention_backend: str = "auto"  # auto | flash3 | flex | reference
-    disable_fp8: bool = False  # also the DISABLE_FP8 environment variable
-    seed: int = -1  # -1: unseeded like the record (parameters are broadcast from rank 0 anyway)
+    adam_lr: float = setting("optimizer", 0.008, "Adam learning rate (embeddings, head, scalars)")
+    adam_beta1: float = setting("optimizer", 0.8, "Adam beta1")
+    adam_beta2: float = setting("optimizer", 0.95, "Adam beta2")
+    adam_eps: float = setting("optimizer", 1e-8, "Adam epsilon")
+    muon_lr: float = setting("optimizer", 0.05, "Muon learning rate (block matrices)")
+    muon_momentum: float = setting("optimizer", 0.95, "Muon momentum after its warm-up")
+    muon_momentum_start: float = setting("optimizer", 0.85, "Muon momentum at step 0")
+    muon_momentum_warmup_steps: int = setting("optimizer", 300, "steps of the Muon momentum warm-up")
+    weight_decay: float = setting("optimizer", 0.0, "decoupled weight decay of Adam and Muon")
+    # schedule: the LR and the attention windows follow num_iterations (docs/track1_recipe.md#schedules)
+    num_iterations: int = setting(
+        "schedule", 1640, "steps the LR and window schedules span; --train_steps=N (the total, as train_gpt_shampoo.py counts) sets it to N - iteration_extension"
+    )
+    iteration_extension: int = setting("schedule", 40, "extra steps at the final LR and windows")
+    cooldown_frac: float = setting("schedule", 0.5, "fraction of num_iterations over which the LR decays linearly to 0.1x")
+    ws_schedule: tuple[int, ...] = setting("schedule", (3, 7, 11), "long attention windows in blocks, over equal parts of the schedule")
+    ws_validate: int = setting(
+        "schedule", 13, "the last step's long window (YaRN extends to it); the final validation's short-window layers see ws_validate // 2 blocks"
+    )
+    ws_long_validate: int = setting("schedule", 20, "blocks the final validation's long-window layers see")
+    # logging
+    val_loss_every: int = setting("logging", 125, "steps between validations (0: only at the end)")
+    log_dir: str = setting("logging", "logs", "folder of the run logs, <run_id>.txt")
+    run_id: str = setting("logging", "", "name of the log (empty: a fresh uuid4)")
+    # runtime
+    seed: int = setting("runtime", -1, "torch seed (-1: unseeded like the record; parameters are broadcast from rank 0 anyway)")
+    compile: bool = setting("runtime", True, "torch.compile the model")
+    attention_backend: str = setting(
+        "runtime", "auto", "auto | flash3 | flex | reference (auto: flash3 when FlashAttention-3 imports, else flex; reference on CPU)"
+    )
+    warmup_steps: int = setting("runtime", 30, "untimed kernel warm-up steps (state restored afterwards)")
+    save_checkpoint: bool = setting("runtime", False, "write the end-of-run state file, <log_dir>/<run_id>/state_step<N>.pt")
+    checkpoint_every: int = setting("runtime", 0, "resumable checkpoint every K steps and at an interrupt (0: never)")
+    checkpoint_dir: str = setting("runtime", "", "folder of the resumable checkpoints (empty: checkpoints/<run_id>)")
+    resume: str = setting("runtime", "", "a checkpoint folder written by --checkpoint_every: continues that run exactly")
 
     @property
     def train_steps(self) -> int:
@@ -181,57 +197,9 @@ def _value_parser(field_type: Any) -> Callable[[str], Any]:
 
 # ---- command line: --name=value for every field, grouped in --help the same way in both training scripts ----
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
-    "data": ("train_files", "val_files", "val_tokens", "train_batch_size", "train_max_seq_len", "val_batch_size", "cycle_train_files"),
-    "model": ("vocab_size", "bos_token", "model_dim", "num_heads", "block_size", "disable_fp8"),
-    "optimizer": (
-        "adam_lr", "adam_beta1", "adam_beta2", "adam_eps", "muon_lr", "muon_momentum", "muon_momentum_start",
-        "muon_momentum_warmup_steps", "weight_decay",
-    ),
-    "schedule": ("num_iterations", "iteration_extension", "cooldown_frac", "ws_schedule", "ws_validate", "ws_long_validate"),
-    "logging": ("val_loss_every", "log_dir", "run_id"),
-    "runtime": ("seed", "compile", "attention_backend", "warmup_steps", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"),
+    group: tuple(f.name for f in dataclasses.fields(Hyperparameters) if f.metadata["group"] == group) for group in HELP_GROUPS
 }
-FLAG_HELP: dict[str, str] = {
-    "train_files": "training shards (glob; DATA_PATH is prefixed)",
-    "val_files": "validation shards (glob; DATA_PATH is prefixed)",
-    "val_tokens": "tokens per validation",
-    "train_batch_size": "tokens per optimizer step, all ranks together",
-    "train_max_seq_len": "documents are truncated to this many tokens",
-    "val_batch_size": "tokens per validation step, all ranks together",
-    "cycle_train_files": "start the training shards over when they run out (small data sets; never a record)",
-    "vocab_size": "token ids must lie below it",
-    "bos_token": "the token that opens every document",
-    "model_dim": "width of the residual stream",
-    "num_heads": "attention heads",
-    "block_size": "tokens per attention block (windows are counted in blocks)",
-    "disable_fp8": "bf16 head instead of FP8 (also the DISABLE_FP8 environment variable)",
-    "adam_lr": "Adam learning rate (embeddings, head, scalars)",
-    "adam_beta1": "Adam beta1",
-    "adam_beta2": "Adam beta2",
-    "adam_eps": "Adam epsilon",
-    "muon_lr": "Muon learning rate (block matrices)",
-    "muon_momentum": "Muon momentum after its warm-up",
-    "muon_momentum_start": "Muon momentum at step 0",
-    "muon_momentum_warmup_steps": "steps of the Muon momentum warm-up",
-    "weight_decay": "decoupled weight decay of Adam and Muon",
-    "num_iterations": "steps the LR and window schedules span; --train_steps=N (the total, as train_gpt_shampoo.py counts) sets it to N - iteration_extension",
-    "iteration_extension": "extra steps at the final LR and windows",
-    "cooldown_frac": "fraction of num_iterations over which the LR decays linearly to 0.1x",
-    "ws_schedule": "long attention windows in blocks, over equal parts of the schedule",
-    "ws_validate": "the last step's long window (YaRN extends to it); the final validation's short-window layers see ws_validate // 2 blocks",
-    "ws_long_validate": "blocks the final validation's long-window layers see",
-    "val_loss_every": "steps between validations (0: only at the end)",
-    "log_dir": "folder of the run logs, <run_id>.txt",
-    "run_id": "name of the log (empty: a fresh uuid4)",
-    "seed": "torch seed (-1: unseeded like the record)",
-    "compile": "torch.compile the model",
-    "attention_backend": "auto | flash3 | flex | reference (auto: flash3 when FlashAttention-3 imports, else flex; reference on CPU)",
-    "warmup_steps": "untimed kernel warm-up steps (state restored afterwards)",
-    "save_checkpoint": "write the end-of-run state file, <log_dir>/<run_id>/state_step<N>.pt",
-    "checkpoint_every": "resumable checkpoint every K steps and at an interrupt (0: never)",
-    "checkpoint_dir": "folder of the resumable checkpoints (empty: checkpoints/<run_id>)",
-    "resume": "a checkpoint folder written by --checkpoint_every: continues that run exactly",
-}
+FLAG_HELP: dict[str, str] = {f.name: f.metadata["help"] for f in dataclasses.fields(Hyperparameters)}
 # The other training script's names for the same settings, accepted here too.
 FLAG_ALIASES: dict[str, str] = {"val_every": "val_loss_every"}
 TOTAL_STEPS_FLAG = "train_steps"  # the other script's step count: here num_iterations + iteration_extension
@@ -301,8 +269,6 @@ def parse_args(argv: list[str]) -> tuple[Hyperparameters, dict[str, Any]]:
     values = dict(PRESETS[preset]) if preset else {}
     explicit = _resolve_aliases(explicit, values)
     values.update(explicit)
-    if os.environ.get("DISABLE_FP8"):
-        values["disable_fp8"] = True
     hp = Hyperparameters(**values)
     validate_hyperparameters(hp)
     overrides = ({"preset": preset} if preset else {}) | explicit
@@ -367,6 +333,869 @@ def lr_multiplier(step: int, hp: Hyperparameters) -> float:
 def muon_momentum(step: int, hp: Hyperparameters) -> float:
     frac = min(step / hp.muon_momentum_warmup_steps, 1.0) if hp.muon_momentum_warmup_steps > 0 else 1.0
     return hp.muon_momentum_start * (1 - frac) + hp.muon_momentum * frac
+
+
+# =============================================================================================
+# Model
+# =============================================================================================
+# Attention and MLP matrices are raw fp32 Parameters of one shared stored shape (D, 4D) so Muon can batch
+# them; every parameter carries `module_tag` (Muon grouping), `lr_mul` and `wd_mul` (optimizer scaling),
+# and `label` (its name, for the log).
+ATTENTION_LAYERS_SKIPPED = (0, 7)
+VALUE_EMBED_FOR_LAYER = (None, 1, 2, None, None, None, None, None, None, 0, 1, 2)  # 0-1-2 ... 0-1-2
+LONG_WINDOW_LAYERS = (4, 11)  # every other attention layer uses the short window
+UNET_SKIP_PAIRS = 5  # pushes after layers 1-5, pops (LIFO) before layers 6-10
+
+
+def tag(param: nn.Parameter, module_tag: str | None = None, lr_mul: float = 1.0, wd_mul: float = 1.0) -> nn.Parameter:
+    param.module_tag, param.lr_mul, param.wd_mul = module_tag, lr_mul, wd_mul
+    return param
+
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))  # PyTorch's default eps, no weight anywhere in Track 1
+
+
+class CastedLinear(nn.Linear):
+    """Bias-free linear whose weight is cast to the activation dtype at use."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight.type_as(x))
+
+
+# ---- the head: soft-capped cross-entropy; FP8 in training ----
+# Training loss = sum over tokens of CE(30 sigmoid(logits / 7.5)) (docs/track1_recipe.md#fp8-head); the eager formula:
+#     logits = (x @ w.T).float(); loss = F.cross_entropy(30 * torch.sigmoid(logits / 7.5), targets, reduction="sum")
+# In training, where the GPU has FP8 (fp8_head_available), the logits come from torch._scaled_mm in e4m3 with the
+# static scales below, and one custom op computes them, the loss and the logits' gradient (fp8_head_loss, Fast paths).
+FP8_X_SCALE = math.sqrt(768) / 448  # |RMS-normed x| <= sqrt(768); 448 = largest e4m3 value
+FP8_W_SCALE = 2.0**-9
+FP8_GRAD_SCALE = 1.0 / 448
+SOFTCAP = 30.0  # logits are soft-capped into (0, SOFTCAP) ...
+SOFTCAP_DIVISOR = 7.5  # ... as SOFTCAP * sigmoid(logits / SOFTCAP_DIVISOR)
+
+
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, reduction: str) -> Tensor:
+    """The eager formula: fp32 soft cap, then cross-entropy over every (padded) vocabulary column."""
+    capped = SOFTCAP * torch.sigmoid(logits.float() / SOFTCAP_DIVISOR)
+    return F.cross_entropy(capped.view(-1, capped.size(-1)), targets, reduction=reduction)
+
+
+class LMHead(CastedLinear):
+    """Vocabulary projection and loss: FP8 with the fused loss in training when enabled, the eager formula otherwise."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__(dim, vocab)
+        self.use_fp8 = False
+
+    def loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        """Sum of token losses in training, mean in eval."""
+        if self.training and self.use_fp8:
+            return fp8_head_loss(x.flatten(0, -2), self.weight, targets, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
+        return softcapped_cross_entropy(self(x), targets, "sum" if self.training else "mean")
+
+
+# ---- rotary embedding with YaRN ----
+BASE_ATTN_SCALE = 0.1  # softmax scale before any YaRN update
+
+
+class Rotary(nn.Module):
+    """Half-truncated rotary: head_dim/4 frequencies log-spaced from 1 to 1/1024, then head_dim/4 zeros.
+
+    Positions are indices into the rank's packed buffer. YaRN updates compound on the current frequencies.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, block_size: int, table_dtype: torch.dtype):
+        super().__init__()
+        quarter = head_dim // 4
+        base = torch.cat([(1 / 1024) ** torch.linspace(0, 1, quarter, dtype=torch.float32), torch.zeros(quarter)])
+        self.register_buffer("base_freqs", base, persistent=False)
+        self.register_buffer("freqs", base.clone(), persistent=False)
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
+        # attn_scale as a float (FA3, reference) and as a 0-dim tensor updated in place (FlexAttention's
+        # score_mod), so YaRN updates do not recompile the FlexAttention graph; see softmax_scale
+        self.register_buffer("attn_scale_tensor", torch.tensor(BASE_ATTN_SCALE), persistent=False)
+        self.block_size = block_size
+        self.attn_scale = BASE_ATTN_SCALE
+        self.window: int | None = None  # the long window (blocks) the tables serve; None: the base tables, unused yet
+        self.reset()
+
+    @torch.no_grad()
+    def _refresh_tables(self) -> None:
+        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32, device=self.freqs.device), self.freqs)
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        self.freqs.copy_(self.base_freqs)
+        self.attn_scale = BASE_ATTN_SCALE
+        self.attn_scale_tensor.fill_(self.attn_scale)
+        self._refresh_tables()
+        self.window = None
+
+    def set_window(self, window: int) -> None:
+        """The tables for a long window of `window` blocks: the one rule of training, warm-up and resume. The base
+        tables serve the first window after a reset; a longer window stretches the current tables (apply_yarn,
+        compounding as in the record); a shorter one starts over from the base tables, which then serve it."""
+        if self.window is not None and window > self.window:
+            self.apply_yarn(self.window, window)
+        elif self.window is not None and window < self.window:
+            self.reset()
+        self.window = window
+
+    @torch.no_grad()
+    def apply_yarn(self, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0) -> None:
+        """Stretch the long context from old_window to new_window blocks (YaRN, 2025-09-10 record)."""
+        rotations = self.block_size * old_window * self.freqs / (2 * math.pi)
+        ratio = old_window / new_window
+        ramp = ((rotations - alpha) / (beta - alpha)).clamp(0, 1)
+        self.freqs.mul_(ratio + ramp * (1 - ratio))
+        self._refresh_tables()
+        self.attn_scale *= 0.2 * math.log(new_window / old_window) + 1
+        self.attn_scale_tensor.fill_(self.attn_scale)
+
+    def softmax_scale(self, as_tensor: bool) -> float | Tensor:
+        """attn_scale as the attention backend takes it (AttentionBackend.takes_tensors); only that form is read, so a
+        compiled graph is specialized on the float only where the float is used."""
+        return self.attn_scale_tensor if as_tensor else self.attn_scale
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (1, T, H, d)
+        cos = self.cos[None, : x.size(1), None, None, :]
+        sin = self.sin[None, : x.size(1), None, None, :]
+        halves = x.to(cos.dtype).unflatten(-1, (2, -1))  # (..., 2, d/2): x1, x2
+        # (x1 cos + x2 sin, x2 cos + x1 (-sin)) without a cat of the halves: in training, inductor's q/k norm +
+        # rotary kernels took 28.2 ms per step with the cat form and 19.0 with this one (A/B profile, one H200,
+        # bench/NOTES.md)
+        return (halves * cos + halves.flip(-2) * torch.cat((sin, -sin), dim=-2)).flatten(-2).type_as(x)
+
+
+# ---- attention backends ----
+# Key j is visible to query i iff same document, j <= i and i - j <= W tokens (FA3's window (W, 0)).
+def document_ids(ids: Tensor, bos_token: int) -> Tensor:
+    """Inclusive prefix count of BOS tokens: a BOS belongs to the document it opens."""
+    return (ids == bos_token).cumsum(0, dtype=torch.int32)
+
+
+def dense_window_mask(docs: Tensor, window: int) -> Tensor:
+    pos = torch.arange(docs.numel(), device=docs.device)
+    offset = pos[:, None] - pos[None, :]
+    return (offset >= 0) & (offset <= window) & (docs[:, None] == docs[None, :])
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Plain masked softmax attention on (1, T, H, d) tensors: the CPU path and the tests' oracle."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.float()).type_as(q)
+
+
+# ---- the FlexAttention window mask and the attention backends ----
+Window = int | Tensor  # in blocks; a 0-dim int32 device tensor on the FlexAttention path (see window_args)
+
+
+def window_block_matrices(docs: Tensor, window_blocks: Window, block_size: int) -> tuple[Tensor, Tensor]:
+    """(partial, full): boolean (query block, key block) matrices of the document-causal window. With d = query
+    block - key block: blocks with d in [1, W-1] inside one document are fully visible; the diagonal,
+    document-cut blocks and the band d = W are partial (token rule applied); d > W is empty."""
+    num_blocks = docs.numel() // block_size
+    per_block = docs.view(num_blocks, block_size)
+    first, last = per_block[:, 0], per_block[:, -1]
+    blk = torch.arange(num_blocks, device=docs.device)
+    distance = blk[:, None] - blk[None, :]
+    may_overlap = (distance >= 0) & (first[:, None] <= last[None, :]) & (last[:, None] >= first[None, :])
+    one_document = (first[:, None] == last[None, :]) & (last[:, None] == first[None, :])
+    full = one_document & (distance >= 1) & (distance <= window_blocks - 1)
+    partial = may_overlap & (distance <= window_blocks) & ~full
+    return partial, full
+
+
+def flex_window_mask(docs: Tensor, window_blocks: Window, block_size: int) -> BlockMask:
+    """Token-exact document-causal sliding-window BlockMask: the window is written into the dense block tables
+    (window_block_matrices), so the mask equals FlashAttention-3's window exactly
+    (docs/track1_recipe.md#attention-backends). Each query block lists its key blocks from the diagonal back; each
+    key block lists its query blocks in ascending order, the tables BlockMask.from_kv_blocks would derive
+    (tests/test_train_gpt_model.py)."""
+    partial, full = window_block_matrices(docs, window_blocks, block_size)
+    window = window_blocks * block_size
+
+    def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & (docs[q_idx] == docs[kv_idx])
+
+    counts, indices = block_tables_op(partial, full)
+    counts, indices = counts[:, None, None], indices[:, None, None]  # (1, 1, n) and (1, 1, n, n) per table
+    length = partial.size(0) * block_size
+    return BlockMask(
+        seq_lengths=(length, length), kv_num_blocks=counts[0], kv_indices=indices[0],
+        full_kv_num_blocks=counts[1], full_kv_indices=indices[1], q_num_blocks=counts[2], q_indices=indices[2],
+        full_q_num_blocks=counts[3], full_q_indices=indices[3], BLOCK_SIZE=(block_size, block_size), mask_mod=visible,
+    )
+
+
+class AttentionInputs(NamedTuple):
+    """What every attention layer of one forward needs; masks are built once per forward and window."""
+
+    windows: dict[str, Window]  # "short" / "long" → window in blocks
+    masks: dict[str, Any]  # "short" / "long" → BlockMask (flex) or dense bool mask (reference)
+    cu_seqlens: Tensor | None
+    max_seqlen: int
+
+
+class AttentionBackend:
+    """Document-causal sliding-window attention on (1, T, H, d) tensors, one subclass per backend; the backend is
+    chosen once per run by name (choose_attention_backend), built by attention_backend(name, ...) and logged.
+
+    Per forward, prepare() builds what every layer needs (masks or cu_seqlens); per layer, the call attends with
+    the window "short" or "long" and the softmax scale. Windows and scale are Python numbers, except where the
+    backend takes_tensors (FlexAttention): then 0-dim device tensors (see window_args), so that a schedule's
+    changes do not recompile. FA3 takes numbers, so (as in the record) each (window, scale) pair compiles its
+    own graph: 3 in training, a few more in eval.
+    """
+
+    name: str  # as in --attention_backend and the log
+    takes_tensors = False
+
+    def __init__(self, block_size: int, bos_token: int):
+        self.block_size, self.bos_token = block_size, bos_token
+
+    def window_args(self, ws_short: int, ws_long: int, device: torch.device) -> tuple[Window, Window]:
+        """The forward's window arguments, in blocks."""
+        return ws_short, ws_long
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
+        raise NotImplementedError
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class FlashAttention3(AttentionBackend):
+    """The record's varlen call, with the loader's cu_seqlens. Tested against a plain-PyTorch stand-in with FA3's
+    semantics (tests/test_train_gpt_flash3.py); no real FA3 build has run it on our machines."""
+
+    name = "flash3"
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
+        return AttentionInputs(windows, {}, cu_seqlens, max_seqlen)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
+        y = flash_attn_varlen_func(
+            q[0],
+            k[0],
+            v[0],
+            cu_seqlens_q=inputs.cu_seqlens,
+            cu_seqlens_k=inputs.cu_seqlens,
+            max_seqlen_q=inputs.max_seqlen,
+            max_seqlen_k=inputs.max_seqlen,
+            softmax_scale=scale,
+            causal=True,
+            window_size=(inputs.windows[window] * self.block_size, 0),
+        )
+        return (y[0] if isinstance(y, tuple) else y).unsqueeze(0)  # some FA3 builds also return the LSE
+
+
+class FlexAttentionBackend(AttentionBackend):
+    """flex_attention with a token-exact block mask per window (flex_window_mask): one training graph and one eval
+    graph serve the whole schedule (windows memoized per value, the scale a buffer updated in place)."""
+
+    name = "flex"
+    takes_tensors = True
+
+    def __init__(self, block_size: int, bos_token: int):
+        super().__init__(block_size, bos_token)
+        self._window_tensors: dict[tuple[int, torch.device], Tensor] = {}
+
+    def window_args(self, ws_short: int, ws_long: int, device: torch.device) -> tuple[Window, Window]:
+        for ws in (ws_short, ws_long):
+            if (ws, device) not in self._window_tensors:
+                self._window_tensors[ws, device] = torch.tensor(ws, dtype=torch.int32, device=device)
+        return self._window_tensors[ws_short, device], self._window_tensors[ws_long, device]
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
+        docs = document_ids(ids, self.bos_token)
+        return AttentionInputs(windows, {key: flex_window_mask(docs, w, self.block_size) for key, w in windows.items()}, None, max_seqlen)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
+        def scaled(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score * scale  # fp32 inside the kernel, like FA3's softmax_scale
+
+        y = flex_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=scaled, block_mask=inputs.masks[window], scale=1.0,
+        )
+        return y.transpose(1, 2)
+
+
+class ReferenceAttention(AttentionBackend):
+    """Dense masked softmax (reference_attention): the CPU path and the tests' oracle."""
+
+    name = "reference"
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
+        docs = document_ids(ids, self.bos_token)
+        return AttentionInputs(windows, {key: dense_window_mask(docs, w * self.block_size) for key, w in windows.items()}, None, max_seqlen)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
+        return reference_attention(q, k, v, inputs.masks[window], scale)
+
+
+ATTENTION_BACKEND_CLASSES: dict[str, type[AttentionBackend]] = {cls.name: cls for cls in (FlashAttention3, FlexAttentionBackend, ReferenceAttention)}
+
+
+def attention_backend(name: str, block_size: int, bos_token: int) -> AttentionBackend:
+    """The backend of that name (flash3, flex or reference; choose_attention_backend resolves auto)."""
+    return ATTENTION_BACKEND_CLASSES[name](block_size, bos_token)
+
+
+def choose_attention_backend(requested: str, device: torch.device) -> str:
+    if requested == "flash3" and (flash_attn_varlen_func is None or device.type != "cuda"):
+        raise UserError("--attention_backend=flash3 needs CUDA and flash_attn_interface (FlashAttention-3); use auto, flex or reference")
+    if requested == "flex" and device.type != "cuda":
+        raise UserError("--attention_backend=flex cannot train on CPU (FlexAttention has no CPU backward); use auto or reference")
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "flash3" if flash_attn_varlen_func is not None else "flex"
+    return "reference"
+
+
+# ---- gradients into fixed buffers ----
+# The tables' and the matrices' gradients skip autograd's AccumulateGrad: their backward adds straight into a fixed
+# buffer, `<name>_grad` on the parameter's module, which is also the parameter's .grad (GPT.grads_into_buffers). The
+# tables go through TableLookups, the matrices through CastIntoGrad (Fast paths, with the eager formulas and the
+# measured reasons). Every zero_grad of the model or of its optimizers zeroes the buffers in place and leaves them
+# attached (reattach_grad_buffers): dropped, the next backward would add into a buffer no optimizer reads.
+def reattach_grad_buffers(params: Iterable[nn.Parameter]) -> None:
+    """Each parameter that has a gradient buffer: the buffer zeroed, and set as its .grad again."""
+    for param in params:
+        buffer = getattr(param, "grad_buffer", None)
+        if buffer is not None:
+            buffer.zero_()
+            param.grad = buffer
+
+
+def cast_matrix(module: nn.Module, name: str, like: Tensor) -> Tensor:
+    """module's matrix `name` in like's dtype; through CastIntoGrad once the module holds its gradient buffer."""
+    matrix = getattr(module, name)
+    buffer = getattr(module, f"{name}_grad", None)
+    if buffer is None:
+        return matrix.type_as(like)
+    return CastIntoGrad.apply(matrix, buffer, like.dtype)
+
+
+# ---- blocks ----
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        # (D, 4D) storage reinterpreted as (4, D, D) = W_Q, W_K, W_V, W_O in (out, in) convention.
+        self.qkvo_w = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "attn")
+        self.attn_gate = CastedLinear(GATE_INPUT_DIMS, num_heads)
+        tag(self.attn_gate.weight, "attn_gate")
+
+    def forward(
+        self,
+        x: Tensor,
+        value_embed: Tensor | None,
+        mix: Tensor,
+        rotary: Rotary,
+        attention: AttentionBackend,
+        inputs: AttentionInputs,
+        window: str,
+        scale: float | Tensor,
+    ) -> Tensor:
+        T, D = x.size(1), x.size(2)
+        weights = cast_matrix(self, "qkvo_w", x).view(4, D, D)
+        qkv = F.linear(x, weights[:3].flatten(0, 1)).view(1, T, 3 * self.num_heads, self.head_dim)
+        q, k, v = qkv.chunk(3, dim=-2)
+        q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
+        v = mix[0] * v + mix[1] * value_embed.view_as(v) if value_embed is not None else mix[0] * v
+        y = attention(q, k, v, inputs, window, scale)
+        y = y * torch.sigmoid(self.attn_gate(x[..., :GATE_INPUT_DIMS])).unsqueeze(-1)  # sparse per-head gate
+        return F.linear(y.reshape(1, T, D), weights[3])
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.c_fc = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as h @ c_fc
+        self.c_proj = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as a @ c_proj^T
+
+    def forward(self, x: Tensor) -> Tensor:  # F.linear(F.relu(x @ c_fc).square(), c_proj), its backward fused
+        return ReLUSquaredProjection.apply(x @ cast_matrix(self, "c_fc", x), cast_matrix(self, "c_proj", x))
+
+
+MATRIX_NAMES: dict[type, tuple[str, ...]] = {CausalSelfAttention: ("qkvo_w",), MLP: ("c_fc", "c_proj")}
+
+
+class Block(nn.Module):
+    def __init__(self, layer: int, dim: int, num_heads: int):
+        super().__init__()
+        self.attn = CausalSelfAttention(dim, num_heads) if layer not in ATTENTION_LAYERS_SKIPPED else None
+        self.mlp = MLP(dim) if layer != 0 else None
+
+
+class Scalars(NamedTuple):
+    """Named views into GPT.scalars, the one fp32 vector that holds every learned scalar (one Parameter, so that
+    DistAdam shards it along dim 0 and checkpoints store it as one tensor; docs/track1_recipe.md#scalars)."""
+
+    skip_gates: Tensor  # (L,): U-net skip k is added with weight sigmoid(skip_gates[k]); 0 .. UNET_SKIP_PAIRS-1 used
+    block_lambdas: Tensor  # (L, 2): layer i starts with x <- a x + b x0, (a, b) = block_lambdas[i]
+    value_mixing: Tensor  # (L, 2): attention layer i mixes v <- s0 v + s1 ve, (s0, s1) = value_mixing[i]
+    smear_lambda: Tensor  # (): weight of the previous token in the smear gate
+
+    @staticmethod
+    def initial(world_size: int) -> Tensor:
+        """The vector in the order of the fields: 6 L values, then padding to a multiple of world_size."""
+        L = NUM_LAYERS
+        return torch.cat(
+            [
+                torch.full((L,), -1.5),  # skip_gates
+                torch.tensor([1.0, 0.0]).repeat(L),  # block_lambdas
+                torch.tensor([0.5, 0.5]).repeat(L),  # value_mixing
+                torch.zeros(L),  # smear_lambda, then L - 1 unused entries
+                torch.ones((-6 * L) % world_size),  # padding (unused)
+            ]
+        )
+
+    @staticmethod
+    def of(vector: Tensor) -> "Scalars":
+        L = NUM_LAYERS
+        skip_gates, block_lambdas, value_mixing, smear = vector[: 6 * L].split([L, 2 * L, 2 * L, L])
+        return Scalars(skip_gates, block_lambdas.view(L, 2), value_mixing.view(L, 2), smear[0])
+
+
+class GPT(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int,
+        num_heads: int,
+        max_seq_len: int,
+        block_size: int,
+        world_size: int,
+        attention: AttentionBackend,
+        table_dtype: torch.dtype = torch.bfloat16,
+    ):
+        super().__init__()
+        padded_vocab = ceil_to(vocab_size, 128)  # padding rows train normally and are never targets
+        self.attention = attention
+        self.embed = nn.Embedding(padded_vocab, dim)
+        self.value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, dim) for _ in range(3))
+        self.smear_gate = CastedLinear(GATE_INPUT_DIMS, 1)
+        self.blocks = nn.ModuleList(Block(layer, dim, num_heads) for layer in range(NUM_LAYERS))
+        self.rotary = Rotary(dim // num_heads, max_seq_len, block_size, table_dtype)
+        self.lm_head = LMHead(dim, padded_vocab)
+        self.scalars = nn.Parameter(Scalars.initial(world_size))  # read through Scalars.of
+        for table in (self.embed, *self.value_embeds):
+            tag(table.weight, lr_mul=75.0)
+        tag(self.smear_gate.weight, "smear_gate")
+        tag(self.lm_head.weight, lr_mul=1.0)
+        tag(self.scalars, lr_mul=5.0)
+        for name, param in self.named_parameters():
+            param.label = name
+        self.reset_parameters()
+
+    @property
+    def tables(self) -> tuple[nn.Embedding, ...]:
+        return (self.embed, *self.value_embeds)
+
+    def matrices(self) -> list[nn.Parameter]:
+        """Every fp32 matrix cast to bf16 at use: attention qkvo, MLP c_fc and c_proj."""
+        return [getattr(module, name) for module in self.modules() for name in MATRIX_NAMES.get(type(module), ())]
+
+    def grads_into_buffers(self, params: Iterable[nn.Parameter]) -> None:
+        """From here on each of these parameters (tables or matrices) has a fixed gradient buffer, `<name>_grad` on
+        its module, which every backward adds into and which is its .grad (see reattach_grad_buffers). Call after
+        the last dtype or device change (build_model does)."""
+        owners = {id(param): (module, name) for module in self.modules() for name, param in module.named_parameters(recurse=False)}
+        for param in params:
+            module, name = owners[id(param)]
+            module.register_buffer(f"{name}_grad", torch.zeros_like(param), persistent=False)
+            param.grad_buffer = getattr(module, f"{name}_grad")
+        self.zero_grad()
+
+    def grad_buffers(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """(parameter, its gradient buffer) for the parameters of grads_into_buffers."""
+        return [(param, param.grad_buffer) for param in self.parameters() if hasattr(param, "grad_buffer")]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        reattach_grad_buffers(self.parameters())
+
+    def look_up_tables(self, ids: Tensor) -> list[Tensor]:
+        """Every table's rows for ids: through TableLookups once the tables' gradients go into buffers."""
+        buffers = [getattr(table, "weight_grad", None) for table in self.tables]
+        if any(buffer is None for buffer in buffers):
+            return [table(ids) for table in self.tables]
+        return list(TableLookups.apply(ids, *(table.weight for table in self.tables), *buffers))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        dim = self.embed.embedding_dim
+        bound = math.sqrt(3) * 0.5 * dim**-0.5  # uniform with std 0.5/sqrt(dim): 1/32 at dim 768
+        for table in (self.embed, *self.value_embeds):
+            nn.init.normal_(table.weight)
+        for zeroed in (self.smear_gate.weight, self.lm_head.weight):
+            zeroed.zero_()
+        for block in self.blocks:
+            if block.attn is not None:
+                qkvo = block.attn.qkvo_w.view(4, dim, dim)
+                qkvo[:3].uniform_(-bound, bound)
+                qkvo[3].zero_()
+                block.attn.attn_gate.weight.zero_()
+            if block.mlp is not None:
+                block.mlp.c_fc.uniform_(-bound, bound)
+                block.mlp.c_proj.zero_()
+
+    def forward(
+        self, ids: Tensor, targets: Tensor, cu_seqlens: Tensor | None, ws_short: Window, ws_long: Window, max_seqlen: int
+    ) -> Tensor:
+        """Sum of token losses in training, mean in eval. Windows in blocks (see Attention.window_args)."""
+        scalars = Scalars.of(self.scalars)
+        inputs = self.attention.prepare(ids, cu_seqlens, {"short": ws_short, "long": ws_long}, max_seqlen)
+        scale = self.rotary.softmax_scale(self.attention.takes_tensors)
+        x, *value_embeds = self.look_up_tables(ids)
+        value_embeds = [value_embed[None] for value_embed in value_embeds]
+        # smear: mix the previous token's embedding into each position, gated by the current token
+        gate = torch.sigmoid(self.smear_gate(x[1:, :GATE_INPUT_DIMS]))
+        x = torch.cat([x[:1], x[1:] + scalars.smear_lambda * gate * x[:-1]])
+        x = x0 = rms_norm(x)[None]
+        skips = []
+        for layer in range(1, NUM_LAYERS):  # block 0 holds nothing and never runs
+            if NUM_LAYERS // 2 <= layer < NUM_LAYERS // 2 + UNET_SKIP_PAIRS:
+                x = x + torch.sigmoid(scalars.skip_gates[layer - NUM_LAYERS // 2]) * skips.pop()
+            block = self.blocks[layer]
+            x = scalars.block_lambdas[layer, 0] * x + scalars.block_lambdas[layer, 1] * x0
+            if block.attn is not None:
+                ve_index = VALUE_EMBED_FOR_LAYER[layer]
+                window = "long" if layer in LONG_WINDOW_LAYERS else "short"
+                value_embed = value_embeds[ve_index] if ve_index is not None else None
+                mix = scalars.value_mixing[layer]
+                x = x + block.attn(rms_norm(x), value_embed, mix, self.rotary, self.attention, inputs, window, scale)
+            x = x + block.mlp(rms_norm(x))
+            if layer <= UNET_SKIP_PAIRS:
+                skips.append(x)
+        return self.lm_head.loss(rms_norm(x), targets)
+
+
+def matmul_parameter_count(model: GPT) -> int:
+    """Parameters of the matrices multiplied in the forward: attention qkvo, MLP, lm_head."""
+    return sum(p.numel() for p in model.parameters() if p.module_tag in ("attn", "mlp")) + model.lm_head.weight.numel()
+
+
+def embedding_parameter_count(model: GPT) -> int:
+    return sum(t.weight.numel() for t in (model.embed, *model.value_embeds))
+
+
+def attention_flops_per_token(hp: Hyperparameters) -> int:
+    """Forward attention FLOPs per token averaged over the training schedule, window-limited upper bound:
+    sum over attention layers of 4 * model_dim * (W + 1) (QK^T and PV, 2 FLOPs per multiply-add, W + 1 keys
+    per query); document starts, which shorten the reach, are ignored."""
+    total = 0
+    for step in range(hp.train_steps):
+        ws_short, ws_long = window_blocks(step, hp)
+        for layer in range(NUM_LAYERS):
+            if layer not in ATTENTION_LAYERS_SKIPPED:
+                window = (ws_long if layer in LONG_WINDOW_LAYERS else ws_short) * hp.block_size
+                total += 4 * hp.model_dim * (min(window, hp.train_max_seq_len - 1) + 1)
+    return round(total / hp.train_steps)
+
+
+# =============================================================================================
+# Optimizers
+# =============================================================================================
+class _Finished:
+    """Stands in for a distributed Work handle when there is nothing to communicate (one process)."""
+
+    def wait(self) -> None:
+        pass
+
+
+def reduce_scatter_avg(out: Tensor, stacked: Tensor, world_size: int) -> Any:
+    """Async: rank r receives the cross-rank average of stacked's r-th slice along dim 0."""
+    if world_size == 1:
+        if out.data_ptr() != stacked.data_ptr():
+            out.copy_(stacked)
+        return _Finished()
+    return dist.reduce_scatter_tensor(out, stacked, op=dist.ReduceOp.AVG, async_op=True)
+
+
+def all_gather_into(out: Tensor, local: Tensor, world_size: int) -> Any:
+    if world_size == 1:
+        if out.data_ptr() != local.data_ptr():
+            out.copy_(local)
+        return _Finished()
+    return dist.all_gather_into_tensor(out, local, async_op=True)
+
+
+# ---- Newton-Schulz orthogonalization ----
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic iteration (a, b, c), Muon (K. Jordan, 2024)
+NS_STEPS = 5
+
+
+def _ns_normalize(G: Tensor, dtype: torch.dtype) -> tuple[Tensor, bool]:
+    X = G.to(dtype)
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:
+        X = X.mT
+    return X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7), transposed
+
+
+def newton_schulz_reference(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Batched 5-step Newton-Schulz in plain PyTorch: X <- aX + (bA + cA^2)X with A = XX^T."""
+    X, transposed = _ns_normalize(G, dtype)
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(NS_STEPS):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if transposed else X
+
+
+def orthogonalize(G: Tensor) -> Tensor:
+    """newton_schulz_triton (Fast paths) on CUDA for matrices big enough to tile; the reference elsewhere (bf16;
+    fp32 on CPU)."""
+    if triton_runs(G, interpreted=False) and min(G.shape[-2:]) >= 64:
+        return newton_schulz_triton(G)
+    return newton_schulz_reference(G, torch.bfloat16 if G.device.type == "cuda" else torch.float32)
+
+
+# ---- Muon with custom parameter groups ----
+MUON_MODULE_ORDER = {"smear_gate": 0, "attn_gate": 1, "attn": 2, "mlp": 3}  # small groups first
+MUON_MAX_GROUP = 16  # two matrices per rank at 8 GPUs; attn and mlp share the stored shape
+MUON_MATRIX_TAGS = ("attn", "mlp")
+
+
+class MuonGroup(NamedTuple):
+    params: list[nn.Parameter]
+    padded: int  # group size rounded up to a multiple of world_size (zero padding)
+    chunk: int  # entries per rank
+
+    def owned(self, rank: int) -> list[nn.Parameter]:
+        return self.params[rank * self.chunk : (rank + 1) * self.chunk]
+
+
+def muon_groups(params: list[nn.Parameter], world_size: int) -> list[MuonGroup]:
+    """Sorts by module tag (stable) and cuts runs of one kind and shape into groups of <= MUON_MAX_GROUP.
+
+    For the 124M model this gives [1, 10, 16, 16]: smear_gate | attn_gate | 10 attn + 6 mlp | 16 mlp; at
+    8 ranks (chunk 2) no rank's chunk mixes attn and mlp. Membership does not depend on world_size; only
+    the padding does, and the Q/K/V/O reshape is chosen per parameter, so every world size does the same math.
+    """
+    ordered = sorted(params, key=lambda p: MUON_MODULE_ORDER[p.module_tag])
+    kind = lambda p: ("matrix" if p.module_tag in MUON_MATRIX_TAGS else p.module_tag, tuple(p.shape))
+    runs: list[list[nn.Parameter]] = []
+    for p in ordered:
+        if runs and kind(runs[-1][0]) == kind(p) and len(runs[-1]) < MUON_MAX_GROUP:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [MuonGroup(run, ceil_to(len(run), world_size), ceil_to(len(run), world_size) // world_size) for run in runs]
+
+
+def _orthogonalize_chunk(updates: Tensor, owned: list[nn.Parameter]) -> Tensor:
+    """NS per entry; attn matrices as four (D, D) pieces (Q, K, V, O), zero for padding entries.
+
+    The attn entries come first (muon_groups sorts by tag), so both kinds are slices. Indexing a CUDA tensor
+    with a Python list copies the list to the GPU and waits for all queued work (bench/sync_check.py found 10
+    such waits per step), after which the host's own work shows as GPU idle time: 610.97 -> 601.77 ms per step
+    on one H200 without them (paired A/B round, bench/NOTES.md, 2026-12-01, commit 256da49)."""
+    dtype = torch.bfloat16 if updates.device.type == "cuda" else torch.float32
+    num_attn = sum(p.module_tag == "attn" for p in owned)
+    assert all(p.module_tag == "attn" for p in owned[:num_attn]), "attn entries lead their group (muon_groups)"
+    parts = []
+    if num_attn:
+        rows = updates.size(1)
+        stacked = updates[:num_attn].reshape(num_attn * 4, rows, -1)
+        parts.append(orthogonalize(stacked).reshape(num_attn, *updates.shape[1:]).to(dtype))
+    if len(owned) > num_attn:
+        parts.append(orthogonalize(updates[num_attn : len(owned)]).to(dtype))
+    if len(owned) < len(updates):
+        parts.append(updates.new_zeros(len(updates) - len(owned), *updates.shape[1:], dtype=dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # one kind and no padding (most chunks): no copy
+
+
+class KeepsGradBuffers:
+    """An optimizer whose zero_grad leaves the model's gradient buffers attached, zeroed (reattach_grad_buffers)."""
+
+    param_groups: list[dict[str, Any]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        reattach_grad_buffers(p for group in self.param_groups for p in group["params"])
+
+
+class Muon(KeepsGradBuffers, torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton-Schulz, sharded: each rank orthogonalizes its chunk of each group.
+
+    Pass 1 launches every group's reduce-scatter; pass 2 waits per group, applies Nesterov momentum, weight
+    decay and Newton-Schulz to the local chunk and launches its all-gather; pass 3 copies the results back.
+    """
+
+    def __init__(self, params: list[nn.Parameter], lr: float, momentum: float, weight_decay: float, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self._reductions: list[tuple] = []  # filled by launch_reductions, emptied by step
+        self.layout = muon_groups(params, world_size)
+        super().__init__([dict(params=g.params) for g in self.layout], dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def launch_reductions(self) -> None:
+        """Pass 1 (also called early by the training loop, so both optimizers' reductions overlap)."""
+        self._reductions = []
+        for group, layout in zip(self.param_groups, self.layout):
+            grads = [p.grad for p in layout.params]
+            grads += [torch.zeros_like(grads[0])] * (layout.padded - len(grads))
+            stacked = torch.stack(grads)
+            local = stacked if self.world_size == 1 else grads[0].new_empty(layout.chunk, *grads[0].shape)  # one rank: its own average
+            self._reductions.append((group, layout, local, reduce_scatter_avg(local, stacked, self.world_size)))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if not self._reductions:
+            self.launch_reductions()
+        reductions, self._reductions = self._reductions, []
+        gathers = []
+        for group, layout, grad, work in reductions:
+            work.wait()
+            owned = layout.owned(self.rank)
+            first = layout.params[0]
+            state = self.state[first]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad)
+            momentum = state["momentum_buffer"]
+            mu = group["momentum"]
+            momentum.lerp_(grad, 1 - mu)
+            update = grad.lerp_(momentum, mu)  # Nesterov: (1 - mu) g + mu m, with the updated m
+            rows, cols = first.shape[-2:]
+            eff_lr = group["lr"] * max(1.0, rows / cols) ** 0.5 * first.lr_mul
+            eff_wd = group["lr"] * group["weight_decay"] * first.wd_mul
+            if len(owned) == layout.chunk:  # a full chunk (always at one rank): the stack itself, no zero fill and copy
+                slots = torch.stack(owned)
+            else:
+                slots = torch.zeros(layout.chunk, *first.shape, dtype=first.dtype, device=first.device)  # padding stays 0
+                if owned:
+                    slots[: len(owned)] = torch.stack(owned)
+            if owned:
+                if eff_wd:
+                    slots.mul_(1 - eff_wd)
+                slots.add_(_orthogonalize_chunk(update, owned), alpha=-eff_lr)
+            gathered = slots if self.world_size == 1 else slots.new_empty(layout.padded, *first.shape)
+            gathers.append((layout, gathered, all_gather_into(gathered, slots, self.world_size)))
+        for layout, gathered, work in gathers:
+            work.wait()
+            torch._foreach_copy_(layout.params, list(gathered[: len(layout.params)]))  # one launch per group
+
+
+# ---- DistAdam ----
+def adam_update_(
+    shard: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor, beta1: float, beta2: float, eps: float, decay: float
+) -> None:
+    """One Adam update of shard in place (step: the update's number, already incremented; lr a 0-dim tensor so
+    that the compiled version serves every step of the schedule). eps is added to the uncorrected sqrt(v)
+    and the bias corrections fold into the step size."""
+    if decay:
+        shard.mul_(1 - lr * decay)
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).add_(grad.square(), alpha=1 - beta2)
+    step_size = lr * (1 - beta2**step).sqrt() / (1 - beta1**step)
+    shard.sub_(exp_avg / (exp_avg_sq.sqrt() + eps) * step_size)
+
+
+class DistAdam(KeepsGradBuffers, torch.optim.Optimizer):
+    """Adam sharded along dim 0: reduce-scatter (AVG) the gradient, update the rank's rows, all-gather.
+
+    Moments are bf16. With compile=True the update is one fused kernel per parameter shape (the record
+    compiles it too) instead of a dozen elementwise passes over each embedding-sized tensor.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        rank: int,
+        world_size: int,
+        compile: bool = False,
+    ):
+        self.rank, self.world_size = rank, world_size
+        self._reductions: list[tuple] = []  # filled by launch_reductions, emptied by step
+        self._update = torch.compile(adam_update_, fullgraph=True, dynamic=False) if compile else adam_update_
+        self._lr: dict[int, Tensor] = {}  # per parameter: its learning rate as a 0-dim device tensor
+        shapes = list(dict.fromkeys(tuple(p.shape) for p in params))
+        groups = [dict(params=[p for p in params if tuple(p.shape) == shape]) for shape in shapes]
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def launch_reductions(self) -> None:
+        """First half of step(); the training loop launches both optimizers' reductions before either updates."""
+        self._reductions = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.world_size == 1:  # the gradient is its own average: no copy
+                    self._reductions.append((group, p, p.grad, _Finished()))
+                    continue
+                local = p.grad.new_empty(p.size(0) // self.world_size, *p.shape[1:])
+                self._reductions.append((group, p, local, reduce_scatter_avg(local, p.grad, self.world_size)))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if not self._reductions:
+            self.launch_reductions()
+        reductions, self._reductions = self._reductions, []
+        gathers = []
+        for group, p, grad, work in reductions:
+            work.wait()
+            rows = grad.size(0)
+            shard = p[self.rank * rows : (self.rank + 1) * rows]
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.int64, device=p.device)
+                state["exp_avg"] = torch.zeros_like(shard, dtype=torch.bfloat16)
+                state["exp_avg_sq"] = torch.zeros_like(shard, dtype=torch.bfloat16)
+            if id(p) not in self._lr:
+                self._lr[id(p)] = torch.zeros((), dtype=torch.float32, device=p.device)
+            lr = self._lr[id(p)].fill_(group["lr"] * p.lr_mul)  # a fill kernel: no host-device sync
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            decay = group["weight_decay"] * p.wd_mul
+            self._update(shard, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2, group["eps"], decay)
+            gathers.append(all_gather_into(p, shard, self.world_size))
+        for work in gathers:
+            work.wait()
+
+
+def muon_parameters(model: GPT) -> list[nn.Parameter]:
+    """Hidden matrices, then gates: the record's input order (muon_groups then sorts them stably by tag)."""
+    hidden = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2 and "gate" not in n]
+    gates = [p for n, p in model.named_parameters() if "gate" in n]
+    return hidden + gates
+
+
+def build_optimizers(model: GPT, hp: Hyperparameters, rank: int, world_size: int) -> tuple[DistAdam, Muon]:
+    """Adam: scalars, head, embeddings. Muon: muon_parameters."""
+    embeddings = [table.weight for table in (model.embed, *model.value_embeds)]
+    adam = DistAdam(
+        [model.scalars, model.lm_head.weight, *embeddings],
+        hp.adam_lr,
+        (hp.adam_beta1, hp.adam_beta2),
+        hp.adam_eps,
+        hp.weight_decay,
+        rank,
+        world_size,
+        compile=hp.compile,
+    )
+    muon = Muon(muon_parameters(model), hp.muon_lr, hp.muon_momentum, hp.weight_decay, rank, world_size)
+    for opt in (adam, muon):
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    covered = {id(p) for opt in (adam, muon) for g in opt.param_groups for p in g["params"]}
+    assert covered == {id(p) for p in model.parameters()}, "every parameter belongs to exactly one optimizer"
+    return adam, muon
 
 
 # =============================================================================================
@@ -506,7 +1335,7 @@ class PinnedStaging:
     ahead waits there, with that many micro-batches still queued on the GPU. 16 slots: about 12 MiB for the record's
     training batches and 48 MiB for its validation batches, per process. Why: with a fresh tensor.pin_memory() per
     copy, 2-10 of a step's batch copies took 7-15 ms each on an H200 host, and a profile had the GPU idle for
-    11.9 ms between two copies of one batch (bench/host_pauses.py, bench/NOTES.md session 10). On a CPU device
+    11.9 ms between two copies of one batch (bench/host_pauses.py, bench/NOTES.md, 2026-12-02, commit 7e9fd34). On a CPU device
     the returned tensor is the buffer itself, valid until its turn comes again (tests only; _to_device does not
     stage CPU batches)."""
 
@@ -765,8 +1594,6 @@ def val_loader(
         yield _batch(buffer, doc_starts, max_num_docs, path, device)
 
 
-
-
 def synthetic_tokens(num_tokens: int, vocab_size: int, bos_token: int, seed: int) -> np.ndarray:
     """Learnable toy text: documents of 20-200 tokens, each a random walk over 256 token ids after a BOS."""
     rng = np.random.default_rng(seed)
@@ -818,1733 +1645,7 @@ def smoke_shards(hp: Hyperparameters, rank: int) -> tuple[str, str]:
 
 
 # =============================================================================================
-# Model
-# =============================================================================================
-# Attention and MLP matrices are raw fp32 Parameters of one shared stored shape (D, 4D) so Muon can batch
-# them; every parameter carries `module_tag` (Muon grouping), `lr_mul` and `wd_mul` (optimizer scaling),
-# and `label` (its name, for the log).
-ATTENTION_LAYERS_SKIPPED = (0, 7)
-VALUE_EMBED_FOR_LAYER = (None, 1, 2, None, None, None, None, None, None, 0, 1, 2)  # 0-1-2 ... 0-1-2
-LONG_WINDOW_LAYERS = (4, 11)  # every other attention layer uses the short window
-UNET_SKIP_PAIRS = 5  # pushes after layers 1-5, pops (LIFO) before layers 6-10
-
-
-def tag(param: nn.Parameter, module_tag: str | None = None, lr_mul: float = 1.0, wd_mul: float = 1.0) -> nn.Parameter:
-    param.module_tag, param.lr_mul, param.wd_mul = module_tag, lr_mul, wd_mul
-    return param
-
-
-def rms_norm(x: Tensor) -> Tensor:
-    return F.rms_norm(x, (x.size(-1),))  # PyTorch's default eps, no weight anywhere in Track 1
-
-
-class CastedLinear(nn.Linear):
-    """Bias-free linear whose weight is cast to the activation dtype at use."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight.type_as(x))
-
-
-# ---- FP8 head and soft-capped cross-entropy ----
-# Training loss = sum over tokens of CE(30 sigmoid(logits / 7.5)), logits = x w^T through torch._scaled_mm in
-# e4m3 with static scales. The eager formula (still the eval and CPU path, and the tests' reference):
-#     logits = (x @ w.T).float(); loss = F.cross_entropy(30 * torch.sigmoid(logits / 7.5), targets, reduction="sum")
-# In training one custom op does the matmul, the loss and the logits' gradient: the loss is the graph's
-# output, so its gradient is known up to the scalar that backward passes in (1 for loss.backward()), and
-# one Triton pass per block of rows (softcap_ce_e5m2) writes the gradient as e5m2 in the two layouts the
-# backward _scaled_mm calls take. It replaces inductor's log-sum-exp pass over the bf16 logits, its backward
-# pass (read the logits again, write a bf16 gradient) and a cast pass over that gradient (read it, write
-# both layouts): per micro-step of the record (49,152 x 50,304 logits) that is 4.9 GB of gradient written
-# and read again that no longer exist. The rounding is the eager chain's: the fp32 gradient goes to bf16
-# (autograd's dtype for the bf16 logits), is divided by the gradient scale in bf16, then cast to e5m2.
-FP8_X_SCALE = math.sqrt(768) / 448  # |RMS-normed x| <= sqrt(768); 448 = largest e4m3 value
-FP8_W_SCALE = 2.0**-9
-FP8_GRAD_SCALE = 1.0 / 448
-SOFTCAP = 30.0  # logits are soft-capped into (0, SOFTCAP) ...
-SOFTCAP_DIVISOR = 7.5  # ... as SOFTCAP * sigmoid(logits / SOFTCAP_DIVISOR)
-
-
-def softcapped_cross_entropy(logits: Tensor, targets: Tensor, reduction: str) -> Tensor:
-    """The eager formula: fp32 soft cap, then cross-entropy over every (padded) vocabulary column."""
-    capped = SOFTCAP * torch.sigmoid(logits.float() / SOFTCAP_DIVISOR)
-    return F.cross_entropy(capped.view(-1, capped.size(-1)), targets, reduction=reduction)
-
-
-def _scale(value: float, like: Tensor) -> Tensor:
-    return torch.full((), value, dtype=torch.float32, device=like.device)  # a fill kernel: no host copy, no sync
-
-
-def _interpreting_triton() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _triton_kernels_for(t: Tensor) -> bool:
-    """The FP8 head's Triton kernels run on CUDA tensors, and on CPU ones under TRITON_INTERPRET (the tests)."""
-    return triton is not None and (t.is_cuda or _interpreting_triton())
-
-
-if triton is not None:
-
-    @triton.jit
-    def _round_to_bf16(x):
-        """fp32 -> nearest-even bf16, returned as fp32 (integer arithmetic, exact under the interpreter too). NaN stays
-        NaN: the carry would turn CUDA's 0x7FFFFFFF into -0."""
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-
-    @triton.jit
-    def _e5m2_byte(x):
-        """fp32 -> e5m2 byte as torch's cast does it: nearest even, inf beyond the range (NaN becomes inf).
-        Integer rounding because the interpreter's own fp8 conversion differs from CUDA's."""
-        bits = x.to(tl.uint32, bitcast=True)
-        magnitude = bits & 0x7FFFFFFF
-        # normals (>= 2^-14): rebias the exponent (127 -> 15) and round away 21 of the 23 mantissa bits
-        normal = (magnitude - (112 << 23) + 0xFFFFF + ((magnitude >> 21) & 1)) >> 21
-        # below 2^-14 the values are multiples of 2^-16: round |x|·2^16 with the exact 1.5·2^23 addition trick
-        scaled = tl.minimum(magnitude.to(tl.float32, bitcast=True) * 65536.0, 4.0)  # (only used below 4)
-        subnormal = ((scaled + 12582912.0) - 12582912.0).to(tl.uint32)
-        code = tl.minimum(tl.where(magnitude >= (113 << 23), normal, subnormal), 0x7C)
-        return (((bits >> 24) & 0x80) | code).to(tl.uint8)
-
-    @triton.jit
-    def _scaled_e5m2_codes_ptx(grad, inv_scale):
-        """e5m2(bf16(fp32(bf16(grad)) * inv_scale)) of 4 fp32 values as 4 bytes: the eager chain, each cast a CUDA
-        instruction converting two values at once (the one-value bf16 cast runs on the XU pipe that the kernel's
-        exp2 and reciprocals load). inv_scale is one value for all four: the asm reads the first of its registers."""
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 p0, p1, f0, f1, f2, f3;
-            .reg .b16 e0, e1;
-            cvt.rn.bf16x2.f32 p0, $2, $1;
-            cvt.rn.bf16x2.f32 p1, $4, $3;
-            shl.b32 f0, p0, 16;
-            and.b32 f1, p0, 0xFFFF0000;
-            shl.b32 f2, p1, 16;
-            and.b32 f3, p1, 0xFFFF0000;
-            mul.rn.f32 f0, f0, $5;
-            mul.rn.f32 f1, f1, $5;
-            mul.rn.f32 f2, f2, $5;
-            mul.rn.f32 f3, f3, $5;
-            cvt.rn.bf16x2.f32 p0, f1, f0;
-            cvt.rn.bf16x2.f32 p1, f3, f2;
-            shl.b32 f0, p0, 16;
-            and.b32 f1, p0, 0xFFFF0000;
-            shl.b32 f2, p1, 16;
-            and.b32 f3, p1, 0xFFFF0000;
-            cvt.rn.satfinite.e5m2x2.f32 e0, f1, f0;
-            cvt.rn.satfinite.e5m2x2.f32 e1, f3, f2;
-            mov.b32 $0, {e0, e1};
-            }""",
-            "=r,r,r,r,r,r,r,r,r", [grad, inv_scale], dtype=tl.uint8, is_pure=True, pack=4,
-        )
-
-    @triton.jit
-    def _scaled_e5m2_codes(grad, inv_scale, HARDWARE: tl.constexpr):
-        """e5m2 byte of bf16(bf16(grad) * inv_scale), the product in fp32 (|result| < 57344: the saturating and the
-        overflowing casts agree)."""
-        if HARDWARE:
-            return _scaled_e5m2_codes_ptx(grad, inv_scale)
-        return _e5m2_byte(_round_to_bf16(_round_to_bf16(grad) * inv_scale))
-
-    @triton.jit
-    def _cap_sigmoid(logits, HARDWARE: tl.constexpr):
-        """sigmoid(logits / 7.5) as 1 / (1 + 2^(logits * -log2(e) / 7.5)) with an approximate reciprocal: the correctly
-        rounded division is several times the instructions, and this kernel is bound by its arithmetic. On CUDA the
-        bare MUFU reciprocal; otherwise the approximate division, which on CUDA gives the same bits here (its range
-        guard only acts above 2^126) and which the interpreter runs (there as an exact division)."""
-        denominator = 1.0 + tl.exp2(logits * (-1.4426950408889634 / 7.5))
-        if HARDWARE:
-            return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [denominator], dtype=tl.float32, is_pure=True, pack=1)
-        return tl.fdiv(1.0, denominator, ieee_rounding=False)
-
-    @triton.jit
-    def _softcap_ce_e5m2_kernel(
-        logits_ptr, targets_ptr, loss_ptr, grad_ptr, grad_t_ptr, M, N: tl.constexpr, grad_inv_scale,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HARDWARE: tl.constexpr,
-    ):
-        # Rows of logits (M, N) bf16 -> loss per row (fp32) and the e5m2 gradient in grad (M, N) and grad_t (N, M).
-        # Two passes over the row block: the log-sum-exp, then the gradient. The capped logits lie in (0, 30),
-        # so exp() cannot overflow and needs no running maximum. Nsight Compute on an H200 (bench/ncu_kernels.sh,
-        # bench/NOTES.md session 8) found the XU pipe (exp2, reciprocals, one-value casts) 76% busy and loads
-        # waiting on memory the largest stall, hence: exponentials as exp2 with the constants folded in, the
-        # bare reciprocal and the two-value casts (HARDWARE), each tile's load issued one tile ahead, the target
-        # column's "- 1" of the softmax gradient written once per row after the loop instead of a compare per
-        # element, one 64-bit base per tile and 32-bit offsets inside it (M * N exceeds 2^31, a row block does not),
-        # and no column masks (N is a multiple of BLOCK_N; the wrapper checks): 5.76 -> 4.67 ms per record
-        # micro-step in one invocation, bitwise the same losses and codes (bench/bench_softcap_ce.py --compare
-        # with the previous kernel; Nsight Compute then: XU 79%, L2 81%, 4.56 ms). HARDWARE=False does the casts in
-        # integer arithmetic, as the interpreter's differ from CUDA's, and the reciprocal as a division; on an H200
-        # the two paths give bitwise the same bytes (bench/bench_softcap_ce.py, tests/test_train_gpt_cuda.py).
-        CAP_LOG2E: tl.constexpr = 30.0 * 1.4426950408889634  # e^(30 s) = 2^(s * this)
-        row0 = tl.program_id(0) * BLOCK_M
-        local_rows = tl.arange(0, BLOCK_M)
-        local_cols = tl.arange(0, BLOCK_N)
-        row_ok = (row0 + local_rows) < M
-        tile_mask = row_ok[:, None]
-        tile_offsets = local_rows[:, None] * N + local_cols[None, :]  # < BLOCK_M * N
-        tile_offsets_t = local_cols[:, None] * M + local_rows[None, :]  # < BLOCK_N * M
-        block_logits = logits_ptr + row0.to(tl.int64) * N
-        partial_sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # summed across columns once, after the loop
-        ahead = tl.load(block_logits + tile_offsets, mask=tile_mask, other=0.0)
-        for col0 in range(0, N, BLOCK_N):
-            logits = ahead.to(tl.float32)  # the next tile's load goes out before this one's arithmetic (the last reloads itself)
-            ahead = tl.load(block_logits + tl.minimum(col0 + BLOCK_N, N - BLOCK_N) + tile_offsets, mask=tile_mask, other=0.0)
-            partial_sums += tl.exp2(_cap_sigmoid(logits, HARDWARE) * CAP_LOG2E)
-        sum_exp = tl.sum(partial_sums, axis=1)
-        log2_sum_exp = tl.log2(sum_exp)
-        targets = tl.load(targets_ptr + row0 + local_rows, mask=row_ok, other=0).to(tl.int32)
-        target_logit = tl.load(block_logits + local_rows * N + targets, mask=row_ok, other=0.0).to(tl.float32)
-        target_sig = _cap_sigmoid(target_logit, HARDWARE)
-        tl.store(loss_ptr + row0 + local_rows, tl.fma(target_sig, -30.0, tl.log(sum_exp)), mask=row_ok)
-        # d(30 s)/dx = 30 s (1 - s) / 7.5 = 4 (s - s^2); the 4 rides in the scale (exact: a power of two before and
-        # after each rounding); then autograd's bf16 gradient, the division by the gradient scale in bf16 (torch
-        # multiplies by the fp32 reciprocal) and the e5m2 cast
-        inv_scale_times_4 = grad_inv_scale * 4.0
-        block_grad = grad_ptr + row0.to(tl.int64) * N
-        block_grad_t = grad_t_ptr + row0  # advanced by BLOCK_N rows of grad_t per tile: col0 * M needs 64 bits
-        ahead = tl.load(block_logits + tile_offsets, mask=tile_mask, other=0.0)
-        for col0 in range(0, N, BLOCK_N):
-            logits = ahead.to(tl.float32)
-            ahead = tl.load(block_logits + tl.minimum(col0 + BLOCK_N, N - BLOCK_N) + tile_offsets, mask=tile_mask, other=0.0)
-            sig = _cap_sigmoid(logits, HARDWARE)
-            prob = tl.exp2(sig * CAP_LOG2E - log2_sum_exp[:, None])  # the softmax; the target's "- 1" comes below
-            code = _scaled_e5m2_codes(prob * (sig - sig * sig), inv_scale_times_4, HARDWARE)
-            tl.store(block_grad + col0 + tile_offsets, code, mask=tile_mask)
-            tl.store(block_grad_t + tile_offsets_t, tl.trans(code), mask=tl.trans(tile_mask))
-            block_grad_t += BLOCK_N * M
-        # the target columns again, softmax - 1, over the loop's bytes: the barrier orders this block's stores
-        tl.debug_barrier()
-        target_prob = tl.exp2(target_sig * CAP_LOG2E - log2_sum_exp)
-        target_code = _scaled_e5m2_codes((target_prob - 1.0) * (target_sig - target_sig * target_sig), inv_scale_times_4, HARDWARE)
-        rows = row0 + local_rows
-        tl.store(grad_ptr + rows.to(tl.int64) * N + targets, target_code, mask=row_ok)
-        tl.store(grad_t_ptr + targets.to(tl.int64) * M + rows, target_code, mask=row_ok)
-
-# rows x columns per tile, warps: 4.67 ms per record micro-step on an H200, against 4.72 with 2 pipeline stages and
-# 4.92 with 4 warps (one invocation), and 5.10 against 4.81 for 64x128 w8 in another (bench/NOTES.md session 8);
-# 32 rows store 32-byte runs of the transposed gradient
-SOFTCAP_CE_TILE = (32, 128, 8)
-
-
-def softcap_ce_e5m2_eager(logits: Tensor, targets: Tensor, grad_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """What softcap_ce_e5m2 computes, in PyTorch ops (the CPU path and the kernel's reference): the gradient of
-    softcapped_cross_entropy written out, as a custom op's body cannot run autograd."""
-    logits = logits.float()
-    sig = torch.sigmoid(logits / SOFTCAP_DIVISOR)
-    capped = SOFTCAP * sig
-    log_sum_exp = torch.logsumexp(capped, dim=-1, keepdim=True)
-    losses = (log_sum_exp - capped.gather(-1, targets[:, None]))[:, 0]
-    grad_capped = torch.exp(capped - log_sum_exp) - F.one_hot(targets, logits.size(-1))
-    grad = (grad_capped * SOFTCAP * (1 - sig) * sig / SOFTCAP_DIVISOR).bfloat16()
-    grad_f8 = grad.div(grad_scale).to(torch.float8_e5m2)
-    return losses, grad_f8, grad_f8.T.contiguous()
-
-
-def softcap_ce_e5m2(
-    logits: Tensor, targets: Tensor, grad_scale: float, tile: tuple[int, ...] = SOFTCAP_CE_TILE, hardware: bool | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row loss of softcapped_cross_entropy and its gradient w.r.t. the bf16 logits, divided by grad_scale, in
-    e5m2: row-major (M, N) and transposed (N, M), both contiguous. The Triton kernel on CUDA (and under
-    TRITON_INTERPRET); softcap_ce_e5m2_eager elsewhere. The columns must be a multiple of the tile's (the padded
-    vocabulary is a multiple of 128) and the targets in [0, columns) (token ids are: the kernel writes there).
-    hardware (default: on CUDA, not under the interpreter, which runs no PTX and whose casts round differently)
-    picks CUDA's cast and reciprocal instructions; False gives the integer casts and the division that the
-    interpreter tests. tile: (rows, columns, warps) or (rows, columns, warps, pipeline stages)."""
-    if not _triton_kernels_for(logits):
-        return softcap_ce_e5m2_eager(logits, targets, grad_scale)
-    interpreted = _interpreting_triton()
-    if hardware is None:
-        hardware = not interpreted
-    if hardware and interpreted:
-        raise ValueError("softcap_ce_e5m2: hardware=True under TRITON_INTERPRET cannot run (the interpreter runs no PTX, and its casts differ from CUDA's); leave it unset")
-    M, N = logits.shape
-    block_m, block_n, warps = tile[:3]
-    stages = dict(num_stages=tile[3]) if len(tile) > 3 else {}
-    if N % block_n:
-        raise ValueError(f"softcap_ce_e5m2: {N} columns are not a multiple of the tile's {block_n}; pad the vocabulary or pick a tile that divides it")
-    if block_n * M >= 2**31 or block_m * N >= 2**31:
-        raise ValueError(f"softcap_ce_e5m2: {M} x {N} logits with {block_m} x {block_n} tiles overflow the kernel's 32-bit offsets inside a tile; use fewer rows per call")
-    losses = logits.new_empty(M, dtype=torch.float32)
-    grad = logits.new_empty((M, N), dtype=torch.float8_e5m2)
-    grad_t = logits.new_empty((N, M), dtype=torch.float8_e5m2)
-    inv_scale = (torch.ones((), dtype=torch.float32) / grad_scale).item()  # the fp32 reciprocal, as torch computes it
-    _softcap_ce_e5m2_kernel[(triton.cdiv(M, block_m),)](
-        logits, targets, losses, grad.view(torch.uint8), grad_t.view(torch.uint8), M, N, inv_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, HARDWARE=hardware, num_warps=warps, **stages,
-    )
-    return losses, grad, grad_t
-
-
-# ---- FP8 operand transpose ----
-# Replaces t.T.contiguous() on the head's e4m3 x (49,152 x 768) and w (50,304 x 768), which the backward's
-# _scaled_mm calls take column-major: ATen copies a transposed 1-byte tensor element by element, 243-256 µs per
-# call on an H200 (two calls per micro-step, 4.0 ms per step in session 9's trace, bench/NOTES.md session 10).
-# A tile is read row-major and written transposed, both in whole rows of bytes. It only moves bytes, so it is
-# the eager copy bit for bit (tests/test_train_gpt_triton.py under the interpreter, tests/test_train_gpt_cuda.py).
-# rows, columns, warps: 0.063 / 0.051 ms for x / w on an H200 against 0.256 / 0.267 for the eager copy; 64x256 with 8
-# warps 0.055 / 0.055, the other tiles of bench/bench_fp8_head.py 0.052-0.080 (one invocation, bench/NOTES.md session 10)
-FP8_TRANSPOSE_TILE = (64, 128, 4)
-
-if triton is not None:
-
-    @triton.jit
-    def _transpose_bytes_kernel(src_ptr, dst_ptr, rows, cols, col_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """dst (cols, rows) = src (rows, cols).T, both contiguous uint8; one BLOCK_R x BLOCK_C tile per program."""
-        block = tl.program_id(0)
-        r = (block // col_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = (block % col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
-        inside = (r[:, None] < rows) & (c[None, :] < cols)
-        tile = tl.load(src_ptr + r[:, None].to(tl.int64) * cols + c[None, :], mask=inside)
-        tl.store(dst_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile), mask=tl.trans(inside))
-
-
-def transpose_fp8(t: Tensor, tile: tuple[int, int, int] = FP8_TRANSPOSE_TILE) -> Tensor:
-    """t.T.contiguous() of a contiguous 2-D tensor of 1-byte elements (the FP8 dtypes): the Triton kernel on CUDA
-    and under TRITON_INTERPRET, the eager copy elsewhere."""
-    if not _triton_kernels_for(t):
-        return t.T.contiguous()
-    if t.dim() != 2 or t.element_size() != 1 or not t.is_contiguous():
-        raise ValueError(f"transpose_fp8: needs a contiguous 2-D tensor of 1-byte elements, got {tuple(t.shape)} {t.dtype} (contiguous: {t.is_contiguous()})")
-    rows, cols = t.shape
-    out = t.new_empty((cols, rows))
-    block_r, block_c, warps = tile
-    col_blocks = triton.cdiv(cols, block_c)
-    if out.numel():
-        _transpose_bytes_kernel[(triton.cdiv(rows, block_r) * col_blocks,)](
-            t.view(torch.uint8), out.view(torch.uint8), rows, cols, col_blocks, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
-        )
-    return out
-
-
-@torch.library.custom_op("train_gpt::fp8_head_loss", mutates_args=())
-def fp8_head_loss(
-    x: Tensor, w: Tensor, targets: Tensor, x_s: float, w_s: float, grad_s: float
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Summed soft-capped CE of the e4m3 logits (x/x_s)(w/w_s)^T (fast accumulation, bf16 out); also returns
-    the FP8 copies of x and w and the e5m2 logit gradient in both layouts, all saved for the backward."""
-    # eager quantization, as in the record: 0.086-0.088 ms per tensor on an H200, where a one-pass Triton kernel that
-    # reproduced it bit for bit took 0.114-0.116 and inductor's fused version rounds differently (bench/NOTES.md, session 7)
-    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
-    logits = torch._scaled_mm(x_f8, w_f8.T, scale_a=_scale(x_s, x), scale_b=_scale(w_s, x), out_dtype=torch.bfloat16, use_fast_accum=True)
-    losses, grad_f8, grad_f8_t = softcap_ce_e5m2(logits, targets, grad_s)
-    return losses.sum(), x_f8, w_f8, grad_f8, grad_f8_t
-
-
-@fp8_head_loss.register_fake
-def _(x: Tensor, w: Tensor, targets: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    M, V = x.size(0), w.size(0)
-    return (
-        x.new_empty((), dtype=torch.float32),
-        torch.empty_like(x, dtype=torch.float8_e4m3fn),
-        torch.empty_like(w, dtype=torch.float8_e4m3fn),
-        x.new_empty((M, V), dtype=torch.float8_e5m2),
-        x.new_empty((V, M), dtype=torch.float8_e5m2),
-    )
-
-
-@torch.library.custom_op("train_gpt::fp8_head_backward", mutates_args=())
-def fp8_head_backward(
-    grad_loss: Tensor, grad_f8: Tensor, grad_f8_t: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float
-) -> tuple[Tensor, Tensor]:
-    """grad_x = g (w/w_s) in bf16, grad_w = g^T (x/x_s) in fp32, g = grad_loss * grad_s * (e5m2 gradient), no fast
-    accumulation. grad_loss rides in _scaled_mm's scale (one fp32 multiply: exact for loss.backward()'s 1)."""
-    grad_scale = grad_loss.float() * grad_s
-    column_major = lambda t: transpose_fp8(t).T  # _scaled_mm wants its second operand column-major
-    grad_x = torch._scaled_mm(grad_f8, column_major(w_f8), scale_a=grad_scale, scale_b=_scale(w_s, x_f8), out_dtype=torch.bfloat16, use_fast_accum=False)
-    # g^T (x/x_s) directly in the weight's (V, D) layout, so that the gradient comes out contiguous for the
-    # optimizer's reduce-scatter. In fp32, cast by autograd: out_dtype=bf16 gave the same bits on the bench's
-    # record-sized data, but cuBLAS picked a slower kernel for it (2.75 against 2.52 ms with the cast,
-    # bench/bench_fp8_head.py, bench/NOTES.md session 10)
-    grad_w = torch._scaled_mm(grad_f8_t, column_major(x_f8), scale_a=grad_scale, scale_b=_scale(x_s, x_f8), out_dtype=torch.float32, use_fast_accum=False)
-    return grad_x, grad_w
-
-
-@fp8_head_backward.register_fake
-def _(grad_loss: Tensor, grad_f8: Tensor, grad_f8_t: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
-
-
-def _fp8_head_loss_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    _, _, _, x_s, w_s, grad_s = inputs
-    _, x_f8, w_f8, grad_f8, grad_f8_t = output
-    ctx.save_for_backward(grad_f8, grad_f8_t, x_f8, w_f8)  # FP8 copies only: no bf16 logits survive the forward
-    ctx.scales = (x_s, w_s, grad_s)
-
-
-def _fp8_head_loss_backward(ctx: Any, grad_loss: Tensor, *_unused: Any) -> tuple:
-    grad_x, grad_w = fp8_head_backward(grad_loss, *ctx.saved_tensors, *ctx.scales)
-    return grad_x, grad_w, None, None, None, None  # autograd casts grad_w to the bf16 weight dtype
-
-
-fp8_head_loss.register_autograd(_fp8_head_loss_backward, setup_context=_fp8_head_loss_setup_context)
-
-
-class LMHead(CastedLinear):
-    """Vocabulary projection and loss: FP8 with the fused loss in training when enabled, the eager formula otherwise."""
-
-    def __init__(self, dim: int, vocab: int):
-        super().__init__(dim, vocab)
-        self.use_fp8 = False
-
-    def loss(self, x: Tensor, targets: Tensor) -> Tensor:
-        """Sum of token losses in training, mean in eval."""
-        if self.training and self.use_fp8:
-            return fp8_head_loss(x.flatten(0, -2), self.weight, targets, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
-        return softcapped_cross_entropy(self(x), targets, "sum" if self.training else "mean")
-
-
-# ---- rotary embedding with YaRN ----
-BASE_ATTN_SCALE = 0.1  # softmax scale before any YaRN update
-
-
-class Rotary(nn.Module):
-    """Half-truncated rotary: head_dim/4 frequencies log-spaced from 1 to 1/1024, then head_dim/4 zeros.
-
-    Positions are indices into the rank's packed buffer. YaRN updates compound on the current frequencies.
-    """
-
-    def __init__(self, head_dim: int, max_seq_len: int, block_size: int, table_dtype: torch.dtype):
-        super().__init__()
-        quarter = head_dim // 4
-        base = torch.cat([(1 / 1024) ** torch.linspace(0, 1, quarter, dtype=torch.float32), torch.zeros(quarter)])
-        self.register_buffer("base_freqs", base, persistent=False)
-        self.register_buffer("freqs", base.clone(), persistent=False)
-        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
-        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2, dtype=table_dtype), persistent=False)
-        # attn_scale as a float (FA3, reference) and as a 0-dim tensor updated in place (FlexAttention's
-        # score_mod), so YaRN updates do not recompile the FlexAttention graph; see softmax_scale
-        self.register_buffer("attn_scale_tensor", torch.tensor(BASE_ATTN_SCALE), persistent=False)
-        self.block_size = block_size
-        self.attn_scale = BASE_ATTN_SCALE
-        self.reset()
-
-    @torch.no_grad()
-    def _refresh_tables(self) -> None:
-        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32, device=self.freqs.device), self.freqs)
-        self.cos.copy_(theta.cos())
-        self.sin.copy_(theta.sin())
-
-    @torch.no_grad()
-    def reset(self) -> None:
-        self.freqs.copy_(self.base_freqs)
-        self.attn_scale = BASE_ATTN_SCALE
-        self.attn_scale_tensor.fill_(self.attn_scale)
-        self._refresh_tables()
-
-    @torch.no_grad()
-    def apply_yarn(self, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0) -> None:
-        """Stretch the long context from old_window to new_window blocks (YaRN, 2025-09-10 record)."""
-        rotations = self.block_size * old_window * self.freqs / (2 * math.pi)
-        ratio = old_window / new_window
-        ramp = ((rotations - alpha) / (beta - alpha)).clamp(0, 1)
-        self.freqs.mul_(ratio + ramp * (1 - ratio))
-        self._refresh_tables()
-        self.attn_scale *= 0.2 * math.log(new_window / old_window) + 1
-        self.attn_scale_tensor.fill_(self.attn_scale)
-
-    def softmax_scale(self, as_tensor: bool) -> float | Tensor:
-        """attn_scale as the attention backend takes it (Attention.takes_tensors); only that form is read, so a
-        compiled graph is specialized on the float only where the float is used."""
-        return self.attn_scale_tensor if as_tensor else self.attn_scale
-
-    def forward(self, x: Tensor) -> Tensor:  # x: (1, T, H, d)
-        cos = self.cos[None, : x.size(1), None, None, :]
-        sin = self.sin[None, : x.size(1), None, None, :]
-        halves = x.to(cos.dtype).unflatten(-1, (2, -1))  # (..., 2, d/2): x1, x2
-        # (x1 cos + x2 sin, x2 cos + x1 (-sin)) without a cat of the halves: in training, inductor's q/k norm +
-        # rotary kernels took 28.2 ms per step with the cat form and 19.0 with this one (A/B profile, one H200,
-        # bench/NOTES.md)
-        return (halves * cos + halves.flip(-2) * torch.cat((sin, -sin), dim=-2)).flatten(-2).type_as(x)
-
-
-# ---- attention backends ----
-# Key j is visible to query i iff same document, j <= i and i - j <= W tokens (FA3's window (W, 0)).
-def document_ids(ids: Tensor, bos_token: int) -> Tensor:
-    """Inclusive prefix count of BOS tokens: a BOS belongs to the document it opens."""
-    return (ids == bos_token).cumsum(0, dtype=torch.int32)
-
-
-def dense_window_mask(docs: Tensor, window: int) -> Tensor:
-    pos = torch.arange(docs.numel(), device=docs.device)
-    offset = pos[:, None] - pos[None, :]
-    return (offset >= 0) & (offset <= window) & (docs[:, None] == docs[None, :])
-
-
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Plain masked softmax attention on (1, T, H, d) tensors: the CPU path and the tests' oracle."""
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v.float()).type_as(q)
-
-
-# ---- FlexAttention block tables without a sort ----
-# The eager formula block_tables_eager replaces: per boolean block matrix, counts = selected.sum(-1) and indices =
-# argsort(where(selected, column, -1), descending) for the kv tables, BlockMask.from_kv_blocks' stable argsort of
-# the transposed matrix for the q tables; tests/test_train_gpt_model.py checks the two against each other.
-def block_tables_eager(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
-    """The four block tables of a window from its two square boolean (n, n) block matrices: counts (4, n) and indices
-    (4, n, n), int32, in the order partial kv, full kv, partial q, full q. A kv table lists each query block's
-    key blocks from the highest down, a q table (from the transposed matrix) each key block's query blocks
-    ascending; the blocks not selected follow, ascending. Without a sort: each column's place is a count of the
-    selected columns up to it, and the columns are scattered there."""
-    counts, indices = [], []
-    for selected, descending in ((partial, True), (full, True), (partial.T, False), (full.T, False)):
-        chosen = selected.to(torch.int32)
-        count = chosen.sum(dim=-1, keepdim=True, dtype=torch.int32)
-        chosen_up_to = chosen.cumsum(dim=-1, dtype=torch.int32)  # selected columns <= this one
-        cols = torch.arange(selected.size(-1), dtype=torch.int32, device=selected.device).expand_as(chosen)
-        place_if_chosen = count - chosen_up_to if descending else chosen_up_to - 1
-        place = torch.where(selected, place_if_chosen, count + cols - chosen_up_to)  # the others after them, ascending
-        counts.append(count[:, 0])
-        indices.append(torch.empty_like(cols).scatter_(-1, place.long(), cols))
-    return torch.stack(counts), torch.stack(indices)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _block_tables_kernel(matrices_ptr, counts_ptr, indices_ptr, n_blocks, BLOCK: tl.constexpr):
-        # block_tables_eager for one row of one table: tables 0/1 the rows of matrices 0/1 (partial, full), tables
-        # 2/3 their columns
-        row = tl.program_id(0)
-        table = tl.program_id(1)
-        cols = tl.arange(0, BLOCK)
-        inside = cols < n_blocks
-        offsets = (table % 2) * n_blocks * n_blocks + tl.where(table < 2, row * n_blocks + cols, cols * n_blocks + row)
-        chosen = (tl.load(matrices_ptr + offsets, mask=inside, other=0) != 0).to(tl.int32)
-        chosen_up_to = tl.cumsum(chosen, axis=0)
-        count = tl.sum(chosen, axis=0)
-        place_if_chosen = tl.where(table < 2, count - chosen_up_to, chosen_up_to - 1)
-        place = tl.where(chosen != 0, place_if_chosen, count + cols - chosen_up_to)
-        out_row = (table * n_blocks + row).to(tl.int64)
-        tl.store(indices_ptr + out_row * n_blocks + place, cols, mask=inside)
-        tl.store(counts_ptr + out_row, count)
-
-
-def block_tables(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
-    """block_tables_eager for square matrices: one Triton launch for the four tables on CUDA and under
-    TRITON_INTERPRET, the eager formula otherwise."""
-    if partial.shape != full.shape or partial.dim() != 2 or partial.size(0) != partial.size(1):
-        raise ValueError(f"block_tables: needs two square block matrices of one shape; got {tuple(partial.shape)} and {tuple(full.shape)}")
-    if 2 * partial.size(0) ** 2 >= 2**31:
-        raise ValueError(f"block_tables: {partial.size(0)} blocks per sequence overflow the kernel's 32-bit offsets; use fewer tokens per sequence or larger blocks")
-    if not _triton_kernels_for(partial):
-        return block_tables_eager(partial, full)
-    n = partial.size(0)
-    counts = partial.new_empty((4, n), dtype=torch.int32)
-    indices = partial.new_empty((4, n, n), dtype=torch.int32)
-    if n:
-        matrices = torch.stack([partial, full]).to(torch.uint8)
-        _block_tables_kernel[(n, 4)](matrices, counts, indices, n, BLOCK=triton.next_power_of_2(n), num_warps=4)
-    return counts, indices
-
-
-# inductor's own code for block_tables_eager failed to compile for CUDA (torch 2.11: an InductorError in its Triton
-# code generation, bench/NOTES.md session 17), and its sorts took 3.0 ms per step: hence an opaque op of our own
-@torch.library.custom_op("train_gpt::block_tables", mutates_args=())
-def block_tables_op(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
-    return block_tables(partial, full)
-
-
-@block_tables_op.register_fake
-def _(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
-    n = partial.size(0)
-    return partial.new_empty((4, n), dtype=torch.int32), partial.new_empty((4, n, n), dtype=torch.int32)
-
-
-# ---- the FlexAttention window mask and the attention backends ----
-Window = int | Tensor  # in blocks; a 0-dim int32 device tensor on the FlexAttention path (see window_args)
-
-
-def window_block_matrices(docs: Tensor, window_blocks: Window, block_size: int) -> tuple[Tensor, Tensor]:
-    """(partial, full): boolean (query block, key block) matrices of the document-causal window. With d = query
-    block - key block: blocks with d in [1, W-1] inside one document are fully visible; the diagonal,
-    document-cut blocks and the band d = W are partial (token rule applied); d > W is empty."""
-    num_blocks = docs.numel() // block_size
-    per_block = docs.view(num_blocks, block_size)
-    first, last = per_block[:, 0], per_block[:, -1]
-    blk = torch.arange(num_blocks, device=docs.device)
-    distance = blk[:, None] - blk[None, :]
-    may_overlap = (distance >= 0) & (first[:, None] <= last[None, :]) & (last[:, None] >= first[None, :])
-    one_document = (first[:, None] == last[None, :]) & (last[:, None] == first[None, :])
-    full = one_document & (distance >= 1) & (distance <= window_blocks - 1)
-    partial = may_overlap & (distance <= window_blocks) & ~full
-    return partial, full
-
-
-def flex_window_mask(docs: Tensor, window_blocks: Window, block_size: int) -> BlockMask:
-    """Token-exact document-causal sliding-window BlockMask: the window is written into the dense block tables
-    (window_block_matrices), so the mask equals FlashAttention-3's window exactly
-    (docs/track1_recipe.md#attention-backends). Each query block lists its key blocks from the diagonal back; each
-    key block lists its query blocks in ascending order, the tables BlockMask.from_kv_blocks would derive
-    (tests/test_train_gpt_model.py)."""
-    partial, full = window_block_matrices(docs, window_blocks, block_size)
-    window = window_blocks * block_size
-
-    def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & (docs[q_idx] == docs[kv_idx])
-
-    counts, indices = block_tables_op(partial, full)
-    counts, indices = counts[:, None, None], indices[:, None, None]  # (1, 1, n) and (1, 1, n, n) per table
-    length = partial.size(0) * block_size
-    return BlockMask(
-        seq_lengths=(length, length), kv_num_blocks=counts[0], kv_indices=indices[0],
-        full_kv_num_blocks=counts[1], full_kv_indices=indices[1], q_num_blocks=counts[2], q_indices=indices[2],
-        full_q_num_blocks=counts[3], full_q_indices=indices[3], BLOCK_SIZE=(block_size, block_size), mask_mod=visible,
-    )
-
-
-class AttentionInputs(NamedTuple):
-    """What every attention layer of one forward needs; masks are built once per forward and window."""
-
-    windows: dict[str, Window]  # "short" / "long" → window in blocks
-    masks: dict[str, Any]  # "short" / "long" → BlockMask (flex) or dense bool mask (reference)
-    cu_seqlens: Tensor | None
-    max_seqlen: int
-
-
-# FlexAttention's default tiles. Measured on one H200 and left out: ROWS_GUARANTEED_SAFE with the default 64-key
-# forward tiles turns rows after a mid-block document start NaN (their first tile is all masked; val loss NaN at
-# step 0). With 128-key forward tiles its results are finite and within bf16 rounding of the defaults (each query
-# block visits its diagonal first) and bench/bench_flex.py ran it 3-16% faster per call, but inside the model
-# (bench/ab.py profile, ms per step, against 029d93e's default-option kernels) the forward went 20.96 -> 20.41 and
-# the backward 47.99 -> 50.23, likely because unprefixed num_warps / num_stages also reach the backward kernel.
-FLEX_KERNEL_OPTIONS: dict[str, Any] = {}
-
-
-class Attention:
-    """Document-causal sliding-window attention on (1, T, H, d) tensors, one subclass per backend; the backend is
-    chosen once per run by name (choose_attention_backend) and logged. Attention(name, block_size, bos_token)
-    builds that backend's subclass.
-
-    Per forward, prepare() builds what every layer needs (masks or cu_seqlens); per layer, the call attends with
-    the window "short" or "long" and the softmax scale. Windows and scale are Python numbers, except where the
-    backend takes_tensors (FlexAttention): then 0-dim device tensors (see window_args), so that a schedule's
-    changes do not recompile. FA3 takes numbers, so (as in the record) each (window, scale) pair compiles its
-    own graph: 3 in training, a few more in eval.
-    """
-
-    name: str  # as in --attention_backend and the log
-    takes_tensors = False
-
-    def __new__(cls, name: str, block_size: int, bos_token: int) -> "Attention":
-        return super().__new__(ATTENTION_BACKEND_CLASSES[name] if cls is Attention else cls)
-
-    def __init__(self, name: str, block_size: int, bos_token: int):
-        self.block_size, self.bos_token = block_size, bos_token
-
-    def window_args(self, ws_short: int, ws_long: int, device: torch.device) -> tuple[Window, Window]:
-        """The forward's window arguments, in blocks."""
-        return ws_short, ws_long
-
-    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
-        raise NotImplementedError
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
-        raise NotImplementedError
-
-
-class FlashAttention3(Attention):
-    """The record's varlen call, with the loader's cu_seqlens. Tested against a plain-PyTorch stand-in with FA3's
-    semantics (tests/test_train_gpt_flash3.py); no real FA3 build has run it on our machines."""
-
-    name = "flash3"
-
-    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
-        return AttentionInputs(windows, {}, cu_seqlens, max_seqlen)
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
-        y = flash_attn_varlen_func(
-            q[0],
-            k[0],
-            v[0],
-            cu_seqlens_q=inputs.cu_seqlens,
-            cu_seqlens_k=inputs.cu_seqlens,
-            max_seqlen_q=inputs.max_seqlen,
-            max_seqlen_k=inputs.max_seqlen,
-            softmax_scale=scale,
-            causal=True,
-            window_size=(inputs.windows[window] * self.block_size, 0),
-        )
-        return (y[0] if isinstance(y, tuple) else y).unsqueeze(0)  # some FA3 builds also return the LSE
-
-
-class FlexAttentionBackend(Attention):
-    """flex_attention with a token-exact block mask per window (flex_window_mask): one training graph and one eval
-    graph serve the whole schedule (windows memoized per value, the scale a buffer updated in place)."""
-
-    name = "flex"
-    takes_tensors = True
-
-    def __init__(self, name: str, block_size: int, bos_token: int):
-        super().__init__(name, block_size, bos_token)
-        self._window_tensors: dict[tuple[int, torch.device], Tensor] = {}
-
-    def window_args(self, ws_short: int, ws_long: int, device: torch.device) -> tuple[Window, Window]:
-        for ws in (ws_short, ws_long):
-            if (ws, device) not in self._window_tensors:
-                self._window_tensors[ws, device] = torch.tensor(ws, dtype=torch.int32, device=device)
-        return self._window_tensors[ws_short, device], self._window_tensors[ws_long, device]
-
-    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
-        docs = document_ids(ids, self.bos_token)
-        return AttentionInputs(windows, {key: flex_window_mask(docs, w, self.block_size) for key, w in windows.items()}, None, max_seqlen)
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
-        def scaled(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return score * scale  # fp32 inside the kernel, like FA3's softmax_scale
-
-        y = flex_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=scaled, block_mask=inputs.masks[window], scale=1.0,
-            kernel_options=FLEX_KERNEL_OPTIONS,
-        )
-        return y.transpose(1, 2)
-
-
-class ReferenceAttention(Attention):
-    """Dense masked softmax (reference_attention): the CPU path and the tests' oracle."""
-
-    name = "reference"
-
-    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
-        docs = document_ids(ids, self.bos_token)
-        return AttentionInputs(windows, {key: dense_window_mask(docs, w * self.block_size) for key, w in windows.items()}, None, max_seqlen)
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
-        return reference_attention(q, k, v, inputs.masks[window], scale)
-
-
-ATTENTION_BACKEND_CLASSES: dict[str, type[Attention]] = {cls.name: cls for cls in (FlashAttention3, FlexAttentionBackend, ReferenceAttention)}
-
-
-def choose_attention_backend(requested: str, device: torch.device) -> str:
-    if requested == "flash3" and (flash_attn_varlen_func is None or device.type != "cuda"):
-        raise UserError("--attention_backend=flash3 needs CUDA and flash_attn_interface (FlashAttention-3); use auto, flex or reference")
-    if requested == "flex" and device.type != "cuda":
-        raise UserError("--attention_backend=flex cannot train on CPU (FlexAttention has no CPU backward); use auto or reference")
-    if requested != "auto":
-        return requested
-    if device.type == "cuda":
-        return "flash3" if flash_attn_varlen_func is not None else "flex"
-    return "reference"
-
-
-# ---- MLP backward: ReLU² in the epilogue of grad_h's matmul ----
-# The MLP is out = relu(pre)^2 @ W_proj^T with pre = x @ W_fc. Autograd's backward runs grad_h = grad_out @ W_proj
-# (cuBLAS, 49,152 x 3,072 bf16 per record micro-step), then a memory-bound kernel for the eager formula
-#     grad_pre = threshold_backward(grad_h * (2 * relu(pre)), relu(pre), 0)
-# which reads grad_h back: 604 MB written and read per call, 88 calls per step. relu2_backward_matmul computes
-# grad_h tile by tile in a persistent Triton matmul and applies the formula in its epilogue, so grad_h never
-# reaches memory. Its product was measured equal to cuBLAS's bit for bit on the record's shape (bf16, K = 768:
-# bench/bench_relu2_matmul.py, tests/test_train_gpt_cuda.py) and the epilogue rounds once, as the unfused kernel
-# does, so training's numbers stay the same. One H200, each pair timed back to back (bench/NOTES.md session 12):
-# 0.520 against 0.563 ms per call for cuBLAS + the compiled formula. The forward's twin (pre and relu(pre)^2 from
-# one kernel) lost, 0.510 against 0.495, so the forward stays inductor's.
-# (BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages, warps): the best of bench/bench_relu2_matmul.py's tiles there
-RELU2_MATMUL_TILE = (128, 128, 64, 4, 4)
-
-if triton is not None:
-
-    @triton.jit
-    def _relu2_backward_matmul_kernel(
-        g_desc, w_desc, pre_desc, out_desc, M, N,
-        TILES_PER_PROGRAM: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    ):
-        # out = threshold_backward(bf16(g @ w) * 2 relu(pre), relu(pre), 0); g (M, K), w (K, N), pre and out (M, N),
-        # all row-major through TMA descriptors, which zero-fill reads and clip writes past the edges. Persistent:
-        # NUM_PROGRAMS programs walk the tiles GROUP_M row tiles at a time, so that neighbours share g's rows in L2.
-        # Every program runs the same trip count (compile-time, as the interpreter needs); one past the end redoes
-        # the last tile and stores the same values.
-        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        for i in tl.range(0, TILES_PER_PROGRAM, flatten=True):
-            tile = tl.minimum(tl.program_id(0) + i * NUM_PROGRAMS, tiles_m * tiles_n - 1)
-            group_first_m = (tile // (GROUP_M * tiles_n)) * GROUP_M
-            group_rows = tl.minimum(tiles_m - group_first_m, GROUP_M)
-            m = (group_first_m + tile % group_rows) * BLOCK_M
-            n = (tile % (GROUP_M * tiles_n)) // group_rows * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(K_STEPS):
-                acc = tl.dot(g_desc.load([m, kk * BLOCK_K]), w_desc.load([kk * BLOCK_K, n]), acc)
-            grad_h = acc.to(out_desc.dtype).to(tl.float32)  # rounded as cuBLAS rounds its output
-            r = pre_desc.load([m, n]).to(tl.float32)
-            r = tl.where(r < 0, 0.0, r)  # relu that keeps NaN, as torch's does
-            grad = grad_h * (2.0 * r)  # exact in fp32 (two 8-bit significands): the one rounding is the store's
-            out_desc.store([m, n], tl.where(r <= 0, 0.0, grad).to(out_desc.dtype))
-
-
-def relu2_backward_eager(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
-    """Autograd's gradient with respect to pre of F.linear(F.relu(pre).square(), w.T), given its output's gradient:
-    grad_h = grad_out @ w, square's grad_h * 2 r, then relu's threshold (0 where r = relu(pre) <= 0). The CPU path
-    and the kernel's reference."""
-    r = F.relu(pre)
-    return torch.ops.aten.threshold_backward((grad_out @ w) * (2 * r), r, 0)
-
-
-def _tma_matmul_available_for(t: Tensor) -> bool:
-    """The kernel takes bf16/fp16 (fp32 would run its dot in TF32, and its tiles overflow shared memory) on
-    Hopper/Blackwell data-centre GPUs (TMA and about 228 KB of shared memory per SM), and anything under
-    TRITON_INTERPRET (the tests, which use fp16 and fp32: the interpreter's dot is exact there)."""
-    if triton is None:
-        return False
-    if _interpreting_triton():
-        return True
-    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(t.device)[0] in (9, 10)
-
-
-def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[int, ...] = RELU2_MATMUL_TILE, programs: int | None = None) -> Tensor:
-    """relu2_backward_eager(grad_out, w, pre) for 2-D grad_out (M, K), w (K, N), pre (M, N) of one dtype: the Triton
-    kernel where _tma_matmul_available_for says so, the eager formula elsewhere and where a TMA descriptor cannot
-    take the tensors (a row or a base address not on 16 bytes). programs: persistent programs (default: one per
-    SM; 4 interpreted)."""
-    shapes = f"{tuple(grad_out.shape)} {grad_out.dtype}, {tuple(w.shape)} {w.dtype}, {tuple(pre.shape)} {pre.dtype}"
-    if not grad_out.dim() == w.dim() == pre.dim() == 2:
-        raise ValueError(f"relu2_backward_matmul: needs 2-D grad_out (M, K), w (K, N), pre (M, N); got {shapes}: flatten the leading dimensions")
-    M, K = grad_out.shape
-    N = w.size(1)
-    if w.shape != (K, N) or pre.shape != (M, N) or not (grad_out.dtype == w.dtype == pre.dtype):
-        raise ValueError(f"relu2_backward_matmul: needs grad_out (M, K), w (K, N), pre (M, N) of one dtype, got {shapes}")
-    if not _tma_matmul_available_for(grad_out) or (K * grad_out.element_size()) % 16 or (N * w.element_size()) % 16 or min(M, N, K) == 0:
-        return relu2_backward_eager(grad_out, w, pre)
-    grad_out, w, pre = grad_out.contiguous(), w.contiguous(), pre.contiguous()  # no-ops in training
-    if any(t.data_ptr() % 16 for t in (grad_out, w, pre)):  # a view starting mid-row of its storage
-        return relu2_backward_eager(grad_out, w, pre)
-    out = torch.empty_like(pre)
-    block_m, block_n, block_k, stages, warps = tile
-    if programs is None:
-        programs = 4 if _interpreting_triton() else torch.cuda.get_device_properties(grad_out.device).multi_processor_count
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    programs = min(programs, tiles)
-    _relu2_backward_matmul_kernel[(programs,)](
-        TensorDescriptor.from_tensor(grad_out, [block_m, block_k]),
-        TensorDescriptor.from_tensor(w, [block_k, block_n]),
-        TensorDescriptor.from_tensor(pre, [block_m, block_n]),
-        TensorDescriptor.from_tensor(out, [block_m, block_n]),
-        M, N, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), K_STEPS=triton.cdiv(K, block_k), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, NUM_PROGRAMS=programs, num_stages=stages, num_warps=warps,
-    )
-    return out
-
-
-@torch.library.custom_op("train_gpt::relu2_backward_matmul", mutates_args=())
-def relu2_backward_matmul_op(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
-    """relu2_backward_matmul as one opaque op, so that inductor calls the kernel from the compiled backward."""
-    return relu2_backward_matmul(grad_out, w, pre)
-
-
-@relu2_backward_matmul_op.register_fake
-def _(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
-    return torch.empty_like(pre, memory_format=torch.contiguous_format)
-
-
-class ReLUSquaredProjection(torch.autograd.Function):
-    """F.linear(F.relu(pre).square(), w) for pre (..., N), w (D, N), with autograd's gradients: grad_pre from
-    relu2_backward_matmul, grad_w as autograd's linear computes it (grad_out^T @ h, the same mm call). Saves pre
-    and h, as inductor's partition of the unfused MLP saves relu(pre) and h (the same bytes)."""
-
-    @staticmethod
-    def forward(ctx: Any, pre: Tensor, w: Tensor) -> Tensor:
-        h = F.relu(pre).square()
-        ctx.save_for_backward(pre, h, w)
-        return F.linear(h, w)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        pre, h, w = ctx.saved_tensors
-        grad_rows = grad_out.reshape(-1, grad_out.size(-1))
-        grad_pre = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_pre = relu2_backward_matmul_op(grad_rows, w, pre.reshape(-1, pre.size(-1))).view(pre.shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = grad_rows.t().mm(h.reshape(-1, h.size(-1)))
-        return grad_pre, grad_w
-
-
-# ---- embedding tables: gradients summed over sorted ids, added in place ----
-# Autograd's gradient of a bf16 table as inductor compiles it, written as an eager formula:
-#     summed = zeros(rows, dim, fp32).index_add_(0, ids, grad_out.float()); table.grad += summed.bfloat16()
-# (a zeroed fp32 table, an atomic scatter-add, a rounding pass, AccumulateGrad's add from the second micro-step on)
-# moves each whole 50,304-row table about four times per micro-step, although a micro-step's 49,152 tokens name
-# about 6,300 of its rows: 8.5 ms of kernels per step at one GPU for the four tables (bench/NOTES.md session 15).
-# accumulate_table_grads sorts the ids once for the four tables (stably, so a row's terms keep the ids' order) and
-# reads each lookup gradient once. A program walks a chunk of sorted positions and sums its runs of equal ids; a run
-# inside the chunk is added into its row of the gradient at once; the parts of a run that crosses chunk edges are
-# summed in a small buffer (fp32 atomics: autograd's scatter sums every term so) and a second kernel adds each such
-# sum into its row. Each row of the gradient is written by one program. The roundings are the formula's: fp32 sums,
-# one rounding to bf16, the add in fp32 rounded to bf16. The lookups' gradient reaches the op as a bf16 tensor, as in
-# eager autograd; where inductor fused its producer into the scatter it summed the unrounded fp32 values instead
-# (found on CPU, session 16), a difference of one bf16 rounding per term. The tables' .grad are buffers that the
-# backward adds into (GPT.accumulate_table_grads_in_place): autograd gets no gradient for them, so no AccumulateGrad
-# runs. Session 14's version (zero and scatter-add the named rows with fp32 atomics, once per id) was slower than
-# autograd's.
-TABLE_GRAD_TILE = (32, 256, 1)  # (sorted positions per chunk, columns per program, warps): bench/bench_embedding_grad.py
-
-if triton is not None:
-
-    @triton.jit
-    def _add_into_table_row(grad_ptr, offsets, mask, summed, ROUND_TO_BF16: tl.constexpr):
-        # grad += summed as the eager formula rounds it: summed.bfloat16(), then bf16 + bf16 computed in fp32
-        old = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        if ROUND_TO_BF16:
-            new = _round_to_bf16(old + _round_to_bf16(summed))
-        else:
-            new = old + summed
-        tl.store(grad_ptr + offsets, new.to(grad_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _table_grad_runs_kernel(
-        sorted_ids_ptr, order_ptr, chunk_run_starts_ptr, grad_out_ptr, grad_ptr, parts_ptr, n_ids, n_rows,
-        DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_TO_BF16: tl.constexpr,
-    ):
-        # Chunk c of the sorted positions, one tile of columns, walked position by position (a row's terms summed in
-        # sorted order). A run that begins and ends in the chunk goes into grad. A run that crosses the chunk's
-        # edges is summed in parts[b], b the chunk where it begins: each chunk it touches adds its part with an
-        # atomic (a part per chunk, so a frequent id's dozens of chunks never wait on each other). A segmented scan
-        # over the chunk as one tile ran 2-2.5 times slower on an H200 (its shared-memory passes), and summing the
-        # crossing parts by walking from the first chunk took 27-42 µs per call (bench/NOTES.md session 16).
-        chunk = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        col_ok = cols < DIM
-        first = chunk * CHUNK
-        stop = tl.minimum(first + CHUNK, n_ids)
-        row = tl.load(sorted_ids_ptr + first)
-        begun_here = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1) != row
-        begin = tl.load(chunk_run_starts_ptr + chunk) // CHUNK  # the chunk where the chunk's first run begins
-        total = tl.zeros((BLOCK_D,), tl.float32)
-        # two rows in flight: this position's and the next one's, and the source of the one after
-        terms = tl.load(grad_out_ptr + tl.load(order_ptr + first).to(tl.int64) * DIM + cols, mask=col_ok, other=0.0)
-        source = tl.load(order_ptr + first + 1, mask=first + 1 < stop, other=0).to(tl.int64)
-        next_terms = tl.load(grad_out_ptr + source * DIM + cols, mask=col_ok & (first + 1 < stop), other=0.0)
-        source = tl.load(order_ptr + first + 2, mask=first + 2 < stop, other=0).to(tl.int64)
-        for step in range(CHUNK):  # a fixed trip count: the interpreter takes no tensor bounds
-            position = first + step
-            if position < stop:
-                third_terms = tl.load(grad_out_ptr + source * DIM + cols, mask=col_ok & (position + 2 < stop), other=0.0)
-                source = tl.load(order_ptr + position + 3, mask=position + 3 < stop, other=0).to(tl.int64)
-                next_row = tl.load(sorted_ids_ptr + position + 1, mask=position + 1 < n_ids, other=-1)
-                total += terms.to(tl.float32)
-                if next_row != row:  # the run ends here
-                    if begun_here:
-                        if (row >= 0) & (row < n_rows):
-                            _add_into_table_row(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
-                    else:  # the last part of a run that began in chunk `begin`
-                        tl.atomic_add(parts_ptr + begin * DIM + cols, total, mask=col_ok, sem="relaxed")
-                    total = tl.zeros((BLOCK_D,), tl.float32)
-                    begun_here = True
-                row = next_row
-                terms = next_terms
-                next_terms = third_terms
-        if tl.load(sorted_ids_ptr + stop, mask=stop < n_ids, other=-1) == tl.load(sorted_ids_ptr + stop - 1):  # goes on
-            owner = tl.where(begun_here, chunk, begin)  # not begun here: the run spans the chunk
-            tl.atomic_add(parts_ptr + owner * DIM + cols, total, mask=col_ok, sem="relaxed")
-
-    @triton.jit
-    def _table_grad_crossing_kernel(
-        sorted_ids_ptr, grad_ptr, parts_ptr, n_ids, n_rows,
-        DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_TO_BF16: tl.constexpr,
-    ):
-        # The run that goes on past chunk c's end, if it began in chunk c: its summed parts added into grad
-        chunk = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        col_ok = cols < DIM
-        first = chunk * CHUNK
-        last = tl.minimum(first + CHUNK, n_ids) - 1
-        row = tl.load(sorted_ids_ptr + last)
-        goes_on = tl.load(sorted_ids_ptr + last + 1, mask=last + 1 < n_ids, other=-1) == row
-        began_here = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1) != row
-        if goes_on & began_here & (row >= 0) & (row < n_rows):
-            total = tl.load(parts_ptr + chunk * DIM + cols, mask=col_ok, other=0.0)
-            _add_into_table_row(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
-
-
-def accumulate_table_grads_eager(grad_outs: Sequence[Tensor], ids: Tensor, grads: Sequence[Tensor]) -> None:
-    """grads[i] += the gradient of F.embedding(ids, table i) given grad_outs[i], summed in fp32 and rounded to the
-    gradient's dtype once (the formula above). The CPU path and the kernels' reference."""
-    for grad_out, grad in zip(grad_outs, grads, strict=True):
-        summed = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
-        summed.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, grad.size(1)).float())  # on CPU in the ids' order
-        grad.add_(summed.to(grad.dtype))
-
-
-def accumulate_table_grads(grad_outs: Sequence[Tensor], ids: Tensor, grads: Sequence[Tensor], tile: tuple[int, int, int] = TABLE_GRAD_TILE) -> None:
-    """accumulate_table_grads_eager(grad_outs, ids, grads) for 2-D gradients (rows, dim) and grad_outs (*ids.shape,
-    dim), ids in [0, rows): the two Triton kernels per table on CUDA and under TRITON_INTERPRET for contiguous bf16
-    or fp32 gradients, the eager formula otherwise. chunk and columns of the tile: powers of two."""
-    if len(grad_outs) != len(grads):
-        raise ValueError(f"accumulate_table_grads: {len(grad_outs)} lookup gradients for {len(grads)} tables")
-    for grad_out, grad in zip(grad_outs, grads):
-        if grad.dim() != 2 or grad_out.shape != (*ids.shape, grad.size(1)):
-            shapes = f"grad_out {tuple(grad_out.shape)}, ids {tuple(ids.shape)}, grad {tuple(grad.shape)}"
-            raise ValueError(f"accumulate_table_grads: needs grad (rows, dim) and grad_out (*ids.shape, dim); got {shapes}")
-    kernels = [_triton_kernels_for(g) and g.dtype in (torch.bfloat16, torch.float32) and g.is_contiguous() for g in grads]
-    if not all(kernels) or ids.numel() == 0:
-        accumulate_table_grads_eager(grad_outs, ids, grads)
-        return
-    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
-    chunk, block_d, warps = tile
-    n_ids, n_chunks = sorted_ids.numel(), triton.cdiv(sorted_ids.numel(), chunk)
-    # where the run at each chunk's first position begins: a binary search per chunk (a cummax over every position
-    # took 0.16 ms per micro-step on an H200, ATen's scan with indices; bench/NOTES.md session 17)
-    chunk_run_starts = torch.searchsorted(sorted_ids, sorted_ids[::chunk].contiguous(), side="left")
-    for grad_out, grad in zip(grad_outs, grads):
-        n_rows, dim = grad.shape
-        parts = torch.zeros((n_chunks, dim), dtype=torch.float32, device=grad.device)  # the crossing runs' sums
-        shape = dict(DIM=dim, CHUNK=chunk, BLOCK_D=min(block_d, triton.next_power_of_2(dim)), ROUND_TO_BF16=grad.dtype == torch.bfloat16, num_warps=warps)
-        grid = (n_chunks, triton.cdiv(dim, shape["BLOCK_D"]))
-        _table_grad_runs_kernel[grid](sorted_ids, order, chunk_run_starts, grad_out.reshape(n_ids, dim).contiguous(), grad, parts, n_ids, n_rows, **shape)
-        _table_grad_crossing_kernel[grid](sorted_ids, grad, parts, n_ids, n_rows, **shape)
-
-
-@torch.library.custom_op("train_gpt::accumulate_table_grads", mutates_args=("grads",))
-def accumulate_table_grads_op(grad_outs: list[Tensor], ids: Tensor, grads: list[Tensor]) -> None:
-    """accumulate_table_grads as one opaque op: the compiled backward calls it and adds into grads in place."""
-    accumulate_table_grads(grad_outs, ids, grads)
-
-
-@accumulate_table_grads_op.register_fake
-def _(grad_outs: list[Tensor], ids: Tensor, grads: list[Tensor]) -> None:
-    return None
-
-
-class TableLookups(torch.autograd.Function):
-    """TableLookups.apply(ids, *weights, *grad_buffers) = [F.embedding(ids, w) for w in weights], whose backward adds
-    each table's gradient into its buffer (accumulate_table_grads) and gives autograd none for the tables, so no
-    AccumulateGrad runs for them: each table's .grad must be its buffer (GPT.accumulate_table_grads_in_place)."""
-
-    @staticmethod
-    def forward(ctx: Any, ids: Tensor, *weights_and_buffers: Tensor) -> tuple[Tensor, ...]:
-        count = len(weights_and_buffers) // 2
-        ctx.save_for_backward(ids, *weights_and_buffers[count:])
-        return tuple(F.embedding(ids, weight) for weight in weights_and_buffers[:count])
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outs: Tensor) -> tuple[None, ...]:
-        ids, *buffers = ctx.saved_tensors
-        accumulate_table_grads_op(list(grad_outs), ids, buffers)
-        return (None,) * (1 + 2 * len(buffers))
-
-
-# ---- matrices: bf16 gradients added into their fp32 .grad ----
-# The attention and MLP matrices are fp32 parameters cast to bf16 at use. Autograd's gradient for such a matrix,
-# as an eager formula:
-#     grad_fp32 = grad_bf16.float(); matrix.grad = grad_fp32 (first micro-step) or matrix.grad += grad_fp32
-# inductor writes the fp32 copy (4 bytes per element) and AccumulateGrad reads it back beside .grad: 18 bytes moved
-# per element and micro-step, 2.7 ms per step at one GPU for the 32 matrices (bench/NOTES.md session 17, the
-# `_to_copy` and `CUDAFunctor_add<float>` kernels). add_into_grad does .grad += grad_bf16 in one pass (10 bytes):
-# the same sum, as bf16 -> fp32 is exact and the add is one fp32 rounding either way. The matrices' .grad are
-# fixed buffers, zeroed by GPT.zero_grad (GPT.accumulate_matrix_grads_in_place), so the first micro-step adds to 0:
-# the one difference from autograd's values is that an exactly zero gradient is +0 where autograd kept a -0.
-ADD_INTO_GRAD_BLOCK = 2048  # elements per program
-
-if triton is not None:
-
-    @triton.jit
-    def _add_into_grad_kernel(grad_ptr, addend_ptr, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < n
-        total = tl.load(grad_ptr + offsets, mask=inside) + tl.load(addend_ptr + offsets, mask=inside).to(tl.float32)
-        tl.store(grad_ptr + offsets, total, mask=inside)
-
-
-def add_into_grad(grad: Tensor, addend: Tensor) -> None:
-    """grad += addend for an fp32 grad and an addend of its shape, computed in fp32 (eager: grad.add_(addend.float())).
-    One Triton pass on CUDA and under TRITON_INTERPRET when both are contiguous; the eager formula otherwise."""
-    if grad.dtype != torch.float32 or addend.shape != grad.shape:
-        raise ValueError(f"add_into_grad: needs an fp32 grad and an addend of its shape; got grad {tuple(grad.shape)} {grad.dtype}, addend {tuple(addend.shape)} {addend.dtype}")
-    if not (_triton_kernels_for(grad) and grad.is_contiguous() and addend.is_contiguous()):
-        grad.add_(addend.float())
-        return
-    n = grad.numel()
-    if n:
-        _add_into_grad_kernel[(triton.cdiv(n, ADD_INTO_GRAD_BLOCK),)](grad, addend, n, BLOCK=ADD_INTO_GRAD_BLOCK, num_warps=4)
-
-
-@torch.library.custom_op("train_gpt::add_into_grad", mutates_args=("grad",))
-def add_into_grad_op(grad: Tensor, addend: Tensor) -> None:
-    """add_into_grad as one opaque op: the compiled backward calls it and adds into grad in place."""
-    add_into_grad(grad, addend)
-
-
-@add_into_grad_op.register_fake
-def _(grad: Tensor, addend: Tensor) -> None:
-    return None
-
-
-class CastIntoGrad(torch.autograd.Function):
-    """CastIntoGrad.apply(matrix, buffer, dtype) = matrix.to(dtype), a copy, whose backward adds the gradient into
-    buffer (add_into_grad) and gives autograd none for the matrix, so no AccumulateGrad runs for it: the matrix's
-    .grad must be its buffer (GPT.accumulate_matrix_grads_in_place)."""
-
-    @staticmethod
-    def forward(ctx: Any, matrix: Tensor, buffer: Tensor, dtype: torch.dtype) -> Tensor:
-        ctx.save_for_backward(buffer)
-        return matrix.to(dtype, copy=True)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
-        (buffer,) = ctx.saved_tensors
-        add_into_grad_op(buffer, grad)
-        return None, None, None
-
-
-def cast_matrix(module: nn.Module, name: str, like: Tensor) -> Tensor:
-    """module's matrix `name` in like's dtype; through CastIntoGrad once the module holds its gradient buffer."""
-    matrix = getattr(module, name)
-    buffer = getattr(module, f"{name}_grad", None)
-    if buffer is None:
-        return matrix.type_as(like)
-    return CastIntoGrad.apply(matrix, buffer, like.dtype)
-
-
-# ---- blocks ----
-class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        # (D, 4D) storage reinterpreted as (4, D, D) = W_Q, W_K, W_V, W_O in (out, in) convention.
-        self.qkvo_w = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "attn")
-        self.attn_gate = CastedLinear(GATE_INPUT_DIMS, num_heads)
-        tag(self.attn_gate.weight, "attn_gate")
-
-    def forward(
-        self,
-        x: Tensor,
-        value_embed: Tensor | None,
-        mix: Tensor,
-        rotary: Rotary,
-        attention: Attention,
-        inputs: AttentionInputs,
-        window: str,
-        scale: float | Tensor,
-    ) -> Tensor:
-        T, D = x.size(1), x.size(2)
-        weights = cast_matrix(self, "qkvo_w", x).view(4, D, D)
-        qkv = F.linear(x, weights[:3].flatten(0, 1)).view(1, T, 3 * self.num_heads, self.head_dim)
-        q, k, v = qkv.chunk(3, dim=-2)
-        q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
-        v = mix[0] * v + mix[1] * value_embed.view_as(v) if value_embed is not None else mix[0] * v
-        y = attention(q, k, v, inputs, window, scale)
-        y = y * torch.sigmoid(self.attn_gate(x[..., :GATE_INPUT_DIMS])).unsqueeze(-1)  # sparse per-head gate
-        return F.linear(y.reshape(1, T, D), weights[3])
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.c_fc = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as h @ c_fc
-        self.c_proj = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as a @ c_proj^T
-
-    def forward(self, x: Tensor) -> Tensor:  # F.linear(F.relu(x @ c_fc).square(), c_proj), its backward fused
-        return ReLUSquaredProjection.apply(x @ cast_matrix(self, "c_fc", x), cast_matrix(self, "c_proj", x))
-
-
-MATRIX_NAMES: dict[type, tuple[str, ...]] = {CausalSelfAttention: ("qkvo_w",), MLP: ("c_fc", "c_proj")}
-
-
-class Block(nn.Module):
-    def __init__(self, layer: int, dim: int, num_heads: int):
-        super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads) if layer not in ATTENTION_LAYERS_SKIPPED else None
-        self.mlp = MLP(dim) if layer != 0 else None
-
-
-class Scalars(NamedTuple):
-    """Named views into GPT.scalars, the one fp32 vector that holds every learned scalar (one Parameter, so that
-    DistAdam shards it along dim 0 and checkpoints store it as one tensor; docs/track1_recipe.md#scalars)."""
-
-    skip_gates: Tensor  # (L,): U-net skip k is added with weight sigmoid(skip_gates[k]); 0 .. UNET_SKIP_PAIRS-1 used
-    block_lambdas: Tensor  # (L, 2): layer i starts with x <- a x + b x0, (a, b) = block_lambdas[i]
-    value_mixing: Tensor  # (L, 2): attention layer i mixes v <- s0 v + s1 ve, (s0, s1) = value_mixing[i]
-    smear_lambda: Tensor  # (): weight of the previous token in the smear gate
-
-    @staticmethod
-    def initial(world_size: int) -> Tensor:
-        """The vector in the order of the fields: 6 L values, then padding to a multiple of world_size."""
-        L = NUM_LAYERS
-        return torch.cat(
-            [
-                torch.full((L,), -1.5),  # skip_gates
-                torch.tensor([1.0, 0.0]).repeat(L),  # block_lambdas
-                torch.tensor([0.5, 0.5]).repeat(L),  # value_mixing
-                torch.zeros(L),  # smear_lambda, then L - 1 unused entries
-                torch.ones((-6 * L) % world_size),  # padding (unused)
-            ]
-        )
-
-    @staticmethod
-    def of(vector: Tensor) -> "Scalars":
-        L = NUM_LAYERS
-        skip_gates, block_lambdas, value_mixing, smear = vector[: 6 * L].split([L, 2 * L, 2 * L, L])
-        return Scalars(skip_gates, block_lambdas.view(L, 2), value_mixing.view(L, 2), smear[0])
-
-
-class GPT(nn.Module):
-    def __init__(
-        self,
-        vocab_size: int,
-        dim: int,
-        num_heads: int,
-        max_seq_len: int,
-        block_size: int,
-        world_size: int,
-        attention: Attention,
-        table_dtype: torch.dtype = torch.bfloat16,
-    ):
-        super().__init__()
-        padded_vocab = ceil_to(vocab_size, 128)  # padding rows train normally and are never targets
-        self.attention = attention
-        self.embed = nn.Embedding(padded_vocab, dim)
-        self.value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, dim) for _ in range(3))
-        self.smear_gate = CastedLinear(GATE_INPUT_DIMS, 1)
-        self.blocks = nn.ModuleList(Block(layer, dim, num_heads) for layer in range(NUM_LAYERS))
-        self.rotary = Rotary(dim // num_heads, max_seq_len, block_size, table_dtype)
-        self.lm_head = LMHead(dim, padded_vocab)
-        self.scalars = nn.Parameter(Scalars.initial(world_size))  # read through Scalars.of
-        for table in (self.embed, *self.value_embeds):
-            tag(table.weight, lr_mul=75.0)
-        tag(self.smear_gate.weight, "smear_gate")
-        tag(self.lm_head.weight, lr_mul=1.0)
-        tag(self.scalars, lr_mul=5.0)
-        for name, param in self.named_parameters():
-            param.label = name
-        self.reset_parameters()
-
-    @property
-    def tables(self) -> tuple[nn.Embedding, ...]:
-        return (self.embed, *self.value_embeds)
-
-    def accumulate_table_grads_in_place(self) -> None:
-        """From here on each table's .grad is a fixed buffer that every backward adds into, row by row, through
-        TableLookups, and zero_grad zeroes it instead of dropping it. Call after the last dtype or
-        device change (build_model does)."""
-        for index, table in enumerate(self.tables):
-            self.register_buffer(f"table_grad_{index}", torch.zeros_like(table.weight), persistent=False)
-        self.zero_grad()
-
-    def table_grad_buffers(self) -> list[Tensor]:
-        """The buffers of accumulate_table_grads_in_place, one per table; empty before it."""
-        names = [f"table_grad_{index}" for index in range(len(self.tables))]
-        return [getattr(self, name) for name in names if hasattr(self, name)]
-
-    def matrices(self) -> list[tuple[nn.Module, str]]:
-        """(module, attribute name) of every fp32 matrix cast to bf16 at use: attention qkvo, MLP c_fc and c_proj."""
-        return [(module, name) for module in self.modules() for name in MATRIX_NAMES.get(type(module), ())]
-
-    def accumulate_matrix_grads_in_place(self) -> None:
-        """From here on each matrix's .grad is a fixed buffer (the module's `<name>_grad`) that every backward adds
-        into through CastIntoGrad, and zero_grad zeroes it instead of dropping it. Call after the last dtype or
-        device change (build_model does)."""
-        for module, name in self.matrices():
-            module.register_buffer(f"{name}_grad", torch.zeros_like(getattr(module, name)), persistent=False)
-        self.zero_grad()
-
-    def grad_buffers(self) -> list[tuple[nn.Parameter, Tensor]]:
-        """(parameter, its gradient buffer) for the tables and matrices whose gradients are added in place."""
-        pairs = [(table.weight, buffer) for table, buffer in zip(self.tables, self.table_grad_buffers())]
-        for module, name in self.matrices():
-            if hasattr(module, f"{name}_grad"):
-                pairs.append((getattr(module, name), getattr(module, f"{name}_grad")))
-        return pairs
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # zeroes the gradient buffers and re-attaches them; nn.Module.zero_grad of a wrapper (torch.compile's) or an
-        # optimizer's zero_grad would drop them, so training calls this one on the raw model
-        super().zero_grad(set_to_none)
-        for param, buffer in self.grad_buffers():
-            buffer.zero_()
-            param.grad = buffer
-
-    def look_up_tables(self, ids: Tensor) -> list[Tensor]:
-        """Every table's rows for ids: through TableLookups once the tables' gradients go into buffers."""
-        buffers = self.table_grad_buffers()
-        if not buffers:
-            return [table(ids) for table in self.tables]
-        return list(TableLookups.apply(ids, *(table.weight for table in self.tables), *buffers))
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        dim = self.embed.embedding_dim
-        bound = math.sqrt(3) * 0.5 * dim**-0.5  # uniform with std 0.5/sqrt(dim): 1/32 at dim 768
-        for table in (self.embed, *self.value_embeds):
-            nn.init.normal_(table.weight)
-        for zeroed in (self.smear_gate.weight, self.lm_head.weight):
-            zeroed.zero_()
-        for block in self.blocks:
-            if block.attn is not None:
-                qkvo = block.attn.qkvo_w.view(4, dim, dim)
-                qkvo[:3].uniform_(-bound, bound)
-                qkvo[3].zero_()
-                block.attn.attn_gate.weight.zero_()
-            if block.mlp is not None:
-                block.mlp.c_fc.uniform_(-bound, bound)
-                block.mlp.c_proj.zero_()
-
-    def forward(
-        self, ids: Tensor, targets: Tensor, cu_seqlens: Tensor | None, ws_short: Window, ws_long: Window, max_seqlen: int
-    ) -> Tensor:
-        """Sum of token losses in training, mean in eval. Windows in blocks (see Attention.window_args)."""
-        scalars = Scalars.of(self.scalars)
-        inputs = self.attention.prepare(ids, cu_seqlens, {"short": ws_short, "long": ws_long}, max_seqlen)
-        scale = self.rotary.softmax_scale(self.attention.takes_tensors)
-        x, *value_embeds = self.look_up_tables(ids)
-        value_embeds = [value_embed[None] for value_embed in value_embeds]
-        # smear: mix the previous token's embedding into each position, gated by the current token
-        gate = torch.sigmoid(self.smear_gate(x[1:, :GATE_INPUT_DIMS]))
-        x = torch.cat([x[:1], x[1:] + scalars.smear_lambda * gate * x[:-1]])
-        x = x0 = rms_norm(x)[None]
-        skips = []
-        for layer in range(1, NUM_LAYERS):  # block 0 holds nothing and never runs
-            if NUM_LAYERS // 2 <= layer < NUM_LAYERS // 2 + UNET_SKIP_PAIRS:
-                x = x + torch.sigmoid(scalars.skip_gates[layer - NUM_LAYERS // 2]) * skips.pop()
-            block = self.blocks[layer]
-            x = scalars.block_lambdas[layer, 0] * x + scalars.block_lambdas[layer, 1] * x0
-            if block.attn is not None:
-                ve_index = VALUE_EMBED_FOR_LAYER[layer]
-                window = "long" if layer in LONG_WINDOW_LAYERS else "short"
-                value_embed = value_embeds[ve_index] if ve_index is not None else None
-                mix = scalars.value_mixing[layer]
-                x = x + block.attn(rms_norm(x), value_embed, mix, self.rotary, self.attention, inputs, window, scale)
-            x = x + block.mlp(rms_norm(x))
-            if layer <= UNET_SKIP_PAIRS:
-                skips.append(x)
-        return self.lm_head.loss(rms_norm(x), targets)
-
-
-def matmul_parameter_count(model: GPT) -> int:
-    """Parameters of the matrices multiplied in the forward: attention qkvo, MLP, lm_head."""
-    return sum(p.numel() for p in model.parameters() if p.module_tag in ("attn", "mlp")) + model.lm_head.weight.numel()
-
-
-def embedding_parameter_count(model: GPT) -> int:
-    return sum(t.weight.numel() for t in (model.embed, *model.value_embeds))
-
-
-def attention_flops_per_token(hp: Hyperparameters) -> int:
-    """Forward attention FLOPs per token averaged over the training schedule, window-limited upper bound:
-    sum over attention layers of 4 * model_dim * (W + 1) (QK^T and PV, 2 FLOPs per multiply-add, W + 1 keys
-    per query); document starts, which shorten the reach, are ignored."""
-    total = 0
-    for step in range(hp.train_steps):
-        ws_short, ws_long = window_blocks(step, hp)
-        for layer in range(NUM_LAYERS):
-            if layer not in ATTENTION_LAYERS_SKIPPED:
-                window = (ws_long if layer in LONG_WINDOW_LAYERS else ws_short) * hp.block_size
-                total += 4 * hp.model_dim * (min(window, hp.train_max_seq_len - 1) + 1)
-    return round(total / hp.train_steps)
-
-
-# =============================================================================================
-# Optimizers
-# =============================================================================================
-class _Finished:
-    """Stands in for a distributed Work handle when there is nothing to communicate (one process)."""
-
-    def wait(self) -> None:
-        pass
-
-
-def reduce_scatter_avg(out: Tensor, stacked: Tensor, world_size: int) -> Any:
-    """Async: rank r receives the cross-rank average of stacked's r-th slice along dim 0."""
-    if world_size == 1:
-        if out.data_ptr() != stacked.data_ptr():
-            out.copy_(stacked)
-        return _Finished()
-    return dist.reduce_scatter_tensor(out, stacked, op=dist.ReduceOp.AVG, async_op=True)
-
-
-def all_gather_into(out: Tensor, local: Tensor, world_size: int) -> Any:
-    if world_size == 1:
-        if out.data_ptr() != local.data_ptr():
-            out.copy_(local)
-        return _Finished()
-    return dist.all_gather_into_tensor(out, local, async_op=True)
-
-
-# ---- Newton-Schulz orthogonalization ----
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic iteration (a, b, c), Muon (K. Jordan, 2024)
-NS_STEPS = 5
-
-
-def _ns_normalize(G: Tensor, dtype: torch.dtype) -> tuple[Tensor, bool]:
-    X = G.to(dtype)
-    transposed = X.size(-2) > X.size(-1)
-    if transposed:
-        X = X.mT
-    return X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7), transposed
-
-
-def newton_schulz_reference(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Batched 5-step Newton-Schulz in plain PyTorch: X <- aX + (bA + cA^2)X with A = XX^T."""
-    X, transposed = _ns_normalize(G, dtype)
-    a, b, c = NS_COEFFICIENTS
-    for _ in range(NS_STEPS):
-        A = X @ X.mT
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.mT if transposed else X
-
-
-if triton is not None:
-
-    @triton.jit
-    def _symmetric_matmul_kernel(
-        src_ptr,
-        add_ptr,
-        out_ptr,
-        M,
-        K: tl.constexpr,
-        stride_sb,
-        stride_sm,
-        stride_sk,
-        stride_ab,
-        stride_am,
-        stride_an,
-        stride_ob,
-        stride_om,
-        stride_on,
-        alpha,
-        beta,
-        HAS_ADD: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-    ):
-        """out[b] = S S^T (or alpha S S^T + beta A) for S = src[b] of shape (M, K).
-
-        The output is symmetric, so tiles lying wholly above the diagonal exit at once; every computed
-        tile is stored twice, at its place and mirrored. Grid: (tiles, batch). K is a compile-time constant
-        (a fixed loop trip count; the few matrix shapes of a run each compile once).
-        """
-        pid = tl.program_id(0)
-        batch = tl.program_id(1)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        tiles_n = tl.cdiv(M, BLOCK_N)
-        tiles_per_band = GROUP_M * tiles_n  # bands of GROUP_M tile rows share column strips in cache
-        band = pid // tiles_per_band
-        first_m = band * GROUP_M
-        band_rows = min(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % tiles_per_band) % band_rows
-        pid_n = (pid % tiles_per_band) // band_rows
-        row0 = pid_m * BLOCK_M
-        col0 = pid_n * BLOCK_N
-        if row0 + BLOCK_M <= col0:
-            return
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        src = src_ptr + batch * stride_sb
-        left = src + (rows % M)[:, None] * stride_sm + ks[None, :] * stride_sk  # indices wrap: loads stay in bounds
-        right = src + (cols % M)[None, :] * stride_sm + ks[:, None] * stride_sk  # the column strip, read transposed
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = tl.load(left, mask=ks[None, :] < K - k0, other=0.0)
-            b = tl.load(right, mask=ks[:, None] < K - k0, other=0.0)
-            acc = tl.dot(a, b, acc)
-            left += BLOCK_K * stride_sk
-            right += BLOCK_K * stride_sk
-        if HAS_ADD:
-            addend = tl.load(add_ptr + batch * stride_ab + (rows % M)[:, None] * stride_am + (cols % M)[None, :] * stride_an)
-            acc = alpha * acc + beta * addend.to(tl.float32)
-        result = acc.to(out_ptr.dtype.element_ty)
-        inside = (rows[:, None] < M) & (cols[None, :] < M)
-        out = out_ptr + batch * stride_ob
-        tl.store(out + rows[:, None] * stride_om + cols[None, :] * stride_on, result, mask=inside)
-        tl.store(out + cols[None, :] * stride_om + rows[:, None] * stride_on, result, mask=inside)
-
-    def _symmetric_matmul_configs() -> list:
-        return [
-            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
-            for bm in (64, 128)
-            for bn in (64, 128, 256)
-            for bk in (64, 128)
-            for stages, warps in ((3, 4), (3, 8), (4, 4))
-            if max(bm, bn) <= 2 * min(bm, bn)
-        ]
-
-    _symmetric_matmul_autotuned = triton.autotune(configs=_symmetric_matmul_configs(), key=["M", "K", "stride_sm", "stride_sk"])(
-        _symmetric_matmul_kernel
-    )
-
-
-def symmetric_matmul(
-    src: Tensor, out: Tensor, add: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, config: dict[str, int] | None = None
-) -> Tensor:
-    """out = src src^T, or alpha src src^T + beta add (add symmetric, same shape as out); batched (B, M, K).
-
-    config=None autotunes (CUDA); an explicit {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M} runs the plain kernel
-    (used by the TRITON_INTERPRET tests on CPU)."""
-    batch, M, K = src.shape
-    addend = add if add is not None else out
-    args = (src, addend, out, M, K, *src.stride(), *addend.stride(), *out.stride(), alpha, beta)
-    if config is None:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(M, meta["BLOCK_N"]), batch)
-        _symmetric_matmul_autotuned[grid](*args, HAS_ADD=add is not None)
-    else:
-        grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(M, config["BLOCK_N"]), batch)
-        _symmetric_matmul_kernel[grid](*args, HAS_ADD=add is not None, **config)
-    return out
-
-
-def newton_schulz_triton(G: Tensor, config: dict[str, int] | None = None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Same iteration as newton_schulz_reference; X X^T and bA + cA^2 computed by the symmetric kernel."""
-    X, transposed = _ns_normalize(G, dtype)
-    X = X.contiguous()
-    squeeze = X.dim() == 2
-    if squeeze:
-        X = X[None]
-    batch, M, K = X.shape
-    A = X.new_empty(batch, M, M)
-    B = torch.empty_like(A)
-    spare = torch.empty_like(X)
-    a, b, c = NS_COEFFICIENTS
-    for _ in range(NS_STEPS):
-        symmetric_matmul(X, A, config=config)
-        symmetric_matmul(A, B, add=A, alpha=c, beta=b, config=config)  # A A^T = A^2 since A is symmetric
-        torch.baddbmm(X, B, X, beta=a, alpha=1.0, out=spare)
-        X, spare = spare, X
-    X = X[0] if squeeze else X
-    return X.mT if transposed else X
-
-
-def orthogonalize(G: Tensor) -> Tensor:
-    """Triton kernels on CUDA for matrices big enough to tile; PyTorch elsewhere (bf16; fp32 on CPU)."""
-    if G.device.type == "cuda" and triton is not None and min(G.shape[-2:]) >= 64:
-        return newton_schulz_triton(G)
-    return newton_schulz_reference(G, torch.bfloat16 if G.device.type == "cuda" else torch.float32)
-
-
-# ---- Muon with custom parameter groups ----
-MUON_MODULE_ORDER = {"smear_gate": 0, "attn_gate": 1, "attn": 2, "mlp": 3}  # small groups first
-MUON_MAX_GROUP = 16  # two matrices per rank at 8 GPUs; attn and mlp share the stored shape
-MUON_MATRIX_TAGS = ("attn", "mlp")
-
-
-class MuonGroup(NamedTuple):
-    params: list[nn.Parameter]
-    padded: int  # group size rounded up to a multiple of world_size (zero padding)
-    chunk: int  # entries per rank
-
-    def owned(self, rank: int) -> list[nn.Parameter]:
-        return self.params[rank * self.chunk : (rank + 1) * self.chunk]
-
-
-def muon_groups(params: list[nn.Parameter], world_size: int) -> list[MuonGroup]:
-    """Sorts by module tag (stable) and cuts runs of one kind and shape into groups of <= MUON_MAX_GROUP.
-
-    For the 124M model this gives [1, 10, 16, 16]: smear_gate | attn_gate | 10 attn + 6 mlp | 16 mlp; at
-    8 ranks (chunk 2) no rank's chunk mixes attn and mlp. Membership does not depend on world_size; only
-    the padding does, and the Q/K/V/O reshape is chosen per parameter, so every world size does the same math.
-    """
-    ordered = sorted(params, key=lambda p: MUON_MODULE_ORDER[p.module_tag])
-    kind = lambda p: ("matrix" if p.module_tag in MUON_MATRIX_TAGS else p.module_tag, tuple(p.shape))
-    runs: list[list[nn.Parameter]] = []
-    for p in ordered:
-        if runs and kind(runs[-1][0]) == kind(p) and len(runs[-1]) < MUON_MAX_GROUP:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
-    return [MuonGroup(run, ceil_to(len(run), world_size), ceil_to(len(run), world_size) // world_size) for run in runs]
-
-
-def _orthogonalize_chunk(updates: Tensor, owned: list[nn.Parameter]) -> Tensor:
-    """NS per entry; attn matrices as four (D, D) pieces (Q, K, V, O), zero for padding entries.
-
-    The attn entries come first (muon_groups sorts by tag), so both kinds are slices. Indexing a CUDA tensor
-    with a Python list copies the list to the GPU and waits for all queued work (bench/sync_check.py found 10
-    such waits per step), after which the host's own work shows as GPU idle time: 610.97 -> 601.77 ms per step
-    on one H200 without them (paired A/B round, bench/NOTES.md session 6)."""
-    dtype = torch.bfloat16 if updates.device.type == "cuda" else torch.float32
-    num_attn = sum(p.module_tag == "attn" for p in owned)
-    assert all(p.module_tag == "attn" for p in owned[:num_attn]), "attn entries lead their group (muon_groups)"
-    parts = []
-    if num_attn:
-        rows = updates.size(1)
-        stacked = updates[:num_attn].reshape(num_attn * 4, rows, -1)
-        parts.append(orthogonalize(stacked).reshape(num_attn, *updates.shape[1:]).to(dtype))
-    if len(owned) > num_attn:
-        parts.append(orthogonalize(updates[num_attn : len(owned)]).to(dtype))
-    if len(owned) < len(updates):
-        parts.append(updates.new_zeros(len(updates) - len(owned), *updates.shape[1:], dtype=dtype))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)  # one kind and no padding (most chunks): no copy
-
-
-class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-Schulz, sharded: each rank orthogonalizes its chunk of each group.
-
-    Pass 1 launches every group's reduce-scatter; pass 2 waits per group, applies Nesterov momentum, weight
-    decay and Newton-Schulz to the local chunk and launches its all-gather; pass 3 copies the results back.
-    """
-
-    def __init__(self, params: list[nn.Parameter], lr: float, momentum: float, weight_decay: float, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
-        self._reductions: list[tuple] = []  # filled by launch_reductions, emptied by step
-        self.layout = muon_groups(params, world_size)
-        super().__init__([dict(params=g.params) for g in self.layout], dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def launch_reductions(self) -> None:
-        """Pass 1 (also called early by the training loop, so both optimizers' reductions overlap)."""
-        self._reductions = []
-        for group, layout in zip(self.param_groups, self.layout):
-            grads = [p.grad for p in layout.params]
-            grads += [torch.zeros_like(grads[0])] * (layout.padded - len(grads))
-            stacked = torch.stack(grads)
-            local = stacked if self.world_size == 1 else grads[0].new_empty(layout.chunk, *grads[0].shape)  # one rank: its own average
-            self._reductions.append((group, layout, local, reduce_scatter_avg(local, stacked, self.world_size)))
-
-    @torch.no_grad()
-    def step(self) -> None:
-        if not self._reductions:
-            self.launch_reductions()
-        reductions, self._reductions = self._reductions, []
-        gathers = []
-        for group, layout, grad, work in reductions:
-            work.wait()
-            owned = layout.owned(self.rank)
-            first = layout.params[0]
-            state = self.state[first]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad)
-            momentum = state["momentum_buffer"]
-            mu = group["momentum"]
-            momentum.lerp_(grad, 1 - mu)
-            update = grad.lerp_(momentum, mu)  # Nesterov: (1 - mu) g + mu m, with the updated m
-            rows, cols = first.shape[-2:]
-            eff_lr = group["lr"] * max(1.0, rows / cols) ** 0.5 * first.lr_mul
-            eff_wd = group["lr"] * group["weight_decay"] * first.wd_mul
-            if len(owned) == layout.chunk:  # a full chunk (always at one rank): the stack itself, no zero fill and copy
-                slots = torch.stack(owned)
-            else:
-                slots = torch.zeros(layout.chunk, *first.shape, dtype=first.dtype, device=first.device)  # padding stays 0
-                if owned:
-                    slots[: len(owned)] = torch.stack(owned)
-            if owned:
-                if eff_wd:
-                    slots.mul_(1 - eff_wd)
-                slots.add_(_orthogonalize_chunk(update, owned), alpha=-eff_lr)
-            gathered = slots if self.world_size == 1 else slots.new_empty(layout.padded, *first.shape)
-            gathers.append((layout, gathered, all_gather_into(gathered, slots, self.world_size)))
-        for layout, gathered, work in gathers:
-            work.wait()
-            torch._foreach_copy_(layout.params, list(gathered[: len(layout.params)]))  # one launch per group
-
-
-# ---- DistAdam ----
-def adam_update_(
-    shard: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor, beta1: float, beta2: float, eps: float, decay: float
-) -> None:
-    """One Adam update of shard in place (step: the update's number, already incremented; lr a 0-dim tensor so
-    that the compiled version serves every step of the schedule). eps is added to the uncorrected sqrt(v)
-    and the bias corrections fold into the step size."""
-    if decay:
-        shard.mul_(1 - lr * decay)
-    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-    exp_avg_sq.mul_(beta2).add_(grad.square(), alpha=1 - beta2)
-    step_size = lr * (1 - beta2**step).sqrt() / (1 - beta1**step)
-    shard.sub_(exp_avg / (exp_avg_sq.sqrt() + eps) * step_size)
-
-
-class DistAdam(torch.optim.Optimizer):
-    """Adam sharded along dim 0: reduce-scatter (AVG) the gradient, update the rank's rows, all-gather.
-
-    Moments are bf16. With compile=True the update is one fused kernel per parameter shape (the record
-    compiles it too) instead of a dozen elementwise passes over each embedding-sized tensor.
-    """
-
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        rank: int,
-        world_size: int,
-        compile: bool = False,
-    ):
-        self.rank, self.world_size = rank, world_size
-        self._reductions: list[tuple] = []  # filled by launch_reductions, emptied by step
-        self._update = torch.compile(adam_update_, fullgraph=True, dynamic=False) if compile else adam_update_
-        self._lr: dict[int, Tensor] = {}  # per parameter: its learning rate as a 0-dim device tensor
-        shapes = list(dict.fromkeys(tuple(p.shape) for p in params))
-        groups = [dict(params=[p for p in params if tuple(p.shape) == shape]) for shape in shapes]
-        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def launch_reductions(self) -> None:
-        """First half of step(); the training loop launches both optimizers' reductions before either updates."""
-        self._reductions = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if self.world_size == 1:  # the gradient is its own average: no copy
-                    self._reductions.append((group, p, p.grad, _Finished()))
-                    continue
-                local = p.grad.new_empty(p.size(0) // self.world_size, *p.shape[1:])
-                self._reductions.append((group, p, local, reduce_scatter_avg(local, p.grad, self.world_size)))
-
-    @torch.no_grad()
-    def step(self) -> None:
-        if not self._reductions:
-            self.launch_reductions()
-        reductions, self._reductions = self._reductions, []
-        gathers = []
-        for group, p, grad, work in reductions:
-            work.wait()
-            rows = grad.size(0)
-            shard = p[self.rank * rows : (self.rank + 1) * rows]
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.int64, device=p.device)
-                state["exp_avg"] = torch.zeros_like(shard, dtype=torch.bfloat16)
-                state["exp_avg_sq"] = torch.zeros_like(shard, dtype=torch.bfloat16)
-            if id(p) not in self._lr:
-                self._lr[id(p)] = torch.zeros((), dtype=torch.float32, device=p.device)
-            lr = self._lr[id(p)].fill_(group["lr"] * p.lr_mul)  # a fill kernel: no host-device sync
-            state["step"] += 1
-            beta1, beta2 = group["betas"]
-            decay = group["weight_decay"] * p.wd_mul
-            self._update(shard, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2, group["eps"], decay)
-            gathers.append(all_gather_into(p, shard, self.world_size))
-        for work in gathers:
-            work.wait()
-
-
-def muon_parameters(model: GPT) -> list[nn.Parameter]:
-    """Hidden matrices, then gates: the record's input order (muon_groups then sorts them stably by tag)."""
-    hidden = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2 and "gate" not in n]
-    gates = [p for n, p in model.named_parameters() if "gate" in n]
-    return hidden + gates
-
-
-def build_optimizers(model: GPT, hp: Hyperparameters, rank: int, world_size: int) -> tuple[DistAdam, Muon]:
-    """Adam: scalars, head, embeddings. Muon: muon_parameters."""
-    embeddings = [table.weight for table in (model.embed, *model.value_embeds)]
-    adam = DistAdam(
-        [model.scalars, model.lm_head.weight, *embeddings],
-        hp.adam_lr,
-        (hp.adam_beta1, hp.adam_beta2),
-        hp.adam_eps,
-        hp.weight_decay,
-        rank,
-        world_size,
-        compile=hp.compile,
-    )
-    muon = Muon(muon_parameters(model), hp.muon_lr, hp.muon_momentum, hp.weight_decay, rank, world_size)
-    for opt in (adam, muon):
-        for group in opt.param_groups:
-            group["initial_lr"] = group["lr"]
-    covered = {id(p) for opt in (adam, muon) for g in opt.param_groups for p in g["params"]}
-    assert covered == {id(p) for p in model.parameters()}, "every parameter belongs to exactly one optimizer"
-    return adam, muon
-
-
-# =============================================================================================
-# Distributed setup and logging
+# Setup: processes, log, checkpoints
 # =============================================================================================
 # ---- processes, log and stopping (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
 class Runtime(NamedTuple):
@@ -2781,9 +1882,7 @@ def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime)
         print0(f"muon_rank{rank}_owns: {owned}")
 
 
-# =============================================================================================
-# Checkpoints and resume
-# =============================================================================================
+# ---- checkpoints and resume ----
 CHECKPOINT_FORMAT = "train_gpt/1"
 # Settings that may differ between a checkpointed run and its resumption (the trajectory does not depend on them).
 RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"})
@@ -2987,9 +2086,7 @@ def set_schedules(step: int, hp: Hyperparameters, adam: DistAdam, muon: Muon) ->
         group["momentum"] = muon_momentum(step, hp)
 
 
-def warmup_kernels(
-    model: nn.Module, raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hyperparameters, make_train_loader: Callable[[], Iterator[Batch]]
-) -> None:
+def warmup_kernels(raw_model: GPT, adam: DistAdam, muon: Muon, hp: Hyperparameters, make_train_loader: Callable[[], Iterator[Batch]]) -> None:
     """Compiles the graph of every training window (and autotunes the kernels) on real batches."""
     saved = copy.deepcopy(dict(model=raw_model.state_dict(), adam=adam.state_dict(), muon=muon.state_dict()))
     for opt in (adam, muon):  # initial LR, momentum hp.muon_momentum (the group defaults; restored below anyway)
@@ -2998,17 +2095,13 @@ def warmup_kernels(
     for group in muon.param_groups:
         group["momentum"] = hp.muon_momentum
     loader = make_train_loader()
-    current_long = hp.ws_schedule[0]
+    raw_model.rotary.reset()
     for step in range(hp.warmup_steps):
-        new_long = hp.ws_schedule[step % len(hp.ws_schedule)]
-        if new_long > current_long:
-            raw_model.rotary.apply_yarn(current_long, new_long)
-        elif new_long < current_long:
-            raw_model.rotary.reset()
-        current_long = new_long
+        ws_long = hp.ws_schedule[step % len(hp.ws_schedule)]
+        raw_model.rotary.set_window(ws_long)
         batch = next(loader)
-        windows = raw_model.attention.window_args(new_long // 2, new_long, batch.inputs.device)
-        model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
+        windows = raw_model.attention.window_args(ws_long // 2, ws_long, batch.inputs.device)
+        raw_model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len).backward()
         adam.step()
         muon.step()
         raw_model.zero_grad()
@@ -3023,7 +2116,7 @@ def warmup_kernels(
 # =============================================================================================
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, hp: Hyperparameters, rt: Runtime, make_val_loader: Callable[[], Iterator[Batch]], windows: tuple[Window, Window]
+    model: GPT, hp: Hyperparameters, rt: Runtime, make_val_loader: Callable[[], Iterator[Batch]], windows: tuple[Window, Window]
 ) -> Tensor:
     """Mean loss over val_tokens: sum of per-micro-step means / steps, then averaged across ranks."""
     model.eval()
@@ -3041,21 +2134,7 @@ def evaluate(
     return total
 
 
-def replay_yarn(raw_model: GPT, hp: Hyperparameters, step: int) -> int:
-    """The rotary tables at the start of `step`: the YaRN updates of steps 0 .. step-1 from the reset tables,
-    in order (the same operations as training, so bitwise the same). Returns the long window."""
-    raw_model.rotary.reset()
-    ws_long = window_blocks(0, hp)[1]
-    for past in range(step):
-        new_long = window_blocks(past, hp)[1]
-        if new_long != ws_long:
-            raw_model.rotary.apply_yarn(ws_long, new_long)
-            ws_long = new_long
-    return ws_long
-
-
 def train(
-    model: nn.Module,
     raw_model: GPT,
     adam: DistAdam,
     muon: Muon,
@@ -3073,7 +2152,9 @@ def train(
     or validation loss or at the step boundary after SIGINT/SIGTERM (checkpointing first when enabled)."""
     global _defer_stop, _step_reached
     train_steps, start = hp.train_steps, progress.step
-    ws_long = replay_yarn(raw_model, hp, start)  # the long window the rotary tables are set for
+    raw_model.rotary.reset()
+    for past in range(start):  # a resumed run: the rotary tables as training left them, by the same updates
+        raw_model.rotary.set_window(window_blocks(past, hp)[1])
     health = StepHealth(rt.device, rt.world_size, HEALTH_LAG_CUDA if rt.device.type == "cuda" else 0)
     final_loss = float("nan")
     _defer_stop = True
@@ -3092,10 +2173,8 @@ def train(
                 stop_clock()
                 save_resumable_at(progress)
             raise interrupted()
-        ws_short, new_long = window_blocks(step, hp)
-        if new_long != ws_long:
-            raw_model.rotary.apply_yarn(ws_long, new_long)
-            ws_long = new_long
+        ws_short, ws_long = window_blocks(step, hp)
+        raw_model.rotary.set_window(ws_long)
         validate = last_step or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0)
         checkpoint = save_resumable_at is not None and not last_step and step != start and step % hp.checkpoint_every == 0
         if validate or checkpoint:
@@ -3103,7 +2182,7 @@ def train(
             if validate:
                 eval_short, eval_long = (hp.ws_validate // 2, hp.ws_long_validate) if last_step else (ws_short, ws_long)
                 eval_windows = raw_model.attention.window_args(eval_short, eval_long, rt.device)
-                final_loss = evaluate(model, hp, rt, make_val_loader, eval_windows).item()
+                final_loss = evaluate(raw_model, hp, rt, make_val_loader, eval_windows).item()
                 training_time_ms = progress.training_time_ms
                 print0(
                     f"step:{step}/{train_steps} val_loss:{final_loss:.4f} train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms",
@@ -3124,7 +2203,7 @@ def train(
         step_loss = torch.zeros((), device=rt.device)
         for _ in range(rt.grad_accum_steps):
             batch = next(loader)
-            loss = model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len)
+            loss = raw_model(batch.inputs, batch.targets, batch.cu_seqlens, *windows, hp.train_max_seq_len)
             loss.backward()
             step_loss += loss.detach()
         set_schedules(step, hp, adam, muon)
@@ -3141,29 +2220,26 @@ def train(
 
 
 # =============================================================================================
-# Main and final log
+# Main
 # =============================================================================================
 def configure_torch(device: torch.device) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # *_tensor collectives renamed in 2.13
     dynamo_config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):  # FA3: one graph per (window, attn_scale), see Attention
+    for name in ("recompile_limit", "cache_size_limit"):  # FA3: one graph per (window, attn_scale), see AttentionBackend
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, 64)
     if device.type == "cuda":
         torch.empty(1, device=device, requires_grad=True).backward()  # early autograd/driver init (record practice)
-        # Left off: inductor's programmatic dependent launch (torch._inductor.config.triton.enable_pdl) made a step
-        # 1.5% slower on an H200 (602.2 -> 611.2 ms, paired A/B with an e4m3 kernel since removed on both sides,
-        # bench/NOTES.md session 7).
 
 
 def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GPT:
     """The record model on this rank's device, every parameter broadcast from rank 0: on CUDA the embeddings and
     linears (head, gates) in bf16, the raw matrices and scalars fp32, and the FP8 head in training when fp8; the
-    tables' and matrices' gradients added in place (GPT.accumulate_table_grads_in_place,
-    GPT.accumulate_matrix_grads_in_place)."""
+    tables' and matrices' gradients added into fixed buffers (GPT.grads_into_buffers); compiled in place when
+    hp.compile (so that every zero_grad is the model's own)."""
     on_cuda = rt.device.type == "cuda"
     rotary_positions = max(hp.train_batch_size, hp.val_batch_size) // (rt.grad_accum_steps * rt.world_size)
-    attention = Attention(backend, hp.block_size, hp.bos_token)
+    attention = attention_backend(backend, hp.block_size, hp.bos_token)
     table_dtype = torch.bfloat16 if on_cuda else torch.float32
     raw_model = GPT(hp.vocab_size, hp.model_dim, hp.num_heads, rotary_positions, hp.block_size, rt.world_size, attention, table_dtype)
     raw_model.to(rt.device)
@@ -3174,8 +2250,9 @@ def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GP
     raw_model.lm_head.use_fp8 = fp8
     for param in raw_model.parameters():
         dist.broadcast(param.detach(), 0)
-    raw_model.accumulate_table_grads_in_place()
-    raw_model.accumulate_matrix_grads_in_place()
+    raw_model.grads_into_buffers([*(table.weight for table in raw_model.tables), *raw_model.matrices()])
+    if hp.compile:
+        raw_model.compile(dynamic=False, fullgraph=True)
     return raw_model
 
 
@@ -3217,10 +2294,9 @@ def run(argv: list[str]) -> float:
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume.step if resume else 0)
 
     backend = choose_attention_backend(hp.attention_backend, rt.device)
-    fp8 = rt.device.type == "cuda" and not hp.disable_fp8 and torch.cuda.get_device_capability(rt.device) >= (8, 9)
+    fp8 = fp8_head_available(rt.device) and not hp.disable_fp8
     raw_model = build_model(hp, rt, backend, fp8)
     adam, muon = build_optimizers(raw_model, hp, rt.rank, rt.world_size)
-    model: nn.Module = torch.compile(raw_model, dynamic=False, fullgraph=True) if hp.compile else raw_model
 
     run_id = open_run_log(hp)
     checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id}")
@@ -3248,7 +2324,7 @@ def run(argv: list[str]) -> float:
     )
     make_val_loader = lambda: val_loader(val_files, num_tokens_local=hp.val_batch_size // micro_batches, **both_loaders)
     warmup_start = time.perf_counter()
-    warmup_kernels(model, raw_model, adam, muon, hp, make_train_loader)
+    warmup_kernels(raw_model, adam, muon, hp, make_train_loader)
     synchronize(rt.device)
     print0(f"warmup_time: {time.perf_counter() - warmup_start:.1f}s", console=True)
     # Compiling leaves hundreds of thousands of Python objects that live to the end (750,000 for a small model on
@@ -3267,7 +2343,7 @@ def run(argv: list[str]) -> float:
         else:
             print0(f"checkpoint: {target} already exists; not replaced", console=True)
 
-    final_loss = train(model, raw_model, adam, muon, hp, rt, loader, make_val_loader, progress, save_resumable_at if hp.checkpoint_every else None)
+    final_loss = train(raw_model, adam, muon, hp, rt, loader, make_val_loader, progress, save_resumable_at if hp.checkpoint_every else None)
     if hp.save_checkpoint and _is_master:
         print0(f"checkpoint: {save_checkpoint(_log_path, run_id, hp.train_steps, raw_model, adam, muon)}", console=True)
     on_cuda = rt.device.type == "cuda"
@@ -3295,6 +2371,918 @@ def main() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(status)
+
+
+# =============================================================================================
+# Fast paths (appendix): the same math as the sections above, fast on the GPU
+# =============================================================================================
+# Each family: the eager formula it replaces (what the model reads as, the CPU path and the tests' reference), its
+# Triton kernels, a wrapper that runs them where triton_runs says so and the eager formula elsewhere, and the custom
+# op or autograd Function through which the compiled model calls it. tests/test_train_gpt_triton.py runs every kernel
+# under TRITON_INTERPRET against its eager formula; tests/test_train_gpt_cuda.py on a GPU.
+def _interpreting_triton() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_runs(
+    t: Tensor,
+    *,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    cuda_dtypes: tuple[torch.dtype, ...] | None = None,
+    capability: tuple[int, int] = (0, 0),
+    majors: tuple[int, ...] | None = None,
+    interpreted: bool = True,
+) -> bool:
+    """Whether a fast path's Triton kernels run for tensor t, the one rule of every family: on a CUDA tensor of
+    cuda_dtypes, on a GPU of at least compute `capability` and of one of the architecture `majors`; on a CPU tensor
+    under TRITON_INTERPRET=1 when `interpreted` (the CPU tests); in both, only for tensors of `dtypes`. (None: any.)"""
+    if triton is None or (dtypes is not None and t.dtype not in dtypes):
+        return False
+    if not t.is_cuda:
+        return interpreted and _interpreting_triton()
+    if _interpreting_triton():
+        return interpreted
+    if cuda_dtypes is not None and t.dtype not in cuda_dtypes:
+        return False
+    found = torch.cuda.get_device_capability(t.device)
+    return found >= capability and (majors is None or found[0] in majors)
+
+
+# ---- FP8 head: the soft-capped cross-entropy and its gradient in one pass, e5m2 operand transposes ----
+# In training one custom op (fp8_head_loss) does the head's matmul in e4m3, the loss and the logits' gradient: the
+# loss is the graph's output, so its gradient is known up to the scalar that backward passes in (1 for
+# loss.backward()), and one Triton pass per block of rows (softcap_ce_e5m2) writes the gradient as e5m2 in the two
+# layouts the backward _scaled_mm calls take. It replaces inductor's log-sum-exp pass over the bf16 logits, its
+# backward pass (read the logits again, write a bf16 gradient) and a cast pass over that gradient (read it, write
+# both layouts): per micro-step of the record (49,152 x 50,304 logits) that is 4.9 GB of gradient written and read
+# again that no longer exist. The rounding is the eager chain's: the fp32 gradient goes to bf16 (autograd's dtype for
+# the bf16 logits), is divided by the gradient scale in bf16, then cast to e5m2. The e5m2 casts and _scaled_mm need
+# compute capability 8.9 (FP8_CAPABILITY).
+FP8_CAPABILITY = (8, 9)
+
+
+def fp8_head_available(device: torch.device) -> bool:
+    """Whether the FP8 head can train on this device (the run's choice, logged as fp8_head: on/off)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
+def _scale(value: float, like: Tensor) -> Tensor:
+    return torch.full((), value, dtype=torch.float32, device=like.device)  # a fill kernel: no host copy, no sync
+
+
+def softcap_ce_e5m2_eager(logits: Tensor, targets: Tensor, grad_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """What softcap_ce_e5m2 computes, in PyTorch ops (the CPU path and the kernel's reference): the gradient of
+    softcapped_cross_entropy written out, as a custom op's body cannot run autograd."""
+    logits = logits.float()
+    sig = torch.sigmoid(logits / SOFTCAP_DIVISOR)
+    capped = SOFTCAP * sig
+    log_sum_exp = torch.logsumexp(capped, dim=-1, keepdim=True)
+    losses = (log_sum_exp - capped.gather(-1, targets[:, None]))[:, 0]
+    grad_capped = torch.exp(capped - log_sum_exp) - F.one_hot(targets, logits.size(-1))
+    grad = (grad_capped * SOFTCAP * (1 - sig) * sig / SOFTCAP_DIVISOR).bfloat16()
+    grad_f8 = grad.div(grad_scale).to(torch.float8_e5m2)
+    return losses, grad_f8, grad_f8.T.contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_to_bf16(x):
+        """fp32 -> nearest-even bf16, returned as fp32 (integer arithmetic, exact under the interpreter too). NaN stays
+        NaN: the carry would turn CUDA's 0x7FFFFFFF into -0."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _e5m2_byte(x):
+        """fp32 -> e5m2 byte as torch's cast does it: nearest even, inf beyond the range (NaN becomes inf).
+        Integer rounding because the interpreter's own fp8 conversion differs from CUDA's."""
+        bits = x.to(tl.uint32, bitcast=True)
+        magnitude = bits & 0x7FFFFFFF
+        # normals (>= 2^-14): rebias the exponent (127 -> 15) and round away 21 of the 23 mantissa bits
+        normal = (magnitude - (112 << 23) + 0xFFFFF + ((magnitude >> 21) & 1)) >> 21
+        # below 2^-14 the values are multiples of 2^-16: round |x|·2^16 with the exact 1.5·2^23 addition trick
+        scaled = tl.minimum(magnitude.to(tl.float32, bitcast=True) * 65536.0, 4.0)  # (only used below 4)
+        subnormal = ((scaled + 12582912.0) - 12582912.0).to(tl.uint32)
+        code = tl.minimum(tl.where(magnitude >= (113 << 23), normal, subnormal), 0x7C)
+        return (((bits >> 24) & 0x80) | code).to(tl.uint8)
+
+    @triton.jit
+    def _scaled_e5m2_codes_ptx(grad, inv_scale):
+        """e5m2(bf16(fp32(bf16(grad)) * inv_scale)) of 4 fp32 values as 4 bytes: the eager chain, each cast a CUDA
+        instruction converting two values at once (the one-value bf16 cast runs on the XU pipe that the kernel's
+        exp2 and reciprocals load). inv_scale is one value for all four: the asm reads the first of its registers."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 p0, p1, f0, f1, f2, f3;
+            .reg .b16 e0, e1;
+            cvt.rn.bf16x2.f32 p0, $2, $1;
+            cvt.rn.bf16x2.f32 p1, $4, $3;
+            shl.b32 f0, p0, 16;
+            and.b32 f1, p0, 0xFFFF0000;
+            shl.b32 f2, p1, 16;
+            and.b32 f3, p1, 0xFFFF0000;
+            mul.rn.f32 f0, f0, $5;
+            mul.rn.f32 f1, f1, $5;
+            mul.rn.f32 f2, f2, $5;
+            mul.rn.f32 f3, f3, $5;
+            cvt.rn.bf16x2.f32 p0, f1, f0;
+            cvt.rn.bf16x2.f32 p1, f3, f2;
+            shl.b32 f0, p0, 16;
+            and.b32 f1, p0, 0xFFFF0000;
+            shl.b32 f2, p1, 16;
+            and.b32 f3, p1, 0xFFFF0000;
+            cvt.rn.satfinite.e5m2x2.f32 e0, f1, f0;
+            cvt.rn.satfinite.e5m2x2.f32 e1, f3, f2;
+            mov.b32 $0, {e0, e1};
+            }""",
+            "=r,r,r,r,r,r,r,r,r", [grad, inv_scale], dtype=tl.uint8, is_pure=True, pack=4,
+        )
+
+    @triton.jit
+    def _scaled_e5m2_codes(grad, inv_scale, HARDWARE: tl.constexpr):
+        """e5m2 byte of bf16(bf16(grad) * inv_scale), the product in fp32 (|result| < 57344: the saturating and the
+        overflowing casts agree)."""
+        if HARDWARE:
+            return _scaled_e5m2_codes_ptx(grad, inv_scale)
+        return _e5m2_byte(_round_to_bf16(_round_to_bf16(grad) * inv_scale))
+
+    @triton.jit
+    def _cap_sigmoid(logits, CAP_DIVISOR: tl.constexpr, HARDWARE: tl.constexpr):
+        """sigmoid(logits / 7.5) as 1 / (1 + 2^(logits * -log2(e) / 7.5)) with an approximate reciprocal: the correctly
+        rounded division is several times the instructions, and this kernel is bound by its arithmetic. On CUDA the
+        bare MUFU reciprocal; otherwise the approximate division, which on CUDA gives the same bits here (its range
+        guard only acts above 2^126) and which the interpreter runs (there as an exact division)."""
+        denominator = 1.0 + tl.exp2(logits * (-1.4426950408889634 / CAP_DIVISOR))
+        if HARDWARE:
+            return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [denominator], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.fdiv(1.0, denominator, ieee_rounding=False)
+
+    @triton.jit
+    def _softcap_ce_e5m2_kernel(
+        logits_ptr, targets_ptr, loss_ptr, grad_ptr, grad_t_ptr, M, N: tl.constexpr, grad_inv_scale,
+        CAP: tl.constexpr, CAP_DIVISOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HARDWARE: tl.constexpr,
+    ):
+        # Rows of logits (M, N) bf16 -> loss per row (fp32) and the e5m2 gradient in grad (M, N) and grad_t (N, M),
+        # for the soft cap CAP * sigmoid(logits / CAP_DIVISOR) (SOFTCAP, SOFTCAP_DIVISOR; the comments say 30 and 7.5).
+        # Two passes over the row block: the log-sum-exp, then the gradient. The capped logits lie in (0, 30),
+        # so exp() cannot overflow and needs no running maximum. Nsight Compute on an H200 (bench/ncu_kernels.sh,
+        # bench/NOTES.md, 2026-12-01, commit f4e4aca) found the XU pipe (exp2, reciprocals, one-value casts) 76% busy and loads
+        # waiting on memory the largest stall, hence: exponentials as exp2 with the constants folded in, the
+        # bare reciprocal and the two-value casts (HARDWARE), each tile's load issued one tile ahead, the target
+        # column's "- 1" of the softmax gradient written once per row after the loop instead of a compare per
+        # element, one 64-bit base per tile and 32-bit offsets inside it (M * N exceeds 2^31, a row block does not),
+        # and no column masks (N is a multiple of BLOCK_N; the wrapper checks): 5.76 -> 4.67 ms per record
+        # micro-step in one invocation, bitwise the same losses and codes (bench/bench_softcap_ce.py --compare
+        # with the previous kernel; Nsight Compute then: XU 79%, L2 81%, 4.56 ms). HARDWARE=False does the casts in
+        # integer arithmetic, as the interpreter's differ from CUDA's, and the reciprocal as a division; on an H200
+        # the two paths give bitwise the same bytes (bench/bench_softcap_ce.py, tests/test_train_gpt_cuda.py).
+        CAP_LOG2E: tl.constexpr = CAP * 1.4426950408889634  # e^(30 s) = 2^(s * this)
+        row0 = tl.program_id(0) * BLOCK_M
+        local_rows = tl.arange(0, BLOCK_M)
+        local_cols = tl.arange(0, BLOCK_N)
+        row_ok = (row0 + local_rows) < M
+        tile_mask = row_ok[:, None]
+        tile_offsets = local_rows[:, None] * N + local_cols[None, :]  # < BLOCK_M * N
+        tile_offsets_t = local_cols[:, None] * M + local_rows[None, :]  # < BLOCK_N * M
+        block_logits = logits_ptr + row0.to(tl.int64) * N
+        partial_sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # summed across columns once, after the loop
+        ahead = tl.load(block_logits + tile_offsets, mask=tile_mask, other=0.0)
+        for col0 in range(0, N, BLOCK_N):
+            logits = ahead.to(tl.float32)  # the next tile's load goes out before this one's arithmetic (the last reloads itself)
+            ahead = tl.load(block_logits + tl.minimum(col0 + BLOCK_N, N - BLOCK_N) + tile_offsets, mask=tile_mask, other=0.0)
+            partial_sums += tl.exp2(_cap_sigmoid(logits, CAP_DIVISOR, HARDWARE) * CAP_LOG2E)
+        sum_exp = tl.sum(partial_sums, axis=1)
+        log2_sum_exp = tl.log2(sum_exp)
+        targets = tl.load(targets_ptr + row0 + local_rows, mask=row_ok, other=0).to(tl.int32)
+        target_logit = tl.load(block_logits + local_rows * N + targets, mask=row_ok, other=0.0).to(tl.float32)
+        target_sig = _cap_sigmoid(target_logit, CAP_DIVISOR, HARDWARE)
+        tl.store(loss_ptr + row0 + local_rows, tl.fma(target_sig, -CAP, tl.log(sum_exp)), mask=row_ok)
+        # d(30 s)/dx = 30 s (1 - s) / 7.5 = 4 (s - s^2); the 4 rides in the scale (exact: a power of two before and
+        # after each rounding, which the wrapper checks); then autograd's bf16 gradient, the division by the gradient
+        # scale in bf16 (torch multiplies by the fp32 reciprocal) and the e5m2 cast
+        inv_scale_times_4 = grad_inv_scale * (CAP / CAP_DIVISOR)
+        block_grad = grad_ptr + row0.to(tl.int64) * N
+        block_grad_t = grad_t_ptr + row0  # advanced by BLOCK_N rows of grad_t per tile: col0 * M needs 64 bits
+        ahead = tl.load(block_logits + tile_offsets, mask=tile_mask, other=0.0)
+        for col0 in range(0, N, BLOCK_N):
+            logits = ahead.to(tl.float32)
+            ahead = tl.load(block_logits + tl.minimum(col0 + BLOCK_N, N - BLOCK_N) + tile_offsets, mask=tile_mask, other=0.0)
+            sig = _cap_sigmoid(logits, CAP_DIVISOR, HARDWARE)
+            prob = tl.exp2(sig * CAP_LOG2E - log2_sum_exp[:, None])  # the softmax; the target's "- 1" comes below
+            code = _scaled_e5m2_codes(prob * (sig - sig * sig), inv_scale_times_4, HARDWARE)
+            tl.store(block_grad + col0 + tile_offsets, code, mask=tile_mask)
+            tl.store(block_grad_t + tile_offsets_t, tl.trans(code), mask=tl.trans(tile_mask))
+            block_grad_t += BLOCK_N * M
+        # the target columns again, softmax - 1, over the loop's bytes: the barrier orders this block's stores
+        tl.debug_barrier()
+        target_prob = tl.exp2(target_sig * CAP_LOG2E - log2_sum_exp)
+        target_code = _scaled_e5m2_codes((target_prob - 1.0) * (target_sig - target_sig * target_sig), inv_scale_times_4, HARDWARE)
+        rows = row0 + local_rows
+        tl.store(grad_ptr + rows.to(tl.int64) * N + targets, target_code, mask=row_ok)
+        tl.store(grad_t_ptr + targets.to(tl.int64) * M + rows, target_code, mask=row_ok)
+
+# rows x columns per tile, warps: 4.67 ms per record micro-step on an H200, against 4.72 with 2 pipeline stages and
+# 4.92 with 4 warps (one invocation), and 5.10 against 4.81 for 64x128 w8 in another (bench/NOTES.md, 2026-12-02);
+# 32 rows store 32-byte runs of the transposed gradient
+SOFTCAP_CE_TILE = (32, 128, 8)
+
+
+def softcap_ce_e5m2(
+    logits: Tensor, targets: Tensor, grad_scale: float, tile: tuple[int, ...] = SOFTCAP_CE_TILE, hardware: bool | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row loss of softcapped_cross_entropy and its gradient w.r.t. the bf16 logits, divided by grad_scale, in
+    e5m2: row-major (M, N) and transposed (N, M), both contiguous. The Triton kernel on CUDA (and under
+    TRITON_INTERPRET); softcap_ce_e5m2_eager elsewhere. The columns must be a multiple of the tile's (the padded
+    vocabulary is a multiple of 128) and the targets in [0, columns) (token ids are: the kernel writes there).
+    hardware (default: on CUDA, not under the interpreter, which runs no PTX and whose casts round differently)
+    picks CUDA's cast and reciprocal instructions; False gives the integer casts and the division that the
+    interpreter tests. tile: (rows, columns, warps) or (rows, columns, warps, pipeline stages)."""
+    if not triton_runs(logits, capability=FP8_CAPABILITY):
+        return softcap_ce_e5m2_eager(logits, targets, grad_scale)
+    if math.frexp(SOFTCAP / SOFTCAP_DIVISOR)[0] != 0.5:
+        raise ValueError(f"softcap_ce_e5m2: SOFTCAP / SOFTCAP_DIVISOR = {SOFTCAP / SOFTCAP_DIVISOR} is not a power of two, which the kernel's scale needs to round as the eager formula does; use the eager formula")
+    interpreted = _interpreting_triton()
+    if hardware is None:
+        hardware = not interpreted
+    if hardware and interpreted:
+        raise ValueError("softcap_ce_e5m2: hardware=True under TRITON_INTERPRET cannot run (the interpreter runs no PTX, and its casts differ from CUDA's); leave it unset")
+    M, N = logits.shape
+    block_m, block_n, warps = tile[:3]
+    stages = dict(num_stages=tile[3]) if len(tile) > 3 else {}
+    if N % block_n:
+        raise ValueError(f"softcap_ce_e5m2: {N} columns are not a multiple of the tile's {block_n}; pad the vocabulary or pick a tile that divides it")
+    if block_n * M >= 2**31 or block_m * N >= 2**31:
+        raise ValueError(f"softcap_ce_e5m2: {M} x {N} logits with {block_m} x {block_n} tiles overflow the kernel's 32-bit offsets inside a tile; use fewer rows per call")
+    losses = logits.new_empty(M, dtype=torch.float32)
+    grad = logits.new_empty((M, N), dtype=torch.float8_e5m2)
+    grad_t = logits.new_empty((N, M), dtype=torch.float8_e5m2)
+    inv_scale = (torch.ones((), dtype=torch.float32) / grad_scale).item()  # the fp32 reciprocal, as torch computes it
+    _softcap_ce_e5m2_kernel[(triton.cdiv(M, block_m),)](
+        logits, targets, losses, grad.view(torch.uint8), grad_t.view(torch.uint8), M, N, inv_scale, CAP=SOFTCAP,
+        CAP_DIVISOR=SOFTCAP_DIVISOR, BLOCK_M=block_m, BLOCK_N=block_n, HARDWARE=hardware, num_warps=warps, **stages,
+    )
+    return losses, grad, grad_t
+
+
+# ---- FP8 operand transpose ----
+# Replaces t.T.contiguous() on the head's e4m3 x (49,152 x 768) and w (50,304 x 768), which the backward's
+# _scaled_mm calls take column-major: ATen copies a transposed 1-byte tensor element by element, 243-256 µs per
+# call on an H200 (two calls per micro-step, 4.0 ms per step in a trace; bench/NOTES.md, 2026-12-02, commit 7e9fd34).
+# A tile is read row-major and written transposed, both in whole rows of bytes. It only moves bytes, so it is
+# the eager copy bit for bit (tests/test_train_gpt_triton.py under the interpreter, tests/test_train_gpt_cuda.py).
+# rows, columns, warps: 0.063 / 0.051 ms for x / w on an H200 against 0.256 / 0.267 for the eager copy; 64x256 with 8
+# warps 0.055 / 0.055, the other tiles of bench/bench_fp8_head.py 0.052-0.080 (one invocation, bench/NOTES.md, 2026-12-02, commit 7e9fd34)
+FP8_TRANSPOSE_TILE = (64, 128, 4)
+
+if triton is not None:
+
+    @triton.jit
+    def _transpose_bytes_kernel(src_ptr, dst_ptr, rows, cols, col_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """dst (cols, rows) = src (rows, cols).T, both contiguous uint8; one BLOCK_R x BLOCK_C tile per program."""
+        block = tl.program_id(0)
+        r = (block // col_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = (block % col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+        inside = (r[:, None] < rows) & (c[None, :] < cols)
+        tile = tl.load(src_ptr + r[:, None].to(tl.int64) * cols + c[None, :], mask=inside)
+        tl.store(dst_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile), mask=tl.trans(inside))
+
+
+def transpose_fp8(t: Tensor, tile: tuple[int, int, int] = FP8_TRANSPOSE_TILE) -> Tensor:
+    """t.T.contiguous() of a contiguous 2-D tensor of 1-byte elements (the FP8 dtypes): the Triton kernel on CUDA
+    and under TRITON_INTERPRET, the eager copy elsewhere."""
+    if not triton_runs(t, capability=FP8_CAPABILITY):
+        return t.T.contiguous()
+    if t.dim() != 2 or t.element_size() != 1 or not t.is_contiguous():
+        raise ValueError(f"transpose_fp8: needs a contiguous 2-D tensor of 1-byte elements, got {tuple(t.shape)} {t.dtype} (contiguous: {t.is_contiguous()})")
+    rows, cols = t.shape
+    out = t.new_empty((cols, rows))
+    block_r, block_c, warps = tile
+    col_blocks = triton.cdiv(cols, block_c)
+    if out.numel():
+        _transpose_bytes_kernel[(triton.cdiv(rows, block_r) * col_blocks,)](
+            t.view(torch.uint8), out.view(torch.uint8), rows, cols, col_blocks, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        )
+    return out
+
+
+@torch.library.custom_op("train_gpt::fp8_head_loss", mutates_args=())
+def fp8_head_loss(
+    x: Tensor, w: Tensor, targets: Tensor, x_s: float, w_s: float, grad_s: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Summed soft-capped CE of the e4m3 logits (x/x_s)(w/w_s)^T (fast accumulation, bf16 out); also returns
+    the FP8 copies of x and w and the e5m2 logit gradient in both layouts, all saved for the backward."""
+    # eager quantization, as in the record: 0.086-0.088 ms per tensor on an H200, where a one-pass Triton kernel that
+    # reproduced it bit for bit took 0.114-0.116 and inductor's fused version rounds differently (bench/NOTES.md, 2026-12-01, commit a440791)
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    logits = torch._scaled_mm(x_f8, w_f8.T, scale_a=_scale(x_s, x), scale_b=_scale(w_s, x), out_dtype=torch.bfloat16, use_fast_accum=True)
+    losses, grad_f8, grad_f8_t = softcap_ce_e5m2(logits, targets, grad_s)
+    return losses.sum(), x_f8, w_f8, grad_f8, grad_f8_t
+
+
+@fp8_head_loss.register_fake
+def _(x: Tensor, w: Tensor, targets: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    M, V = x.size(0), w.size(0)
+    return (
+        x.new_empty((), dtype=torch.float32),
+        torch.empty_like(x, dtype=torch.float8_e4m3fn),
+        torch.empty_like(w, dtype=torch.float8_e4m3fn),
+        x.new_empty((M, V), dtype=torch.float8_e5m2),
+        x.new_empty((V, M), dtype=torch.float8_e5m2),
+    )
+
+
+@torch.library.custom_op("train_gpt::fp8_head_backward", mutates_args=())
+def fp8_head_backward(
+    grad_loss: Tensor, grad_f8: Tensor, grad_f8_t: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float
+) -> tuple[Tensor, Tensor]:
+    """grad_x = g (w/w_s) in bf16, grad_w = g^T (x/x_s) in fp32, g = grad_loss * grad_s * (e5m2 gradient), no fast
+    accumulation. grad_loss rides in _scaled_mm's scale (one fp32 multiply: exact for loss.backward()'s 1)."""
+    grad_scale = grad_loss.float() * grad_s
+    column_major = lambda t: transpose_fp8(t).T  # _scaled_mm wants its second operand column-major
+    grad_x = torch._scaled_mm(grad_f8, column_major(w_f8), scale_a=grad_scale, scale_b=_scale(w_s, x_f8), out_dtype=torch.bfloat16, use_fast_accum=False)
+    # g^T (x/x_s) directly in the weight's (V, D) layout, so that the gradient comes out contiguous for the
+    # optimizer's reduce-scatter. In fp32, cast by autograd: out_dtype=bf16 gave the same bits on the bench's
+    # record-sized data, but cuBLAS picked a slower kernel for it (2.75 against 2.52 ms with the cast,
+    # bench/bench_fp8_head.py, bench/NOTES.md, 2026-12-02, commit 7e9fd34)
+    grad_w = torch._scaled_mm(grad_f8_t, column_major(x_f8), scale_a=grad_scale, scale_b=_scale(x_s, x_f8), out_dtype=torch.float32, use_fast_accum=False)
+    return grad_x, grad_w
+
+
+@fp8_head_backward.register_fake
+def _(grad_loss: Tensor, grad_f8: Tensor, grad_f8_t: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
+
+
+def _fp8_head_loss_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    _, _, _, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8, grad_f8, grad_f8_t = output
+    ctx.save_for_backward(grad_f8, grad_f8_t, x_f8, w_f8)  # FP8 copies only: no bf16 logits survive the forward
+    ctx.scales = (x_s, w_s, grad_s)
+
+
+def _fp8_head_loss_backward(ctx: Any, grad_loss: Tensor, *_unused: Any) -> tuple:
+    grad_x, grad_w = fp8_head_backward(grad_loss, *ctx.saved_tensors, *ctx.scales)
+    return grad_x, grad_w, None, None, None, None  # autograd casts grad_w to the bf16 weight dtype
+
+
+fp8_head_loss.register_autograd(_fp8_head_loss_backward, setup_context=_fp8_head_loss_setup_context)
+
+
+# ---- FlexAttention block tables without a sort ----
+# The eager formula block_tables_eager replaces: per boolean block matrix, counts = selected.sum(-1) and indices =
+# argsort(where(selected, column, -1), descending) for the kv tables, BlockMask.from_kv_blocks' stable argsort of
+# the transposed matrix for the q tables; tests/test_train_gpt_model.py checks the two against each other.
+def block_tables_eager(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
+    """The four block tables of a window from its two square boolean (n, n) block matrices: counts (4, n) and indices
+    (4, n, n), int32, in the order partial kv, full kv, partial q, full q. A kv table lists each query block's
+    key blocks from the highest down, a q table (from the transposed matrix) each key block's query blocks
+    ascending; the blocks not selected follow, ascending. Without a sort: each column's place is a count of the
+    selected columns up to it, and the columns are scattered there."""
+    counts, indices = [], []
+    for selected, descending in ((partial, True), (full, True), (partial.T, False), (full.T, False)):
+        chosen = selected.to(torch.int32)
+        count = chosen.sum(dim=-1, keepdim=True, dtype=torch.int32)
+        chosen_up_to = chosen.cumsum(dim=-1, dtype=torch.int32)  # selected columns <= this one
+        cols = torch.arange(selected.size(-1), dtype=torch.int32, device=selected.device).expand_as(chosen)
+        place_if_chosen = count - chosen_up_to if descending else chosen_up_to - 1
+        place = torch.where(selected, place_if_chosen, count + cols - chosen_up_to)  # the others after them, ascending
+        counts.append(count[:, 0])
+        indices.append(torch.empty_like(cols).scatter_(-1, place.long(), cols))
+    return torch.stack(counts), torch.stack(indices)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_tables_kernel(matrices_ptr, counts_ptr, indices_ptr, n_blocks, BLOCK: tl.constexpr):
+        # block_tables_eager for one row of one table: tables 0/1 the rows of matrices 0/1 (partial, full), tables
+        # 2/3 their columns
+        row = tl.program_id(0)
+        table = tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n_blocks
+        offsets = (table % 2) * n_blocks * n_blocks + tl.where(table < 2, row * n_blocks + cols, cols * n_blocks + row)
+        chosen = (tl.load(matrices_ptr + offsets, mask=inside, other=0) != 0).to(tl.int32)
+        chosen_up_to = tl.cumsum(chosen, axis=0)
+        count = tl.sum(chosen, axis=0)
+        place_if_chosen = tl.where(table < 2, count - chosen_up_to, chosen_up_to - 1)
+        place = tl.where(chosen != 0, place_if_chosen, count + cols - chosen_up_to)
+        out_row = (table * n_blocks + row).to(tl.int64)
+        tl.store(indices_ptr + out_row * n_blocks + place, cols, mask=inside)
+        tl.store(counts_ptr + out_row, count)
+
+
+def block_tables(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
+    """block_tables_eager for square matrices: one Triton launch for the four tables on CUDA and under
+    TRITON_INTERPRET, the eager formula otherwise."""
+    if partial.shape != full.shape or partial.dim() != 2 or partial.size(0) != partial.size(1):
+        raise ValueError(f"block_tables: needs two square block matrices of one shape; got {tuple(partial.shape)} and {tuple(full.shape)}")
+    if 2 * partial.size(0) ** 2 >= 2**31:
+        raise ValueError(f"block_tables: {partial.size(0)} blocks per sequence overflow the kernel's 32-bit offsets; use fewer tokens per sequence or larger blocks")
+    if not triton_runs(partial):
+        return block_tables_eager(partial, full)
+    n = partial.size(0)
+    counts = partial.new_empty((4, n), dtype=torch.int32)
+    indices = partial.new_empty((4, n, n), dtype=torch.int32)
+    if n:
+        matrices = torch.stack([partial, full]).to(torch.uint8)
+        _block_tables_kernel[(n, 4)](matrices, counts, indices, n, BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return counts, indices
+
+
+# inductor's own code for block_tables_eager failed to compile for CUDA (torch 2.11: an InductorError in its Triton
+# code generation, bench/NOTES.md, 2026-12-04, commit dff932c), and its sorts took 3.0 ms per step: hence an opaque op of our own
+@torch.library.custom_op("train_gpt::block_tables", mutates_args=())
+def block_tables_op(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
+    return block_tables(partial, full)
+
+
+@block_tables_op.register_fake
+def _(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
+    n = partial.size(0)
+    return partial.new_empty((4, n), dtype=torch.int32), partial.new_empty((4, n, n), dtype=torch.int32)
+
+
+# ---- MLP backward: ReLU² in the epilogue of grad_h's matmul ----
+# The MLP is out = relu(pre)^2 @ W_proj^T with pre = x @ W_fc. Autograd's backward runs grad_h = grad_out @ W_proj
+# (cuBLAS, 49,152 x 3,072 bf16 per record micro-step), then a memory-bound kernel for the eager formula
+#     grad_pre = threshold_backward(grad_h * (2 * relu(pre)), relu(pre), 0)
+# which reads grad_h back: 604 MB written and read per call, 88 calls per step. relu2_backward_matmul computes
+# grad_h tile by tile in a persistent Triton matmul and applies the formula in its epilogue, so grad_h never
+# reaches memory. Its product was measured equal to cuBLAS's bit for bit on the record's shape (bf16, K = 768:
+# bench/bench_relu2_matmul.py, tests/test_train_gpt_cuda.py) and the epilogue rounds once, as the unfused kernel
+# does, so training's numbers stay the same. One H200, each pair timed back to back (bench/NOTES.md, 2026-12-02, commit b1e22df):
+# 0.520 against 0.563 ms per call for cuBLAS + the compiled formula. The forward's twin (pre and relu(pre)^2 from
+# one kernel) lost, 0.510 against 0.495, so the forward stays inductor's.
+def relu2_backward_eager(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
+    """Autograd's gradient with respect to pre of F.linear(F.relu(pre).square(), w.T), given its output's gradient:
+    grad_h = grad_out @ w, square's grad_h * 2 r, then relu's threshold (0 where r = relu(pre) <= 0). The CPU path
+    and the kernel's reference."""
+    r = F.relu(pre)
+    return torch.ops.aten.threshold_backward((grad_out @ w) * (2 * r), r, 0)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _relu2_backward_matmul_kernel(
+        g_desc, w_desc, pre_desc, out_desc, M, N,
+        TILES_PER_PROGRAM: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    ):
+        # out = threshold_backward(bf16(g @ w) * 2 relu(pre), relu(pre), 0); g (M, K), w (K, N), pre and out (M, N),
+        # all row-major through TMA descriptors, which zero-fill reads and clip writes past the edges. Persistent:
+        # NUM_PROGRAMS programs walk the tiles GROUP_M row tiles at a time, so that neighbours share g's rows in L2.
+        # Every program runs the same trip count (compile-time, as the interpreter needs); one past the end redoes
+        # the last tile and stores the same values.
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        for i in tl.range(0, TILES_PER_PROGRAM, flatten=True):
+            tile = tl.minimum(tl.program_id(0) + i * NUM_PROGRAMS, tiles_m * tiles_n - 1)
+            group_first_m = (tile // (GROUP_M * tiles_n)) * GROUP_M
+            group_rows = tl.minimum(tiles_m - group_first_m, GROUP_M)
+            m = (group_first_m + tile % group_rows) * BLOCK_M
+            n = (tile % (GROUP_M * tiles_n)) // group_rows * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(K_STEPS):
+                acc = tl.dot(g_desc.load([m, kk * BLOCK_K]), w_desc.load([kk * BLOCK_K, n]), acc)
+            grad_h = acc.to(out_desc.dtype).to(tl.float32)  # rounded as cuBLAS rounds its output
+            r = pre_desc.load([m, n]).to(tl.float32)
+            r = tl.where(r < 0, 0.0, r)  # relu that keeps NaN, as torch's does
+            grad = grad_h * (2.0 * r)  # exact in fp32 (two 8-bit significands): the one rounding is the store's
+            out_desc.store([m, n], tl.where(r <= 0, 0.0, grad).to(out_desc.dtype))
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages, warps): the best of bench/bench_relu2_matmul.py's tiles there
+RELU2_MATMUL_TILE = (128, 128, 64, 4, 4)
+
+
+def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[int, ...] = RELU2_MATMUL_TILE, programs: int | None = None) -> Tensor:
+    """relu2_backward_eager(grad_out, w, pre) for 2-D grad_out (M, K), w (K, N), pre (M, N) of one dtype: the Triton
+    kernel where triton_runs says so (bf16/fp16 on Hopper or Blackwell data-centre GPUs, whose TMA and about 228 KB of
+    shared memory per SM it needs; fp32 would run its dot in TF32 and overflow shared memory; the interpreter takes
+    any dtype, and the tests use fp16 and fp32, where its dot is exact), the eager formula elsewhere and where a TMA
+    descriptor cannot take the tensors (a row or a base address not on 16 bytes). programs: persistent programs
+    (default: one per SM; 4 interpreted)."""
+    shapes = f"{tuple(grad_out.shape)} {grad_out.dtype}, {tuple(w.shape)} {w.dtype}, {tuple(pre.shape)} {pre.dtype}"
+    if not grad_out.dim() == w.dim() == pre.dim() == 2:
+        raise ValueError(f"relu2_backward_matmul: needs 2-D grad_out (M, K), w (K, N), pre (M, N); got {shapes}: flatten the leading dimensions")
+    M, K = grad_out.shape
+    N = w.size(1)
+    if w.shape != (K, N) or pre.shape != (M, N) or not (grad_out.dtype == w.dtype == pre.dtype):
+        raise ValueError(f"relu2_backward_matmul: needs grad_out (M, K), w (K, N), pre (M, N) of one dtype, got {shapes}")
+    if not triton_runs(grad_out, cuda_dtypes=(torch.bfloat16, torch.float16), majors=(9, 10)) or (K * grad_out.element_size()) % 16 or (N * w.element_size()) % 16 or min(M, N, K) == 0:
+        return relu2_backward_eager(grad_out, w, pre)
+    grad_out, w, pre = grad_out.contiguous(), w.contiguous(), pre.contiguous()  # no-ops in training
+    if any(t.data_ptr() % 16 for t in (grad_out, w, pre)):  # a view starting mid-row of its storage
+        return relu2_backward_eager(grad_out, w, pre)
+    out = torch.empty_like(pre)
+    block_m, block_n, block_k, stages, warps = tile
+    if programs is None:
+        programs = 4 if _interpreting_triton() else torch.cuda.get_device_properties(grad_out.device).multi_processor_count
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    programs = min(programs, tiles)
+    _relu2_backward_matmul_kernel[(programs,)](
+        TensorDescriptor.from_tensor(grad_out, [block_m, block_k]),
+        TensorDescriptor.from_tensor(w, [block_k, block_n]),
+        TensorDescriptor.from_tensor(pre, [block_m, block_n]),
+        TensorDescriptor.from_tensor(out, [block_m, block_n]),
+        M, N, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), K_STEPS=triton.cdiv(K, block_k), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, NUM_PROGRAMS=programs, num_stages=stages, num_warps=warps,
+    )
+    return out
+
+
+@torch.library.custom_op("train_gpt::relu2_backward_matmul", mutates_args=())
+def relu2_backward_matmul_op(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
+    """relu2_backward_matmul as one opaque op, so that inductor calls the kernel from the compiled backward."""
+    return relu2_backward_matmul(grad_out, w, pre)
+
+
+@relu2_backward_matmul_op.register_fake
+def _(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
+    return torch.empty_like(pre, memory_format=torch.contiguous_format)
+
+
+class ReLUSquaredProjection(torch.autograd.Function):
+    """F.linear(F.relu(pre).square(), w) for pre (..., N), w (D, N), with autograd's gradients: grad_pre from
+    relu2_backward_matmul, grad_w as autograd's linear computes it (grad_out^T @ h, the same mm call). Saves pre
+    and h, as inductor's partition of the unfused MLP saves relu(pre) and h (the same bytes)."""
+
+    @staticmethod
+    def forward(ctx: Any, pre: Tensor, w: Tensor) -> Tensor:
+        h = F.relu(pre).square()
+        ctx.save_for_backward(pre, h, w)
+        return F.linear(h, w)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        pre, h, w = ctx.saved_tensors
+        grad_rows = grad_out.reshape(-1, grad_out.size(-1))
+        grad_pre = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_pre = relu2_backward_matmul_op(grad_rows, w, pre.reshape(-1, pre.size(-1))).view(pre.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_rows.t().mm(h.reshape(-1, h.size(-1)))
+        return grad_pre, grad_w
+
+
+# ---- gradients into fixed buffers: the tables' (summed over sorted ids) and the matrices' ----
+# Both families add a micro-step's gradient into the parameter's fixed gradient buffer (GPT.grads_into_buffers) in
+# their backward and give autograd no gradient for the parameter, so no AccumulateGrad runs; both add through the one
+# helper _add_into_grad_rows.
+if triton is not None:
+
+    @triton.jit
+    def _add_into_grad_rows(grad_ptr, offsets, mask, summed, ROUND_TO_BF16: tl.constexpr):
+        # grad += summed (fp32) as the eager formulas round it: for a bf16 grad summed.bfloat16(), then bf16 + bf16
+        # computed in fp32 and rounded; for an fp32 grad one fp32 add
+        old = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if ROUND_TO_BF16:
+            new = _round_to_bf16(old + _round_to_bf16(summed))
+        else:
+            new = old + summed
+        tl.store(grad_ptr + offsets, new.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+# The tables. Autograd's gradient of a bf16 table as inductor compiles it, written as an eager formula:
+#     summed = zeros(rows, dim, fp32).index_add_(0, ids, grad_out.float()); table.grad += summed.bfloat16()
+# (a zeroed fp32 table, an atomic scatter-add, a rounding pass, AccumulateGrad's add from the second micro-step on)
+# moves each whole 50,304-row table about four times per micro-step, although a micro-step's 49,152 tokens name
+# about 6,300 of its rows: 8.5 ms of kernels per step at one GPU for the four tables (bench/NOTES.md, 2026-12-03, commit ae6041e).
+# accumulate_table_grads sorts the ids once for the four tables (stably, so a row's terms keep the ids' order) and
+# reads each lookup gradient once. A program walks a chunk of sorted positions and sums its runs of equal ids; a run
+# inside the chunk is added into its row of the gradient at once; the parts of a run that crosses chunk edges are
+# summed in a small buffer (fp32 atomics: autograd's scatter sums every term so) and a second kernel adds each such
+# sum into its row. Each row of the gradient is written by one program. The roundings are the formula's: fp32 sums,
+# one rounding to bf16, the add in fp32 rounded to bf16. The lookups' gradient reaches the op as a bf16 tensor, as in
+# eager autograd; where inductor fused its producer into the scatter it summed the unrounded fp32 values instead
+# (found on CPU; bench/NOTES.md, 2026-12-04, commit b67afb9), a difference of one bf16 rounding per term. The tables' .grad are buffers that the
+# backward adds into (GPT.grads_into_buffers): autograd gets no gradient for them, so no AccumulateGrad
+# runs. An earlier version (zero and scatter-add the named rows with fp32 atomics, once per id; reverted in d90c116)
+# was slower than autograd's.
+TABLE_GRAD_TILE = (32, 256, 1)  # (sorted positions per chunk, columns per program, warps): bench/bench_embedding_grad.py
+
+if triton is not None:
+
+    @triton.jit
+    def _table_grad_runs_kernel(
+        sorted_ids_ptr, order_ptr, chunk_run_starts_ptr, grad_out_ptr, grad_ptr, parts_ptr, n_ids, n_rows,
+        DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_TO_BF16: tl.constexpr,
+    ):
+        # Chunk c of the sorted positions, one tile of columns, walked position by position (a row's terms summed in
+        # sorted order). A run that begins and ends in the chunk goes into grad. A run that crosses the chunk's
+        # edges is summed in parts[b], b the chunk where it begins: each chunk it touches adds its part with an
+        # atomic (a part per chunk, so a frequent id's dozens of chunks never wait on each other). A segmented scan
+        # over the chunk as one tile ran 2-2.5 times slower on an H200 (its shared-memory passes), and summing the
+        # crossing parts by walking from the first chunk took 27-42 µs per call (bench/NOTES.md, 2026-12-04, commit b67afb9).
+        chunk = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < DIM
+        first = chunk * CHUNK
+        stop = tl.minimum(first + CHUNK, n_ids)
+        row = tl.load(sorted_ids_ptr + first)
+        begun_here = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1) != row
+        begin = tl.load(chunk_run_starts_ptr + chunk) // CHUNK  # the chunk where the chunk's first run begins
+        total = tl.zeros((BLOCK_D,), tl.float32)
+        # two rows in flight: this position's and the next one's, and the source of the one after
+        terms = tl.load(grad_out_ptr + tl.load(order_ptr + first).to(tl.int64) * DIM + cols, mask=col_ok, other=0.0)
+        source = tl.load(order_ptr + first + 1, mask=first + 1 < stop, other=0).to(tl.int64)
+        next_terms = tl.load(grad_out_ptr + source * DIM + cols, mask=col_ok & (first + 1 < stop), other=0.0)
+        source = tl.load(order_ptr + first + 2, mask=first + 2 < stop, other=0).to(tl.int64)
+        for step in range(CHUNK):  # a fixed trip count: the interpreter takes no tensor bounds
+            position = first + step
+            if position < stop:
+                third_terms = tl.load(grad_out_ptr + source * DIM + cols, mask=col_ok & (position + 2 < stop), other=0.0)
+                source = tl.load(order_ptr + position + 3, mask=position + 3 < stop, other=0).to(tl.int64)
+                next_row = tl.load(sorted_ids_ptr + position + 1, mask=position + 1 < n_ids, other=-1)
+                total += terms.to(tl.float32)
+                if next_row != row:  # the run ends here
+                    if begun_here:
+                        if (row >= 0) & (row < n_rows):
+                            _add_into_grad_rows(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
+                    else:  # the last part of a run that began in chunk `begin`
+                        tl.atomic_add(parts_ptr + begin * DIM + cols, total, mask=col_ok, sem="relaxed")
+                    total = tl.zeros((BLOCK_D,), tl.float32)
+                    begun_here = True
+                row = next_row
+                terms = next_terms
+                next_terms = third_terms
+        if tl.load(sorted_ids_ptr + stop, mask=stop < n_ids, other=-1) == tl.load(sorted_ids_ptr + stop - 1):  # goes on
+            owner = tl.where(begun_here, chunk, begin)  # not begun here: the run spans the chunk
+            tl.atomic_add(parts_ptr + owner * DIM + cols, total, mask=col_ok, sem="relaxed")
+
+    @triton.jit
+    def _table_grad_crossing_kernel(
+        sorted_ids_ptr, grad_ptr, parts_ptr, n_ids, n_rows,
+        DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_TO_BF16: tl.constexpr,
+    ):
+        # The run that goes on past chunk c's end, if it began in chunk c: its summed parts added into grad
+        chunk = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < DIM
+        first = chunk * CHUNK
+        last = tl.minimum(first + CHUNK, n_ids) - 1
+        row = tl.load(sorted_ids_ptr + last)
+        goes_on = tl.load(sorted_ids_ptr + last + 1, mask=last + 1 < n_ids, other=-1) == row
+        began_here = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1) != row
+        if goes_on & began_here & (row >= 0) & (row < n_rows):
+            total = tl.load(parts_ptr + chunk * DIM + cols, mask=col_ok, other=0.0)
+            _add_into_grad_rows(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
+
+
+def accumulate_table_grads_eager(grad_outs: Sequence[Tensor], ids: Tensor, grads: Sequence[Tensor]) -> None:
+    """grads[i] += the gradient of F.embedding(ids, table i) given grad_outs[i], summed in fp32 and rounded to the
+    gradient's dtype once (the formula above). The CPU path and the kernels' reference."""
+    for grad_out, grad in zip(grad_outs, grads, strict=True):
+        summed = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+        summed.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, grad.size(1)).float())  # on CPU in the ids' order
+        grad.add_(summed.to(grad.dtype))
+
+
+def accumulate_table_grads(grad_outs: Sequence[Tensor], ids: Tensor, grads: Sequence[Tensor], tile: tuple[int, int, int] = TABLE_GRAD_TILE) -> None:
+    """accumulate_table_grads_eager(grad_outs, ids, grads) for 2-D gradients (rows, dim) and grad_outs (*ids.shape,
+    dim), ids in [0, rows): the two Triton kernels per table on CUDA and under TRITON_INTERPRET for contiguous bf16
+    or fp32 gradients, the eager formula otherwise. chunk and columns of the tile: powers of two."""
+    if len(grad_outs) != len(grads):
+        raise ValueError(f"accumulate_table_grads: {len(grad_outs)} lookup gradients for {len(grads)} tables")
+    for grad_out, grad in zip(grad_outs, grads):
+        if grad.dim() != 2 or grad_out.shape != (*ids.shape, grad.size(1)):
+            shapes = f"grad_out {tuple(grad_out.shape)}, ids {tuple(ids.shape)}, grad {tuple(grad.shape)}"
+            raise ValueError(f"accumulate_table_grads: needs grad (rows, dim) and grad_out (*ids.shape, dim); got {shapes}")
+    kernels = [triton_runs(g, dtypes=(torch.bfloat16, torch.float32)) and g.is_contiguous() for g in grads]
+    if not all(kernels) or ids.numel() == 0:
+        accumulate_table_grads_eager(grad_outs, ids, grads)
+        return
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    chunk, block_d, warps = tile
+    n_ids, n_chunks = sorted_ids.numel(), triton.cdiv(sorted_ids.numel(), chunk)
+    # where the run at each chunk's first position begins: a binary search per chunk (a cummax over every position
+    # took 0.16 ms per micro-step on an H200, ATen's scan with indices; bench/NOTES.md, 2026-12-04, commit dff932c)
+    chunk_run_starts = torch.searchsorted(sorted_ids, sorted_ids[::chunk].contiguous(), side="left")
+    for grad_out, grad in zip(grad_outs, grads):
+        n_rows, dim = grad.shape
+        parts = torch.zeros((n_chunks, dim), dtype=torch.float32, device=grad.device)  # the crossing runs' sums
+        shape = dict(DIM=dim, CHUNK=chunk, BLOCK_D=min(block_d, triton.next_power_of_2(dim)), ROUND_TO_BF16=grad.dtype == torch.bfloat16, num_warps=warps)
+        grid = (n_chunks, triton.cdiv(dim, shape["BLOCK_D"]))
+        _table_grad_runs_kernel[grid](sorted_ids, order, chunk_run_starts, grad_out.reshape(n_ids, dim).contiguous(), grad, parts, n_ids, n_rows, **shape)
+        _table_grad_crossing_kernel[grid](sorted_ids, grad, parts, n_ids, n_rows, **shape)
+
+
+@torch.library.custom_op("train_gpt::accumulate_table_grads", mutates_args=("grads",))
+def accumulate_table_grads_op(grad_outs: list[Tensor], ids: Tensor, grads: list[Tensor]) -> None:
+    """accumulate_table_grads as one opaque op: the compiled backward calls it and adds into grads in place."""
+    accumulate_table_grads(grad_outs, ids, grads)
+
+
+@accumulate_table_grads_op.register_fake
+def _(grad_outs: list[Tensor], ids: Tensor, grads: list[Tensor]) -> None:
+    return None
+
+
+class TableLookups(torch.autograd.Function):
+    """TableLookups.apply(ids, *weights, *grad_buffers) = [F.embedding(ids, w) for w in weights], whose backward adds
+    each table's gradient into its buffer (accumulate_table_grads) and gives autograd none for the tables, so no
+    AccumulateGrad runs for them: each table's .grad must be its buffer (GPT.grads_into_buffers)."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: Tensor, *weights_and_buffers: Tensor) -> tuple[Tensor, ...]:
+        count = len(weights_and_buffers) // 2
+        ctx.save_for_backward(ids, *weights_and_buffers[count:])
+        return tuple(F.embedding(ids, weight) for weight in weights_and_buffers[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outs: Tensor) -> tuple[None, ...]:
+        ids, *buffers = ctx.saved_tensors
+        accumulate_table_grads_op(list(grad_outs), ids, buffers)
+        return (None,) * (1 + 2 * len(buffers))
+
+
+# The matrices. The attention and MLP matrices are fp32 parameters cast to bf16 at use. Autograd's gradient for such a matrix,
+# as an eager formula:
+#     grad_fp32 = grad_bf16.float(); matrix.grad = grad_fp32 (first micro-step) or matrix.grad += grad_fp32
+# inductor writes the fp32 copy (4 bytes per element) and AccumulateGrad reads it back beside .grad: 18 bytes moved
+# per element and micro-step, 2.7 ms per step at one GPU for the 32 matrices (bench/NOTES.md, 2026-12-04, commit dff932c, the
+# `_to_copy` and `CUDAFunctor_add<float>` kernels). add_into_grad does .grad += grad_bf16 in one pass (10 bytes):
+# the same sum, as bf16 -> fp32 is exact and the add is one fp32 rounding either way. The matrices' .grad are
+# fixed buffers, zeroed by every zero_grad (GPT.grads_into_buffers), so the first micro-step adds to 0:
+# the one difference from autograd's values is that an exactly zero gradient is +0 where autograd kept a -0.
+ADD_INTO_GRAD_BLOCK = 2048  # elements per program
+
+if triton is not None:
+
+    @triton.jit
+    def _add_into_grad_kernel(grad_ptr, addend_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        _add_into_grad_rows(grad_ptr, offsets, inside, tl.load(addend_ptr + offsets, mask=inside).to(tl.float32), ROUND_TO_BF16=False)
+
+
+def add_into_grad(grad: Tensor, addend: Tensor) -> None:
+    """grad += addend for an fp32 grad and an addend of its shape, computed in fp32 (eager: grad.add_(addend.float())).
+    One Triton pass on CUDA and under TRITON_INTERPRET when both are contiguous; the eager formula otherwise."""
+    if grad.dtype != torch.float32 or addend.shape != grad.shape:
+        raise ValueError(f"add_into_grad: needs an fp32 grad and an addend of its shape; got grad {tuple(grad.shape)} {grad.dtype}, addend {tuple(addend.shape)} {addend.dtype}")
+    if not (triton_runs(grad) and grad.is_contiguous() and addend.is_contiguous()):
+        grad.add_(addend.float())
+        return
+    n = grad.numel()
+    if n:
+        _add_into_grad_kernel[(triton.cdiv(n, ADD_INTO_GRAD_BLOCK),)](grad, addend, n, BLOCK=ADD_INTO_GRAD_BLOCK, num_warps=4)
+
+
+@torch.library.custom_op("train_gpt::add_into_grad", mutates_args=("grad",))
+def add_into_grad_op(grad: Tensor, addend: Tensor) -> None:
+    """add_into_grad as one opaque op: the compiled backward calls it and adds into grad in place."""
+    add_into_grad(grad, addend)
+
+
+@add_into_grad_op.register_fake
+def _(grad: Tensor, addend: Tensor) -> None:
+    return None
+
+
+class CastIntoGrad(torch.autograd.Function):
+    """CastIntoGrad.apply(matrix, buffer, dtype) = matrix.to(dtype), a copy, whose backward adds the gradient into
+    buffer (add_into_grad) and gives autograd none for the matrix, so no AccumulateGrad runs for it: the matrix's
+    .grad must be its buffer (GPT.grads_into_buffers)."""
+
+    @staticmethod
+    def forward(ctx: Any, matrix: Tensor, buffer: Tensor, dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(buffer)
+        return matrix.to(dtype, copy=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
+        (buffer,) = ctx.saved_tensors
+        add_into_grad_op(buffer, grad)
+        return None, None, None
+
+
+# ---- Newton-Schulz: X X^T and bA + cA^2 in a kernel that computes only one triangle ----
+if triton is not None:
+
+    @triton.jit
+    def _symmetric_matmul_kernel(
+        src_ptr,
+        add_ptr,
+        out_ptr,
+        M,
+        K: tl.constexpr,
+        stride_sb,
+        stride_sm,
+        stride_sk,
+        stride_ab,
+        stride_am,
+        stride_an,
+        stride_ob,
+        stride_om,
+        stride_on,
+        alpha,
+        beta,
+        HAS_ADD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        """out[b] = S S^T (or alpha S S^T + beta A) for S = src[b] of shape (M, K).
+
+        The output is symmetric, so tiles lying wholly above the diagonal exit at once; every computed
+        tile is stored twice, at its place and mirrored. Grid: (tiles, batch). K is a compile-time constant
+        (a fixed loop trip count; the few matrix shapes of a run each compile once).
+        """
+        pid = tl.program_id(0)
+        batch = tl.program_id(1)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(M, BLOCK_N)
+        tiles_per_band = GROUP_M * tiles_n  # bands of GROUP_M tile rows share column strips in cache
+        band = pid // tiles_per_band
+        first_m = band * GROUP_M
+        band_rows = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % tiles_per_band) % band_rows
+        pid_n = (pid % tiles_per_band) // band_rows
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        if row0 + BLOCK_M <= col0:
+            return
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        src = src_ptr + batch * stride_sb
+        left = src + (rows % M)[:, None] * stride_sm + ks[None, :] * stride_sk  # indices wrap: loads stay in bounds
+        right = src + (cols % M)[None, :] * stride_sm + ks[:, None] * stride_sk  # the column strip, read transposed
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(left, mask=ks[None, :] < K - k0, other=0.0)
+            b = tl.load(right, mask=ks[:, None] < K - k0, other=0.0)
+            acc = tl.dot(a, b, acc)
+            left += BLOCK_K * stride_sk
+            right += BLOCK_K * stride_sk
+        if HAS_ADD:
+            addend = tl.load(add_ptr + batch * stride_ab + (rows % M)[:, None] * stride_am + (cols % M)[None, :] * stride_an)
+            acc = alpha * acc + beta * addend.to(tl.float32)
+        result = acc.to(out_ptr.dtype.element_ty)
+        inside = (rows[:, None] < M) & (cols[None, :] < M)
+        out = out_ptr + batch * stride_ob
+        tl.store(out + rows[:, None] * stride_om + cols[None, :] * stride_on, result, mask=inside)
+        tl.store(out + cols[None, :] * stride_om + rows[:, None] * stride_on, result, mask=inside)
+
+    def _symmetric_matmul_configs() -> list:
+        return [
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
+            for bm in (64, 128)
+            for bn in (64, 128, 256)
+            for bk in (64, 128)
+            for stages, warps in ((3, 4), (3, 8), (4, 4))
+            if max(bm, bn) <= 2 * min(bm, bn)
+        ]
+
+    _symmetric_matmul_autotuned = triton.autotune(configs=_symmetric_matmul_configs(), key=["M", "K", "stride_sm", "stride_sk"])(
+        _symmetric_matmul_kernel
+    )
+
+
+def symmetric_matmul(
+    src: Tensor, out: Tensor, add: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, config: dict[str, int] | None = None
+) -> Tensor:
+    """out = src src^T, or alpha src src^T + beta add (add symmetric, same shape as out); batched (B, M, K).
+
+    config=None autotunes (CUDA); an explicit {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M} runs the plain kernel
+    (used by the TRITON_INTERPRET tests on CPU)."""
+    batch, M, K = src.shape
+    addend = add if add is not None else out
+    args = (src, addend, out, M, K, *src.stride(), *addend.stride(), *out.stride(), alpha, beta)
+    if config is None:
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(M, meta["BLOCK_N"]), batch)
+        _symmetric_matmul_autotuned[grid](*args, HAS_ADD=add is not None)
+    else:
+        grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(M, config["BLOCK_N"]), batch)
+        _symmetric_matmul_kernel[grid](*args, HAS_ADD=add is not None, **config)
+    return out
+
+
+def newton_schulz_triton(G: Tensor, config: dict[str, int] | None = None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Same iteration as newton_schulz_reference; X X^T and bA + cA^2 computed by the symmetric kernel."""
+    X, transposed = _ns_normalize(G, dtype)
+    X = X.contiguous()
+    squeeze = X.dim() == 2
+    if squeeze:
+        X = X[None]
+    batch, M, K = X.shape
+    A = X.new_empty(batch, M, M)
+    B = torch.empty_like(A)
+    spare = torch.empty_like(X)
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(NS_STEPS):
+        symmetric_matmul(X, A, config=config)
+        symmetric_matmul(A, B, add=A, alpha=c, beta=b, config=config)  # A A^T = A^2 since A is symmetric
+        torch.baddbmm(X, B, X, beta=a, alpha=1.0, out=spare)
+        X, spare = spare, X
+    X = X[0] if squeeze else X
+    return X.mT if transposed else X
 
 
 if __name__ == "__main__":

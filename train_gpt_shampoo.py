@@ -84,64 +84,77 @@ class RunStopped(Exception):
 # Hyperparameters
 
 
+HELP_GROUPS = ("data", "model", "optimizer", "schedule", "logging", "runtime")  # --help's sections, in order
+
+
+def setting(group: str, default: Any, help: str) -> Any:
+    """A Hyperparameters field: its default (the record's), and its --help section and text."""
+    return dataclasses.field(default=default, metadata=dict(group=group, help=help))
+
+
 @dataclass
 class Hyperparameters:
     # data (glob patterns; DATA_PATH, when set, is prefixed)
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760  # 20 x 524,288: the first val tokens, loaded once
-    cycle_train_files: bool = False  # only for small proxy datasets: a record never repeats data
+    train_files: str = setting("data", "data/fineweb10B/fineweb_train_*.bin", "training shards (glob; DATA_PATH is prefixed)")
+    val_files: str = setting("data", "data/fineweb10B/fineweb_val_*.bin", "validation shards (glob; DATA_PATH is prefixed)")
+    # 20 x 524,288: the first val tokens, loaded once
+    val_tokens: int = setting("data", 10_485_760, "tokens per validation: the first ones of the first validation shard")
+    cycle_train_files: bool = setting("data", False, "start the training shards over when they run out (small data sets; never a record)")
     # batch: 8 micro-batches of micro_batch_seqs x seq_len tokens per step (8 x 64 x 1024 = 524,288)
-    seq_len: int = 1024
-    micro_batch_seqs: int = 64
+    seq_len: int = setting("data", 1024, "tokens per sequence")
+    micro_batch_seqs: int = setting("data", 64, "sequences per micro-batch; a step is 8 micro-batches, all ranks together")
     # architecture (fixed by the Track 3 rules)
-    vocab_size: int = 50304
-    num_layers: int = 12
-    model_dim: int = 768
-    head_dim: int = 128
-    # schedule: constant lr, then linear decay to 0 over the last cooldown_frac of the steps
-    train_steps: int = 4150
-    cooldown_frac: float = 0.7
-    val_every: int = 125
-    val_every_late: int = 25  # from late_frac of the run on (the record's claim is at step 4100)
-    late_frac: float = 0.9
+    vocab_size: int = setting("model", 50304, "rows of the embedding and the head (GPT-2 shards need at least 50257)")
+    num_layers: int = setting("model", 12, "transformer blocks")
+    model_dim: int = setting("model", 768, "width of the residual stream")
+    head_dim: int = setting("model", 128, "width of an attention head")
     # AdamW: embedding, head and every 1-D parameter
-    adam_embed_lr: float = 0.3
-    adam_head_lr: float = 1 / 320
-    adam_scalar_lr: float = 0.01
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-10
-    adam_weight_decay: float = 0.0
+    adam_embed_lr: float = setting("optimizer", 0.3, "AdamW learning rate of the embedding")
+    adam_head_lr: float = setting("optimizer", 1 / 320, "AdamW learning rate of the head")
+    adam_scalar_lr: float = setting("optimizer", 0.01, "AdamW learning rate of the 1-D parameters")
+    adam_beta1: float = setting("optimizer", 0.8, "AdamW beta1")
+    adam_beta2: float = setting("optimizer", 0.95, "AdamW beta2")
+    adam_eps: float = setting("optimizer", 1e-10, "AdamW epsilon")
+    adam_weight_decay: float = setting("optimizer", 0.0, "AdamW decoupled weight decay")
     # the 72 block matrices: "shampoo" (the record) or "adamw" (ablation: Shampoo's grafting Adam alone,
     # i.e. AdamW with lr=matrix_lr, betas=(matrix_beta1, shampoo_grafting_beta2),
     # eps=shampoo_grafting_epsilon, weight_decay=matrix_weight_decay: equal to Shampoo's steps 1-4)
-    matrix_optimizer: str = "shampoo"
-    matrix_lr: float = 0.0015
-    matrix_beta1: float = 0.9
-    matrix_beta2: float = 0.95  # Shampoo's factor-matrix EMA
-    matrix_weight_decay: float = 0.2  # decoupled
-    shampoo_max_preconditioner_dim: int = 8192
-    shampoo_precondition_frequency: int = 5
-    shampoo_start_preconditioning_step: int = -1  # -1: the precondition frequency
-    shampoo_grafting_beta2: float = 0.95
-    shampoo_grafting_epsilon: float = 1e-10
+    matrix_optimizer: str = setting("optimizer", "shampoo", "optimizer of the block matrices: shampoo (the record) or adamw (ablation)")
+    matrix_lr: float = setting("optimizer", 0.0015, "learning rate of the block matrices")
+    matrix_beta1: float = setting("optimizer", 0.9, "momentum of the block matrices")
+    matrix_beta2: float = setting("optimizer", 0.95, "EMA of Shampoo's factor matrices")
+    matrix_weight_decay: float = setting("optimizer", 0.2, "decoupled weight decay of the block matrices")
+    shampoo_max_preconditioner_dim: int = setting("optimizer", 8192, "larger dimensions are split into blocks of this size")
+    shampoo_precondition_frequency: int = setting("optimizer", 5, "steps between root (eigendecomposition) updates")
+    shampoo_start_preconditioning_step: int = setting("optimizer", -1, "first preconditioned step (-1: the precondition frequency)")
+    shampoo_grafting_beta2: float = setting("optimizer", 0.95, "beta2 of the grafting Adam")
+    shampoo_grafting_epsilon: float = setting("optimizer", 1e-10, "epsilon of the grafting Adam")
+    # schedule: constant lr, then linear decay to 0 over the last cooldown_frac of the steps
+    train_steps: int = setting("schedule", 4150, "optimizer steps; the LR schedule spans them")
+    cooldown_frac: float = setting("schedule", 0.7, "fraction of the steps over which the LR decays linearly to 0")
+    # logging
+    val_every: int = setting("logging", 125, "steps between validations")
+    # from late_frac of the run on (the record's claim is at step 4100)
+    val_every_late: int = setting("logging", 25, "steps between validations from late_frac of the run on")
+    late_frac: float = setting("logging", 0.9, "fraction of the run after which val_every_late applies")
+    log_dir: str = setting("logging", "logs", "folder of the run logs, <run id>.txt")
+    # run
+    num_trials: int = setting("runtime", 1, "trials in one launch (they share the compiled model and the log)")
+    seed: int = setting("runtime", -1, "torch seed (-1: unseeded like the record)")
+    compile: bool = setting("runtime", True, "torch.compile the model")
     # CUDA streams (one host thread each) over which a step's eigendecompositions run concurrently; changes
     # the speed of the root steps only, not their result (one H200, optimizer alone: root step 2.17 s with 1
     # stream, 1.92 s with 8 at the default memory fraction below)
-    shampoo_root_streams: int = 8
+    shampoo_root_streams: int = setting("runtime", 8, "CUDA streams the root steps' eigendecompositions spread over (speed only)")
     # with several streams, the decompositions in flight may hold at most the largest one's temporaries plus this
     # fraction of the preconditioner state (inf: no bound). One H200, Track 3 optimizer alone, 8 streams: 0.1 ->
     # 409.6 ms/step and 468 MiB above the state, inf -> 376.9 ms/step and 2,280 MiB (distributed_shampoo/README.md)
-    shampoo_root_memory_fraction: float = 0.1
-    # run
-    num_trials: int = 1  # trials in one launch share the compiled model and the log
-    seed: int = -1  # -1: no seed, as the record
-    compile: bool = True
-    log_dir: str = "logs"
-    checkpoint_every: int = 0  # 0: never (a record run does not pay for it)
-    checkpoint_dir: str = ""  # "": checkpoints/<run id>
-    resume: str = ""  # a checkpoint directory written by --checkpoint_every
+    shampoo_root_memory_fraction: float = setting(
+        "runtime", 0.1, "memory the concurrent eigendecompositions may hold, as a fraction of the preconditioner state (inf: unbounded; speed and memory only)"
+    )
+    checkpoint_every: int = setting("runtime", 0, "resumable checkpoint every K steps and at an interrupt (0: never)")  # a record run does not pay for it
+    checkpoint_dir: str = setting("runtime", "", 'folder of the resumable checkpoints ("": checkpoints/<run id>)')
+    resume: str = setting("runtime", "", "a checkpoint folder written by --checkpoint_every: continues that run exactly")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -178,63 +191,11 @@ def _parse_bool(text: str) -> bool:
 
 VALUE_PARSERS: dict[Any, Callable[[str], Any]] = {bool: _parse_bool, int: int, float: float, str: str}
 
-# --help lists the flags in the same groups as train_gpt.py's.
+# ---- command line: --name=value for every field, grouped in --help the same way in both training scripts ----
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
-    "data": ("train_files", "val_files", "val_tokens", "cycle_train_files", "seq_len", "micro_batch_seqs"),
-    "model": ("vocab_size", "num_layers", "model_dim", "head_dim"),
-    "optimizer": (
-        "adam_embed_lr", "adam_head_lr", "adam_scalar_lr", "adam_beta1", "adam_beta2", "adam_eps", "adam_weight_decay",
-        "matrix_optimizer", "matrix_lr", "matrix_beta1", "matrix_beta2", "matrix_weight_decay",
-        "shampoo_max_preconditioner_dim", "shampoo_precondition_frequency", "shampoo_start_preconditioning_step",
-        "shampoo_grafting_beta2", "shampoo_grafting_epsilon",
-    ),
-    "schedule": ("train_steps", "cooldown_frac"),
-    "logging": ("val_every", "val_every_late", "late_frac", "log_dir"),
-    "runtime": ("num_trials", "seed", "compile", "shampoo_root_streams", "shampoo_root_memory_fraction", "checkpoint_every", "checkpoint_dir", "resume"),
+    group: tuple(f.name for f in dataclasses.fields(Hyperparameters) if f.metadata["group"] == group) for group in HELP_GROUPS
 }
-FLAG_HELP: dict[str, str] = {
-    "train_files": "training shards (glob; DATA_PATH is prefixed)",
-    "val_files": "validation shards (glob; DATA_PATH is prefixed)",
-    "val_tokens": "tokens per validation: the first ones of the first validation shard",
-    "cycle_train_files": "start the training shards over when they run out (small data sets; never a record)",
-    "seq_len": "tokens per sequence",
-    "micro_batch_seqs": "sequences per micro-batch; a step is 8 micro-batches, all ranks together",
-    "vocab_size": "rows of the embedding and the head (GPT-2 shards need at least 50257)",
-    "num_layers": "transformer blocks",
-    "model_dim": "width of the residual stream",
-    "head_dim": "width of an attention head",
-    "adam_embed_lr": "AdamW learning rate of the embedding",
-    "adam_head_lr": "AdamW learning rate of the head",
-    "adam_scalar_lr": "AdamW learning rate of the 1-D parameters",
-    "adam_beta1": "AdamW beta1",
-    "adam_beta2": "AdamW beta2",
-    "adam_eps": "AdamW epsilon",
-    "adam_weight_decay": "AdamW decoupled weight decay",
-    "matrix_optimizer": "optimizer of the block matrices: shampoo (the record) or adamw (ablation)",
-    "matrix_lr": "learning rate of the block matrices",
-    "matrix_beta1": "momentum of the block matrices",
-    "matrix_beta2": "EMA of Shampoo's factor matrices",
-    "matrix_weight_decay": "decoupled weight decay of the block matrices",
-    "shampoo_max_preconditioner_dim": "larger dimensions are split into blocks of this size",
-    "shampoo_precondition_frequency": "steps between root (eigendecomposition) updates",
-    "shampoo_start_preconditioning_step": "first preconditioned step (-1: the precondition frequency)",
-    "shampoo_grafting_beta2": "beta2 of the grafting Adam",
-    "shampoo_grafting_epsilon": "epsilon of the grafting Adam",
-    "train_steps": "optimizer steps; the LR schedule spans them",
-    "cooldown_frac": "fraction of the steps over which the LR decays linearly to 0",
-    "val_every": "steps between validations",
-    "val_every_late": "steps between validations from late_frac of the run on",
-    "late_frac": "fraction of the run after which val_every_late applies",
-    "log_dir": "folder of the run logs, <run id>.txt",
-    "num_trials": "trials in one launch (they share the compiled model and the log)",
-    "seed": "torch seed (-1: unseeded like the record)",
-    "compile": "torch.compile the model",
-    "shampoo_root_streams": "CUDA streams the root steps' eigendecompositions spread over (speed only)",
-    "shampoo_root_memory_fraction": "memory the concurrent eigendecompositions may hold, as a fraction of the preconditioner state (inf: unbounded; speed and memory only)",
-    "checkpoint_every": "resumable checkpoint every K steps and at an interrupt (0: never)",
-    "checkpoint_dir": 'folder of the resumable checkpoints ("": checkpoints/<run id>)',
-    "resume": "a checkpoint folder written by --checkpoint_every: continues that run exactly",
-}
+FLAG_HELP: dict[str, str] = {f.name: f.metadata["help"] for f in dataclasses.fields(Hyperparameters)}
 # train_gpt.py's names for the same settings, accepted here too (its num_iterations is also the schedule's length).
 FLAG_ALIASES: dict[str, str] = {"val_loss_every": "val_every", "num_iterations": "train_steps"}
 
@@ -1046,7 +1007,7 @@ def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # Checkpoints and resume
 
-CHECKPOINT_FORMAT = "train_gpt_shampoo/2"  # /2: the settings moved from shared.pt to manifest.json
+CHECKPOINT_FORMAT = "train_gpt_shampoo/3"  # /2: the settings moved to manifest.json; /3: the clock in ms
 # Settings that may differ between a checkpointed run and its resumption without changing the trajectory
 # (the root streams and their memory fraction change only how fast the same eigendecompositions run).
 RUNTIME_ONLY_FIELDS = frozenset(
@@ -1176,13 +1137,11 @@ def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -
 # ---- Track 3's checkpoints: <checkpoint_dir>/step<N>, or trial<k>_step<N> with several trials ----
 @dataclass
 class Progress:
-    """Where a trial stands; checkpointed so that a resumed run continues its clock and step_avg intervals."""
+    """Where a trial stands; checkpointed so that a resumed run continues its step count and its clock."""
 
     trial: int
     step: int = 0
-    training_time: float = 0.0  # seconds, validation and checkpoints excluded
-    last_val_step: int = 0
-    last_val_time: float = 0.0
+    training_time_ms: float = 0.0  # validation and checkpoints excluded
 
 
 def checkpoint_name(trial: int, step: int, num_trials: int) -> str:
@@ -1294,12 +1253,10 @@ def train_step(model: GPT, forward: nn.Module, optimizers: list[torch.optim.Opti
 
 
 def log_validation(progress: Progress, val_loss: float, train_steps: int) -> None:
-    """The record's line; step_avg averages the interval since the previous validation."""
-    interval = progress.step - progress.last_val_step
-    step_avg = 1000 * (progress.training_time - progress.last_val_time) / interval if interval else math.nan
-    print0(f"step:{progress.step}/{train_steps} val_loss:{val_loss:.5f} train_time:{progress.training_time:.3f}s "
-           f"step_avg:{step_avg:.2f}ms", console=True)
-    progress.last_val_step, progress.last_val_time = progress.step, progress.training_time
+    """The record's line, timed as train_gpt.py times it: milliseconds, step_avg over the whole run so far."""
+    training_time_ms = progress.training_time_ms
+    print0(f"step:{progress.step}/{train_steps} val_loss:{val_loss:.5f} train_time:{training_time_ms:.0f}ms "
+           f"step_avg:{training_time_ms / max(progress.step, 1):.2f}ms", console=True)
 
 
 @dataclass
@@ -1355,7 +1312,7 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
 
     def stop_clock() -> None:
         synchronize(rt.device)
-        progress.training_time += time.perf_counter() - t0
+        progress.training_time_ms += 1000 * (time.perf_counter() - t0)
 
     synchronize(rt.device)
     t0 = time.perf_counter()
@@ -1394,10 +1351,9 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
         except NON_FINITE_PRECONDITIONER_ERRORS as error:
             raise preconditioner_failure(error, step + 1, matrix_names) from None
         health.push(step, step_loss, _stop_signal is not None)
-        approx_time = progress.training_time + time.perf_counter() - t0
+        approx_ms = progress.training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
         if _is_master:  # the console only, as in the record
-            print(f"step:{step + 1}/{hp.train_steps} train_time:{approx_time:.3f}s "
-                  f"step_avg:{1000 * approx_time / (step + 1):.2f}ms", flush=True)
+            print(f"step:{step + 1}/{hp.train_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms", flush=True)
     return TrialResult(val_losses)
 
 
@@ -1412,10 +1368,11 @@ class RunResult:
     trials: list[TrialResult]
 
 
-def run(hp: Hyperparameters, overrides: dict[str, Any]) -> RunResult:
+def run(argv: Sequence[str]) -> RunResult:
     """The whole run: checks, setup, log header, warmup, trials. Returns what tests inspect. Every check that
     can fail runs before the log file is created: a refused run leaves no log."""
     global _log_path, _shared_log_path
+    hp, overrides = parse_args(argv)
     world_size = read_world_size()
     check_batch_geometry(hp, world_size)
     if overrides.get("preset") == "smoke" and "train_files" not in overrides and "val_files" not in overrides:
@@ -1500,8 +1457,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     install_stop_handlers()
     try:
-        hp, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-        run(hp, overrides)
+        run(sys.argv[1:] if argv is None else argv)
     except UserError as error:  # run() has written the log's line
         report_stop(f"train_gpt_shampoo.py: error: {error}")
         raise SystemExit(2) from None

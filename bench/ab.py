@@ -27,7 +27,7 @@ comparison in one invocation is a comparison):
   * --deadline S: a worker still busy S seconds after the start (hung, or far slower than planned) is
     stopped after writing every thread's Python stack, which is printed; the rounds so far are reported and
     the exit status is 3 (a worker once hung before its first step until the call was killed, and the call's
-    output went with it: bench/NOTES.md session 9). On a lent machine: a little below the call's limit.
+    output went with it: bench/NOTES.md, 2026-12-02, commit 1c45907). On a lent machine: a little below the call's limit.
 
 A version whose script lacks train_gpt.py's run()/train() structure (e.g. an older record's own script)
 is timed whole-run: each round is a fresh process with the compile caches of its first (untimed) run,
@@ -682,7 +682,7 @@ def parse_clock_line(line: str) -> ClockSample | None:
 class ClockSampler:
     """Samples the SM clock, power and power-cap flag of the GPUs the workers use, every 0.5 s, so that the report
     can say at what clock each version trained. Why: on an H200 both versions train at the 700 W cap, so a
-    version that does the same work in less time draws the same power and gets a lower clock (session 11:
+    version that does the same work in less time draws the same power and gets a lower clock (2026-12-02, commit 33c3032:
     029d93e 1,785 MHz, main 1,728, capped in 167 of 168 samples; bench/NOTES.md). Absent nvidia-smi, nothing."""
 
     def __init__(self, gpus: list[str], interval_ms: int = 500, command: str = "nvidia-smi"):

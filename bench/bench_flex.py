@@ -3,7 +3,7 @@
 One attention call of train_gpt.py's FlexAttention path (49,152 tokens, 6 heads of 128, bf16 in the model's
 (tokens, heads, head_dim) memory layout seen through a transpose, random document lengths of 100-1500 tokens,
 the token-exact window block mask of `train_gpt.flex_window_mask`, the softmax scale as a score_mod; before
-session 7 of bench/NOTES.md the bench used contiguous (heads, tokens, head_dim) tensors, unlike the model) is
+bench/NOTES.md of 2026-12-01 (commit a440791) the bench used contiguous (heads, tokens, head_dim) tensors, unlike the model) is
 compiled once per kernel-options variant; the median time of forward + backward is printed for the short and
 the long window of each schedule stage, with each variant's output and input gradients checked against the
 default options' (count of non-finite values, largest absolute difference). A variant that changes the numbers

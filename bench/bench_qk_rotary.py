@@ -1,6 +1,6 @@
 """The attention inputs of one layer (q/k RMS norm + rotary, value mixing), compiled, forward + backward, on one GPU.
 
-Inductor fuses the q/k RMS norm and the rotary into one reduction kernel per direction; in the session-4 profile
+Inductor fuses the q/k RMS norm and the rotary into one reduction kernel per direction; in the profile of 2026-12-01 (bench/NOTES.md, commit 80f0683)
 they ran at about 1.7-2 TB/s (bench/NOTES.md), against about 4.3 for the plain elementwise kernels. This times
 ways of writing the same arithmetic (each output element is still x1 cos + x2 sin or x2 cos - x1 sin of the
 normed input) at the record's micro-step shape: the record's cat form (the first row, which the others are

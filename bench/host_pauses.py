@@ -1,7 +1,7 @@
 """Where the host pauses in a one-process train_gpt.py run: every garbage collection and every batch transfer.
 
 The profiles of bench/ab.py show the GPU idle for 11-21 ms a few times per step, waiting for the host, next to a
-batch's host-to-device copies (bench/NOTES.md, sessions 9-10). This runs train_gpt.py in this process with
+batch's host-to-device copies (bench/NOTES.md, 2026-12-02, commits 1c45907 and 7e9fd34). This runs train_gpt.py in this process with
 Python's gc.callbacks and a timer around each `_to_device` call, and prints, from the first step line on
 (validation left out): collections by generation (count, total and longest ms, the steps of those over 1 ms) and
 the training batch copies over 0.5 ms. With `train_gpt.PinnedStaging` a long copy can also be the host waiting

@@ -56,7 +56,7 @@ def run_flex(launches: int) -> None:
     from bench.bench_flex import BLOCK, BOS, record_inputs
 
     ids, _, q, k, v, grad, scale = record_inputs()
-    attention = tg.Attention("flex", BLOCK, BOS)
+    attention = tg.attention_backend("flex", BLOCK, BOS)
     windows = attention.window_args(5, 11, ids.device)
     inputs = attention.prepare(ids, None, {"short": windows[0], "long": windows[1]}, 0)
     attend = torch.compile(lambda q, k, v: attention(q, k, v, inputs, "long", scale), fullgraph=True)

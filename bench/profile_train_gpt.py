@@ -39,9 +39,8 @@ def main() -> None:
     tg.configure_torch(rt.device)
     backend = tg.choose_attention_backend(hp.attention_backend, rt.device)
     tokens_local = hp.train_batch_size // (rt.grad_accum_steps * rt.world_size)
-    model = tg.build_model(hp, rt, backend, fp8=not hp.disable_fp8)
+    model = tg.build_model(hp, rt, backend, fp8=tg.fp8_head_available(rt.device) and not hp.disable_fp8)  # compiled in place
     adam, muon = tg.build_optimizers(model, hp, rt.rank, rt.world_size)
-    compiled = torch.compile(model, dynamic=False, fullgraph=True) if hp.compile else model
     loader = tg.TrainLoader(tg.resolve_files(hp.train_files, "train"), num_tokens_local=tokens_local,
                             max_seq_len=hp.train_max_seq_len, rank=rt.rank, world_size=rt.world_size, bos_token=hp.bos_token,
                             vocab_size=hp.vocab_size, cycle=True, device=rt.device, with_cu_seqlens=backend == "flash3")
@@ -50,7 +49,7 @@ def main() -> None:
     def step() -> None:
         for _ in range(rt.grad_accum_steps):
             batch = next(loader)
-            compiled(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, hp.train_max_seq_len).backward()
+            model(batch.inputs, batch.targets, batch.cu_seqlens, ws_short, ws_long, hp.train_max_seq_len).backward()
         adam.step()
         muon.step()
         model.zero_grad(set_to_none=True)

@@ -3,7 +3,7 @@
 No GPU needed: Triton's own ptxas and cuobjdump (shipped in its wheel) compile `train_gpt._softcap_ce_e5m2_kernel`
 at the record's shapes and tile, with the 16-byte pointer alignment Triton's launcher assumes for torch tensors,
 and this prints, per loop (the log-sum-exp pass, then the gradient pass), the instructions per logit and how many
-of them run on the XU pipe (MUFU exp2/reciprocal and the one-value F2F cast). Session 8's Nsight Compute run found
+of them run on the XU pipe (MUFU exp2/reciprocal and the one-value F2F cast). The Nsight Compute run of 2026-12-01 (bench/NOTES.md, commit f4e4aca) found
 that pipe the kernel's busiest (bench/NOTES.md), so these counts predict a variant's cost before device time.
 
     python bench/sass_loops.py [--json]
@@ -37,9 +37,10 @@ def compile_kernel(block_m: int, block_n: int, warps: int) -> bytes:
 
     signature = {
         "logits_ptr": "*bf16", "targets_ptr": "*i64", "loss_ptr": "*fp32", "grad_ptr": "*u8", "grad_t_ptr": "*u8",
-        "M": "i32", "N": "constexpr", "grad_inv_scale": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HARDWARE": "constexpr",
+        "M": "i32", "N": "constexpr", "grad_inv_scale": "fp32", "CAP": "constexpr", "CAP_DIVISOR": "constexpr",
+        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HARDWARE": "constexpr",
     }
-    constants = {"N": VOCAB, "BLOCK_M": block_m, "BLOCK_N": block_n, "HARDWARE": True}
+    constants = {"N": VOCAB, "CAP": tg.SOFTCAP, "CAP_DIVISOR": tg.SOFTCAP_DIVISOR, "BLOCK_M": block_m, "BLOCK_N": block_n, "HARDWARE": True}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # the five pointers and M (49,152 = 16 * 3,072)
     source = ASTSource(fn=tg._softcap_ce_e5m2_kernel, signature=signature, constexprs=constants, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]

@@ -15,6 +15,7 @@ synchronizing call site, by its Python stack, with how often it ran per step.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 import traceback
 import warnings
@@ -74,7 +75,7 @@ def main() -> None:
         return call
 
     def watched_train(*args: Any, **kwargs: Any) -> float:
-        hp = kwargs.get("hp", args[4] if len(args) > 4 else None)
+        hp = inspect.signature(original_train).bind(*args, **kwargs).arguments["hp"]
         steps[0] = hp.train_steps
         warnings.simplefilter("always")
         warnings.showwarning = record

@@ -45,7 +45,7 @@ def tiny_shards(tmp_path: Path) -> tuple[str, str]:
 
 
 def tiny_args(train_files: str, val_files: str, log_dir: Path, **extra: object) -> list[str]:
-    """The smoke preset with a 512-token vocabulary: fast enough for several runs per test session."""
+    """The smoke preset with a 512-token vocabulary: fast enough for several runs per test run."""
     values = dict(
         preset="smoke",
         vocab_size=TINY_VOCAB,

@@ -363,7 +363,7 @@ def test_a_sampler_deaf_to_sigterm_is_killed_not_waited_for(ab, tmp_path):
 
 
 def test_kernel_kinds_of_the_profiles(ab) -> None:
-    """Names seen in session 12's profile: the MLP's fused kernel is its own kind, the inductor kernels that carry
+    """Names seen in the profile of 2026-12-02 (commit b1e22df): the MLP's fused kernel is its own kind, the inductor kernels that carry
     its op's name stay inductor's, and the cuBLAS and FP8 head kernels keep theirs."""
     assert ab.kind_of("_relu2_backward_matmul_kernel") == "MLP grad_h matmul + ReLU² backward (Triton)"
     assert ab.kind_of("triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mul_relu2_backward_matmul_slice_backwa") == "Triton fused (inductor)"

@@ -26,7 +26,7 @@ SCRIPTS = (ROOT / "train_gpt.py", ROOT / "train_gpt_shampoo.py")
 
 SHARED = (
     # errors and the command line
-    "UserError", "RunStopped", "need", "_ArgumentParser", "_parse_bool",
+    "UserError", "RunStopped", "need", "_ArgumentParser", "_parse_bool", "HELP_GROUPS", "setting", "FLAG_GROUPS", "FLAG_HELP",
     # shards
     "SHARD_MAGIC", "SHARD_VERSION", "SHARD_HEADER_INTS", "GPT2_VOCAB_SIZE", "HUB_SHARD_SCRIPTS",
     "resolve_files", "shard_fix", "read_shard_header", "read_shard", "check_train_data", "shard_bytes",
@@ -45,21 +45,18 @@ DIFFERENT = {
     "Hyperparameters": "each track's record settings",
     "DOWNLOAD_HINT": "the training shards each record reads (9 for Track 1, 22 for Track 3)",
     "PRESETS": "each track's smoke configuration",
-    "parse_args": "Track 1 takes tuple fields and the DISABLE_FP8 variable",
+    "parse_args": "Track 1 takes tuple fields and maps --train_steps",
     "validate_hyperparameters": "each track's settings",
-    "FLAG_GROUPS": "each script's --help groups",
-    "FLAG_HELP": "each script's flags",
     "FLAG_ALIASES": "each script accepts the other's names for its settings",
     "_build_parser": "Track 1 also maps the other script's --train_steps and parses tuples",
     "lr_multiplier": "each record's schedule",
     "Rotary": "Track 1 adds YaRN and precomputed tables",
-    "Attention": "Track 1's backends versus Track 3's attention module",
     "MLP": "each record's architecture",
     "Block": "each record's architecture",
     "GPT": "each record's architecture",
     "build_optimizers": "Muon and DistAdam versus AdamW and Shampoo",
     "evaluate": "each track's validation data and reduction",
-    "run": "the whole run: Track 1's parses its command line, Track 3's takes parsed settings (tests call it)",
+    "run": "the whole run from a command line: Track 1's returns the final val loss, Track 3's the log and every trial's losses",
     "main": "each script's entry point",
     "CHECKPOINT_FORMAT": "each script's own checkpoint format",
     "Progress": "Track 3 also tracks the trial and the last validation",

@@ -26,7 +26,7 @@ NON_FINITE_TRAIN = re.compile(r"step (\d+): non-finite training loss \((nan|inf|
 
 def script_env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DATA_PATH", "DISABLE_FP8", "TORCHELASTIC_ERROR_FILE"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DATA_PATH", "TORCHELASTIC_ERROR_FILE"):
         env.pop(key, None)
     return env
 
@@ -279,15 +279,13 @@ def test_track3_sigterm_stops_at_a_step_boundary_after_a_checkpoint(tmp_path):
 
 def test_track3_resume_may_keep_writing_into_the_checkpoint_folder(workdir):
     common = ["--matrix_optimizer=adamw", "--train_steps=6", "--checkpoint_every=2", "--checkpoint_dir=ckpt"]
-    hp, overrides = tgs.parse_args(["--preset=smoke", *common])
-    straight = tgs.run(hp, overrides).trials[0].val_losses
+    straight = tgs.run(["--preset=smoke", *common]).trials[0].val_losses
     step4 = workdir / "ckpt" / "step000004"
     expected = {name: torch.load(step4 / name, weights_only=False) for name in ("shared.pt", "rank0.pt")}
     for path in step4.iterdir():  # as if the run had been killed before step 4
         path.unlink()
     step4.rmdir()
-    hp, overrides = tgs.parse_args(["--preset=smoke", *common, f"--resume={workdir / 'ckpt' / 'step000002'}"])
-    resumed = tgs.run(hp, overrides).trials[0].val_losses
+    resumed = tgs.run(["--preset=smoke", *common, f"--resume={workdir / 'ckpt' / 'step000002'}"]).trials[0].val_losses
     assert resumed[6] == straight[6]
     rewritten = torch.load(step4 / "shared.pt", weights_only=False)["model"]
     assert all(torch.equal(rewritten[name], value) for name, value in expected["shared.pt"]["model"].items())
@@ -295,9 +293,8 @@ def test_track3_resume_may_keep_writing_into_the_checkpoint_folder(workdir):
 
 
 def test_track3_runtime_only_settings_may_change_on_resume(workdir):
-    tgs.run(*tgs.parse_args(["--preset=smoke", "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"]))
-    hp, overrides = tgs.parse_args(["--preset=smoke", "--train_steps=4", "--shampoo_root_streams=2", "--resume=ckpt/step000002"])
-    resumed = tgs.run(hp, overrides)
+    tgs.run(["--preset=smoke", "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
+    resumed = tgs.run(["--preset=smoke", "--train_steps=4", "--shampoo_root_streams=2", "--resume=ckpt/step000002"])
     assert sorted(resumed.trials[0].val_losses) == [4] and "resumed_from: ckpt/step000002" in resumed.log_path.read_text()
 
 
@@ -306,8 +303,7 @@ def test_track3_stale_partial_checkpoints_are_removed_with_one_line(workdir, cap
     stale.mkdir(parents=True)
     (stale / "rank0.pt").write_bytes(b"half")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
-    result = tgs.run(*tgs.parse_args(["--preset=smoke", "--matrix_optimizer=adamw", "--train_steps=4", "--checkpoint_every=2",
-                                        "--checkpoint_dir=ckpt"]))
+    result = tgs.run(["--preset=smoke", "--matrix_optimizer=adamw", "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
     line = "removed 1 unfinished checkpoint folder(s) of interrupted saves from ckpt: .step000002.partial-0123"
     assert line in capsys.readouterr().out.splitlines() and line in result.log_path.read_text().splitlines()
     assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == ["step000002"]

@@ -49,7 +49,7 @@ results = {"auto_on_cuda": tg.choose_attention_backend("auto", torch.device("cud
 
 def model(backend):
     torch.manual_seed(0)
-    m = tg.GPT(VOCAB, 64, 2, 256, BLOCK, 1, tg.Attention(backend, BLOCK, BOS), torch.float32)
+    m = tg.GPT(VOCAB, 64, 2, 256, BLOCK, 1, tg.attention_backend(backend, BLOCK, BOS), torch.float32)
     with torch.no_grad():  # the zero-initialized output projections, gates and head would hide attention entirely
         for p in m.parameters():
             if p.abs().sum() == 0:

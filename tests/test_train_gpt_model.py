@@ -14,12 +14,12 @@ from conftest import TINY_BOS, TINY_VOCAB
 def record_model(world_size: int = 8) -> tg.GPT:
     """The 124M record model, built on the meta device (no memory, no init cost)."""
     with torch.device("meta"):
-        return tg.GPT(50257, 768, 6, 262_144, 128, world_size, tg.Attention("reference", 128, 50256))
+        return tg.GPT(50257, 768, 6, 262_144, 128, world_size, tg.attention_backend("reference", 128, 50256))
 
 
 def tiny_model(backend: str = "reference", dim: int = 64, heads: int = 2, block: int = 16) -> tg.GPT:
     torch.manual_seed(0)
-    return tg.GPT(TINY_VOCAB, dim, heads, 256, block, 1, tg.Attention(backend, block, TINY_BOS), torch.float32)
+    return tg.GPT(TINY_VOCAB, dim, heads, 256, block, 1, tg.attention_backend(backend, block, TINY_BOS), torch.float32)
 
 
 def test_record_parameter_inventory():
@@ -118,11 +118,11 @@ def test_every_parameter_gets_a_gradient_path_after_two_updates():
 
 
 def test_in_place_table_gradients_equal_autograds_through_three_updates():
-    """GPT.accumulate_table_grads_in_place (as build_model sets it up) against autograd's embedding backward and
+    """GPT.grads_into_buffers of the tables (as build_model sets it up) against autograd's embedding backward and
     AccumulateGrad: every gradient after three micro-steps and every weight after three Adam + Muon steps, bit for
     bit; the tables' .grad are the buffers, and checkpoints do not see them."""
     plain, in_place = tiny_model(), tiny_model()
-    in_place.accumulate_table_grads_in_place()
+    in_place.grads_into_buffers(table.weight for table in in_place.tables)
     assert in_place.state_dict().keys() == plain.state_dict().keys()
     hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2)
     optimizers = [tg.build_optimizers(model, hp, 0, 1) for model in (plain, in_place)]
@@ -133,7 +133,7 @@ def test_in_place_table_gradients_equal_autograds_through_three_updates():
             ids[::37] = TINY_BOS
             for model in (plain, in_place):
                 model(ids, ids.long(), None, 1, 3, 128).backward()
-        assert all(table.weight.grad is buffer for table, buffer in zip(in_place.tables, in_place.table_grad_buffers()))
+        assert all(table.weight.grad is table.weight_grad for table in in_place.tables)
         for (name, p), q in zip(plain.named_parameters(), in_place.parameters()):
             assert torch.equal(p.grad, q.grad), name
         assert step < 2 or all(table.weight.grad.abs().sum() > 0 for table in in_place.tables)
@@ -156,17 +156,17 @@ def in_cuda_dtypes(model: tg.GPT) -> tg.GPT:
 
 @pytest.mark.parametrize("cuda_dtypes", [False, True])
 def test_in_place_matrix_gradients_equal_autograds_through_three_updates(cuda_dtypes):
-    """GPT.accumulate_matrix_grads_in_place (tables in place on both sides, as build_model sets them up) against autograd's cast
+    """GPT.grads_into_buffers of the matrices (tables in place on both sides, as build_model sets them up) against autograd's cast
     backward and AccumulateGrad: every gradient after three micro-steps and every weight after three Adam + Muon
     steps, bit for bit, in fp32 and in CUDA's dtypes (bf16 activations, fp32 matrices); checkpoints do not see the
     buffers."""
     convert = in_cuda_dtypes if cuda_dtypes else (lambda model: model)
     plain, in_place = convert(tiny_model()), convert(tiny_model())
     for model in (plain, in_place):  # the tables' sums as inductor computes them on both sides (not eager bf16's)
-        model.accumulate_table_grads_in_place()
-    in_place.accumulate_matrix_grads_in_place()
+        model.grads_into_buffers(table.weight for table in model.tables)
+    in_place.grads_into_buffers(in_place.matrices())
     assert in_place.state_dict().keys() == plain.state_dict().keys()
-    matrices = [getattr(module, name) for module, name in in_place.matrices()]
+    matrices = in_place.matrices()
     assert len(matrices) == 10 + 11 * 2 and all(m.dtype == torch.float32 for m in matrices)
     hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2)
     optimizers = [tg.build_optimizers(model, hp, 0, 1) for model in (plain, in_place)]
@@ -299,7 +299,7 @@ def test_flex_attention_eager_matches_reference_on_packed_documents():
     torch.manual_seed(0)
     ids = random_documents(256, num_bos=7, seed=3)
     q, k, v = (torch.randn(1, 256, 2, 32) for _ in range(3))
-    flex, ref = tg.Attention("flex", 32, TINY_BOS), tg.Attention("reference", 32, TINY_BOS)
+    flex, ref = tg.attention_backend("flex", 32, TINY_BOS), tg.attention_backend("reference", 32, TINY_BOS)
     rotary = tg.Rotary(32, 256, 32, torch.float32)
     rotary.apply_yarn(3, 7)  # a non-default attn_scale, passed to flex as a tensor
     for window in (1, 3, 4):
@@ -604,7 +604,7 @@ def test_relu2_backward_matmul_refuses_mismatched_operands() -> None:
 def test_mlp_saves_what_the_unfused_mlp_saved() -> None:
     """Peak memory: the fused backward saves the pre-activation and h (bf16 each) where autograd's unfused MLP saves
     relu(pre) and h: the same activation bytes per layer. (Compiled, inductor's partition of the joint graph
-    saves the same two in both, which a CPU run of aot_autograd's min-cut partitioner showed in session 12.)"""
+    saves the same two in both, which a CPU run of aot_autograd's min-cut partitioner showed (bench/NOTES.md, 2026-12-02, commit b1e22df).)"""
     mlp = tg.MLP(64)
     x = torch.randn(1, 96, 64).bfloat16().requires_grad_()
     saved: list[torch.Tensor] = []

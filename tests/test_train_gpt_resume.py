@@ -21,7 +21,7 @@ SCHEDULE = dict(num_iterations=8, iteration_extension=2, val_loss_every=5, warmu
 
 def script_env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DATA_PATH", "DISABLE_FP8", "TORCHELASTIC_ERROR_FILE"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DATA_PATH", "TORCHELASTIC_ERROR_FILE"):
         env.pop(key, None)
     return env
 
