@@ -1260,7 +1260,7 @@ def log_validation(progress: Progress, val_loss: float, train_steps: int) -> Non
 
 
 @dataclass
-class Session:
+class Launch:
     """What every trial of one launch shares."""
 
     hp: Hyperparameters
@@ -1279,16 +1279,16 @@ class TrialResult:
     val_losses: dict[int, float]
 
 
-def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> TrialResult:
+def run_trial(launch: Launch, trial: int, resume: ResumePoint | None) -> TrialResult:
     """Fresh init, optimizers and loader (or a checkpoint's), then train with the clock stopped for
     validation and checkpoints. Stops early, raising RunStopped, on a non-finite loss (or Shampoo's finding of
     one) or at the step boundary after SIGINT/SIGTERM (checkpointing first when enabled)."""
     global _step_reached
-    hp, rt, model = session.hp, session.rt, session.model
+    hp, rt, model = launch.hp, launch.rt, launch.model
     init_parameters(model)
     optimizers = build_optimizers(model, hp, rt.world_size, rt.device)
     base_lrs = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
-    loader = TokenLoader(session.train_files, batch_tokens=8 * hp.micro_batch_seqs * hp.seq_len, seq_len=hp.seq_len,
+    loader = TokenLoader(launch.train_files, batch_tokens=8 * hp.micro_batch_seqs * hp.seq_len, seq_len=hp.seq_len,
                          rank=rt.rank, world_size=rt.world_size, vocab_size=hp.vocab_size, device=rt.device,
                          cycle=hp.cycle_train_files)
     for param in model.parameters():
@@ -1306,8 +1306,8 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
     matrix_names = [names[id(p)] for p in split_parameters(model)["matrices"]]
 
     def checkpoint_at(step: int) -> None:
-        target = session.checkpoint_dir / checkpoint_name(trial, step, hp.num_trials)
-        saved = save_resumable(target, session.run_id, rt, hp, model, optimizers, loader, progress)
+        target = launch.checkpoint_dir / checkpoint_name(trial, step, hp.num_trials)
+        saved = save_resumable(target, launch.run_id, rt, hp, model, optimizers, loader, progress)
         print0(f"checkpoint: {target}" + ("" if saved else " already exists; not replaced"), console=True)
 
     def stop_clock() -> None:
@@ -1329,7 +1329,7 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
         if validate or checkpoint:
             stop_clock()
             if validate:
-                val_losses[step] = evaluate(session.forward, session.val_inputs, session.val_targets,
+                val_losses[step] = evaluate(launch.forward, launch.val_inputs, launch.val_targets,
                                             hp.micro_batch_seqs, hp.val_tokens)
                 log_validation(progress, val_losses[step], hp.train_steps)
                 if not math.isfinite(val_losses[step]):
@@ -1346,7 +1346,7 @@ def run_trial(session: Session, trial: int, resume: ResumePoint | None) -> Trial
             break
         inputs, targets = loader.next_batch()
         try:
-            step_loss = train_step(model, session.forward, optimizers, base_lrs, inputs, targets,
+            step_loss = train_step(model, launch.forward, optimizers, base_lrs, inputs, targets,
                                    lr_multiplier(step, hp), hp.micro_batch_seqs, rt.world_size)
         except NON_FINITE_PRECONDITIONER_ERRORS as error:
             raise preconditioner_failure(error, step + 1, matrix_names) from None
@@ -1435,11 +1435,11 @@ def train_trials(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime, tr
     synchronize(rt.device)
     print0(f"warmup_time: {time.perf_counter() - t_warmup:.1f}s", console=True)
 
-    session = Session(hp, rt, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
+    launch = Launch(hp, rt, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
     first_trial = resume.trial if resume is not None else 0
     _defer_stop = True
     try:
-        trials = [run_trial(session, trial, resume if resume is not None and trial == resume.trial else None)
+        trials = [run_trial(launch, trial, resume if resume is not None and trial == resume.trial else None)
                   for trial in range(first_trial, hp.num_trials)]
     finally:
         _defer_stop = False
