@@ -519,7 +519,7 @@ def flex_window_mask(docs: Tensor, window_blocks: Window, block_size: int) -> Bl
     (window_block_matrices), so the mask equals FlashAttention-3's window exactly
     (docs/track1_recipe.md#attention-backends). Each query block lists its key blocks from the diagonal back; each
     key block lists its query blocks in ascending order, the tables BlockMask.from_kv_blocks would derive
-    (tests/test_train_gpt_model.py)."""
+    (tests/test_train_gpt_attention.py)."""
     partial, full = window_block_matrices(docs, window_blocks, block_size)
     window = window_blocks * block_size
 
@@ -2734,7 +2734,7 @@ fp8_head_loss.register_autograd(_fp8_head_loss_backward, setup_context=_fp8_head
 # ---- FlexAttention block tables without a sort ----
 # The eager formula block_tables_eager replaces: per boolean block matrix, counts = selected.sum(-1) and indices =
 # argsort(where(selected, column, -1), descending) for the kv tables, BlockMask.from_kv_blocks' stable argsort of
-# the transposed matrix for the q tables; tests/test_train_gpt_model.py checks the two against each other.
+# the transposed matrix for the q tables; tests/test_train_gpt_attention.py checks the two against each other.
 def block_tables_eager(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
     """The four block tables of a window from its two square boolean (n, n) block matrices: counts (4, n) and indices
     (4, n, n), int32, in the order partial kv, full kv, partial q, full q. A kv table lists each query block's

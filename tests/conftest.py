@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -18,6 +19,25 @@ import train_gpt  # noqa: E402
 
 TINY_VOCAB = 512
 TINY_BOS = 511
+
+
+def record_model(world_size: int = 8) -> train_gpt.GPT:
+    """The 124M record model, built on the meta device (no memory, no init cost)."""
+    with torch.device("meta"):
+        return train_gpt.GPT(50257, 768, 6, 262_144, 128, world_size, train_gpt.attention_backend("reference", 128, 50256))
+
+
+def tiny_model(backend: str = "reference", dim: int = 64, heads: int = 2, block: int = 16) -> train_gpt.GPT:
+    torch.manual_seed(0)
+    return train_gpt.GPT(TINY_VOCAB, dim, heads, 256, block, 1, train_gpt.attention_backend(backend, block, TINY_BOS), torch.float32)
+
+
+def random_documents(T: int, num_bos: int, seed: int) -> torch.Tensor:
+    """T token ids below TINY_BOS with num_bos BOS tokens at random places."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY_BOS, (T,), generator=g)
+    ids[torch.randint(0, T, (num_bos,), generator=g)] = TINY_BOS
+    return ids
 
 
 def run_under_interpreter(script: str, timeout: int = 300) -> dict:
