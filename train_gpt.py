@@ -1099,8 +1099,8 @@ def adam_update_(
     if decay:
         shard.mul_(1 - lr * decay)
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-    exp_avg_sq.mul_(beta2).add_(grad.square(), alpha=1 - beta2)
-    step_size = lr * (1 - beta2**step).sqrt() / (1 - beta1**step)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  # one rounding of g^2 (1 - beta2), as the record
+    step_size = lr * ((1 - beta2**step).sqrt() / (1 - beta1**step))  # the bias corrections grouped as the record's
     shard.sub_(exp_avg / (exp_avg_sq.sqrt() + eps) * step_size)
 
 
