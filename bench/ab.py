@@ -59,6 +59,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the repository root (bench/scripts.py)
+from bench.scripts import load_script  # noqa: E402
+
 WORKTREE = "WORKTREE"
 RESIDENT_NEEDS = {"run": (), "train": ("raw_model", "adam", "muon", "rt"), "print0": (), "evaluate": ()}
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) ")
@@ -105,9 +108,8 @@ def _log_in_folder(folder: Path) -> Path:
 
 
 def _script_from_log(log: Path, target: Path) -> None:
-    sys.path.insert(0, str(REPO / "tools"))
-    from recordkit.errors import RecordsError
-    from recordkit.extract import extraction_plan
+    from tools.recordkit.errors import RecordsError
+    from tools.recordkit.extract import extraction_plan
 
     try:
         plan = extraction_plan(log, target)
@@ -182,13 +184,7 @@ def _check_script_main(script: Path, overrides: list[str]) -> None:
 
 
 def _load_module(script: Path) -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_gpt", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_gpt"] = module  # dataclasses and torch.library resolve the module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(script, "train_gpt")  # as the script itself: its custom ops are named train_gpt::...
 
 
 # =============================================================================================

@@ -26,7 +26,7 @@ import torch._dynamo.exc
 import torch._inductor.exc
 from torch.nn.attention.flex_attention import flex_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
 
 import train_gpt as tg  # noqa: E402
 from bench.gpu_timing import median_ms  # noqa: E402

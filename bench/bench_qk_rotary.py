@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
 
 import train_gpt as tg  # noqa: E402
 from bench.gpu_timing import median_ms  # noqa: E402

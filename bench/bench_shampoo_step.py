@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
 
 import train_gpt_shampoo as tgs  # noqa: E402
 from distributed_shampoo import DistributedShampoo, RootInvShampooPreconditionerConfig  # noqa: E402

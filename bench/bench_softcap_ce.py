@@ -16,17 +16,17 @@ and prints the median time of:
 """
 
 import argparse
-import importlib.util
 import sys
 import types
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
 
 import train_gpt as tg  # noqa: E402
 from bench.gpu_timing import median_ms  # noqa: E402
+from bench.scripts import load_script  # noqa: E402
 
 TOKENS, VOCAB = 49152, 50304
 # rows, columns, warps[, pipeline stages]
@@ -34,12 +34,10 @@ TILES = ((32, 128, 8), (32, 128, 8, 2), (32, 128, 4), (64, 128, 8), (32, 128, 16
 
 
 def load_module(path: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("compared_train_gpt", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"bench_softcap_ce.py: --compare {path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    try:
+        return load_script(Path(path), "compared_train_gpt")
+    except ValueError as error:
+        raise SystemExit(f"bench_softcap_ce.py: --compare {error}") from None
 
 
 def codes(t: torch.Tensor) -> torch.Tensor:

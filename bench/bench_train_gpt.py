@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO))  # the repository root (bench/scripts.py)
 
-from recordkit.errors import RecordsError  # noqa: E402
-from recordkit.parse import parse_log as parse_runs  # noqa: E402
+from tools.recordkit.errors import RecordsError  # noqa: E402
+from tools.recordkit.parse import parse_log as parse_runs  # noqa: E402
 
 
 @dataclass

@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
 
 TARGETS = ("softcap_ce", "flex", "head_matmul")
 # (label, metric-name pattern): every metric whose name matches is printed under the label

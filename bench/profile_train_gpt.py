@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
 import train_gpt as tg  # noqa: E402
-from ab import kind_of  # noqa: E402  (the kernel kinds of the A/B runner's profiles)
+from bench.ab import kind_of  # noqa: E402  (the kernel kinds of the A/B runner's profiles)
 
 WARMUP_STEPS = 4  # compile and autotune outside the profile
 PROFILED_STEPS = 2

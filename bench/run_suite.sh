@@ -41,6 +41,8 @@ fi
 if [[ $what == all || $what == shampoo ]]; then
     step shampoo_step_1gpu env CUDA_VISIBLE_DEVICES=0 python3 bench/bench_shampoo_step.py --root-streams 1,2,4,8 --memory-fractions 0.1,inf
     step eigh_probe env CUDA_VISIBLE_DEVICES=0 python3 bench/probe_eigh.py
+    # the package's GPU tests (left out of the CPU suite's collection: pyproject.toml's norecursedirs)
+    step shampoo_gpu_tests env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider distributed_shampoo/gpu_tests
     [ "$gpus" -ge 2 ] && step shampoo_step_2gpu env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc_per_node=2 bench/bench_shampoo_step.py --root-streams 1,8
 fi
 if [[ $what == all || $what == track3 ]]; then

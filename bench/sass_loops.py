@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
 
 VOCAB = 50304  # the padded vocabulary: the kernel's N
 # Instruction at an address, with an optional predicate: "/*0330*/  @!P1 LDG.E.128 R8, desc[...] ;"

@@ -14,7 +14,6 @@ synchronizing call site, by its Python stack, with how often it ran per step.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import sys
 import traceback
@@ -26,6 +25,9 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the repository root (bench/scripts.py)
+from bench.scripts import load_script  # noqa: E402
+
 STACK_DEPTH = 6  # frames shown per call site, innermost last
 
 
@@ -34,22 +36,18 @@ def call_site(limit: int = STACK_DEPTH) -> str:
     return "\n".join(f"    {Path(f.filename).name}:{f.lineno} {f.name}: {f.line}" for f in frames)
 
 
-def load_script(argv: list[str]) -> tuple[Any, list[str]]:
+def script_and_overrides(argv: list[str]) -> tuple[Any, list[str]]:
     """train_gpt.py of this checkout, or the one named by a leading --script=PATH; returns it and the overrides."""
     path = REPO / "train_gpt.py"
     if argv and argv[0].startswith("--script="):
         path, argv = Path(argv[0].split("=", 1)[1]), argv[1:]
     if not path.is_file():
         raise SystemExit(f"bench/sync_check.py: --script={path}: no such file; give a train_gpt.py")
-    spec = importlib.util.spec_from_file_location("train_gpt_checked", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module, argv
+    return load_script(path, "train_gpt_checked"), argv
 
 
 def main() -> None:
-    tg, overrides = load_script(sys.argv[1:])
+    tg, overrides = script_and_overrides(sys.argv[1:])
     if not torch.cuda.is_available():
         raise SystemExit("bench/sync_check.py: needs a CUDA GPU")
     sites: Counter[str] = Counter()

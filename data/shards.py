@@ -1,7 +1,9 @@
-"""The .bin token shard format of the NanoGPT speedrun, read and written in one place.
+"""The .bin token shard format of the NanoGPT speedrun, as the data tools read and write it (docs/shards.md).
 
 A shard is a header of 256 little-endian int32 values, [MAGIC, VERSION, num_tokens, 0, ...],
 followed by num_tokens little-endian uint16 GPT-2 token ids (format from llm.c / modded-nanogpt).
+Each training script carries its own reader and writer, so that it stays one self-contained file;
+tests/test_shared_helpers.py checks that the three write the same bytes and read each other's shards.
 """
 
 from __future__ import annotations

@@ -135,6 +135,22 @@ def test_write_shard_never_replaces_a_file(script, tmp_path):
 
 
 @pytest.mark.parametrize("script", [tg, tgs], ids=["train_gpt", "train_gpt_shampoo"])
+def test_the_scripts_and_data_shards_agree_on_the_format(script, tmp_path):
+    """The third implementation of the format, data/shards.py (the data tools'): the same bytes for the same tokens,
+    and each reads the other's shards."""
+    import shards
+
+    tokens = np.random.default_rng(0).integers(0, 50257, size=1000)
+    script.write_shard(tmp_path / "by_script.bin", tokens)
+    shards.write_shard(tmp_path / "by_data.bin", tokens)
+    assert (tmp_path / "by_script.bin").read_bytes() == (tmp_path / "by_data.bin").read_bytes()
+    assert script.read_shard(tmp_path / "by_data.bin", 50257).tolist() == tokens.tolist()
+    assert shards.read_shard(tmp_path / "by_script.bin").tolist() == tokens.tolist()
+    assert script.read_shard_header(tmp_path / "by_data.bin") == shards.read_header(tmp_path / "by_script.bin") == 1000
+    assert (script.SHARD_MAGIC, script.SHARD_VERSION, script.SHARD_HEADER_INTS) == (shards.MAGIC, shards.VERSION, shards.HEADER_INTS)
+
+
+@pytest.mark.parametrize("script", [tg, tgs], ids=["train_gpt", "train_gpt_shampoo"])
 def test_synchronize_is_no_barrier(script, monkeypatch):
     """One meaning in both scripts: wait for this process's GPU, never for the other ranks."""
     calls = []
