@@ -2533,9 +2533,7 @@ if triton is not None:
         # bare reciprocal and the two-value casts (HARDWARE), each tile's load issued one tile ahead, the target
         # column's "- 1" of the softmax gradient written once per row after the loop instead of a compare per
         # element, one 64-bit base per tile and 32-bit offsets inside it (M * N exceeds 2^31, a row block does not),
-        # and no column masks (N is a multiple of BLOCK_N; the wrapper checks): 5.76 -> 4.67 ms per record
-        # micro-step in one invocation, bitwise the same losses and codes (bench/bench_softcap_ce.py --compare
-        # with the previous kernel; Nsight Compute then: XU 79%, L2 81%, 4.56 ms). HARDWARE=False does the casts in
+        # and no column masks (N is a multiple of BLOCK_N; the wrapper checks). HARDWARE=False does the casts in
         # integer arithmetic, as the interpreter's differ from CUDA's, and the reciprocal as a division; on an H200
         # the two paths give bitwise the same bytes (bench/bench_softcap_ce.py, tests/test_train_gpt_cuda.py).
         CAP_LOG2E: tl.constexpr = CAP * 1.4426950408889634  # e^(30 s) = 2^(s * this)
@@ -2673,8 +2671,8 @@ def fp8_head_loss(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Summed soft-capped CE of the e4m3 logits (x/x_s)(w/w_s)^T (fast accumulation, bf16 out); also returns
     the FP8 copies of x and w and the e5m2 logit gradient in both layouts, all saved for the backward."""
-    # eager quantization, as in the record: 0.086-0.088 ms per tensor on an H200, where a one-pass Triton kernel that
-    # reproduced it bit for bit took 0.114-0.116 and inductor's fused version rounds differently (bench/NOTES.md, 2026-12-01, commit a440791)
+    # eager quantization, as in the record: inductor's fusion of it rounds differently, and the fastest bitwise
+    # replacement measured so far was slower (bench/NOTES.md, 2026-12-01, commit a440791)
     x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
     w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
     logits = torch._scaled_mm(x_f8, w_f8.T, scale_a=_scale(x_s, x), scale_b=_scale(w_s, x), out_dtype=torch.bfloat16, use_fast_accum=True)
@@ -2732,9 +2730,10 @@ fp8_head_loss.register_autograd(_fp8_head_loss_backward, setup_context=_fp8_head
 
 
 # ---- FlexAttention block tables without a sort ----
-# The eager formula block_tables_eager replaces: per boolean block matrix, counts = selected.sum(-1) and indices =
-# argsort(where(selected, column, -1), descending) for the kv tables, BlockMask.from_kv_blocks' stable argsort of
-# the transposed matrix for the q tables; tests/test_train_gpt_attention.py checks the two against each other.
+# block_tables_eager computes, without a sort, the tables that sorting would give: for the kv tables each row's
+# selected columns from the highest down, as a stable argsort(where(selected, column, -1), descending) lists them,
+# for the q tables what BlockMask.from_kv_blocks derives (its stable argsort of the transposed matrix);
+# tests/test_train_gpt_attention.py checks them against those sorts.
 def block_tables_eager(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
     """The four block tables of a window from its two square boolean (n, n) block matrices: counts (4, n) and indices
     (4, n, n), int32, in the order partial kv, full kv, partial q, full q. A kv table lists each query block's
@@ -2793,8 +2792,8 @@ def block_tables(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
     return counts, indices
 
 
-# inductor's own code for block_tables_eager failed to compile for CUDA (torch 2.11: an InductorError in its Triton
-# code generation, bench/NOTES.md, 2026-12-04, commit dff932c), and its sorts took 3.0 ms per step: hence an opaque op of our own
+# an opaque op: inductor's own code for block_tables_eager does not compile for CUDA (torch 2.11: an InductorError in
+# its Triton code generation; bench/NOTES.md, 2026-12-04, commit dff932c)
 @torch.library.custom_op("train_gpt::block_tables", mutates_args=())
 def block_tables_op(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
     return block_tables(partial, full)
@@ -2814,9 +2813,8 @@ def _(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
 # grad_h tile by tile in a persistent Triton matmul and applies the formula in its epilogue, so grad_h never
 # reaches memory. Its product was measured equal to cuBLAS's bit for bit on the record's shape (bf16, K = 768:
 # bench/bench_relu2_matmul.py, tests/test_train_gpt_cuda.py) and the epilogue rounds once, as the unfused kernel
-# does, so training's numbers stay the same. One H200, each pair timed back to back (bench/NOTES.md, 2026-12-02, commit b1e22df):
-# 0.520 against 0.563 ms per call for cuBLAS + the compiled formula. The forward's twin (pre and relu(pre)^2 from
-# one kernel) lost, 0.510 against 0.495, so the forward stays inductor's.
+# does, so training's numbers stay the same. One H200, each pair timed back to back (bench/NOTES.md, 2026-12-02, commit
+# b1e22df): 0.520 against 0.563 ms per call for cuBLAS + the compiled formula.
 def relu2_backward_eager(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
     """Autograd's gradient with respect to pre of F.linear(F.relu(pre).square(), w.T), given its output's gradient:
     grad_h = grad_out @ w, square's grad_h * 2 r, then relu's threshold (0 where r = relu(pre) <= 0). The CPU path
@@ -2959,10 +2957,9 @@ if triton is not None:
 # sum into its row. Each row of the gradient is written by one program. The roundings are the formula's: fp32 sums,
 # one rounding to bf16, the add in fp32 rounded to bf16. The lookups' gradient reaches the op as a bf16 tensor, as in
 # eager autograd; where inductor fused its producer into the scatter it summed the unrounded fp32 values instead
-# (found on CPU; bench/NOTES.md, 2026-12-04, commit b67afb9), a difference of one bf16 rounding per term. The tables' .grad are buffers that the
-# backward adds into (GPT.grads_into_buffers): autograd gets no gradient for them, so no AccumulateGrad
-# runs. An earlier version (zero and scatter-add the named rows with fp32 atomics, once per id; reverted in d90c116)
-# was slower than autograd's.
+# (found on CPU; bench/NOTES.md, 2026-12-04, commit b67afb9), a difference of one bf16 rounding per term. The
+# tables' .grad are buffers that the backward adds into (GPT.grads_into_buffers): autograd gets no gradient for them, so no AccumulateGrad
+# runs.
 TABLE_GRAD_TILE = (32, 256, 1)  # (sorted positions per chunk, columns per program, warps): bench/bench_embedding_grad.py
 
 if triton is not None:
