@@ -4,9 +4,10 @@ The string constants are param-group and state keys: their spelling is part of t
 """
 
 import enum
+import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 import torch
@@ -464,16 +465,23 @@ class HybridShardDistributedConfig(FullyShardDistributedConfig, DDPDistributedCo
 # -------------------------------------------------------------------------------------------------- runtime
 
 
-@dataclass(kw_only=True)
-class ShampooPT2CompileConfig:
-    """Arguments splatted into `torch.compile` for the per-group step body (same defaults as torch.compile)."""
+def _torch_compile_fields() -> list[tuple[str, Any, Any]]:
+    """(name, annotation, default field) of every parameter of this torch's `torch.compile` except `model`."""
+    return [
+        (name, parameter.annotation, field(default=parameter.default))
+        for name, parameter in inspect.signature(torch.compile).parameters.items()
+        if name != "model"
+    ]
 
-    fullgraph: bool = False
-    dynamic: bool | None = None
-    backend: str | Callable = "inductor"
-    mode: str | None = None
-    options: dict[str, Any] | None = None
-    disable: bool = False
+
+# Keyword-only; its fields are `torch.compile`'s parameters but `model`, with their defaults, read from the torch in
+# use (so they change with the torch version, as in the published optimizer), and `dataclasses.asdict` of it is
+# splatted into `torch.compile` for the per-group step body.
+ShampooPT2CompileConfig = make_dataclass("ShampooPT2CompileConfig", _torch_compile_fields(), kw_only=True)
+ShampooPT2CompileConfig.__module__ = __name__
+ShampooPT2CompileConfig.__doc__ = (
+    "Arguments of `torch.compile` (all but `model`, with its defaults) for the compiled part of each step."
+)
 
 
 @dataclass(kw_only=True)

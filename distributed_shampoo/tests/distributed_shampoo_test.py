@@ -133,6 +133,26 @@ def random_problem(num_steps: int, dtype: torch.dtype) -> tuple[list[Tensor], li
 @pytest.mark.parametrize("num_steps", [1, 7])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_matches_plain_float64_reference(num_steps: int, dtype: torch.dtype) -> None:
+    _compare_with_reference(num_steps, dtype)
+
+
+def test_compile_config_mirrors_torch_compile_and_compiled_steps_match_the_float64_reference() -> None:
+    """The published ShampooPT2CompileConfig: keyword-only, one field per torch.compile parameter but `model`, with
+    torch.compile's defaults (backend None included); its fields are splatted into torch.compile."""
+    import dataclasses
+    import inspect
+
+    from distributed_shampoo import ShampooPT2CompileConfig
+
+    parameters = {n: p.default for n, p in inspect.signature(torch.compile).parameters.items() if n != "model"}
+    config = ShampooPT2CompileConfig()
+    assert dataclasses.asdict(config) == parameters and config.backend is None
+    with pytest.raises(TypeError):
+        ShampooPT2CompileConfig(False)  # type: ignore[misc]  # keyword-only
+    _compare_with_reference(7, torch.float64, shampoo_pt2_compile_config=ShampooPT2CompileConfig(backend="eager"))
+
+
+def _compare_with_reference(num_steps: int, dtype: torch.dtype, **optimizer_extra: Any) -> None:
     c = dict(lr=0.05, betas=(0.9, 0.95), epsilon=1e-6, weight_decay=0.2, frequency=2, start=3, graft_beta2=0.95, graft_eps=1e-8)
     initial, grads = random_problem(num_steps, dtype)
 
@@ -148,6 +168,7 @@ def test_matches_plain_float64_reference(num_steps: int, dtype: torch.dtype) -> 
         start_preconditioning_step=c["start"],
         grafting_config=AdamPreconditionerConfig(beta2=c["graft_beta2"], epsilon=c["graft_eps"]),
         preconditioner_config=RootInvShampooPreconditionerConfig(factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype),
+        **optimizer_extra,
     )
     weights = [value.to(torch.float64).clone() for value in initial]
     blocks = [ReferenceBlock(tuple(b.shape)) for w in weights for b in reference_blocks(w)]
