@@ -276,6 +276,7 @@ def _make_preconditioner_list(
                 use_bias_correction=group[USE_BIAS_CORRECTION] and not drop,
                 num_amortized_computation_streams=runtime_config.num_amortized_computation_streams,
                 concurrent_memory_fraction=runtime_config.concurrent_memory_fraction,
+                batch_same_shape_blocks=runtime_config.batch_same_shape_blocks,
             )
     raise NotImplementedError(f"{config=} not supported!")
 

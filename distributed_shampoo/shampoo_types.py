@@ -516,11 +516,17 @@ class ShampooRuntimeConfig:
     start only while their estimated total stays within the largest one's plus this fraction of the
     preconditioner state, so that a root step's peak stays near 1 + fraction times the state plus one
     decomposition; `math.inf` removes the bound (faster root steps, more memory: see the package README).
+    `batch_same_shape_blocks=True` (a package extension) keeps the square factors and inverse roots of
+    same-shape matrix blocks of `RootInvShampooPreconditionerConfig(use_symmetric_packing=False)` in shared
+    stacks and updates and applies them with batched matmuls (a few blocks at a time, within 2% of the state),
+    instead of one matmul per block: fewer, larger kernels. Bitwise equal to the per-block path on the CPU
+    (tested); on CUDA batched and single matmuls may round differently, which `gpu_tests/` checks.
     """
 
     eager_nan_check: bool = False
     num_amortized_computation_streams: int = 1
     concurrent_memory_fraction: float = DEFAULT_CONCURRENT_MEMORY_FRACTION
+    batch_same_shape_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.num_amortized_computation_streams < 1:
