@@ -16,7 +16,8 @@ then, with cuSOLVER in float32, from 2/4/8 host threads each on its own CUDA str
 wall time into GPU kernel time and the rest. The table comes last, with the sum over both sizes: a root step's
 eigendecompositions alone, one after another.
 
-    python bench/probe_eigh.py                               # one GPU, 3-5 minutes
+    python bench/probe_eigh.py                               # one GPU, a few minutes
+    python bench/probe_eigh.py --sizes 3072:24               # one size only (e.g. to split the call)
     python bench/probe_eigh.py --device cpu --sizes 64:3,32:4 --repeats 1   # small, to check the script
 
 The matrices are random symmetric positive definite (X·Xᵀ/k with X of k = 4n columns), not real factors:
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -39,6 +41,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distributed_shampoo.utils.shampoo_utils import run_on_side_streams  # noqa: E402
+
+T = TypeVar("T")
 
 FACTOR_SET = {3072: 24, 768: 120}  # size: count, for the 72 Track 3 matrices
 THREAD_COUNTS = (2, 4, 8)
@@ -49,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--sizes", default=",".join(f"{size}:{count}" for size, count in FACTOR_SET.items()),
                         help="comma-separated size:count of the factor set (default: the Track 3 record's)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed calls per measurement (the fastest counts)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed calls per measurement, after an untimed one (the fastest counts)")
     args = parser.parse_args()
     try:
         args.sizes = {int(size): int(count) for size, count in (item.split(":") for item in args.sizes.split(","))}
@@ -76,9 +80,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def best_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Fastest of `repeats` timed calls after one untimed call, in ms."""
-    fn()
+def best_ms(fn: Callable[[], T], device: torch.device, repeats: int) -> tuple[float, T]:
+    """(fastest of `repeats` timed calls after one untimed call, in ms; the untimed call's result)."""
+    result = fn()
     synchronize(device)
     best = math.inf
     for _ in range(repeats):
@@ -86,7 +90,7 @@ def best_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> flo
         fn()
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return 1e3 * best
+    return 1e3 * best, result
 
 
 def eigh_in(dtype: torch.dtype, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,9 +128,9 @@ class Row:
 def measure(matrices: list[torch.Tensor], library: str, dtype: torch.dtype, device: torch.device, repeats: int) -> Row:
     if device.type == "cuda":
         torch.backends.cuda.preferred_linalg_library(library)
-    single_ms = best_ms(lambda: one_by_one(matrices, dtype), device, repeats)
-    batched_ms = best_ms(lambda: batched(matrices, dtype), device, repeats)
-    equal = bitwise_equal(one_by_one(matrices, dtype), batched(matrices, dtype))
+    single_ms, single = best_ms(lambda: one_by_one(matrices, dtype), device, repeats)
+    batched_ms, stacked = best_ms(lambda: batched(matrices, dtype), device, repeats)
+    equal = bitwise_equal(single, stacked)
     name = str(dtype).removeprefix("torch.")
     return Row(matrices[0].shape[0], len(matrices), library, name, single_ms, batched_ms, equal)
 
@@ -190,7 +194,7 @@ def main() -> None:
                       f"batched {rows[-1].batched_ms:.1f} ms", flush=True)
         if cuda:
             torch.backends.cuda.preferred_linalg_library("cusolver")
-            threads = {t: best_ms(on_threads(matrices, t), device, args.repeats) for t in THREAD_COUNTS}
+            threads = {t: best_ms(on_threads(matrices, t), device, args.repeats)[0] for t in THREAD_COUNTS}
             print(f"{count} x {size}, cusolver, float32, threads/streams: "
                   + ", ".join(f"{t}: {ms:.1f} ms" for t, ms in threads.items()), flush=True)
             wall, busy, events, top = kernel_share(matrices[0])

@@ -440,7 +440,9 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     def _after_amortized_computation(self, masked_grad_list: tuple[Tensor, ...]) -> None:
         """Per-step work that needs this step's factors and eigenbasis (eigenvalue correction)."""
 
-    def _precondition_batch(self, stacks: _BlockStacks, first: int, grads: list[Tensor], block: ShampooKroneckerFactorsUnwrapped) -> tuple[Tensor, ...]:
+    def _precondition_batch(
+        self, stacks: _BlockStacks, first: int, grads: list[Tensor], block: ShampooKroneckerFactorsUnwrapped
+    ) -> tuple[Tensor, ...]:
         """The directions of the batched blocks `first`, `first + 1`, … of `stacks` (`block` is the first of them),
         bitwise those of `_precondition_block`."""
         raise NotImplementedError(f"{type(self).__name__} does not precondition batched blocks.")
@@ -812,7 +814,9 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
     def _block_inverse_roots(self, block: ShampooKroneckerFactorsUnwrapped) -> tuple[Tensor, ...]:
         return tuple(map(self._square, block.inv_factor_matrices))
 
-    def _precondition_batch(self, stacks: _BlockStacks, first: int, grads: list[Tensor], block: ShampooKroneckerFactorsUnwrapped) -> tuple[Tensor, ...]:
+    def _precondition_batch(
+        self, stacks: _BlockStacks, first: int, grads: list[Tensor], block: ShampooKroneckerFactorsUnwrapped
+    ) -> tuple[Tensor, ...]:
         # L·G·R as `_precondition_grad` forms it for each block: Gᵀ·L (contracting the rows), then its rows with R.
         end = first + len(grads)
         inverse_roots = [stacks.stack_of(root)[first:end] for root in block.inv_factor_matrices]
