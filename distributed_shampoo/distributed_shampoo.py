@@ -277,6 +277,7 @@ def _make_preconditioner_list(
                 num_amortized_computation_streams=runtime_config.num_amortized_computation_streams,
                 concurrent_memory_fraction=runtime_config.concurrent_memory_fraction,
                 batch_same_shape_blocks=runtime_config.batch_same_shape_blocks,
+                defer_amortized_computation=runtime_config.defer_amortized_computation,
             )
     raise NotImplementedError(f"{config=} not supported!")
 
@@ -401,6 +402,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._runtime_config = shampoo_runtime_config
         self._mode_before_load: bool | None = None  # train/eval mode to restore after load_state_dict
 
+        self.register_state_dict_pre_hook(DistributedShampoo._pre_state_dict_hook)
         self.register_state_dict_post_hook(DistributedShampoo._post_state_dict_hook)
         self.register_load_state_dict_pre_hook(DistributedShampoo._pre_load_state_dict_hook)
         self.register_load_state_dict_post_hook(DistributedShampoo._post_load_state_dict_hook)
@@ -529,6 +531,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any], runtime: _GroupRuntime) -> None:
+        runtime.shampoo.finish_amortized_computation()  # the previous step's deferred roots, if any
         distributor = runtime.distributor
         masked_grads = distributor.merge_and_block_gradients()
         if distributor.local_grad_selector != runtime.previous_grad_selector:
@@ -560,7 +563,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         if weight_decay != 0.0 and weight_decay_type == WeightDecayType.L2:
             torch._foreach_add_(masked_grads, masked_params, alpha=weight_decay)
 
-        runtime.shampoo.update_preconditioners(masked_grads, step, perform_amortized_computation)
+        defer = perform_amortized_computation and runtime.shampoo.defers_amortized_computation
+        runtime.shampoo.update_preconditioners(masked_grads, step, perform_amortized_computation and not defer)
         if runtime.grafting is not None:
             runtime.grafting.update_preconditioners(masked_grads, step, False)
 
@@ -573,14 +577,16 @@ class DistributedShampoo(torch.optim.Optimizer):
             distributor.update_params(
                 self._search_directions(group, runtime, step, use_grafting_method, masked_grads, masked_params, 0)
             )
-            return
-        for first, end in parts:
-            search_directions = self._search_directions(
-                group, runtime, step, use_grafting_method, masked_grads[first:end], masked_params[first:end], first
-            )
-            distributor.update_local_params(search_directions, first)
-            del search_directions  # before the next part allocates its own
-        distributor.finish_param_updates()
+        else:
+            for first, end in parts:
+                search_directions = self._search_directions(
+                    group, runtime, step, use_grafting_method, masked_grads[first:end], masked_params[first:end], first
+                )
+                distributor.update_local_params(search_directions, first)
+                del search_directions  # before the next part allocates its own
+            distributor.finish_param_updates()
+        if defer:  # this step's roots, from this step's factors, for the next step
+            runtime.shampoo.start_amortized_computation()
 
     def _direction_parts(
         self, runtime: _GroupRuntime, masked_grads: tuple[Tensor, ...], masked_params: tuple[Tensor, ...]
@@ -690,6 +696,17 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     # ---- checkpointing
 
+    def finish_amortized_computations(self) -> None:
+        """Wait for root computations still running after their step (`defer_amortized_computation`) and store their
+        results; a no-op otherwise. `step()`, `state_dict()` and `load_state_dict()` call it first."""
+        for runtime in self._group_runtimes:
+            runtime.shampoo.finish_amortized_computation()
+
+    @staticmethod
+    def _pre_state_dict_hook(optimizer: torch.optim.Optimizer) -> None:
+        assert isinstance(optimizer, DistributedShampoo)
+        optimizer.finish_amortized_computations()
+
     @staticmethod
     def _post_state_dict_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         state = state_dict["state"]
@@ -709,6 +726,7 @@ class DistributedShampoo(torch.optim.Optimizer):
     @staticmethod
     def _pre_load_state_dict_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         assert isinstance(optimizer, DistributedShampoo)
+        optimizer.finish_amortized_computations()  # nothing may write into the state being replaced
         modes = {bool(runtime.train_mode) for runtime in optimizer._group_runtimes if runtime.train_mode is not None}
         assert len(modes) <= 1, "All iterate-averaging param groups must be in the same train/eval mode."
         optimizer._mode_before_load = modes.pop() if modes else None

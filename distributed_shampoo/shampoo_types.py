@@ -521,12 +521,18 @@ class ShampooRuntimeConfig:
     stacks and updates and applies them with batched matmuls (a few blocks at a time, within 2% of the state),
     instead of one matmul per block: fewer, larger kernels. Bitwise equal to the per-block path on the CPU
     (tested); on CUDA batched and single matmuls may round differently, which `gpu_tests/` checks.
+    `defer_amortized_computation=True` (a package extension) CHANGES THE MATH, hence off: a root step computes
+    its roots from that step's factors after the step, on a host thread and CUDA stream of its own, while the
+    caller goes on (with the next forward and backward), and the roots are first used at the next step, whose
+    `step()` waits for them; the step itself still uses the previous roots. So every root is one step older than
+    in the published optimizer. Results equal computing the same roots at the end of the step without overlap.
     """
 
     eager_nan_check: bool = False
     num_amortized_computation_streams: int = 1
     concurrent_memory_fraction: float = DEFAULT_CONCURRENT_MEMORY_FRACTION
     batch_same_shape_blocks: bool = False
+    defer_amortized_computation: bool = False
 
     def __post_init__(self) -> None:
         if self.num_amortized_computation_streams < 1:

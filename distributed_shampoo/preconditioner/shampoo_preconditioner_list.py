@@ -31,8 +31,10 @@ import logging
 import math
 import os
 import tempfile
+import threading
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from functools import partial
@@ -331,8 +333,14 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         num_amortized_computation_streams: int = 1,
         concurrent_memory_fraction: float = DEFAULT_CONCURRENT_MEMORY_FRACTION,
         batch_same_shape_blocks: bool = False,
+        defer_amortized_computation: bool = False,
     ) -> None:
         super().__init__(block_list, beta2, weighting_factor, epsilon, use_bias_correction)
+        # Flipping a process-wide flag from a background thread would change the caller's matmuls too.
+        self.defers_amortized_computation = defer_amortized_computation and not changes_global_state(
+            preconditioner_config.amortized_computation_config
+        )
+        self._in_background: _BackgroundComputation | None = None
         self._preconditioner_config = preconditioner_config
         self._packed = preconditioner_config.use_symmetric_packing
         if num_amortized_computation_streams < 1:
@@ -598,15 +606,35 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         are stored by copying (bounded by 2·d²)."""
         return 2 * dimension * dimension
 
+    def start_amortized_computation(self) -> None:
+        """The amortized computation of the masked blocks, from their factors as they are now, on a host thread and
+        (on CUDA) a stream of its own, which waits for the work queued so far; `finish_amortized_computation` waits
+        for it. The caller must not change the factors or read the results before then."""
+        assert self.defers_amortized_computation, "start_amortized_computation needs defer_amortized_computation"
+        self.finish_amortized_computation()
+        blocks = self._masked_blocks
+        if not blocks:
+            return
+        device = blocks[0].factor_matrices[0].device if blocks[0].factor_matrices else torch.device("cpu")
+        load_linalg_library(device)  # its lazy first call is not thread safe: make it here, on the caller's thread
+        self._in_background = _BackgroundComputation(partial(self._amortized_computation, blocks), device)
+
+    def finish_amortized_computation(self) -> None:
+        if self._in_background is not None:
+            in_background, self._in_background = self._in_background, None
+            in_background.wait()
+
     @profile_decorator
-    def _amortized_computation(self) -> None:
-        """Recompute every masked factor's result, one factor per task; then update the failure counters.
+    def _amortized_computation(self, blocks: tuple[ShampooKroneckerFactorsUnwrapped, ...] | None = None) -> None:
+        """Recompute every factor's result of `blocks` (default: the masked blocks), one factor per task; then
+        update the failure counters.
 
         With several streams (CUDA only) the tasks run concurrently, largest first so that the big
         decompositions start early, while their estimated temporaries stay within the largest one's plus
         the concurrent memory fraction of the state; each result is bitwise the sequential one.
         """
-        work = [(block, j) for block in self._masked_blocks for j in range(len(block.factor_matrices))]
+        blocks = self._masked_blocks if blocks is None else blocks
+        work = [(block, j) for block in blocks for j in range(len(block.factor_matrices))]
         if not work:
             return
         streams = self._num_amortized_computation_streams
@@ -616,7 +644,7 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
 
         last_exception = {id(block): outcome for (block, _), outcome in zip(work, outcomes, strict=True) if outcome is not None}
         tolerance = self._preconditioner_config.num_tolerated_failed_amortized_computations
-        for block in self._masked_blocks:
+        for block in blocks:
             if id(block) not in last_exception:
                 block.failed_amortized_computation_counter = 0
                 continue
@@ -728,6 +756,50 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         """Temporaries of preconditioning a batched block: its stacked gradient, the half-way product and the result."""
         rows, columns = block.factor_dims
         return 3 * rows * columns * block.factor_matrices[0].element_size()
+
+
+# Per process and device: the CUDA stream (None off CUDA) and the host thread that deferred root computations run
+# on. Persistent, as the side streams of `run_on_side_streams` are: the caching allocator keeps freed memory per
+# stream, and torch keeps a cuBLAS workspace per (thread's handle, stream) pair, so new ones at every root step
+# would hold ever more memory.
+_BACKGROUND_WORKERS: dict[tuple[int, torch.device], tuple["torch.cuda.Stream | None", ThreadPoolExecutor]] = {}
+_BACKGROUND_WORKERS_LOCK = threading.Lock()
+
+
+def _background_worker(device: torch.device) -> tuple["torch.cuda.Stream | None", ThreadPoolExecutor]:
+    key = (os.getpid(), torch.device(device))
+    with _BACKGROUND_WORKERS_LOCK:
+        if key not in _BACKGROUND_WORKERS:
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            _BACKGROUND_WORKERS[key] = (stream, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shampoo-deferred-{device}"))
+        return _BACKGROUND_WORKERS[key]
+
+
+class _BackgroundComputation:
+    """`function()` on the device's background thread and (on CUDA) stream, which first waits for the work queued
+    on the caller's stream. `wait()` waits for the function, makes the caller's stream wait for the background
+    stream, and raises what the function raised."""
+
+    def __init__(self, function: Callable[[], None], device: torch.device) -> None:
+        self._device = device
+        self._stream, executor = _background_worker(device)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+        self._future = executor.submit(self._run, function)
+
+    def _run(self, function: Callable[[], None]) -> None:
+        if self._stream is None:
+            function()
+            return
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            function()
+
+    def wait(self) -> None:
+        try:
+            self._future.result()
+        finally:
+            if self._stream is not None:
+                torch.cuda.current_stream(self._device).wait_stream(self._stream)
 
 
 def _tensors_of(value: Any) -> tuple[Tensor, ...]:
