@@ -787,6 +787,7 @@ class _BackgroundComputation:
             self._stream.wait_stream(torch.cuda.current_stream(device))
         self._future = executor.submit(self._run, function)
 
+    @torch.no_grad()  # grad mode is per thread; the step's no_grad does not reach this one
     def _run(self, function: Callable[[], None]) -> None:
         if self._stream is None:
             function()
