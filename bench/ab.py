@@ -29,8 +29,18 @@ comparison in one invocation is a comparison):
     the exit status is 3 (a worker once hung before its first step until the call was killed, and the call's
     output went with it: bench/NOTES.md, 2026-12-02, commit 1c45907). On a lent machine: a little below the call's limit.
 
-A version whose script lacks train_gpt.py's run()/train() structure (e.g. an older record's own script)
-is timed whole-run: each round is a fresh process with the compile caches of its first (untimed) run,
+Track 3 (`--train-script train_gpt_shampoo.py`): the versions are that script (and the distributed_shampoo package of
+the same revision, log or working tree), and --baseline-flags / --candidate-flags add overrides to one side only,
+so one invocation can also compare two flag sets of one version, e.g. Shampoo against its AdamW ablation:
+
+    python bench/ab.py --train-script train_gpt_shampoo.py --baseline WORKTREE --candidate WORKTREE \
+        --baseline-flags=--matrix_optimizer=adamw --rounds 2 -- <train_gpt_shampoo.py overrides>
+
+Its resident workers run the script's own trials: each round is one run_trial() (fresh initialisation with the
+round's seed, fresh optimizers and loader, as a trial of the script is), timed over steps skip..T of its
+train_step() calls with the validations inside the segment left out.
+
+A version whose script lacks either structure (e.g. an older record's own script) is timed whole-run: each round is a fresh process with the compile caches of its first (untimed) run,
 timed from its own step lines. Results: a table on stdout and a JSON file (--json, default beside the
 extracted versions in bench/out/ab/<time>/).
 """
@@ -47,6 +57,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -64,8 +75,10 @@ from bench.scripts import load_script  # noqa: E402
 
 WORKTREE = "WORKTREE"
 RESIDENT_NEEDS = {"run": (), "train": ("raw_model", "adam", "muon", "rt"), "print0": (), "evaluate": ()}
+# train_gpt_shampoo.py: main() runs trials, each run_trial() calls train_step() per step and evaluate()
+TRIALS_NEEDS = {"main": (), "run_trial": ("session", "trial", "resume"), "train_step": (), "evaluate": ()}
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) ")
-TRAIN_TIME = re.compile(r"train_time:(\d+)ms")
+TRAIN_TIME = re.compile(r"train_time:([0-9.]+)(ms|s)\b")
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.naife]+)")
 PEAK_LINE = re.compile(r"peak memory allocated: (\d+) MiB")
 POLL_S = 0.02
@@ -89,8 +102,12 @@ class Version:
     label: str  # "baseline" / "candidate"
     spec: str  # what the user passed
     origin: str  # where the script came from, in words
-    script: Path  # the extracted train_gpt.py
-    mode: str  # "resident" or "whole-run"
+    script: Path  # the extracted training script
+    mode: str  # "resident", "trials" or "whole-run"
+    flags: list[str] = field(default_factory=list)  # overrides of this version only (after the common ones)
+
+    def overrides(self, common: list[str]) -> list[str]:
+        return [*common, *self.flags]
 
 
 def _git(*args: str) -> str:
@@ -120,14 +137,18 @@ def _script_from_log(log: Path, target: Path) -> None:
         path.write_text(text)
 
 
-def resolve_version(label: str, spec: str, folder: Path) -> Version:
-    """Writes the version's script to folder/label/train_gpt.py and classifies it."""
-    target = folder / label / "train_gpt.py"
+def resolve_version(label: str, spec: str, folder: Path, script: str = "train_gpt.py", flags: list[str] | None = None) -> Version:
+    """Writes the version's script to folder/label/<script> and classifies it. A revision's distributed_shampoo
+    package goes beside its script when the script uses it; the working tree's stays where it is (the workers
+    import it from the repository)."""
+    target = folder / label / script
     target.parent.mkdir(parents=True, exist_ok=True)
     path = Path(spec)
     if spec == WORKTREE:
-        shutil.copyfile(REPO / "train_gpt.py", target)
-        origin = "the working tree's train_gpt.py"
+        if not (REPO / script).is_file():
+            raise ABError(f"--train-script={script}: no such file in the working tree {REPO}")
+        shutil.copyfile(REPO / script, target)
+        origin = f"the working tree's {script}"
     elif path.is_dir():
         log = _log_in_folder(path)
         _script_from_log(log, target)
@@ -140,30 +161,52 @@ def resolve_version(label: str, spec: str, folder: Path) -> Version:
         origin = f"the script embedded in {path}"
     else:
         commit = _git("rev-parse", "--short", f"{spec}^{{commit}}").strip()
-        target.write_text(_git("show", f"{commit}:train_gpt.py"))
-        origin = f"train_gpt.py at {spec} ({commit})"
-    return Version(label, spec, origin, target, classify(target))
+        target.write_text(_git("show", f"{commit}:{script}"))
+        origin = f"{script} at {spec} ({commit})"
+        if "distributed_shampoo" in target.read_text():
+            _extract_package(commit, target.parent)
+            origin += " with its distributed_shampoo"
+    return Version(label, spec, origin, target, classify(target), list(flags or []))
+
+
+def _extract_package(commit: str, folder: Path) -> None:
+    """The revision's distributed_shampoo/ into folder (git archive, read with tarfile)."""
+    import io
+    import tarfile
+
+    result = subprocess.run(["git", "archive", commit, "distributed_shampoo"], cwd=REPO, capture_output=True)
+    if result.returncode != 0:
+        raise ABError(f"git archive {commit} distributed_shampoo: {result.stderr.decode(errors='replace').strip() or 'failed'}")
+    with tarfile.open(fileobj=io.BytesIO(result.stdout)) as archive:
+        archive.extractall(folder, filter="data")
 
 
 def classify(script: Path) -> str:
-    """resident when the script has train_gpt.py's structure (run, train with the objects a round resets)."""
+    """resident when the script has train_gpt.py's structure (run, train with the objects a round resets); trials
+    when it has train_gpt_shampoo.py's (main, run_trial, train_step, evaluate); whole-run otherwise."""
     try:
         tree = ast.parse(script.read_text(), filename=str(script))
     except SyntaxError as error:
         raise ABError(f"{script}: not valid Python ({error.msg}, line {error.lineno})") from None
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    for name, params in RESIDENT_NEEDS.items():
-        if name not in functions:
-            return "whole-run"
-        names = {arg.arg for arg in functions[name].args.args + functions[name].args.kwonlyargs}
-        if not set(params) <= names:
-            return "whole-run"
-    return "resident"
+
+    def has(needs: dict[str, tuple[str, ...]]) -> bool:
+        for name, params in needs.items():
+            if name not in functions:
+                return False
+            names = {arg.arg for arg in functions[name].args.args + functions[name].args.kwonlyargs}
+            if not set(params) <= names:
+                return False
+        return True
+
+    if has(RESIDENT_NEEDS):
+        return "resident"
+    return "trials" if has(TRIALS_NEEDS) else "whole-run"
 
 
 def check_version(version: Version, overrides: list[str]) -> dict[str, Any]:
-    """Imports the version in a fresh interpreter and parses the overrides with its own parser."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--check-script", str(version.script), "--", *overrides]
+    """Imports the version in a fresh interpreter and parses its overrides with its own parser."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--check-script", str(version.script), "--", *version.overrides(overrides)]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if result.returncode != 0:
         last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
@@ -172,15 +215,25 @@ def check_version(version: Version, overrides: list[str]) -> dict[str, Any]:
 
 
 def _check_script_main(script: Path, overrides: list[str]) -> None:
+    _import_path_for(script)
     module = _load_module(script)
     if hasattr(module, "parse_args"):
         try:
             hp = module.parse_args(overrides)[0]
         except module.UserError as error:
             raise SystemExit(f"{script}: {error}")
-        print(json.dumps({"train_steps": int(hp.num_iterations + getattr(hp, "iteration_extension", 0))}))
+        steps = hp.train_steps if hasattr(hp, "train_steps") else hp.num_iterations + getattr(hp, "iteration_extension", 0)
+        print(json.dumps({"train_steps": int(steps)}))
     else:
         print(json.dumps({"train_steps": None}))
+
+
+def _import_path_for(script: Path) -> None:
+    """Where the script's own imports (distributed_shampoo) come from: a package extracted beside it, else the
+    repository's."""
+    sys.path.insert(0, str(REPO))
+    if (script.parent / "distributed_shampoo").is_dir():
+        sys.path.insert(0, str(script.parent.resolve()))
 
 
 def _load_module(script: Path) -> Any:
@@ -394,7 +447,11 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
+    _import_path_for(args.script)
     module = _load_module(args.script)
+    if classify(args.script) == "trials":
+        trials_worker(module, args, overrides, control, rank)
+        return
     original_train, original_print0, original_evaluate = module.train, module.print0, module.evaluate
     timer = RoundTimer(args.skip)
 
@@ -493,6 +550,92 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
     module.run(overrides)
 
 
+def trials_worker(module: Any, args: argparse.Namespace, overrides: list[str], control: Control, rank: int) -> None:
+    """A train_gpt_shampoo.py-style version, resident: the script's own main() runs its single trial through this
+    worker's run_trial, which trains one trial per round (the round's seed set just before it, so both versions
+    start from the same initialisation) and times it through train_step and evaluate."""
+    import torch
+
+    original_run_trial, original_train_step, original_evaluate = module.run_trial, module.train_step, module.evaluate
+    timer = RoundTimer(args.skip)
+    progress = dict(steps=0, total=0)
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def train_step(*a: Any, **k: Any) -> Any:
+        if progress["steps"] == timer.first_step:
+            sync()
+            timer.marks[timer.first_step] = time.perf_counter()
+            timer.segment_open = True
+            if timer.profile is not None:
+                timer.profile.start()
+        result = original_train_step(*a, **k)
+        progress["steps"] += 1
+        if timer.profile is not None and progress["steps"] == timer.first_step + timer.profile_steps:
+            sync()
+            timer.profile.stop()
+            raise _EndRound()
+        if progress["steps"] == progress["total"]:
+            sync()
+            timer.marks[progress["total"]] = time.perf_counter()
+            timer.segment_open = False
+        return result
+
+    def evaluate(*a: Any, **k: Any) -> Any:
+        sync()
+        start = time.perf_counter()
+        result = original_evaluate(*a, **k)
+        sync()
+        if timer.segment_open:
+            timer.eval_inside_s += time.perf_counter() - start
+        return result
+
+    def start_round(session: Any, seed: int) -> None:
+        torch.manual_seed(seed)
+        progress.update(steps=0, total=session.hp.train_steps)
+        timer.marks, timer.eval_inside_s, timer.segment_open = {}, 0.0, False
+
+    def rounds_of_trials(session: Any, trial: int, resume: Any) -> Any:
+        if rank == 0:
+            control.signal("ready", dict(pid=os.getpid(), device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"))
+        result = module.TrialResult({})
+        for index, seed in enumerate(args.seeds):
+            if control.wait_first((f"go{index}", "stop")) == "stop":  # the coordinator's time limit
+                return result
+            start_round(session, seed)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            result = original_run_trial(session, trial, None)
+            total = progress["total"]
+            segment_s = timer.marks[total] - timer.marks[timer.first_step] - timer.eval_inside_s
+            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+            if rank == 0:
+                control.signal(
+                    f"result{index}",
+                    dict(seed=seed, ms_per_step=1000 * segment_s / (total - timer.first_step), steps=[timer.first_step, total],
+                         val_loss=float(result.val_losses[max(result.val_losses)]), peak_allocated_mib=peak / 2**20),
+                )
+        if args.profile_steps and control.wait_first(("go_profile", "stop")) == "go_profile":
+            start_round(session, args.seeds[0])
+            timer.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            timer.profile_steps = args.profile_steps
+            try:
+                original_run_trial(session, trial, None)
+            except _EndRound:
+                pass
+            if rank == 0:
+                if args.trace is not None:
+                    args.trace.mkdir(parents=True, exist_ok=True)
+                    timer.profile.export_chrome_trace(str(args.trace / f"{args.label}.trace.json.gz"))
+                control.signal("profile", dict(kernels=_kernel_table(timer.profile, args.profile_steps) if torch.cuda.is_available() else []))
+        return result
+
+    module.run_trial, module.train_step, module.evaluate = rounds_of_trials, train_step, evaluate
+    module.main([*overrides, "--num_trials=1"])  # one trial of the script's: this worker's rounds
+
+
 # =============================================================================================
 # Coordinator
 # =============================================================================================
@@ -577,6 +720,11 @@ class ResidentVersion:
             raise ABError(f"{self.version.label}: worker exited with status {code}; see {self.control.path('out')}")
 
 
+def train_time_ms(match: re.Match) -> float:
+    """A step line's train_time in ms: train_gpt.py writes whole ms, train_gpt_shampoo.py seconds."""
+    return float(match[1]) * (1.0 if match[2] == "ms" else 1000.0)
+
+
 class WholeRunVersion:
     """Each round a fresh run of the script (compile caches kept from its untimed first run)."""
 
@@ -612,7 +760,7 @@ class WholeRunVersion:
 
     def run_round(self, index: int) -> RoundResult:
         text = self._run()
-        times = {int(m[1]): int(t[1]) for line in text.splitlines() if (m := STEP_LINE.match(line)) and (t := TRAIN_TIME.search(line))}
+        times = {int(m[1]): train_time_ms(t) for line in text.splitlines() if (m := STEP_LINE.match(line)) and (t := TRAIN_TIME.search(line))}
         vals = [float(m[3]) for line in text.splitlines() if (m := VAL_LINE.match(line))]
         peaks = PEAK_LINE.findall(text)
         last = max(times, default=0)
@@ -801,9 +949,13 @@ def summarize(baseline: list[RoundResult], candidate: list[RoundResult]) -> dict
     )
 
 
+def describe_flags(version: Version) -> str:
+    return f" with {' '.join(version.flags)}" if version.flags else ""
+
+
 def print_report(versions: list[Version], baseline: list[RoundResult], candidate: list[RoundResult], summary: dict, profiles: dict) -> None:
     for v in versions:
-        print(f"{v.label}: {v.origin} [{v.mode}]")
+        print(f"{v.label}: {v.origin}{describe_flags(v)} [{v.mode}]")
     print(f"{'round':>5} {'seed':>5} {'baseline ms/step':>17} {'candidate ms/step':>18} {'B/A':>7} {'val A':>8} {'val B':>8}")
     for i, (b, c) in enumerate(zip(baseline, candidate)):
         seed = "-" if b.seed is None else str(b.seed)
@@ -835,6 +987,12 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         prog="bench/ab.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="python bench/ab.py [--baseline V] [--candidate V] [--nproc N] [--rounds R] [options] -- <train_gpt.py overrides>",
     )
+    parser.add_argument(
+        "--train-script", default="train_gpt.py",
+        help="the training script the versions are taken from (default train_gpt.py; train_gpt_shampoo.py for Track 3)",
+    )
+    parser.add_argument("--baseline-flags", default="", help="overrides for the baseline only, after the common ones (quoted, e.g. --baseline-flags=--matrix_optimizer=adamw)")
+    parser.add_argument("--candidate-flags", default="", help="overrides for the candidate only, after the common ones")
     parser.add_argument("--baseline", default="HEAD", help="git revision, .py file, log or record folder (default: HEAD)")
     parser.add_argument("--candidate", default=WORKTREE, help=f"same kinds, or {WORKTREE} (default: the working tree)")
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per version: 1, 2, 4 or 8 (default 1)")
@@ -879,6 +1037,11 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             parser.error("--rounds and --skip must be >= 1, --profile-steps, --time-limit and --deadline >= 0")
         if args.trace is not None and not args.profile_steps:
             parser.error("--trace writes the profiled steps' timeline: give --profile-steps N too")
+        for name in ("baseline_flags", "candidate_flags"):
+            try:
+                shlex.split(getattr(args, name))
+            except ValueError as error:
+                parser.error(f"--{name.replace('_', '-')}: {error}")
         args.seeds = list(range(1, args.rounds + 1))
     return args, overrides
 
@@ -888,10 +1051,13 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     folder = (args.out or REPO / "bench" / "out" / "ab" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     check_fresh(folder)
-    versions = [resolve_version("baseline", args.baseline, folder), resolve_version("candidate", args.candidate, folder)]
+    versions = [
+        resolve_version("baseline", args.baseline, folder, args.train_script, shlex.split(args.baseline_flags)),
+        resolve_version("candidate", args.candidate, folder, args.train_script, shlex.split(args.candidate_flags)),
+    ]
     steps = {v.label: check_version(v, overrides)["train_steps"] for v in versions}
     for v in versions:
-        print(f"{v.label}: {v.origin} -> {v.script} [{v.mode}], {steps[v.label] or 'unknown'} training steps")
+        print(f"{v.label}: {v.origin}{describe_flags(v)} -> {v.script} [{v.mode}], {steps[v.label] or 'unknown'} training steps")
     known = {s for s in steps.values() if s is not None}
     if len(known) > 1:
         raise ABError(f"the versions train different schedules ({steps}); time the same steps with the same overrides")
@@ -907,7 +1073,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     # a worker still busy at the deadline (hung, or far slower than planned) is stopped, its stacks are printed
     # and what was measured is reported: a call's own limit never takes the results along
     deadline = started_at + args.deadline if args.deadline else None
-    launch = lambda v: (ResidentVersion if v.mode == "resident" else WholeRunVersion)(v, args, overrides, folder, deadline)
+    launch = lambda v: (WholeRunVersion if v.mode == "whole-run" else ResidentVersion)(v, args, v.overrides(overrides), folder, deadline)
     results: dict[str, list[RoundResult]] = {v.label: [] for v in versions}
     runners: list = []
     round_s, left_out, profiles, hung = None, [], {}, None

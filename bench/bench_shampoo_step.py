@@ -10,6 +10,15 @@ Gradients are fixed random tensors (identical on every rank), so only the optimi
     python bench/bench_shampoo_step.py --root-streams 1,2,4,8        # one Shampoo row per stream count
     python bench/bench_shampoo_step.py --root-streams 1,8 --memory-fractions 0.1,0.5,inf   # and per memory bound
     python bench/bench_shampoo_step.py --symmetric-packing on        # packed factors (the package default; the record's are square)
+    python bench/bench_shampoo_step.py --batched off,on              # per-block and batched same-shape blocks
+    python bench/bench_shampoo_step.py --upstream .proxy/upstream    # and the published optimizer from that folder
+
+Every row's parameters after the measured steps are compared with the first row's: "= row 1" says "yes" when they
+are bitwise equal, else the largest absolute difference (every row starts from the same parameters and steps
+through the same gradients). With the published optimizer installed (distribution `torch-shampoo`, from
+facebookresearch/optimizers) or `--upstream PATH` naming a folder that holds its `distributed_shampoo/`, a last
+Shampoo row times it (in a child process, where its `distributed_shampoo` is the one imported), with the record's
+arguments and no runtime extensions; otherwise one line says it is not installed.
 
 Prints two tables. The first: mean ms per step over the measured steps, split into steps that recompute the
 inverse roots (every `--precondition-frequency` steps) and the others, the mean step as a multiple of the AdamW
@@ -32,10 +41,14 @@ temporaries that concurrent root computations may hold (several streams only). d
 import argparse
 import dataclasses
 import gc
+import importlib.metadata
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,14 +59,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
+REPO = Path(__file__).resolve().parent.parent
+# Set in the child process that times the published optimizer: the folder holding its distributed_shampoo/, which
+# must come first on the path so that train_gpt_shampoo.py and this script import it instead of ours.
+UPSTREAM_ROOT_VARIABLE = "BENCH_SHAMPOO_UPSTREAM_ROOT"
+UPSTREAM_DISTRIBUTION = "torch-shampoo"
+sys.path.insert(0, str(REPO))  # the repository root (bench/scripts.py)
+if os.environ.get(UPSTREAM_ROOT_VARIABLE):
+    sys.path.insert(0, os.environ[UPSTREAM_ROOT_VARIABLE])
 
 import train_gpt_shampoo as tgs  # noqa: E402
-from distributed_shampoo import DistributedShampoo, RootInvShampooPreconditionerConfig  # noqa: E402
-from distributed_shampoo.shampoo_types import DEFAULT_CONCURRENT_MEMORY_FRACTION  # noqa: E402
-from distributed_shampoo.preconditioner.shampoo_preconditioner_list import BaseShampooPreconditionerList  # noqa: E402
+from distributed_shampoo import DistributedShampoo  # noqa: E402
 
 RECORD = tgs.Hyperparameters()
+DEFAULT_CONCURRENT_MEMORY_FRACTION = RECORD.shampoo_root_memory_fraction
 
 
 def parse_args() -> argparse.Namespace:
@@ -91,6 +110,19 @@ def parse_args() -> argparse.Namespace:
         "record (square)",
     )
     parser.add_argument(
+        "--batched",
+        default="off",
+        help="comma-separated off/on: ShampooRuntimeConfig.batch_same_shape_blocks (same-shape blocks updated and "
+        "applied with batched matmuls); each stream count and memory fraction runs once per value",
+    )
+    parser.add_argument(
+        "--upstream",
+        default="auto",
+        help="the published optimizer for a last row: auto (the installed torch-shampoo distribution, if any), off, "
+        "or a folder holding its distributed_shampoo/",
+    )
+    parser.add_argument("--upstream-worker", type=Path, help=argparse.SUPPRESS)  # internal: the child's result file
+    parser.add_argument(
         "--linalg-library",
         default="default",
         choices=["default", "cusolver", "magma"],
@@ -117,6 +149,13 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--memory-fractions must be comma-separated numbers, got {args.memory_fractions!r}")
     if not all(value >= 0 for value in args.memory_fractions):
         parser.error(f"--memory-fractions must all be >= 0 (inf: unbounded), got {args.memory_fractions}")
+    choices = {"off": False, "on": True}
+    if not all(value in choices for value in args.batched.split(",")):
+        parser.error(f"--batched must be comma-separated off/on, got {args.batched!r}")
+    args.batched = [choices[value] for value in args.batched.split(",")]
+    if args.upstream not in ("auto", "off") and not (Path(args.upstream) / "distributed_shampoo" / "__init__.py").is_file():
+        parser.error(f"--upstream={args.upstream}: no distributed_shampoo/__init__.py in that folder; pass the folder "
+                     "that holds the published package (or auto, or off)")
     return args
 
 
@@ -135,36 +174,51 @@ def make_params(
     return params, grads
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One Shampoo row's settings besides the record's."""
+
+    root_streams: int = 1
+    memory_fraction: float = DEFAULT_CONCURRENT_MEMORY_FRACTION
+    batched: bool = False
+    upstream: bool = False  # the published optimizer (in a child process)
+
+
 def make_shampoo(
-    params: list[torch.nn.Parameter], precondition_frequency: int, root_streams: int, memory_fraction: float,
-    world_size: int, packing: str,
+    params: list[torch.nn.Parameter], precondition_frequency: int, variant: Variant, world_size: int, packing: str,
 ) -> DistributedShampoo:
     """The Track 3 record's optimizer, built by train_gpt_shampoo.py itself, with the frequency, the number of
-    root-computation streams, their memory fraction and (unless "default", the record's square storage) the factor
-    layout configurable."""
+    root-computation streams, their memory fraction, batching and (unless "default", the record's square storage)
+    the factor layout configurable. For the published optimizer, whose ShampooRuntimeConfig has none of our fields,
+    the runtime config is its default."""
     hp = dataclasses.replace(
-        RECORD, shampoo_precondition_frequency=precondition_frequency, shampoo_root_streams=root_streams,
-        shampoo_root_memory_fraction=memory_fraction,
+        RECORD, shampoo_precondition_frequency=precondition_frequency, shampoo_root_streams=variant.root_streams,
+        shampoo_root_memory_fraction=variant.memory_fraction,
     )
-    if packing == "default":
-        return tgs.build_shampoo(params, hp, world_size)
+    root_inv_config, runtime_config = tgs.RootInvShampooPreconditionerConfig, tgs.ShampooRuntimeConfig
 
-    def config_with_packing(**kwargs: Any) -> RootInvShampooPreconditionerConfig:
+    def config_with_packing(**kwargs: Any) -> Any:
         # build_shampoo passes use_symmetric_packing itself; a keyword bound by functools.partial would lose to it.
-        return RootInvShampooPreconditionerConfig(**{**kwargs, "use_symmetric_packing": packing == "on"})
+        return root_inv_config(**kwargs if packing == "default" else {**kwargs, "use_symmetric_packing": packing == "on"})
 
-    with mock.patch.object(tgs, "RootInvShampooPreconditionerConfig", config_with_packing):
+    def runtime_with_batching(**kwargs: Any) -> Any:
+        return runtime_config() if variant.upstream else runtime_config(**kwargs, batch_same_shape_blocks=variant.batched)
+
+    with mock.patch.object(tgs, "RootInvShampooPreconditionerConfig", config_with_packing), \
+            mock.patch.object(tgs, "ShampooRuntimeConfig", runtime_with_batching):
         return tgs.build_shampoo(params, hp, world_size)
 
 
-def shampoo_lists(optimizer: DistributedShampoo) -> list[BaseShampooPreconditionerList]:
+def shampoo_lists(optimizer: DistributedShampoo) -> list[Any]:
     """This rank's Shampoo preconditioner list of every param group (package internals: this is a benchmark)."""
+    from distributed_shampoo.preconditioner.shampoo_preconditioner_list import BaseShampooPreconditionerList
+
     lists = [runtime.shampoo for runtime in optimizer._group_runtimes]
     assert all(isinstance(shampoo, BaseShampooPreconditionerList) for shampoo in lists)
     return lists  # type: ignore[return-value]
 
 
-def largest_factor(optimizer: DistributedShampoo) -> tuple[BaseShampooPreconditionerList, Any, int] | None:
+def largest_factor(optimizer: DistributedShampoo) -> tuple[Any, Any, int] | None:
     """(list, block, factor index) of this rank's factor with the largest estimated root computation."""
     factors = [(shampoo, block, j) for shampoo in shampoo_lists(optimizer) for block in shampoo._local_blocks for j in range(len(block.factor_dims))]
     return max(factors, key=lambda factor: factor[0]._amortized_computation_bytes(factor[1], factor[2]), default=None)
@@ -342,19 +396,31 @@ def mean(values: list[float]) -> float:
 
 @dataclasses.dataclass
 class ShampooRun:
-    root_streams: int
-    memory_fraction: float
+    variant: Variant
+    label: str
     records: list[StepRecord]
     state: int  # bytes
     persistent: float  # bytes allocated after the last step besides the state (CUDA)
     bound: float  # issue 14's bound on the transient: 0.1 × state + the largest root computation (estimated)
-    one_root_estimate: int
+    one_root_estimate: float
     budget: float
     probe: RootStepMemory | None
+    final_params: list[Tensor]  # on the CPU, after the measured steps
 
 
-def run_shampoo(args: argparse.Namespace, root_streams: int, memory_fraction: float, shapes: list[tuple[int, int]],
-                device: torch.device, world_size: int, timer: StepTimer) -> ShampooRun:
+def row_label(variant: Variant, args: argparse.Namespace) -> str:
+    if variant.upstream:
+        return "published optimizer"
+    label = f"Shampoo, {variant.root_streams} stream{'s' if variant.root_streams > 1 else ''}"
+    if variant.root_streams > 1 and args.memory_fractions != [DEFAULT_CONCURRENT_MEMORY_FRACTION]:
+        label += f", mem {variant.memory_fraction:g}"
+    if variant.batched:
+        label += ", batched"
+    return label
+
+
+def run_shampoo(args: argparse.Namespace, variant: Variant, shapes: list[tuple[int, int]], device: torch.device,
+                world_size: int, timer: StepTimer) -> ShampooRun:
     cuda = device.type == "cuda"
     gc.collect()
     if cuda:
@@ -365,21 +431,88 @@ def run_shampoo(args: argparse.Namespace, root_streams: int, memory_fraction: fl
     if cuda:
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)  # parameters and gradients
-    shampoo = make_shampoo(params, args.precondition_frequency, root_streams, memory_fraction, world_size, args.symmetric_packing)
+    shampoo = make_shampoo(params, args.precondition_frequency, variant, world_size, args.symmetric_packing)
     records = time_optimizer(shampoo, params, grads, timer, args.warmup, args.steps, baseline)
+    final_params = [param.detach().cpu().clone() for param in params]
     nbytes = state_bytes(shampoo)
-    persistent, probe = math.nan, None
+    persistent, probe, largest, budget = math.nan, None, math.nan, math.nan
     if baseline is not None:
         torch.cuda.synchronize(device)
         persistent = torch.cuda.memory_allocated(device) - baseline - nbytes
-        probe = probe_root_step(shampoo, params, grads, args.warmup + args.steps + 1, args.precondition_frequency, baseline)
-    largest = largest_root_computation_bytes(shampoo)
-    return ShampooRun(root_streams, memory_fraction, records, nbytes, persistent, 0.1 * nbytes + largest, largest,
-                      concurrency_budget_bytes(shampoo) if root_streams > 1 else math.nan, probe)
+    if not variant.upstream:  # the rest reads our package's internals
+        if baseline is not None:
+            probe = probe_root_step(shampoo, params, grads, args.warmup + args.steps + 1, args.precondition_frequency, baseline)
+        largest = largest_root_computation_bytes(shampoo)
+        budget = concurrency_budget_bytes(shampoo) if variant.root_streams > 1 else math.nan
+    return ShampooRun(variant, row_label(variant, args), records, nbytes, persistent, 0.1 * nbytes + largest, largest,
+                      budget, probe, final_params)
 
 
 def max_or_nan(values: list[float]) -> float:
     return max(values) if values else math.nan
+
+
+def difference_from(reference: list[Tensor], params: list[Tensor]) -> str:
+    """"yes" when every parameter is bitwise equal to the reference's, else the largest absolute difference."""
+    if all(torch.equal(a, b) for a, b in zip(reference, params, strict=True)):
+        return "yes"
+    return f"{max((a.double() - b.double()).abs().max().item() for a, b in zip(reference, params, strict=True)):.1e}"
+
+
+# ------------------------------------------------------------------------------------------ published optimizer
+
+
+def find_upstream(choice: str) -> tuple[Path | None, str]:
+    """(folder holding the published distributed_shampoo/, or None; a line saying which, or why not)."""
+    if choice == "off":
+        return None, "published optimizer: not compared (--upstream off)"
+    if choice != "auto":
+        return Path(choice).resolve(), f"published optimizer: from {Path(choice).resolve()}"
+    try:
+        distribution = importlib.metadata.distribution(UPSTREAM_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None, (f"published optimizer: not installed (no {UPSTREAM_DISTRIBUTION} distribution; install "
+                      "facebookresearch/optimizers, or pass --upstream with a folder holding its distributed_shampoo/)")
+    root = Path(str(distribution.locate_file("")))
+    if not (root / "distributed_shampoo" / "__init__.py").is_file():
+        return None, (f"published optimizer: {UPSTREAM_DISTRIBUTION} {distribution.version} is installed but its "
+                      f"distributed_shampoo/ is not in {root}; pass --upstream with the folder holding it")
+    return root, f"published optimizer: {UPSTREAM_DISTRIBUTION} {distribution.version} from {root}"
+
+
+def run_upstream(args: argparse.Namespace, root: Path) -> ShampooRun:
+    """Times the published optimizer in a child process (one process only: under torchrun every rank would start
+    one, so distributed runs leave it out) and reads its run back."""
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "upstream.pt"
+        command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--upstream-worker", str(result)]
+        environment = dict(os.environ, **{UPSTREAM_ROOT_VARIABLE: str(root)})
+        for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            environment.pop(name, None)
+        completed = subprocess.run(command, env=environment, cwd=REPO, capture_output=True, text=True)
+        if completed.returncode != 0:
+            last = (completed.stderr.strip() or completed.stdout.strip() or "no output").splitlines()[-1]
+            raise SystemExit(f"bench_shampoo_step.py: the published optimizer's run failed: {last}")
+        saved = torch.load(result)
+    records = [StepRecord(int(step), float(ms), float(peak)) for step, ms, peak in saved["records"].tolist()]
+    nan = math.nan
+    return ShampooRun(Variant(upstream=True), row_label(Variant(upstream=True), args), records, int(saved["state"]),
+                      float(saved["persistent"]), nan, nan, nan, None, list(saved["final_params"]))
+
+
+def upstream_worker(args: argparse.Namespace, device: torch.device, timer: StepTimer) -> None:
+    import distributed_shampoo
+
+    root = Path(os.environ[UPSTREAM_ROOT_VARIABLE]).resolve()
+    if root not in Path(distributed_shampoo.__file__).resolve().parents:
+        raise SystemExit(f"bench_shampoo_step.py: imported {distributed_shampoo.__file__}, not the package in {root}")
+    run = run_shampoo(args, Variant(upstream=True), track3_shapes(args.layers, args.dim), device, 1, timer)
+    records = torch.tensor([[record.step, record.ms, record.peak] for record in run.records], dtype=torch.float64)
+    torch.save(dict(records=records, state=run.state, persistent=run.persistent, final_params=run.final_params),
+               args.upstream_worker)
+
+
+# ------------------------------------------------------------------------------------------------------- main
 
 
 def main() -> None:
@@ -397,13 +530,23 @@ def main() -> None:
             torch.backends.cuda.preferred_linalg_library(args.linalg_library)
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     timer = StepTimer(device)
+    if args.upstream_worker is not None:
+        upstream_worker(args, device, timer)
+        return
     shapes = track3_shapes(args.layers, args.dim)
     frequency = args.precondition_frequency
-    runs = [
-        run_shampoo(args, root_streams, fraction, shapes, device, world_size, timer)
+    variants = [
+        Variant(root_streams, fraction, batched)
         for root_streams in args.root_streams
         for fraction in (args.memory_fractions if root_streams > 1 else args.memory_fractions[:1])
+        for batched in args.batched
     ]
+    runs = [run_shampoo(args, variant, shapes, device, world_size, timer) for variant in variants]
+    upstream_root, upstream_line = find_upstream(args.upstream)
+    if upstream_root is not None and distributed:
+        upstream_root, upstream_line = None, "published optimizer: not compared under torchrun (run one process)"
+    if upstream_root is not None:
+        runs.append(run_upstream(args, upstream_root))
 
     params, grads = make_params(shapes, device, args.gradient_sets)
     adamw = make_adamw(params, device)
@@ -417,14 +560,11 @@ def main() -> None:
         roots = [record for record in measured if record.step % frequency == 0]
         others = [record for record in measured if record.step % frequency != 0]
         shampoo_mean = mean([record.ms for record in measured])
-        label = f"Shampoo, {run.root_streams} stream{'s' if run.root_streams > 1 else ''}"
-        if run.root_streams > 1 and args.memory_fractions != [DEFAULT_CONCURRENT_MEMORY_FRACTION]:
-            label += f", mem {run.memory_fraction:g}"
         peak = max_or_nan([record.peak for record in run.records])  # warm-up steps included, as the state is
         timing_rows.append(
-            f"{label:<30}{shampoo_mean:>13.2f}{mean([r.ms for r in roots]):>12.2f}{mean([r.ms for r in others]):>13.2f}"
+            f"{run.label:<30}{shampoo_mean:>13.2f}{mean([r.ms for r in roots]):>12.2f}{mean([r.ms for r in others]):>13.2f}"
             f"{shampoo_mean / adamw_mean:>9.2f}{run.state / mib:>11.1f}{peak / mib:>10.1f}{(peak - run.state) / mib:>11.1f}"
-            f"{run.bound / mib:>8.1f}"
+            f"{run.bound / mib:>8.1f}{difference_from(runs[0].final_params, run.final_params):>9}"
         )
         if run.probe is not None:
             above_state = [
@@ -436,7 +576,7 @@ def main() -> None:
                 run.probe.after_roots - run.state,
             ]
             memory_rows.append(
-                f"{label:<30}" + "".join(f"{value / mib:>11.1f}" for value in above_state)
+                f"{run.label:<30}" + "".join(f"{value / mib:>11.1f}" for value in above_state)
                 + f"{run.probe.roots_ms:>10.1f}{run.probe.one_root / mib:>9.1f}{run.one_root_estimate / mib:>10.1f}"
                 + f"{run.budget / mib:>9.1f}"
             )
@@ -444,7 +584,7 @@ def main() -> None:
     nan = math.nan
     timing_rows.append(
         f"{adamw_label:<30}{adamw_mean:>13.2f}{nan:>12.2f}{nan:>13.2f}{1.0:>9.2f}{state_bytes(adamw) / mib:>11.1f}"
-        f"{nan:>10.1f}{nan:>11.1f}{nan:>8.1f}"
+        f"{nan:>10.1f}{nan:>11.1f}{nan:>8.1f}{'':>9}"
     )
     per_rank: list[Any] = [None] * world_size
     if distributed:
@@ -459,9 +599,10 @@ def main() -> None:
             f"{args.warmup} warm-up steps, {args.gradient_sets} gradient set(s), linalg={args.linalg_library}, "
             f"symmetric packing={args.symmetric_packing}"
         )
+        print(upstream_line)
         header = (
             f"{'rank':>4}  {'optimizer':<30}{'mean ms/step':>13}{'root steps':>12}{'other steps':>13}{'× AdamW':>9}"
-            f"{'state MiB':>11}{'peak MiB':>10}{'transient':>11}{'bound':>8}"
+            f"{'state MiB':>11}{'peak MiB':>10}{'transient':>11}{'bound':>8}{'= row 1':>9}"
         )
         print(header)
         print("-" * len(header))
@@ -470,7 +611,8 @@ def main() -> None:
                 print(f"{index:>4}  {row}")
         print("peak: allocated on top of parameters and gradients while stepping; transient = peak - state; "
               "bound = 0.1 × state + the largest root computation's estimated temporaries (issue 14: transient "
-              "within it).")
+              "within it); = row 1: this row's parameters after the measured steps, bitwise equal to the first "
+              "row's (yes) or their largest difference.")
         if any(memory for _, memory in per_rank):
             header = (
                 f"{'rank':>4}  {'optimizer':<30}{'persistent':>11}{'other steps':>11}{'root steps':>11}"

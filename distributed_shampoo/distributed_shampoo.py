@@ -276,6 +276,8 @@ def _make_preconditioner_list(
                 use_bias_correction=group[USE_BIAS_CORRECTION] and not drop,
                 num_amortized_computation_streams=runtime_config.num_amortized_computation_streams,
                 concurrent_memory_fraction=runtime_config.concurrent_memory_fraction,
+                batch_same_shape_blocks=runtime_config.batch_same_shape_blocks,
+                defer_amortized_computation=runtime_config.defer_amortized_computation,
             )
     raise NotImplementedError(f"{config=} not supported!")
 
@@ -290,7 +292,9 @@ class _GroupRuntime:
     `masked_*` lists hold the blocks that received a gradient this step (see `DistributorInterface`).
     `averaging_buffers` are the blocks' z (GPA/Schedule-Free `weight_buffer`) or classic `momentum_buffer`.
     `eval_interp_coeff`/`train_interp_coeff` are GPA/Schedule-Free's μx and μy as float32 0-d tensors on the
-    parameters' device, as in the published optimizer (Schedule-Free recomputes μx every step).
+    parameters' device, as in the published optimizer (Schedule-Free recomputes μx every step); `lr` is the
+    group's learning rate in such a tensor, set every step, from which those groups compute z's weight decay factor
+    and Schedule-Free's μx in float32 as the published optimizer does.
     """
 
     distributor: DistributorInterface
@@ -303,6 +307,7 @@ class _GroupRuntime:
     train_mode: Tensor | None
     eval_interp_coeff: Tensor | None
     train_interp_coeff: Tensor | None
+    lr: Tensor | None
     previous_grad_selector: tuple[bool, ...]
     direction_part_bytes: float = math.inf
     masked_filtered_grads: tuple[Tensor, ...] = field(default=())
@@ -397,6 +402,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._runtime_config = shampoo_runtime_config
         self._mode_before_load: bool | None = None  # train/eval mode to restore after load_state_dict
 
+        self.register_state_dict_pre_hook(DistributedShampoo._pre_state_dict_hook)
         self.register_state_dict_post_hook(DistributedShampoo._post_state_dict_hook)
         self.register_load_state_dict_pre_hook(DistributedShampoo._pre_load_state_dict_hook)
         self.register_load_state_dict_post_hook(DistributedShampoo._post_load_state_dict_hook)
@@ -448,7 +454,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             filtered_grads = allocate_zeros_like_blocks(FILTERED_GRAD, blocks, block_infos, self.state)
         averaging = group[ITERATE_AVERAGING_CONFIG]
         averaging_buffers: tuple[Tensor, ...] = ()
-        lr_sum = train_mode = eval_interp_coeff = train_interp_coeff = None
+        lr_sum = train_mode = eval_interp_coeff = train_interp_coeff = lr = None
         device = params[0].device
         if isinstance(averaging, ClassicMomentumConfig):
             averaging_buffers = allocate_zeros_like_blocks(MOMENTUM_BUFFER, blocks, block_infos, self.state)
@@ -461,6 +467,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             eval_coefficient = averaging.eval_interp_coeff if isinstance(averaging, GeneralizedPrimalAveragingConfig) else 0.0
             eval_interp_coeff = torch.tensor(eval_coefficient, dtype=torch.float32, device=device)
             train_interp_coeff = torch.tensor(averaging.train_interp_coeff, dtype=torch.float32, device=device)
+            lr = torch.zeros((), dtype=torch.float32, device=device)
 
         runtime = _GroupRuntime(
             distributor=distributor,
@@ -473,6 +480,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             train_mode=train_mode,
             eval_interp_coeff=eval_interp_coeff,
             train_interp_coeff=train_interp_coeff,
+            lr=lr,
             previous_grad_selector=distributor.local_grad_selector,
             direction_part_bytes=max(
                 _DIRECTION_PART_STATE_FRACTION * _local_state_bytes(self.state, block_infos), _MIN_DIRECTION_PART_BYTES
@@ -523,6 +531,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any], runtime: _GroupRuntime) -> None:
+        runtime.shampoo.finish_amortized_computation()  # the previous step's deferred roots, if any
         distributor = runtime.distributor
         masked_grads = distributor.merge_and_block_gradients()
         if distributor.local_grad_selector != runtime.previous_grad_selector:
@@ -554,10 +563,13 @@ class DistributedShampoo(torch.optim.Optimizer):
         if weight_decay != 0.0 and weight_decay_type == WeightDecayType.L2:
             torch._foreach_add_(masked_grads, masked_params, alpha=weight_decay)
 
-        runtime.shampoo.update_preconditioners(masked_grads, step, perform_amortized_computation)
+        defer = perform_amortized_computation and runtime.shampoo.defers_amortized_computation
+        runtime.shampoo.update_preconditioners(masked_grads, step, perform_amortized_computation and not defer)
         if runtime.grafting is not None:
             runtime.grafting.update_preconditioners(masked_grads, step, False)
 
+        if runtime.lr is not None:
+            runtime.lr.fill_(group[LR])
         if isinstance(group[ITERATE_AVERAGING_CONFIG], ScheduleFreeConfig):
             _update_schedule_free_coefficient(group, runtime)
         parts = self._direction_parts(runtime, masked_grads, masked_params)
@@ -565,14 +577,16 @@ class DistributedShampoo(torch.optim.Optimizer):
             distributor.update_params(
                 self._search_directions(group, runtime, step, use_grafting_method, masked_grads, masked_params, 0)
             )
-            return
-        for first, end in parts:
-            search_directions = self._search_directions(
-                group, runtime, step, use_grafting_method, masked_grads[first:end], masked_params[first:end], first
-            )
-            distributor.update_local_params(search_directions, first)
-            del search_directions  # before the next part allocates its own
-        distributor.finish_param_updates()
+        else:
+            for first, end in parts:
+                search_directions = self._search_directions(
+                    group, runtime, step, use_grafting_method, masked_grads[first:end], masked_params[first:end], first
+                )
+                distributor.update_local_params(search_directions, first)
+                del search_directions  # before the next part allocates its own
+            distributor.finish_param_updates()
+        if defer:  # this step's roots, from this step's factors, for the next step
+            runtime.shampoo.start_amortized_computation()
 
     def _direction_parts(
         self, runtime: _GroupRuntime, masked_grads: tuple[Tensor, ...], masked_params: tuple[Tensor, ...]
@@ -632,10 +646,12 @@ class DistributedShampoo(torch.optim.Optimizer):
         averaging = group[ITERATE_AVERAGING_CONFIG]
         averaging_buffers = runtime.masked_averaging_buffers[first_block:end]
         weight_decay_coefficient = _decoupled_weight_decay_coefficient(group)
+        lr = _float32(group[LR])
         if isinstance(averaging, (GeneralizedPrimalAveragingConfig, ScheduleFreeConfig)):
             assert runtime.eval_interp_coeff is not None and runtime.train_interp_coeff is not None
+            assert runtime.lr is not None
             return _average_iterates(
-                group[LR],
+                runtime.lr,
                 runtime.eval_interp_coeff,
                 runtime.train_interp_coeff,
                 params,
@@ -648,11 +664,11 @@ class DistributedShampoo(torch.optim.Optimizer):
             directions = tuple(torch._foreach_add(directions, params, alpha=weight_decay_coefficient))
             if isinstance(averaging, ClassicMomentumConfig):
                 directions = _classic_momentum(averaging, averaging_buffers, directions)
-            torch._foreach_mul_(directions, -group[LR])
+            torch._foreach_mul_(directions, -lr)
             return directions
         if isinstance(averaging, ClassicMomentumConfig):
             directions = _classic_momentum(averaging, averaging_buffers, directions)
-        return tuple(torch._foreach_mul(directions, -group[LR]))
+        return tuple(torch._foreach_mul(directions, -lr))
 
     # ---- iterate-averaging modes
 
@@ -680,6 +696,17 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     # ---- checkpointing
 
+    def finish_amortized_computations(self) -> None:
+        """Wait for root computations still running after their step (`defer_amortized_computation`) and store their
+        results; a no-op otherwise. `step()`, `state_dict()` and `load_state_dict()` call it first."""
+        for runtime in self._group_runtimes:
+            runtime.shampoo.finish_amortized_computation()
+
+    @staticmethod
+    def _pre_state_dict_hook(optimizer: torch.optim.Optimizer) -> None:
+        assert isinstance(optimizer, DistributedShampoo)
+        optimizer.finish_amortized_computations()
+
     @staticmethod
     def _post_state_dict_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         state = state_dict["state"]
@@ -699,6 +726,7 @@ class DistributedShampoo(torch.optim.Optimizer):
     @staticmethod
     def _pre_load_state_dict_hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         assert isinstance(optimizer, DistributedShampoo)
+        optimizer.finish_amortized_computations()  # nothing may write into the state being replaced
         modes = {bool(runtime.train_mode) for runtime in optimizer._group_runtimes if runtime.train_mode is not None}
         assert len(modes) <= 1, "All iterate-averaging param groups must be in the same train/eval mode."
         optimizer._mode_before_load = modes.pop() if modes else None
@@ -775,13 +803,21 @@ def _state_tensors(value: Any) -> Iterator[Tensor]:
             yield from _state_tensors(item)
 
 
+def _float32(value: float) -> float:
+    """`value` rounded to float32, as a Python number."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
 def _decoupled_weight_decay_coefficient(group: dict[str, Any]) -> float:
-    """Coefficient α of the decoupled weight decay (0 for L2, which acts on the gradient instead)."""
+    """Coefficient α of the decoupled weight decay (0 for L2, which acts on the gradient instead).
+
+    CORRECTED scales by the learning rate rounded to float32, the value of the published optimizer's lr tensor.
+    """
     weight_decay, weight_decay_type = group[WEIGHT_DECAY], group[WEIGHT_DECAY_TYPE]
     if weight_decay == 0.0 or weight_decay_type == WeightDecayType.L2:
         return 0.0
     if weight_decay_type == WeightDecayType.CORRECTED:
-        return weight_decay * group[LR] / group[PEAK_LR]
+        return weight_decay * _float32(group[LR]) / group[PEAK_LR]
     if weight_decay_type == WeightDecayType.INDEPENDENT:
         return weight_decay / group[PEAK_LR]
     return weight_decay
@@ -840,16 +876,17 @@ def _classic_momentum(
 
 
 def _update_schedule_free_coefficient(group: dict[str, Any], runtime: _GroupRuntime) -> None:
-    """Schedule-Free's μx = 1 - lr^power / Σ lr^power (the sum over every step so far), once per step."""
+    """Schedule-Free's μx = 1 - lr^power / Σ lr^power (the sum over every step so far), once per step, in float32
+    from the group's lr tensor (as the published optimizer computes it)."""
     config = group[ITERATE_AVERAGING_CONFIG]
-    assert runtime.lr_sum is not None and runtime.eval_interp_coeff is not None
-    lr_power = group[LR] ** config.eval_coeff_lr_power
+    assert runtime.lr_sum is not None and runtime.eval_interp_coeff is not None and runtime.lr is not None
+    lr_power = torch.pow(runtime.lr, config.eval_coeff_lr_power)
     runtime.lr_sum.add_(lr_power)
     runtime.eval_interp_coeff.copy_(1.0 - lr_power / runtime.lr_sum)
 
 
 def _average_iterates(
-    lr: float,
+    lr: Tensor,
     mu_x: Tensor,
     mu_y: Tensor,
     params: tuple[Tensor, ...],
@@ -860,10 +897,11 @@ def _average_iterates(
     """GPA/Schedule-Free: parameters hold y, the weight buffers z; return y's step.
 
     Weight decay shrinks z itself (z ← (1 - lr·α)·z, AdamW-style on the base sequence) instead of entering the
-    direction; then z ← z - lr·P and y moves by (1 - μx·μy)·(-lr·P) + (1 - μx)·(z_shrunk - y).
+    direction; then z ← z - lr·P and y moves by (1 - μx·μy)·(-lr·P) + (1 - μx)·(z_shrunk - y). `lr` is the group's
+    float32 0-d lr tensor: the factor 1 - lr·α is computed in float32 from it, as in the published optimizer.
     """
     if weight_decay_coefficient != 0.0:
-        torch._foreach_mul_(z, 1.0 - lr * weight_decay_coefficient)
+        torch._foreach_mul_(z, 1 - lr * weight_decay_coefficient)
     step = torch._foreach_mul(directions, -lr)
     z_minus_y = torch._foreach_sub(z, params)
     torch._foreach_add_(z, step)

@@ -4,9 +4,10 @@ The string constants are param-group and state keys: their spelling is part of t
 """
 
 import enum
+import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 import torch
@@ -464,16 +465,23 @@ class HybridShardDistributedConfig(FullyShardDistributedConfig, DDPDistributedCo
 # -------------------------------------------------------------------------------------------------- runtime
 
 
-@dataclass(kw_only=True)
-class ShampooPT2CompileConfig:
-    """Arguments splatted into `torch.compile` for the per-group step body (same defaults as torch.compile)."""
+def _torch_compile_fields() -> list[tuple[str, Any, Any]]:
+    """(name, annotation, default field) of every parameter of this torch's `torch.compile` except `model`."""
+    return [
+        (name, parameter.annotation, field(default=parameter.default))
+        for name, parameter in inspect.signature(torch.compile).parameters.items()
+        if name != "model"
+    ]
 
-    fullgraph: bool = False
-    dynamic: bool | None = None
-    backend: str | Callable = "inductor"
-    mode: str | None = None
-    options: dict[str, Any] | None = None
-    disable: bool = False
+
+# Keyword-only; its fields are `torch.compile`'s parameters but `model`, with their defaults, read from the torch in
+# use (so they change with the torch version, as in the published optimizer), and `dataclasses.asdict` of it is
+# splatted into `torch.compile` for the per-group step body.
+ShampooPT2CompileConfig = make_dataclass("ShampooPT2CompileConfig", _torch_compile_fields(), kw_only=True)
+ShampooPT2CompileConfig.__module__ = __name__
+ShampooPT2CompileConfig.__doc__ = (
+    "Arguments of `torch.compile` (all but `model`, with its defaults) for the compiled part of each step."
+)
 
 
 @dataclass(kw_only=True)
@@ -508,11 +516,23 @@ class ShampooRuntimeConfig:
     start only while their estimated total stays within the largest one's plus this fraction of the
     preconditioner state, so that a root step's peak stays near 1 + fraction times the state plus one
     decomposition; `math.inf` removes the bound (faster root steps, more memory: see the package README).
+    `batch_same_shape_blocks=True` (a package extension) keeps the square factors and inverse roots of
+    same-shape matrix blocks of `RootInvShampooPreconditionerConfig(use_symmetric_packing=False)` in shared
+    stacks and updates and applies them with batched matmuls (a few blocks at a time, within 2% of the state),
+    instead of one matmul per block: fewer, larger kernels. Bitwise equal to the per-block path on the CPU
+    (tested); on CUDA batched and single matmuls may round differently, which `gpu_tests/` checks.
+    `defer_amortized_computation=True` (a package extension) CHANGES THE MATH, hence off: a root step computes
+    its roots from that step's factors after the step, on a host thread and CUDA stream of its own, while the
+    caller goes on (with the next forward and backward), and the roots are first used at the next step, whose
+    `step()` waits for them; the step itself still uses the previous roots. So every root is one step older than
+    in the published optimizer. Results equal computing the same roots at the end of the step without overlap.
     """
 
     eager_nan_check: bool = False
     num_amortized_computation_streams: int = 1
     concurrent_memory_fraction: float = DEFAULT_CONCURRENT_MEMORY_FRACTION
+    batch_same_shape_blocks: bool = False
+    defer_amortized_computation: bool = False
 
     def __post_init__(self) -> None:
         if self.num_amortized_computation_streams < 1:

@@ -370,3 +370,66 @@ def test_kernel_kinds_of_the_profiles(ab) -> None:
     assert ab.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "bf16/fp32 GEMM"
     assert ab.kind_of("_softcap_ce_e5m2_kernel") == "fp8 head (scaled_mm, casts, copies)"
     assert ab.kind_of("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>") == "other"
+
+
+# ---------------------------------------------------------------------------------------------- Track 3 mode
+
+TRACK3 = ["--train-script", "train_gpt_shampoo.py"]
+TINY_TRACK3_RUN = ["--preset=smoke", "--train_steps=6"]
+
+
+def test_track3_dry_run_takes_flag_sets_per_version(tmp_path):
+    """Shampoo against its AdamW ablation: one script, the baseline's own flag; a revision brings its package."""
+    result = run_ab(
+        "--dry-run", *TRACK3, "--baseline", "WORKTREE", "--candidate", "HEAD", "--baseline-flags=--matrix_optimizer=adamw",
+        "--skip", "2", "--out", str(tmp_path), "--", *TINY_TRACK3_RUN,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "baseline: the working tree's train_gpt_shampoo.py with --matrix_optimizer=adamw ->" in result.stdout
+    assert "candidate: train_gpt_shampoo.py at HEAD (" in result.stdout and "with its distributed_shampoo ->" in result.stdout
+    assert result.stdout.count("[trials], 6 training steps") == 2
+    package = tmp_path / "candidate" / "distributed_shampoo"
+    assert (package / "distributed_shampoo.py").read_text() == subprocess.run(
+        ["git", "show", "HEAD:distributed_shampoo/distributed_shampoo.py"], capture_output=True, text=True, cwd=ROOT
+    ).stdout
+
+
+def test_track3_a_flag_one_version_refuses_is_one_line(tmp_path):
+    result = run_ab(
+        "--dry-run", *TRACK3, "--baseline", "WORKTREE", "--candidate-flags=--matrix_optimizer=sgd", "--skip", "2",
+        "--out", str(tmp_path), "--", *TINY_TRACK3_RUN,
+    )
+    assert result.returncode == 2
+    assert "candidate (the working tree's train_gpt_shampoo.py) does not accept the overrides" in result.stderr
+    assert "--matrix_optimizer='sgd': use shampoo or adamw" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_step_lines_in_seconds_or_milliseconds(ab):
+    seconds = ab.TRAIN_TIME.search("step:12/60 train_time:1.250s step_avg:104.17ms")
+    milliseconds = ab.TRAIN_TIME.search("step:12/60 train_time:1250ms step_avg:104.17ms")
+    assert ab.train_time_ms(seconds) == ab.train_time_ms(milliseconds) == 1250.0
+
+
+@pytest.mark.slow
+def test_a_tiny_track3_run_pairs_the_script_trials_by_seed(tmp_path):
+    """Resident train_gpt_shampoo.py workers, the candidate with a flag that changes the speed only
+    (--shampoo_root_streams=2; on the CPU nothing at all): each round's val losses are bitwise equal (same seed, same
+    initialisation and data), the rounds' differ (seeds 1 and 2), and only the candidate's log has the flag."""
+    result = run_ab(
+        *TRACK3, "--baseline", "WORKTREE", "--candidate", "WORKTREE", "--candidate-flags=--shampoo_root_streams=2",
+        "--rounds", "2", "--skip", "2", "--out", str(tmp_path), "--", *TINY_TRACK3_RUN, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "ab.json").read_text())
+    baseline, candidate = report["rounds"]["baseline"], report["rounds"]["candidate"]
+    assert [r["seed"] for r in baseline] == [r["seed"] for r in candidate] == [1, 2]
+    for b, c in zip(baseline, candidate):
+        assert b["ms_per_step"] > 0 and c["ms_per_step"] > 0
+        assert b["val_loss"] == c["val_loss"]
+    assert baseline[0]["val_loss"] != baseline[1]["val_loss"]
+    assert "paired difference B-A +0.0000" in result.stdout
+    assert [v["flags"] for v in report["versions"]] == [[], ["--shampoo_root_streams=2"]]
+    logs = {label: "".join(p.read_text() for p in (tmp_path / label / "logs").glob("*.txt")) for label in ("baseline", "candidate")}
+    overrides = {label: re.search(r"^overrides: (.*)$", log, re.MULTILINE)[1] for label, log in logs.items()}
+    assert "'shampoo_root_streams': 2" in overrides["candidate"] and "shampoo_root_streams" not in overrides["baseline"]
+    assert logs["baseline"].count("step:6/6 val_loss:") == 2  # one trial per round

@@ -1,8 +1,9 @@
 """CUDA checks (not collected by CI): the record configuration on a GPU equals the CPU run, roots computed
 concurrently on several streams equal the sequential ones bitwise (also in a fresh process, where torch loads its
 linear-algebra library on first use) and leave no allocation behind, forming the step's directions a part of the
-blocks at a time equals whole lists bitwise, per-group streams change nothing, and the DDP distributor over NCCL
-equals one process bitwise. Without CUDA every test is skipped.
+blocks at a time equals whole lists bitwise, batched same-shape blocks equal the per-block path bitwise, deferred
+roots computed in the background equal the same roots computed at the end of the step, per-group streams change
+nothing, and the DDP distributor over NCCL equals one process bitwise. Without CUDA every test is skipped.
 
     python -m pytest -q distributed_shampoo/gpu_tests            # needs 1 GPU (2 for the NCCL test)
 """
@@ -19,7 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distributed_shampoo import DDPDistributedConfig, DistributedShampoo, SingleDeviceDistributedConfig
+from distributed_shampoo import (
+    DDPDistributedConfig,
+    DistributedShampoo,
+    RootInvShampooPreconditionerConfig,
+    SingleDeviceDistributedConfig,
+)
+import distributed_shampoo.preconditioner.shampoo_preconditioner_list as shampoo_list_module
 from distributed_shampoo.shampoo_types import ConcurrencyConfig, ShampooRuntimeConfig
 from distributed_shampoo.tests.distributed_shampoo_test import record_config
 
@@ -38,19 +45,26 @@ def run(
     streams: int = 1,
     shapes: list[tuple[int, int]] = SHAPES,
     concurrency_config: ConcurrencyConfig | None = None,
+    batched: bool = False,
+    deferred: bool = False,
+    num_steps: int = NUM_STEPS,
+    **config: Any,
 ) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in shapes]
     optimizer = DistributedShampoo(
         params,
-        **record_config(distributed_config=distributed_config or SingleDeviceDistributedConfig()),
-        shampoo_runtime_config=ShampooRuntimeConfig(num_amortized_computation_streams=streams),
+        **record_config(distributed_config=distributed_config or SingleDeviceDistributedConfig(), **config),
+        shampoo_runtime_config=ShampooRuntimeConfig(
+            num_amortized_computation_streams=streams, batch_same_shape_blocks=batched, defer_amortized_computation=deferred
+        ),
         concurrency_config=concurrency_config or ConcurrencyConfig(),
     )
-    for _ in range(NUM_STEPS):
+    for _ in range(num_steps):
         for param in params:
             param.grad = torch.randn(param.shape, generator=generator).to(device)
         optimizer.step()
+    optimizer.finish_amortized_computations()  # nothing left running in the background (deferred roots)
     return [param.detach().cpu() for param in params]
 
 
@@ -72,6 +86,34 @@ def test_concurrent_roots_equal_sequential_roots_bitwise() -> None:
     for streams in (2, 4):
         for got, want in zip(run("cuda", streams=streams, shapes=shapes), sequential, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "num_steps"),
+    [(SHAPES * 3, NUM_STEPS), ([(768, 768)] * 4 + [(3072, 768), (768, 3072)], 6)],  # 2 layers of the Track 3 set
+    ids=["small", "track3"],
+)
+def test_batched_blocks_equal_the_per_block_path_bitwise(shapes: list[tuple[int, int]], num_steps: int) -> None:
+    """Whether cuBLAS's batched matmuls round as its single ones on these shapes: if not, batch_same_shape_blocks
+    changes results at rounding level on this GPU (it is bitwise on the CPU) and stays off for parity."""
+    square = dict(preconditioner_config=RootInvShampooPreconditionerConfig(use_symmetric_packing=False))
+    per_block = run("cuda", shapes=shapes, num_steps=num_steps, **square)
+    batched = run("cuda", shapes=shapes, num_steps=num_steps, batched=True, **square)
+    for got, want in zip(batched, per_block, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_deferred_roots_in_the_background_equal_roots_at_the_end_of_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """defer_amortized_computation: the roots computed on the background stream and thread (8 side streams under
+    it) equal the same roots computed on the caller's stream at the end of each root step, one after another."""
+    from distributed_shampoo.tests.deferred_roots_test import _AtTheEndOfTheStep
+
+    shapes = SHAPES * 3
+    overlapped = run("cuda", streams=8, shapes=shapes, deferred=True)
+    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", _AtTheEndOfTheStep)
+    sequential = run("cuda", streams=1, shapes=shapes, deferred=True)
+    for got, want in zip(overlapped, sequential, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # Run in a new interpreter: the first linalg call of a process is where torch loads its CUDA linear-algebra

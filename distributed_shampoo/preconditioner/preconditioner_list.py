@@ -51,6 +51,16 @@ class PreconditionerList(ABC):
     @abstractmethod
     def compress_preconditioner_list(self, local_grad_selector: tuple[bool, ...]) -> None: ...
 
+    # Lists whose amortized computation can run after its step, in the background (Shampoo's root computations).
+    defers_amortized_computation: bool = False
+
+    def start_amortized_computation(self) -> None:
+        """Start the amortized computation in the background (only where `defers_amortized_computation`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no amortized computation to defer.")
+
+    def finish_amortized_computation(self) -> None:
+        """Wait for a background amortized computation and store its results (nothing to wait for by default)."""
+
     @property
     def numel_list(self) -> tuple[int, ...]:
         return self._numel_list

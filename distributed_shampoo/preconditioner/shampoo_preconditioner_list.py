@@ -15,17 +15,26 @@ upper triangles (`utils.shampoo_utils.pack_upper_triangular`) and unpacked into 
 is used. The amortized computation handles one factor at a time (optionally several concurrently, within a
 memory budget), so it never holds more than a few d×d temporaries.
 
+With `batch_same_shape_blocks` (RootInv with square storage), the factors and inverse roots of matrix blocks of one
+shape are slices of shared stacks, and each step updates and applies a few of them at a time with one batched
+matmul per factor (`torch.bmm`) instead of one matmul per block. The batched path runs the operations of the
+per-block one in the same order (outer products by matmul, then β₂·F + w·(G·Gᵀ) elementwise; Gᵀ·L then ·R), so on
+the CPU it gives bitwise the same numbers.
+
 A numerical failure (`matrix_functions.NUMERICAL_FAILURES`) keeps the previous result and warns; more than
 `num_tolerated_failed_amortized_computations` consecutive failures of one block raise. NaN/Inf in a factor or in
 a result raise `PreconditionerValueError`; any other exception propagates.
 """
 
+import itertools
 import logging
 import math
 import os
 import tempfile
+import threading
 from abc import abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from functools import partial
@@ -69,6 +78,15 @@ from distributed_shampoo.utils.shampoo_utils import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 SHAMPOO = "shampoo"
+
+# Batched blocks are updated and applied a few at a time: the stacked inputs and results of one batched matmul
+# stay within this fraction of the list's state (and at most `_MIN_BATCH_BYTES` when that is larger), like the
+# step's direction parts.
+_BATCH_STATE_FRACTION = 0.02
+_MIN_BATCH_BYTES = 16 * 2**20
+# Blocks with a smaller side stay per block: every matmul of an 8×8 block has at least 512 multiply-adds, and
+# below 400 torch's CPU bmm computes with its own loop, which rounds differently from mm.
+_MIN_BATCHED_DIM = 8
 
 # ------------------------------------------------------------------------------------------ checkpointed state
 
@@ -160,6 +178,8 @@ class ShampooKroneckerFactorsUnwrapped:
     factor_matrices_eigenvalues: tuple[Tensor, ...] = ()
     corrected_eigenvalues: Tensor | None = None
     failed_amortized_computation_counter: int = field(default=0)
+    batch: "_BlockStacks | None" = None  # with `batch_same_shape_blocks`: the stacks holding this block's state
+    batch_index: int = 0  # its slice of them
 
 
 def _local_tensors(value: Tensor | tuple[Tensor, ...], block_info: BlockInfo) -> Tensor | tuple[Tensor, ...]:
@@ -187,6 +207,46 @@ def _unwrap(
         roots=roots,
         **local_tensors,
     )
+
+
+class _BlockStacks:
+    """The state tensors of a batch of same-shape blocks, stacked: the c-th tensor that block i of the batch
+    allocates is slice i of the c-th stack, so that a run of consecutive blocks is one slice of every stack."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.stacks: list[Tensor] = []
+
+    def allocating(self, block_info: BlockInfo, index: int) -> BlockInfo:
+        """`block_info` whose zeros and identity allocations hand out block `index`'s slices of the stacks."""
+        slots = itertools.count()
+
+        def zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+            return self._slice(next(slots), index, tuple(size), dtype, device, block_info)
+
+        def eye(dimension: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+            identity = self._slice(next(slots), index, (dimension, dimension), dtype, device, block_info)
+            identity.diagonal().fill_(1.0)
+            return identity
+
+        allocating = BlockInfo(block_info.param, block_info.composable_block_ids, allocate_zeros_tensor=zeros)
+        allocating.allocate_eye_tensor = eye
+        return allocating
+
+    def _slice(
+        self, slot: int, index: int, size: tuple[int, ...], dtype: torch.dtype, device: torch.device, block_info: BlockInfo
+    ) -> Tensor:
+        if slot == len(self.stacks):  # the batch's first block allocates the stacks, in its allocation order
+            assert index == 0, "the first block of a batch allocates its stacks"
+            self.stacks.append(block_info.allocate_zeros_tensor(size=(self.num_blocks, *size), dtype=dtype, device=device))
+        stack = self.stacks[slot]
+        assert stack.shape[1:] == size and stack.dtype == dtype, "every block of a batch allocates the same state"
+        return stack[index]
+
+    def stack_of(self, tensor: Tensor) -> Tensor:
+        """The stack that `tensor`, a slice of one, belongs to."""
+        pointer = tensor.untyped_storage().data_ptr()
+        return next(stack for stack in self.stacks if stack.untyped_storage().data_ptr() == pointer)
 
 
 def _precondition_grad(
@@ -251,8 +311,13 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     Subclasses say which dims are preconditioned and with which root (`_roots_of_block`), what state a block
     holds (`_create_block_state`), what the amortized computation produces and where it goes
     (`_amortized_result`, `_result_tensors`, `_store_amortized_result`) and how a gradient is preconditioned
-    (`_precondition_block`); `_factor_update_sources` and `_after_amortized_computation` are optional.
+    (`_precondition_block`); `_factor_update_sources` and `_after_amortized_computation` are optional. A variant
+    that sets `_batches_blocks` also preconditions a run of batched blocks at once (`_precondition_batch`).
     """
+
+    # Whether `batch_same_shape_blocks` applies: the variant keeps only square matrices per factor and
+    # implements `_precondition_batch`.
+    _batches_blocks: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -267,8 +332,15 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         *,
         num_amortized_computation_streams: int = 1,
         concurrent_memory_fraction: float = DEFAULT_CONCURRENT_MEMORY_FRACTION,
+        batch_same_shape_blocks: bool = False,
+        defer_amortized_computation: bool = False,
     ) -> None:
         super().__init__(block_list, beta2, weighting_factor, epsilon, use_bias_correction)
+        # Flipping a process-wide flag from a background thread would change the caller's matmuls too.
+        self.defers_amortized_computation = defer_amortized_computation and not changes_global_state(
+            preconditioner_config.amortized_computation_config
+        )
+        self._in_background: _BackgroundComputation | None = None
         self._preconditioner_config = preconditioner_config
         self._packed = preconditioner_config.use_symmetric_packing
         if num_amortized_computation_streams < 1:
@@ -278,13 +350,16 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
             raise ValueError(f"{concurrent_memory_fraction=} must be >= 0 (math.inf for no bound).")
         self._concurrent_memory_fraction = concurrent_memory_fraction
 
+        batches = self._plan_batches(block_list) if batch_same_shape_blocks else {}
         blocks = []
-        for block, block_info in zip(block_list, block_info_list, strict=True):
+        for position, (block, block_info) in enumerate(zip(block_list, block_info_list, strict=True)):
             param_index, block_id = block_info.composable_block_ids
             selector, roots = self._roots_of_block(block.dim())
             factor_dims = tuple(size for size, selected in zip(block.size(), selector) if selected)
+            batch, batch_index = batches.get(position, (None, 0))
+            allocating = block_info if batch is None else batch.allocating(block_info, batch_index)
             factor_matrices = tuple(
-                block_info.allocate_zeros_tensor(
+                allocating.allocate_zeros_tensor(
                     size=self._symmetric_shape(size), dtype=preconditioner_config.factor_matrix_dtype, device=block.device
                 )
                 for size in factor_dims
@@ -293,9 +368,11 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
                 for size in factor_dims:
                     upper_triangular_indices(size, block.device)
             indices = tuple(f"{param_index}.{block_id}.{j}" for j in range(len(factor_dims)))
-            block_state = self._create_block_state(block, block_info, factor_matrices, factor_dims, indices)
+            block_state = self._create_block_state(block, allocating, factor_matrices, factor_dims, indices)
             state[block_info.param][block_id][SHAMPOO] = block_state
-            blocks.append(_unwrap(block_state, block_info, selector, factor_dims, roots))
+            unwrapped = _unwrap(block_state, block_info, selector, factor_dims, roots)
+            unwrapped.batch, unwrapped.batch_index = batch, batch_index
+            blocks.append(unwrapped)
         self._local_blocks: tuple[ShampooKroneckerFactorsUnwrapped, ...] = tuple(blocks)
         self._masked_blocks = self._local_blocks
 
@@ -312,6 +389,25 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
             for state_field in fields(b)
             for tensor in _tensors_of(getattr(b, state_field.name))
         )
+        self._batch_bytes = max(_BATCH_STATE_FRACTION * self._state_bytes, _MIN_BATCH_BYTES)
+
+    def _plan_batches(self, block_list: tuple[Tensor, ...]) -> dict[int, tuple[_BlockStacks, int]]:
+        """(stacks, index in them) of each block that shares stacks with the other blocks of its shape: matrix
+        blocks with both dims preconditioned, square storage, sides of at least `_MIN_BATCHED_DIM`, two or more of a
+        shape (dtype and device included)."""
+        if self._packed or not self._batches_blocks:
+            return {}
+        shapes: dict[tuple[Any, ...], list[int]] = {}
+        for position, block in enumerate(block_list):
+            selector, _ = self._roots_of_block(block.dim())
+            if block.dim() == 2 and all(selector) and min(block.shape) >= _MIN_BATCHED_DIM:
+                shapes.setdefault((tuple(block.shape), block.dtype, block.device), []).append(position)
+        plan: dict[int, tuple[_BlockStacks, int]] = {}
+        for positions in shapes.values():
+            if len(positions) > 1:
+                stacks = _BlockStacks(len(positions))
+                plan.update((position, (stacks, index)) for index, position in enumerate(positions))
+        return plan
 
     # ---- variant hooks
 
@@ -351,6 +447,13 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
 
     def _after_amortized_computation(self, masked_grad_list: tuple[Tensor, ...]) -> None:
         """Per-step work that needs this step's factors and eigenbasis (eigenvalue correction)."""
+
+    def _precondition_batch(
+        self, stacks: _BlockStacks, first: int, grads: list[Tensor], block: ShampooKroneckerFactorsUnwrapped
+    ) -> tuple[Tensor, ...]:
+        """The directions of the batched blocks `first`, `first + 1`, … of `stacks` (`block` is the first of them),
+        bitwise those of `_precondition_block`."""
+        raise NotImplementedError(f"{type(self).__name__} does not precondition batched blocks.")
 
     # ---- symmetric storage
 
@@ -396,21 +499,68 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
 
     @profile_decorator
     def _update_factor_matrices(self, masked_grad_list: tuple[Tensor, ...]) -> None:
-        """F_k ← beta2·F_k + weighting_factor·(outer product of the gradient over every dim but k).
+        """F_k ← beta2·F_k + weighting_factor·(outer product of the gradient over every dim but k), as the published
+        optimizer forms it: the outer product by a matmul, then the two elementwise operations.
 
-        One factor at a time, so that at most one outer product is alive.
+        One factor at a time, so that at most one outer product is alive; batched blocks a run at a time.
         """
-        for grad, block in zip(masked_grad_list, self._masked_blocks, strict=True):
+        runs, single = self._batched_runs(self._masked_blocks, self._factor_update_bytes)
+        for stacks, first, positions in runs:
+            grads = torch.stack([masked_grad_list[position] for position in positions])
+            end = first + len(positions)
+            for dim, factor in enumerate(self._masked_blocks[positions[0]].factor_matrices):
+                outer_products = torch.bmm(grads, grads.mT) if dim == 0 else torch.bmm(grads.mT, grads)
+                self._accumulate(stacks.stack_of(factor)[first:end], outer_products)
+                del outer_products
+        for position in single:
+            grad, block = masked_grad_list[position], self._masked_blocks[position]
             dims = [d for d, selected in enumerate(block.preconditioned_dims_selector) if selected]
             sources = self._factor_update_sources(grad, block)
             for dim, factor, source in zip(dims, block.factor_matrices, sources, strict=True):
-                if not self._packed and source.dim() == 2 and source.dtype == factor.dtype:
-                    # A square factor of a matrix block: one fused kernel, F ← beta2·F + w·X·Xᵀ.
-                    rows = source if dim == 0 else source.T
-                    factor.addmm_(rows, rows.T, beta=self._beta2, alpha=self._weighting_factor)
-                    continue
                 outer_product = _outer_product(source, dim)
                 self._accumulate(factor, pack_upper_triangular(outer_product) if self._packed else outer_product)
+
+    @staticmethod
+    def _factor_update_bytes(block: ShampooKroneckerFactorsUnwrapped) -> int:
+        """Temporaries of a batched block's factor update: its stacked gradient and its largest outer product."""
+        rows, columns = block.factor_dims
+        return (rows * columns + max(rows, columns) ** 2) * block.factor_matrices[0].element_size()
+
+    def _batched_runs(
+        self, blocks: Sequence[ShampooKroneckerFactorsUnwrapped], bytes_per_block: Callable[[ShampooKroneckerFactorsUnwrapped], int]
+    ) -> tuple[list[tuple[_BlockStacks, int, list[int]]], list[int]]:
+        """The positions in `blocks` split into runs of consecutive slices of one batch's stacks, as (stacks, first
+        slice, positions), and the positions left to the per-block path (unbatched blocks, and runs of one).
+
+        A run holds at most `_batch_bytes` of temporaries (`bytes_per_block` each); the slices of a batch's blocks
+        that received a gradient are consecutive unless a block between them did not.
+        """
+        members: dict[int, tuple[_BlockStacks, list[tuple[int, int]]]] = {}
+        single = []
+        for position, block in enumerate(blocks):
+            if block.batch is None:
+                single.append(position)
+            else:
+                members.setdefault(id(block.batch), (block.batch, []))[1].append((block.batch_index, position))
+        runs: list[tuple[_BlockStacks, int, list[int]]] = []
+
+        def close(stacks: _BlockStacks, first: int, positions: list[int]) -> None:
+            if len(positions) > 1:
+                runs.append((stacks, first, positions))
+            else:
+                single.extend(positions)
+
+        for stacks, indexed in members.values():
+            limit = max(1, int(self._batch_bytes // bytes_per_block(blocks[indexed[0][1]])))
+            first, positions = indexed[0][0], []
+            for index, position in indexed:
+                if positions and (index != first + len(positions) or len(positions) == limit):
+                    close(stacks, first, positions)
+                    first, positions = index, []
+                positions.append(position)
+            close(stacks, first, positions)
+        single.sort()
+        return runs, single
 
     def _accumulate(self, statistic: Tensor, update: Tensor) -> None:
         """S ← beta2·S + weighting_factor·U (the multiply is skipped when beta2 == 1)."""
@@ -456,15 +606,35 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         are stored by copying (bounded by 2·d²)."""
         return 2 * dimension * dimension
 
+    def start_amortized_computation(self) -> None:
+        """The amortized computation of the masked blocks, from their factors as they are now, on a host thread and
+        (on CUDA) a stream of its own, which waits for the work queued so far; `finish_amortized_computation` waits
+        for it. The caller must not change the factors or read the results before then."""
+        assert self.defers_amortized_computation, "start_amortized_computation needs defer_amortized_computation"
+        self.finish_amortized_computation()
+        blocks = self._masked_blocks
+        if not blocks:
+            return
+        device = blocks[0].factor_matrices[0].device if blocks[0].factor_matrices else torch.device("cpu")
+        load_linalg_library(device)  # its lazy first call is not thread safe: make it here, on the caller's thread
+        self._in_background = _BackgroundComputation(partial(self._amortized_computation, blocks), device)
+
+    def finish_amortized_computation(self) -> None:
+        if self._in_background is not None:
+            in_background, self._in_background = self._in_background, None
+            in_background.wait()
+
     @profile_decorator
-    def _amortized_computation(self) -> None:
-        """Recompute every masked factor's result, one factor per task; then update the failure counters.
+    def _amortized_computation(self, blocks: tuple[ShampooKroneckerFactorsUnwrapped, ...] | None = None) -> None:
+        """Recompute every factor's result of `blocks` (default: the masked blocks), one factor per task; then
+        update the failure counters.
 
         With several streams (CUDA only) the tasks run concurrently, largest first so that the big
         decompositions start early, while their estimated temporaries stay within the largest one's plus
         the concurrent memory fraction of the state; each result is bitwise the sequential one.
         """
-        work = [(block, j) for block in self._masked_blocks for j in range(len(block.factor_matrices))]
+        blocks = self._masked_blocks if blocks is None else blocks
+        work = [(block, j) for block in blocks for j in range(len(block.factor_matrices))]
         if not work:
             return
         streams = self._num_amortized_computation_streams
@@ -474,7 +644,7 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
 
         last_exception = {id(block): outcome for (block, _), outcome in zip(work, outcomes, strict=True) if outcome is not None}
         tolerance = self._preconditioner_config.num_tolerated_failed_amortized_computations
-        for block in self._masked_blocks:
+        for block in blocks:
             if id(block) not in last_exception:
                 block.failed_amortized_computation_counter = 0
                 continue
@@ -570,7 +740,67 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
 
     def precondition_blocks(self, masked_grad_list: tuple[Tensor, ...], first_block: int) -> tuple[Tensor, ...]:
         blocks = self._masked_blocks[first_block : first_block + len(masked_grad_list)]
-        return tuple(self._precondition_block(grad, block) for grad, block in zip(masked_grad_list, blocks, strict=True))
+        assert len(blocks) == len(masked_grad_list), f"{len(masked_grad_list)} gradients for {len(blocks)} blocks."
+        runs, single = self._batched_runs(blocks, self._precondition_bytes)
+        directions: list[Tensor | None] = [None] * len(blocks)
+        for position in single:
+            directions[position] = self._precondition_block(masked_grad_list[position], blocks[position])
+        for stacks, first, positions in runs:
+            batch = self._precondition_batch(stacks, first, [masked_grad_list[p] for p in positions], blocks[positions[0]])
+            for position, direction in zip(positions, batch, strict=True):
+                directions[position] = direction
+        return tuple(directions)  # type: ignore[arg-type]  # every position was filled
+
+    @staticmethod
+    def _precondition_bytes(block: ShampooKroneckerFactorsUnwrapped) -> int:
+        """Temporaries of preconditioning a batched block: its stacked gradient, the half-way product and the result."""
+        rows, columns = block.factor_dims
+        return 3 * rows * columns * block.factor_matrices[0].element_size()
+
+
+# Per process and device: the CUDA stream (None off CUDA) and the host thread that deferred root computations run
+# on. Persistent, as the side streams of `run_on_side_streams` are: the caching allocator keeps freed memory per
+# stream, and torch keeps a cuBLAS workspace per (thread's handle, stream) pair, so new ones at every root step
+# would hold ever more memory.
+_BACKGROUND_WORKERS: dict[tuple[int, torch.device], tuple["torch.cuda.Stream | None", ThreadPoolExecutor]] = {}
+_BACKGROUND_WORKERS_LOCK = threading.Lock()
+
+
+def _background_worker(device: torch.device) -> tuple["torch.cuda.Stream | None", ThreadPoolExecutor]:
+    key = (os.getpid(), torch.device(device))
+    with _BACKGROUND_WORKERS_LOCK:
+        if key not in _BACKGROUND_WORKERS:
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            _BACKGROUND_WORKERS[key] = (stream, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shampoo-deferred-{device}"))
+        return _BACKGROUND_WORKERS[key]
+
+
+class _BackgroundComputation:
+    """`function()` on the device's background thread and (on CUDA) stream, which first waits for the work queued
+    on the caller's stream. `wait()` waits for the function, makes the caller's stream wait for the background
+    stream, and raises what the function raised."""
+
+    def __init__(self, function: Callable[[], None], device: torch.device) -> None:
+        self._device = device
+        self._stream, executor = _background_worker(device)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+        self._future = executor.submit(self._run, function)
+
+    @torch.no_grad()  # grad mode is per thread; the step's no_grad does not reach this one
+    def _run(self, function: Callable[[], None]) -> None:
+        if self._stream is None:
+            function()
+            return
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            function()
+
+    def wait(self) -> None:
+        try:
+            self._future.result()
+        finally:
+            if self._stream is not None:
+                torch.cuda.current_stream(self._device).wait_stream(self._stream)
 
 
 def _tensors_of(value: Any) -> tuple[Tensor, ...]:
@@ -616,6 +846,7 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
     """Stores F_k^(-1/root_k), recomputed by `matrix_inverse_root` (eigh by default)."""
 
     _preconditioner_config: RootInvShampooPreconditionerConfig
+    _batches_blocks: ClassVar[bool] = True
 
     def _create_block_state(
         self,
@@ -655,6 +886,17 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
 
     def _block_inverse_roots(self, block: ShampooKroneckerFactorsUnwrapped) -> tuple[Tensor, ...]:
         return tuple(map(self._square, block.inv_factor_matrices))
+
+    def _precondition_batch(
+        self, stacks: _BlockStacks, first: int, grads: list[Tensor], block: ShampooKroneckerFactorsUnwrapped
+    ) -> tuple[Tensor, ...]:
+        # L·G·R as `_precondition_grad` forms it for each block: Gᵀ·L (contracting the rows), then its rows with R.
+        end = first + len(grads)
+        inverse_roots = [stacks.stack_of(root)[first:end] for root in block.inv_factor_matrices]
+        result = torch.stack(grads).to(inverse_roots[0].dtype)
+        for inverse_root in inverse_roots:
+            result = torch.bmm(result.mT, inverse_root)
+        return result.to(grads[0].dtype).unbind(0)
 
 
 class EigendecomposedShampooPreconditionerList(ClassicShampooPreconditionerList):
@@ -729,6 +971,8 @@ class _KLMixin:
 
 class RootInvKLShampooPreconditionerList(_KLMixin, RootInvShampooPreconditionerList):
     """KL-Shampoo with stored inverse roots."""
+
+    _batches_blocks: ClassVar[bool] = False  # its factors accumulate a preconditioned gradient
 
 
 class EigendecomposedKLShampooPreconditionerList(_KLMixin, EigendecomposedShampooPreconditionerList):

@@ -80,7 +80,9 @@ class ReferenceBlock:
         self.second_moment = torch.zeros(shape, dtype=torch.float64)
         self.first_moment = torch.zeros(shape, dtype=torch.float64)
 
-    def step(self, weight: Tensor, grad: Tensor, t: int, c: dict[str, Any]) -> None:
+    def step(self, weight: Tensor, grad: Tensor, t: int, c: dict[str, Any], deferred: bool = False) -> None:
+        """One step; `deferred`: a root step's new inverse roots are computed after its update, so they are first
+        used at the next step (`ShampooRuntimeConfig(defer_amortized_computation=True)`)."""
         beta1, beta2 = c["betas"]
         graft_beta2, graft_eps = c["graft_beta2"], c["graft_eps"]
         if grad.dim() == 2:
@@ -91,7 +93,8 @@ class ReferenceBlock:
             self.factors[0] = beta2 * self.factors[0] + (1 - beta2) * torch.outer(grad, grad)
             root = 2
         self.second_moment = graft_beta2 * self.second_moment + (1 - graft_beta2) * grad**2
-        if t == c["start"] or (t % c["frequency"] == 0 and t > c["start"]):
+        root_step = t == c["start"] or (t % c["frequency"] == 0 and t > c["start"])
+        if root_step and not deferred:
             self.inverse_roots = [inverse_root(f / (1 - beta2**t), root, c["epsilon"]) for f in self.factors]
         self.first_moment = beta1 * self.first_moment + (1 - beta1) * grad
         m_hat = self.first_moment / (1 - beta1**t)
@@ -102,6 +105,8 @@ class ReferenceBlock:
             shampoo = self.inverse_roots[0] @ m_hat @ self.inverse_roots[1] if grad.dim() == 2 else self.inverse_roots[0] @ m_hat
             direction = shampoo * adam.norm() / (shampoo.norm() + 1e-16)
         weight -= c["lr"] * (direction + c["weight_decay"] * weight)
+        if root_step and deferred:
+            self.inverse_roots = [inverse_root(f / (1 - beta2**t), root, c["epsilon"]) for f in self.factors]
 
 
 # Param shapes and how the reference blocks them with max_preconditioner_dim = 4:
@@ -133,6 +138,26 @@ def random_problem(num_steps: int, dtype: torch.dtype) -> tuple[list[Tensor], li
 @pytest.mark.parametrize("num_steps", [1, 7])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_matches_plain_float64_reference(num_steps: int, dtype: torch.dtype) -> None:
+    _compare_with_reference(num_steps, dtype)
+
+
+def test_compile_config_mirrors_torch_compile_and_compiled_steps_match_the_float64_reference() -> None:
+    """The published ShampooPT2CompileConfig: keyword-only, one field per torch.compile parameter but `model`, with
+    torch.compile's defaults (backend None included); its fields are splatted into torch.compile."""
+    import dataclasses
+    import inspect
+
+    from distributed_shampoo import ShampooPT2CompileConfig
+
+    parameters = {n: p.default for n, p in inspect.signature(torch.compile).parameters.items() if n != "model"}
+    config = ShampooPT2CompileConfig()
+    assert dataclasses.asdict(config) == parameters and config.backend is None
+    with pytest.raises(TypeError):
+        ShampooPT2CompileConfig(False)  # type: ignore[misc]  # keyword-only
+    _compare_with_reference(7, torch.float64, shampoo_pt2_compile_config=ShampooPT2CompileConfig(backend="eager"))
+
+
+def _compare_with_reference(num_steps: int, dtype: torch.dtype, deferred: bool = False, **optimizer_extra: Any) -> None:
     c = dict(lr=0.05, betas=(0.9, 0.95), epsilon=1e-6, weight_decay=0.2, frequency=2, start=3, graft_beta2=0.95, graft_eps=1e-8)
     initial, grads = random_problem(num_steps, dtype)
 
@@ -148,6 +173,7 @@ def test_matches_plain_float64_reference(num_steps: int, dtype: torch.dtype) -> 
         start_preconditioning_step=c["start"],
         grafting_config=AdamPreconditionerConfig(beta2=c["graft_beta2"], epsilon=c["graft_eps"]),
         preconditioner_config=RootInvShampooPreconditionerConfig(factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype),
+        **optimizer_extra,
     )
     weights = [value.to(torch.float64).clone() for value in initial]
     blocks = [ReferenceBlock(tuple(b.shape)) for w in weights for b in reference_blocks(w)]
@@ -158,7 +184,7 @@ def test_matches_plain_float64_reference(num_steps: int, dtype: torch.dtype) -> 
         weight_blocks = [b for w in weights for b in reference_blocks(w)]
         grad_blocks = [b for g in step_grads for b in reference_blocks(g.to(torch.float64))]
         for block, weight, grad in zip(blocks, weight_blocks, grad_blocks, strict=True):
-            block.step(weight, grad, t, c)
+            block.step(weight, grad, t, c, deferred)
 
     # Bias corrections are float32 scalars (as in the reference implementation), hence ~1e-7 even in float64.
     tolerance = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
@@ -696,7 +722,9 @@ class ReferenceEigenvalueCorrectedBlock:
         self.corrected_eigenvalues = torch.zeros(shape, dtype=torch.float64)
         self.first_moment = torch.zeros(shape, dtype=torch.float64)
 
-    def step(self, weight: Tensor, grad: Tensor, t: int, c: dict[str, Any]) -> None:
+    def step(self, weight: Tensor, grad: Tensor, t: int, c: dict[str, Any], deferred: bool = False) -> None:
+        """One step; `deferred`: a root step's new inverse roots are computed after its update, so they are first
+        used at the next step (`ShampooRuntimeConfig(defer_amortized_computation=True)`)."""
         beta1, beta2 = c["betas"]
         self.factors[0] = beta2 * self.factors[0] + (1 - beta2) * grad @ grad.T
         self.factors[1] = beta2 * self.factors[1] + (1 - beta2) * grad.T @ grad

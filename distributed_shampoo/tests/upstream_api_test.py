@@ -11,6 +11,7 @@ import logging
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -133,6 +134,72 @@ def test_schedule_free_weight_decay_shrinks_z() -> None:
     assert trajectory == pytest.approx([0.89, 0.73555, 0.648463], abs=1e-6)
     optimizer.eval()
     assert weight.item() == pytest.approx(0.722637, abs=1e-6)
+
+
+def _f32(value: float) -> float:
+    """`value` rounded to IEEE single precision (numpy, independently of torch)."""
+    return float(np.float32(value))
+
+
+def averaging_reference(
+    averaging: GeneralizedPrimalAveragingConfig | ScheduleFreeConfig, weight_decay_type: WeightDecayType,
+    y: list[float], grads: list[list[float]], lr: float, peak_lr: float, weight_decay: float, float32_lr: bool = True,
+) -> list[float]:
+    """Float64 GPA/Schedule-Free with the SGD preconditioner and betas (0, 1), element by element. As published,
+    the learning rate is a float32 tensor: the step is -lr₃₂·g, z's decay factor is 1 - lr₃₂·α worked out in
+    float32, and so are Schedule-Free's lr₃₂², Σ and μx and the coefficients 1 - μx·μy and 1 - μx. float32_lr=False
+    gives the same arithmetic with the float64 learning rate and decay factor, for contrast."""
+    lr32 = _f32(lr) if float32_lr else lr
+    alpha = {
+        WeightDecayType.DECOUPLED: weight_decay,
+        WeightDecayType.CORRECTED: weight_decay * lr32 / peak_lr,
+        WeightDecayType.INDEPENDENT: weight_decay / peak_lr,
+    }[weight_decay_type]
+    decay = _f32(np.float32(1.0) - np.float32(lr32) * np.float32(alpha)) if float32_lr else 1.0 - lr * alpha
+    z, mu_y, lr_sum = list(y), _f32(averaging.train_interp_coeff), np.float32(0.0)
+    for grad in grads:
+        if isinstance(averaging, ScheduleFreeConfig):
+            lr_power = np.float32(lr32) * np.float32(lr32)  # eval_coeff_lr_power 2
+            lr_sum = np.float32(lr_sum + lr_power)
+            mu_x = _f32(np.float32(1.0) - lr_power / lr_sum)
+        else:
+            mu_x = _f32(averaging.eval_interp_coeff)
+        c_step, c_pull = _f32(np.float32(1.0) - np.float32(mu_x) * np.float32(mu_y)), _f32(np.float32(1.0) - np.float32(mu_x))
+        for i, g in enumerate(grad):
+            shrunk = z[i] * decay
+            step = g * -lr32
+            pull = shrunk - y[i]
+            z[i] = shrunk + step
+            y[i] = y[i] + (step * c_step + pull * c_pull)
+    return y
+
+
+@pytest.mark.parametrize("weight_decay_type", [WeightDecayType.DECOUPLED, WeightDecayType.CORRECTED, WeightDecayType.INDEPENDENT])
+@pytest.mark.parametrize(
+    "averaging",
+    [GeneralizedPrimalAveragingConfig(eval_interp_coeff=0.7, train_interp_coeff=0.3), ScheduleFreeConfig(train_interp_coeff=0.9)],
+    ids=["GPA", "Schedule-Free"],
+)
+def test_averaging_weight_decay_in_float64_follows_the_float32_learning_rate(
+    averaging: GeneralizedPrimalAveragingConfig | ScheduleFreeConfig, weight_decay_type: WeightDecayType
+) -> None:
+    """Float64 parameters: z's decay factor and the step come from the float32 learning rate, as published (our
+    float64 factor differed by up to 8.8e-7). lr 0.1 and α are not float32 numbers, so the contrast differs."""
+    generator = torch.Generator().manual_seed(3)
+    initial = torch.randn(6, generator=generator, dtype=torch.float64)
+    grads = torch.randn(9, 6, generator=generator, dtype=torch.float64)
+    weight = torch.nn.Parameter(initial.clone())
+    lr, peak_lr, weight_decay = 0.1, 0.3, 0.7
+    optimizer = DistributedShampoo(
+        [dict(params=[weight], peak_lr=peak_lr)], lr=lr, betas=(0.0, 1.0), preconditioner_config=SGDPreconditionerConfig(),
+        weight_decay=weight_decay, weight_decay_type=weight_decay_type, iterate_averaging_config=averaging,
+    )
+    for grad in grads:
+        weight.grad = grad.clone()
+        optimizer.step()
+    arguments = (averaging, weight_decay_type, initial.tolist(), grads.tolist(), lr, peak_lr, weight_decay)
+    assert weight.detach().tolist() == averaging_reference(*arguments)
+    assert weight.detach().tolist() != averaging_reference(*arguments, float32_lr=False)
 
 
 def test_interpolation_coefficients_are_float32_tensors_on_the_parameter_device() -> None:

@@ -186,14 +186,25 @@ def pack_upper_triangular(matrix: Tensor) -> Tensor:
     return matrix.reshape(-1).index_select(0, upper_triangular_indices(matrix.shape[0], matrix.device))
 
 
-def unpack_upper_triangular(packed: Tensor) -> Tensor:
-    """The symmetric matrix whose upper triangle is `packed` (see `pack_upper_triangular`), as a new tensor.
+def unpack_upper_triangular(packed: Tensor, dim: int | None = None) -> Tensor:
+    """The symmetric `dim`×`dim` matrix whose upper triangle is `packed` (see `pack_upper_triangular`), as a new
+    tensor.
 
-    The lower triangle is an exact mirror: each off-diagonal entry is one packed value plus zero.
+    `dim` is the published signature's size argument; when it is left out, it is the d of d(d+1)/2 entries. A
+    `dim` that does not fit the packed length is a ValueError. The lower triangle is an exact mirror: each
+    off-diagonal entry is one packed value plus zero.
     """
     if packed.dim() != 1:
         raise ValueError(f"A packed upper triangle is 1-D, got shape {tuple(packed.shape)}.")
-    dimension = packed_dimension(packed.numel())
+    if dim is None:
+        dimension = packed_dimension(packed.numel())
+    elif dim < 0 or packed_size(dim) != packed.numel():
+        raise ValueError(
+            f"{dim=} does not fit {packed.numel()} packed entries: the upper triangle of a {dim}×{dim} matrix has "
+            f"{packed_size(max(dim, 0))}."
+        )
+    else:
+        dimension = dim
     upper = packed.new_zeros(dimension, dimension)
     upper.view(-1).scatter_(0, upper_triangular_indices(dimension, packed.device), packed)
     matrix = upper + upper.mT  # the diagonal is doubled here and restored below

@@ -483,6 +483,34 @@ def test_unpack_mirrors_the_upper_triangle_exactly() -> None:
     assert torch.equal(unpack_upper_triangular(pack_upper_triangular(symmetric)), symmetric)
 
 
+def _unpacked_by_loops(packed: list[float], dim: int) -> list[list[float]]:
+    """The plain layout: row i holds (i,i), (i,i+1), …, (i,d-1), one row after another."""
+    matrix = [[0.0] * dim for _ in range(dim)]
+    offset = 0
+    for i in range(dim):
+        for j in range(i, dim):
+            matrix[i][j] = matrix[j][i] = packed[offset]
+            offset += 1
+    return matrix
+
+
+@pytest.mark.parametrize("dim", [1, 2, 5])
+def test_unpack_with_the_published_dim_argument_matches_a_plain_reference(dim: int) -> None:
+    generator = torch.Generator().manual_seed(dim)
+    packed = torch.randn(dim * (dim + 1) // 2, generator=generator, dtype=torch.float64)
+    expected = torch.tensor(_unpacked_by_loops(packed.tolist(), dim), dtype=torch.float64)
+    assert torch.equal(unpack_upper_triangular(packed, dim), expected)  # positional, as the published tests call it
+    assert torch.equal(unpack_upper_triangular(packed, dim=dim), expected)
+    assert torch.equal(unpack_upper_triangular(packed), expected)  # our inferred size gives the same matrix
+    assert unpack_upper_triangular(torch.zeros(0, dtype=torch.float64), 0).shape == (0, 0)
+
+
+@pytest.mark.parametrize("dim", [2, 4, -1])
+def test_unpack_refuses_a_dim_that_does_not_fit_the_packed_length(dim: int) -> None:
+    with pytest.raises(ValueError, match=f"dim={dim} does not fit 6 packed entries"):
+        unpack_upper_triangular(torch.zeros(6), dim)
+
+
 @pytest.mark.parametrize(("num_packed", "dimension"), [(1, 1), (3, 2), (6, 3), (4_720_128, 3072)])
 def test_packed_dimension(num_packed: int, dimension: int) -> None:
     assert packed_dimension(num_packed) == dimension
