@@ -76,7 +76,7 @@ from bench.scripts import load_script  # noqa: E402
 WORKTREE = "WORKTREE"
 RESIDENT_NEEDS = {"run": (), "train": ("raw_model", "adam", "muon", "rt"), "print0": (), "evaluate": ()}
 # train_gpt_shampoo.py: main() runs trials, each run_trial() calls train_step() per step and evaluate()
-TRIALS_NEEDS = {"main": (), "run_trial": ("session", "trial", "resume"), "train_step": (), "evaluate": ()}
+TRIALS_NEEDS = {"main": (), "run_trial": ("trial", "resume"), "train_step": (), "evaluate": ()}
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) ")
 TRAIN_TIME = re.compile(r"train_time:([0-9.]+)(ms|s)\b")
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.naife]+)")
@@ -592,22 +592,22 @@ def trials_worker(module: Any, args: argparse.Namespace, overrides: list[str], c
             timer.eval_inside_s += time.perf_counter() - start
         return result
 
-    def start_round(session: Any, seed: int) -> None:
+    def start_round(launch: Any, seed: int) -> None:
         torch.manual_seed(seed)
-        progress.update(steps=0, total=session.hp.train_steps)
+        progress.update(steps=0, total=launch.hp.train_steps)
         timer.marks, timer.eval_inside_s, timer.segment_open = {}, 0.0, False
 
-    def rounds_of_trials(session: Any, trial: int, resume: Any) -> Any:
+    def rounds_of_trials(launch: Any, trial: int, resume: Any) -> Any:
         if rank == 0:
             control.signal("ready", dict(pid=os.getpid(), device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"))
         result = module.TrialResult({})
         for index, seed in enumerate(args.seeds):
             if control.wait_first((f"go{index}", "stop")) == "stop":  # the coordinator's time limit
                 return result
-            start_round(session, seed)
+            start_round(launch, seed)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            result = original_run_trial(session, trial, None)
+            result = original_run_trial(launch, trial, None)
             total = progress["total"]
             segment_s = timer.marks[total] - timer.marks[timer.first_step] - timer.eval_inside_s
             peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
@@ -618,11 +618,11 @@ def trials_worker(module: Any, args: argparse.Namespace, overrides: list[str], c
                          val_loss=float(result.val_losses[max(result.val_losses)]), peak_allocated_mib=peak / 2**20),
                 )
         if args.profile_steps and control.wait_first(("go_profile", "stop")) == "go_profile":
-            start_round(session, args.seeds[0])
+            start_round(launch, args.seeds[0])
             timer.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
             timer.profile_steps = args.profile_steps
             try:
-                original_run_trial(session, trial, None)
+                original_run_trial(launch, trial, None)
             except _EndRound:
                 pass
             if rank == 0:

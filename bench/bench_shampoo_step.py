@@ -42,7 +42,6 @@ import argparse
 import dataclasses
 import gc
 import importlib.metadata
-import json
 import math
 import os
 import statistics
