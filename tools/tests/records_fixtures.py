@@ -137,8 +137,8 @@ def track1_2025(
     `diverge_at`: every loss from that step on is written as `nan`, as a diverged run's script writes it.
     """
     code = script(steps, lr, doc)
-    if kernels:
-        code += "\n" + "-" * 40 + "\n# triton_kernels.py\n" + "-" * 40 + "\n" + KERNELS
+    if kernels:  # as the 2025 record scripts append them: two newlines, the banner, two newlines, the file
+        code += "\n\n" + "-" * 40 + "\n# triton_kernels.py\n" + "-" * 40 + "\n\n" + KERNELS
     lines = [
         code,
         SEP,
@@ -289,9 +289,9 @@ def harness(
     `diverge_at`: the run logs `nan` losses from that step on and stops there, as our scripts do.
     """
     code = script(steps, lr, doc)
-    if shampoo:
-        code += "\n# ===== distributed_shampoo/__init__.py =====\nfrom .shampoo import DistributedShampoo\n"
-        code += "\n# ===== distributed_shampoo/shampoo.py =====\n" + SHAMPOO_FILE
+    if shampoo:  # train_gpt_shampoo.py writes each module behind a banner line and adds no newline before the separator
+        code += "# ===== distributed_shampoo/__init__.py =====\nfrom .shampoo import DistributedShampoo\n"
+        code += "# ===== distributed_shampoo/shampoo.py =====\n" + SHAMPOO_FILE.removesuffix("\n")
     overrides = dict(settings or {})
     hyper = {"num_iterations": steps, "learning_rate": lr, "seed": 0, "run_name": "x", **overrides}
     lines = [

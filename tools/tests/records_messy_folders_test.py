@@ -228,7 +228,7 @@ def test_header_only_and_garbled_logs_are_skipped_or_warned_and_the_rest_used(tm
     assert warning.startswith(f"note: warning: {garbled}: line ")
     assert int(warning.split("line ")[1].split(":")[0]) >= line
     assert "characters of other data (binary garbage?); not used" in warning
-    assert "garbled.txt: truncated: last val 1625/1680; excluded" in out
+    assert "garbled.txt: damaged: last val 1625/1680, line " in out
 
 
 # ----- diff and new -----
