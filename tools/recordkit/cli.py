@@ -14,7 +14,7 @@ from . import check, compare, diff, extract, folders, newrecord, stats, tables
 from .errors import RecordsError
 from .parse import find_logs, parse_log
 from .report import render_statistics_md, render_stats_text, track_report
-from .runsets import LoadedLogs, RunSet, log_family, pool, select_track
+from .runsets import LoadedLogs, RunSet, differing_parts, pool, select_track, track_text
 from .serialize import run_to_json, run_to_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -222,13 +222,16 @@ def _configurations(loaded: LoadedLogs, track: int | None, allow_mixed: bool, pa
     if track is not None:
         chosen = select_track(groups, track)
         if not chosen:
-            found = sorted({f"Track {'3' if log_family(g.track) == 3 else '1/2'}" for g in groups})
-            raise RecordsError(f"no Track {track} runs in {_paths_text(paths)} (found {', '.join(found)} logs); pass another --track or drop it")
+            found = ", ".join(sorted({track_text(g.track).capitalize() for g in groups}))
+            raise RecordsError(f"no Track {track} runs in {_paths_text(paths)} (found {found} logs); pass another --track or drop it")
         if len(chosen) < len(groups):
             loaded.notes.append(f"{len(groups) - len(chosen)} configuration(s) of another track not shown (--track {track}); drop --track to see them")
         groups = chosen
     if allow_mixed and len(groups) > 1:
         groups = [pool(groups)]
+    elif len(groups) > 1:
+        loaded.notes.append(f"{len(groups)} configurations (they differ in {', '.join(differing_parts(groups))}), each reported on its "
+                            "own; --allow-mixed pools those of one track, -v says where they differ")
     if all(not group.runs for group in groups):
         reasons = [note for group in groups for note in group.notes] + loaded.notes
         raise RecordsError(f"no complete run left (first: {reasons[0] if reasons else 'none'}); "
@@ -243,7 +246,7 @@ def _group_reports(groups: list[RunSet], track: int | None, step: int | None, me
             reports.append({"configuration": group.description, "no_usable_run": True, "notes": group.notes})
             continue
         try:
-            report = track_report(group, track or group.track or 1, step)
+            report = track_report(group, _group_track(group, track), step)
         except RecordsError as exc:
             if len(groups) == 1:
                 raise
@@ -253,6 +256,16 @@ def _group_reports(groups: list[RunSet], track: int | None, step: int | None, me
         report["distinct"] = group.distinct
         reports.append(report)
     return reports
+
+
+def _group_track(group: RunSet, track: int | None) -> int:
+    """The track whose rule applies: --track, else the one the logs tell; a log that does not say is refused."""
+    chosen = track or group.track
+    if chosen is None:
+        why = next((fact.run.track_reason for fact in group.runs if fact.run is not None), "")
+        raise RecordsError(f"{group.runs[0].label if group.runs else 'these logs'}: the track cannot be told from the log "
+                           f"({why}); pass --track 1 or --track 2")
+    return chosen
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -314,12 +327,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         loaded.notes += [f"{group.description}: no usable run, not compared ({'; '.join(group.notes)})" for group in groups if not group.runs]
         sides.append(([group for group in groups if group.runs], loaded.notes))
     (baselines, base_notes), (candidates, cand_notes) = sides
-    pairs = [(b, c) for b in baselines for c in candidates if log_family(b.track) == log_family(c.track) or None in (b.track, c.track)]
+    pairs = [(b, c) for b in baselines for c in candidates if b.track == c.track or None in (b.track, c.track)]
     if not pairs:
-        raise RecordsError("baseline and candidate hold no configurations of the same track (Track 3 logs time in seconds); check the paths")
+        raise RecordsError("baseline and candidate hold no configurations of the same track; check the paths, or pass --track N")
     results = []
     for baseline, candidate in pairs:
-        track = args.track or candidate.track or baseline.track or 1
+        track = args.track or candidate.track or baseline.track
+        if track is None:
+            raise RecordsError(f"{_paths_text(args.candidate)}: the track cannot be told from these logs; pass --track 1 or --track 2")
         result = compare.compare_runsets(baseline, candidate, track, paired=args.paired)
         result["notes"] += base_notes + cand_notes
         results.append(result)

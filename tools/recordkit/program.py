@@ -4,6 +4,10 @@ Two logs run the same program when their embedded sources give the same token st
 docstrings, blank lines and line breaks inside brackets are dropped, indentation is reduced to its
 structure, and string literals are compared by value. Published records are split this way in practice:
 the four logs of record 2025-09-23 (MuonCustomSizing) embed scripts that differ only in a docstring.
+
+Literals that only name a run, seed it or say where it logs (`run_id: str = "ImprovedLMHead_eval248_2"`,
+`SEED = 8`, a log path) differ between the runs of one configuration by design, as record 2026-02-10
+(ShortWindow) and Track 3 result #31 show: they count as one placeholder.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ import io
 import tokenize
 
 _DROPPED = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER}
+# Names whose assigned literals only name, seed or place the logs of a run (compared without the underscores
+# around them and in lower case, so RUN_ID, run_id and _run_id are one name).
+PER_RUN_NAMES = frozenset({"run_id", "run_name", "run_tag", "seed", "log_dir", "logdir", "log_path", "log_file", "logfile"})
+PER_RUN_PLACEHOLDER = "<per-run literal>"
 _STRUCTURE_ONLY = {tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE}  # their text is layout
 
 Span = tuple[tuple[int, int], tuple[int, int]]
@@ -51,20 +59,24 @@ def _python_tokens(text: str) -> list[str] | None:
         raw = list(tokenize.generate_tokens(io.StringIO(text).readline))
     except (SyntaxError, ValueError, tokenize.TokenError):  # not Python (or cut off): compared as plain lines
         return None
-    docstrings = _docstring_spans(tree)
+    lines = text.splitlines(keepends=True)
+    docstrings = [_char_span(span, lines) for span in _docstring_spans(tree)]
+    per_run = [_char_span(span, lines) for span in _per_run_literal_spans(tree)]
     out: list[str] = []
     skip_newline = False
     for token in raw:
         if token.type in _DROPPED:
             continue
-        if token.type == tokenize.STRING and any(start <= token.start and token.end <= end for start, end in docstrings):
+        if token.type == tokenize.STRING and _inside(token, docstrings):
             skip_newline = True  # and the end of the docstring's statement, so adding one changes nothing
             continue
         if skip_newline and token.type == tokenize.NEWLINE:
             skip_newline = False
             continue
         skip_newline = False
-        if token.type in _STRUCTURE_ONLY:
+        if token.type in (tokenize.STRING, tokenize.NUMBER) and _inside(token, per_run):
+            out.append(PER_RUN_PLACEHOLDER)
+        elif token.type in _STRUCTURE_ONLY:
             out.append(tokenize.tok_name[token.type])
         elif token.type == tokenize.STRING:
             out.append(_string_value(token.string))
@@ -73,14 +85,53 @@ def _python_tokens(text: str) -> list[str] | None:
     return out
 
 
+def _inside(token: tokenize.TokenInfo, spans: list[Span]) -> bool:
+    return any(start <= token.start and token.end <= end for start, end in spans)
+
+
+def _per_run_literal_spans(tree: ast.Module) -> list[Span]:
+    """The literals assigned (or passed as keyword arguments) to a name in PER_RUN_NAMES."""
+    values: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(_is_per_run(target) for target in node.targets):
+            values.append(node.value)
+        elif isinstance(node, ast.AnnAssign) and node.value is not None and _is_per_run(node.target):
+            values.append(node.value)
+        elif isinstance(node, ast.keyword) and node.arg is not None and _per_run_name(node.arg):
+            values.append(node.value)
+    return [_span(constant) for value in values for constant in ast.walk(value) if isinstance(constant, ast.Constant)]
+
+
+def _is_per_run(target: ast.expr) -> bool:
+    name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else None
+    return name is not None and _per_run_name(name)
+
+
+def _per_run_name(name: str) -> bool:
+    return name.strip("_").lower() in PER_RUN_NAMES
+
+
+def _span(node: ast.expr) -> Span:
+    """ast's span: lines from 1, columns in UTF-8 bytes."""
+    return (node.lineno, node.col_offset), (node.end_lineno or node.lineno, node.end_col_offset or 0)
+
+
+def _char_span(span: Span, lines: list[str]) -> Span:
+    """The span in tokenize's columns (characters), so that a literal behind non-ASCII text is still found."""
+    def column(row: int, offset: int) -> int:
+        line = lines[row - 1] if 0 < row <= len(lines) else ""
+        return len(line.encode("utf-8")[:offset].decode("utf-8", errors="ignore"))
+    (start_row, start_col), (end_row, end_col) = span
+    return (start_row, column(start_row, start_col)), (end_row, column(end_row, end_col))
+
+
 def _docstring_spans(tree: ast.Module) -> list[Span]:
     spans = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-                value = first.value
-                spans.append(((value.lineno, value.col_offset), (value.end_lineno or value.lineno, value.end_col_offset or 0)))
+                spans.append(_span(first.value))
     return spans
 
 

@@ -59,9 +59,14 @@ class Hyperparameters:
     val_loss_every: int = 125
 
 
+def GPT(**shape):
+    return shape
+
+
 def main():
     args = Hyperparameters()
-    print(args)
+    model = GPT(vocab_size=50304, num_layers={layers}, num_heads={heads}, model_dim={width})
+    print(args, model)
 
 
 if __name__ == "__main__":
@@ -71,8 +76,13 @@ if __name__ == "__main__":
 DOC = "A stand-in training script."
 
 
-def script(steps: int, lr: float, doc: str = DOC) -> str:
-    return SCRIPT.format(steps=steps, lr=lr, doc=doc)
+# Model shapes by track: GPT-2 small (Tracks 1 and 3) and GPT-2 medium (Track 2); the width tells them apart.
+SMALL = {"layers": 12, "heads": 6, "width": 768}
+MEDIUM = {"layers": 16, "heads": 8, "width": 1024}
+
+
+def script(steps: int, lr: float, doc: str = DOC, model: dict[str, int] = SMALL) -> str:
+    return SCRIPT.format(steps=steps, lr=lr, doc=doc, **model)
 
 
 KERNELS = '''import triton

@@ -61,7 +61,7 @@ def test_published_logs_differing_in_a_docstring_are_one_configuration(tmp_path:
     code, out, err = run_cli(["stats", str(folder), "--track", "1"], capsys)
     assert (code, err) == (0, "")
     assert "val_loss     mean 3.27960" in out and "train_time_s mean 149.690" in out and "p = 0.0933" in out
-    assert "note: code differs only in comments/docstrings (4 texts of one program)" in out
+    assert "note: code differs only in comments, docstrings or per-run literals (4 texts of one program)" in out
 
 
 def test_a_real_code_change_is_still_another_configuration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,7 +69,7 @@ def test_a_real_code_change_is_still_another_configuration(tmp_path: Path, capsy
     F.write(folder / "changed.txt", F.track1_2025(lr=0.06))
     code, out, _ = run_cli(["stats", str(folder), "--track", "1"], capsys)
     assert code == 0
-    assert out.count("configuration 1 of 2: track 1/2, code ") == 1 and "configuration 2 of 2: " in out
+    assert out.count("configuration 1 of 2: track 1, code ") == 1 and "configuration 2 of 2: " in out
     assert "n=4" in out and "n=1" in out
 
 
@@ -114,11 +114,11 @@ def test_mixed_logs_folder_gives_one_block_per_configuration(tmp_path: Path, cap
     logs = mixed_logs(tmp_path / "logs")
     code, out, err = run_cli(["stats", str(logs)], capsys)
     assert (code, err) == (0, "")
-    assert "configuration 1 of 2: track 1/2, code " in out and ", CPU, 32 steps" in out
+    assert "configuration 1 of 2: track 1, code " in out and ", CPU, 32 steps" in out
     assert "configuration 2 of 2: track 3, code " in out and ", CPU, 20 steps" in out
     code, out, err = run_cli(["stats", str(logs), "--track", "1"], capsys)
     assert (code, err) == (0, "")
-    assert out.startswith("configuration: track 1/2") and "track 1  n=1" in out and "track 3" not in out
+    assert out.startswith("configuration: track 1") and "track 1  n=1" in out and "track 3" not in out
     assert "note: 1 configuration(s) of another track not shown (--track 1); drop --track to see them" in out
     code, out, _ = run_cli(["stats", str(logs), "--json"], capsys)
     assert [report["track"] for report in json.loads(out)["configurations"]] == [1, 3]
@@ -152,7 +152,7 @@ def test_error_lines_stay_short_and_verbose_gives_the_detail(tmp_path: Path, cap
     code, _, err = run_cli(["--root", str(tmp_path), "new", "--track", "1", "--name", "Many", "--logs", str(many), "--verbose"], capsys)
     lines = err.splitlines()
     assert code == 2 and lines[0].startswith("records: error: 30 configurations in these logs") and len(lines) == 31
-    assert all(line.startswith("  track 1/2, code ") for line in lines[1:])
+    assert all(line.startswith("  track 1, code ") for line in lines[1:])
 
 
 # ----- nothing written unasked -----
