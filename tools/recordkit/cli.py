@@ -195,13 +195,16 @@ def _records_root(args: argparse.Namespace) -> Path:
 
 def cmd_parse(args: argparse.Namespace) -> int:
     runs = []
-    for log in find_logs(args.logs):
+    unreadable: list[str] = []
+    for log in find_logs(args.logs, unreadable):
         try:
             runs += parse_log(log)
         except RecordsError as exc:
             if log in args.logs:  # named on the command line: an error; found in a folder: skipped
                 raise
             print(f"skipped {exc}", file=sys.stderr)
+    for problem in unreadable:
+        print(f"warning: {problem}", file=sys.stderr)
     if args.json:
         print(json.dumps([run_to_json(r, include_source=not args.no_source) for r in runs], indent=1))
     else:

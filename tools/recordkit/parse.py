@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -579,16 +580,39 @@ def detect_era(layout: Layout, env: Environment, trials: list[TrialLines]) -> st
     return "2025+"
 
 
-def find_logs(paths: list[Path]) -> list[Path]:
-    """Expand folders (recursively) into log files; keep explicit files as given."""
+def find_logs(paths: list[Path], unreadable: list[str] | None = None) -> list[Path]:
+    """Expand folders (recursively) into log files; keep explicit files as given.
+
+    A folder that cannot be listed (no permission) is not skipped silently: its line goes to `unreadable` when the
+    caller collects them, and is an error otherwise.
+    """
     found: list[Path] = []
+    problems: list[str] = []
     for path in paths:
         if path.is_dir():
-            found.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOG_SUFFIXES))
+            found.extend(_logs_under(path, problems))
         elif path.exists():
             found.append(path)
         else:
             raise RecordsError(f"{path}: no such file or folder; check the path")
+    if problems and unreadable is None:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise RecordsError(f"{problems[0]}{more}", detail=problems)
+    if unreadable is not None:
+        unreadable.extend(problems)
     if not found:
-        raise RecordsError(f"{', '.join(map(str, paths))}: no log files (*.txt, *.log, *.stdout, *.out) found")
+        first = f" ({problems[0]})" if problems else ""
+        raise RecordsError(f"{', '.join(map(str, paths))}: no log files (*.txt, *.log, *.stdout, *.out) found{first}")
     return found
+
+
+def _logs_under(folder: Path, problems: list[str]) -> list[Path]:
+    def report(error: OSError) -> None:
+        problems.append(f"{error.filename}: cannot be read ({error.strerror}); its logs were not searched: "
+                        "fix its permissions (chmod u+rx) or leave it out")
+
+    files = []
+    for directory, subdirectories, names in os.walk(folder, onerror=report):
+        subdirectories.sort()
+        files += [Path(directory) / name for name in names if Path(name).suffix in LOG_SUFFIXES]
+    return sorted(path for path in files if path.is_file())

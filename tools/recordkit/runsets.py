@@ -127,7 +127,8 @@ def parse_logs(paths: list[Path]) -> tuple[list[Run], list[str]]:
     """Every run in the logs under `paths`; logs that cannot be used are skipped with a note (all of them: an error)."""
     runs: list[Run] = []
     skipped: list[str] = []
-    files = find_logs(paths)
+    unreadable: list[str] = []
+    files = find_logs(paths, unreadable)
     for log in files:
         try:
             runs += parse_log(log)
@@ -137,7 +138,7 @@ def parse_logs(paths: list[Path]) -> tuple[list[Run], list[str]]:
         if len(skipped) == 1:
             raise RecordsError(skipped[0])
         raise RecordsError(f"none of the {len(files)} log files is usable (first: {skipped[0]})", detail=skipped)
-    notes = [f"skipped {reason}" for reason in skipped]
+    notes = [f"warning: {problem}" for problem in unreadable] + [f"skipped {reason}" for reason in skipped]
     notes += [f"warning: {warning}" for run in runs for warning in run.warnings]
     return runs, notes
 
