@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
-from . import check, compare, diff, extract, folders, newrecord, stats, tables
+from . import check, compare, diff, extract, folders, index, newrecord, published, stats, tables
 from .errors import RecordsError
 from .parse import find_logs, parse_log
 from .report import render_statistics_md, render_stats_text, track_report
@@ -20,7 +20,7 @@ from .serialize import run_to_json, run_to_text
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOL = "python tools/records.py"
 DEFAULT_MD = Path("<folder>/statistics.md")  # the value of a bare --md
-BLOCK_NAMES = {"track1": "Track 1 history", "track3": "Track 3 history", "folders": "record folders"}
+BLOCK_NAMES = {"track1": "Track 1 history", "track2": "Track 2 history", "track3": "Track 3 history", "folders": "record folders"}
 
 DESCRIPTIONS = {
     "parse": (
@@ -76,6 +76,21 @@ DESCRIPTIONS = {
         "writing anything if one of the files exists.",
         [f"{TOOL} extract logs/<run>.txt -o /tmp/repro/train_gpt.py"],
     ),
+    "fetch": (
+        "Download a published record's logs into a cache (the platform's user cache folder, or --cache-dir): the files "
+        "that records/published_logs.csv lists for the record, each checked (size, sha256, and that it parses as a log) "
+        "and moved into place atomically; a file already in the cache is checked, never overwritten. The source is "
+        f"the public repository at a fixed commit; --source-url or ${published.SOURCE_URL_ENV} points at a mirror. "
+        "Offline, `diff --against LOCAL_DIR` compares with logs you have.",
+        [f"{TOOL} fetch latest", f"{TOOL} fetch 1:89", f"{TOOL} fetch 3:45 --cache-dir /tmp/records-cache",
+         f"{TOOL} fetch FP8DownProjection"],
+    ),
+    "index": (
+        "Rebuild records/published_logs.csv from a local clone of the public speedrun repository (checked out at the "
+        "commit recordkit/published.py names): for every history row with logs_at, the files holding the record's "
+        "runs, with size and sha256. Without --write, prints what it found.",
+        [f"{TOOL} index ~/src/modded-nanogpt", f"{TOOL} index ~/src/modded-nanogpt --write"],
+    ),
     "check": (
         "Check records/: every folder's logs against the sha256 and figures in its results.json, its "
         "statistics.md against the runs, record folders' hardware, folder names, history.csv rows against "
@@ -102,6 +117,12 @@ def _add_selection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-incomplete", action="store_true",
                         help="include truncated runs and diverged runs (at their last val line before the divergence)")
     parser.add_argument("--allow-mixed", action="store_true", help="pool runs of different configurations into one statistic")
+
+
+def _add_source_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", type=Path, metavar="DIR", help=f"where fetched logs go (default: {published.default_cache_dir()})")
+    parser.add_argument("--source-url", metavar="URL", help=f"raw-file server of the public repository (default: ${published.SOURCE_URL_ENV}, "
+                                                           "else its GitHub raw files at the pinned commit)")
 
 
 def _track(parser: argparse.ArgumentParser, required: bool, default_help: str) -> None:
@@ -169,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("log", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="path of the script; appended files go next to it")
     p.set_defaults(handler=cmd_extract)
+
+    p = _subcommand(sub, "fetch", "download a published record's logs into the cache (checked, never overwritten)", common)
+    p.add_argument("record", metavar="TRACK:N|NAME|latest", help="e.g. 1:89, 3:45, FP8DownProjection, or latest (of --track, default 1)")
+    p.add_argument("--track", type=int, choices=(1, 2, 3), help="the track of `latest` or of NAME")
+    _add_source_flags(p)
+    p.set_defaults(handler=cmd_fetch)
+
+    p = _subcommand(sub, "index", "rebuild records/published_logs.csv from a clone of the public repository", common)
+    p.add_argument("clone", type=Path, metavar="CLONE_DIR")
+    p.add_argument("--write", action="store_true", help="write records/published_logs.csv (default: print a summary)")
+    p.set_defaults(handler=cmd_index)
 
     p = _subcommand(sub, "check", "lint record folders, results.json against logs, README tables against folders", common)
     p.set_defaults(handler=cmd_check)
@@ -389,8 +421,32 @@ def _report_tables(changed: list[tuple[Path, list[str]]]) -> None:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    for path in extract.extract_sources(args.log, args.output):
+    extraction = extract.extract_sources(args.log, args.output)
+    for path in extraction.written:
         print(f"wrote {path}")
+    if extraction.invalid_bytes:
+        print(f"warning: {args.log}: the embedded code holds {extraction.invalid_bytes} byte(s) that are not valid UTF-8, "
+              "written back unchanged; Python will refuse the file until they are fixed", file=sys.stderr)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    record = published.resolve_record(_records_root(args), args.record, args.track)
+    fetched = published.fetch_record(record, args.cache_dir or published.default_cache_dir(), published.source_url(args.source_url))
+    print(f"{record.label}: {len(fetched.files)} log(s) in {fetched.folder} "
+          f"({fetched.downloaded} downloaded, {fetched.from_cache} already in the cache)")
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    indexed = index.index_clone(args.clone, _records_root(args))
+    files = sum(len(record.files) for record in indexed)
+    megabytes = sum(entry.size for record in indexed for entry in record.files) / 1e6
+    for record in indexed if args.verbose else []:
+        print(f"Track {record.track} #{record.number}: {len(record.files)} file(s), {record.runs} run(s) in {record.logs_at}")
+    print(f"{len(indexed)} records, {files} log files, {megabytes:.1f} MB")
+    if args.write:
+        print(f"{index.write_manifest(_records_root(args), indexed)} {published.manifest_path(_records_root(args))}")
     return 0
 
 

@@ -66,7 +66,7 @@ SHAMPOO_BANNER = re.compile(r"^# ===== (\S+) =====\s*$")
 
 def parse_log(path: Path) -> list[Run]:
     """Parse one log file into its runs; raise RecordsError if it holds no val line at all."""
-    data = _read_bytes(path)
+    data = read_log_bytes(path)
     text = data.decode("utf-8", errors="replace")
     return parse_text(text, path=path, file_sha256=hashlib.sha256(data).hexdigest())
 
@@ -139,7 +139,7 @@ def _why_no_val_line(layout: Layout, trials: list[TrialLines]) -> str:
     return "no val line ('step:N/T val_loss:X train_time:...' or 's:N tel:X'); pass a training log"
 
 
-def _read_bytes(path: Path) -> bytes:
+def read_log_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError:

@@ -5,9 +5,9 @@ docstrings, blank lines and line breaks inside brackets are dropped, indentation
 structure, and string literals are compared by value. Published records are split this way in practice:
 the four logs of record 2025-09-23 (MuonCustomSizing) embed scripts that differ only in a docstring.
 
-Literals that only name a run, seed it or say where it logs (`run_id: str = "ImprovedLMHead_eval248_2"`,
-`SEED = 8`, a log path) differ between the runs of one configuration by design, as record 2026-02-10
-(ShortWindow) and Track 3 result #31 show: they count as one placeholder.
+Literals that only name a run, seed it or log it (`run_id: str = "ImprovedLMHead_eval248_2"`, `SEED = 8`, a
+log path, the text of a print) differ between the runs of one configuration by design, as record 2026-02-10
+(ShortWindow) and Track 3 results #14 and #31 show: they count as one placeholder.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ _DROPPED = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER
 # around them and in lower case, so RUN_ID, run_id and _run_id are one name).
 PER_RUN_NAMES = frozenset({"run_id", "run_name", "run_tag", "seed", "log_dir", "logdir", "log_path", "log_file", "logfile"})
 PER_RUN_PLACEHOLDER = "<per-run literal>"
+# Calls whose literal arguments only log: the scripts' print helpers, and the folder a run logs into.
+LOGGING_CALLS = frozenset({"print", "print0", "makedirs"})
 _STRUCTURE_ONLY = {tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE}  # their text is layout
 
 Span = tuple[tuple[int, int], tuple[int, int]]
@@ -61,9 +63,11 @@ def _python_tokens(text: str) -> list[str] | None:
         return None
     lines = text.splitlines(keepends=True)
     docstrings = [_char_span(span, lines) for span in _docstring_spans(tree)]
-    per_run = [_char_span(span, lines) for span in _per_run_literal_spans(tree)]
+    per_run = _outermost([_char_span(span, lines) for span in _per_run_literal_spans(tree)])
+    next_literal = 0  # tokens come in order: the per-run spans are walked once
     out: list[str] = []
     skip_newline = False
+    last_literal: Span | None = None
     for token in raw:
         if token.type in _DROPPED:
             continue
@@ -74,9 +78,16 @@ def _python_tokens(text: str) -> list[str] | None:
             skip_newline = False
             continue
         skip_newline = False
-        if token.type in (tokenize.STRING, tokenize.NUMBER) and _inside(token, per_run):
-            out.append(PER_RUN_PLACEHOLDER)
-        elif token.type in _STRUCTURE_ONLY:
+        while next_literal < len(per_run) and per_run[next_literal][1] <= token.start:
+            next_literal += 1
+        literal = per_run[next_literal] if next_literal < len(per_run) and _contains(per_run[next_literal], token) else None
+        if literal is not None:
+            if literal != last_literal:  # one placeholder per literal (Python 3.12 splits an f-string into tokens)
+                out.append(PER_RUN_PLACEHOLDER)
+            last_literal = literal
+            continue
+        last_literal = None
+        if token.type in _STRUCTURE_ONLY:
             out.append(tokenize.tok_name[token.type])
         elif token.type == tokenize.STRING:
             out.append(_string_value(token.string))
@@ -86,11 +97,27 @@ def _python_tokens(text: str) -> list[str] | None:
 
 
 def _inside(token: tokenize.TokenInfo, spans: list[Span]) -> bool:
-    return any(start <= token.start and token.end <= end for start, end in spans)
+    return any(_contains(span, token) for span in spans)
+
+
+def _contains(span: Span, token: tokenize.TokenInfo) -> bool:
+    return span[0] <= token.start and token.end <= span[1]
+
+
+def _outermost(spans: list[Span]) -> list[Span]:
+    """The spans in order, each nested one (a constant inside an f-string) folded into the one holding it."""
+    merged: list[Span] = []
+    for start, end in sorted(spans):
+        if merged and start < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _per_run_literal_spans(tree: ast.Module) -> list[Span]:
-    """The literals assigned (or passed as keyword arguments) to a name in PER_RUN_NAMES."""
+    """The literals assigned (or passed as keyword arguments) to a name in PER_RUN_NAMES, and those passed to a
+    call in LOGGING_CALLS."""
     values: list[ast.expr] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(_is_per_run(target) for target in node.targets):
@@ -99,7 +126,14 @@ def _per_run_literal_spans(tree: ast.Module) -> list[Span]:
             values.append(node.value)
         elif isinstance(node, ast.keyword) and node.arg is not None and _per_run_name(node.arg):
             values.append(node.value)
-    return [_span(constant) for value in values for constant in ast.walk(value) if isinstance(constant, ast.Constant)]
+        elif isinstance(node, ast.Call) and _called_name(node.func) in LOGGING_CALLS:
+            values += [arg for arg in node.args if isinstance(arg, (ast.Constant, ast.JoinedStr))]
+    # An f-string is one token: its span, not those of the constants inside it, is what the tokens are matched with.
+    return [_span(literal) for value in values for literal in ast.walk(value) if isinstance(literal, (ast.Constant, ast.JoinedStr))]
+
+
+def _called_name(func: ast.expr) -> str | None:
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
 
 
 def _is_per_run(target: ast.expr) -> bool:

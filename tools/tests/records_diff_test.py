@@ -96,7 +96,7 @@ def test_compare_track3_pairwise(tmp_path: Path) -> None:
 def test_extract_rebuilds_shampoo_package_and_runs(tmp_path: Path) -> None:
     log = F.write(tmp_path / "log.txt", F.harness(shampoo=True))
     out = tmp_path / "repro" / "train_gpt_shampoo.py"
-    written = extract_sources(log, out)
+    written = extract_sources(log, out).written
     assert written == [out, tmp_path / "repro" / "distributed_shampoo" / "__init__.py", tmp_path / "repro" / "distributed_shampoo" / "shampoo.py"]
     assert out.read_text() == F.script(1680, 0.05)
     result = subprocess.run([sys.executable, str(out)], capture_output=True, text=True, timeout=60)
@@ -107,7 +107,7 @@ def test_extract_rebuilds_shampoo_package_and_runs(tmp_path: Path) -> None:
 
 def test_extract_appended_kernels_and_refuses_console_capture(tmp_path: Path) -> None:
     log = F.write(tmp_path / "log.txt", F.track1_2025())
-    written = extract_sources(log, tmp_path / "x" / "train_gpt.py")
+    written = extract_sources(log, tmp_path / "x" / "train_gpt.py").written
     assert (tmp_path / "x" / "triton_kernels.py").read_text() == F.KERNELS and len(written) == 2
     console = F.write(tmp_path / "c.stdout", F.track3_trials(F.SHAMPOO_TRIALS, source=False))
     with pytest.raises(RecordsError, match="no embedded source"):
