@@ -22,8 +22,8 @@ REPO = TOOLS_DIR.parent
 # The published seed folders (figures only): folders of our own runs come and go, so tests copy only these.
 SEED_FOLDERS = ("track_1_short/2025-09-23_MuonCustomSizing", "track_3_optimization/results/20260513_shampoo_1_4_power")
 README = "\n\n".join(
-    ["# Records", start_marker("track1"), end_marker("track1"), start_marker("track3"), end_marker("track3"),
-     start_marker("folders"), end_marker("folders"), ""]
+    ["# Records", start_marker("track1"), end_marker("track1"), start_marker("track2"), end_marker("track2"),
+     start_marker("track3"), end_marker("track3"), start_marker("folders"), end_marker("folders"), ""]
 )
 
 
@@ -37,8 +37,9 @@ def root(tmp_path: Path) -> Path:
     records = tmp_path / "repo" / "records"
     for seed in SEED_FOLDERS:
         shutil.copytree(REPO / "records" / seed, records / seed)
-    for history in ("track_1_short/history.csv", "track_3_optimization/history.csv"):
-        shutil.copy(REPO / "records" / history, records / history)
+    for data in ("track_1_short/history.csv", "track_2_medium/history.csv", "track_3_optimization/history.csv", "published_logs.csv"):
+        (records / data).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / "records" / data, records / data)
     (records / "README.md").write_text(README)
     write_tables(tmp_path / "repo", records)
     return tmp_path / "repo"
