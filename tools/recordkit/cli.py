@@ -53,12 +53,15 @@ DESCRIPTIONS = {
          f"{TOOL} compare --baseline b1.txt b2.txt --candidate c1.txt c2.txt --paired"],
     ),
     "diff": (
-        "New runs against a prior record: the source diff (the prior record's code comes from its logs), the "
-        "Hyperparameters diff, the environment diff, mean val loss at shared steps and the timing. Without "
-        "--against, the prior record is the newest record of the track whose logs are in this repository (a "
-        "folder linked from the track's history.csv, or filed by `new` as a record); the output says which "
-        "and why, and one line says so when there is none.",
-        [f"{TOOL} diff logs/<run>.txt", f"{TOOL} diff logs/a.txt logs/b.txt --against records/track_1_short/<folder> --plot curves.png"],
+        "New runs against the prior record. The first screen is the decision: the track, steps and claim step, "
+        "every changed hyperparameter, val loss at the steps both share, and time to the target with a Welch test "
+        "(Tracks 1, 2) or steps to 3.28 with the pairwise rule (Track 3); then the changed lines per top-level "
+        "definition (--code: the full source diff), the environment and timing detail. Without --against the "
+        "prior record is the prior world record of the logs' track, fetched into the cache like `fetch` (or a "
+        "newer record folder of ours with logs); the first line says which and why.",
+        [f"{TOOL} diff logs/<run>.txt", f"{TOOL} diff logs/<run>.txt --code",
+         f"{TOOL} diff logs/a.txt logs/b.txt --against 1:88 --plot curves.png",
+         f"{TOOL} diff logs/a.txt --against /path/to/record/logs/   # offline"],
     ),
     "new": (
         "Create a record folder from the logs of one configuration: the logs copied byte for byte (checked by "
@@ -167,10 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _subcommand(sub, "diff", "new runs against the prior record: code, Hyperparameters, environment, losses, timing", common)
     p.add_argument("logs", nargs="+", type=Path, metavar="NEW_LOG")
-    p.add_argument("--against", default="auto", metavar="RECORD_DIR|LOG|auto",
-                   help="auto: the newest record of the track with logs in this repository")
-    _track(p, required=False, default_help="for --against auto; default: 3 for logs timed in seconds, else 1")
+    p.add_argument("--against", default="auto", metavar="RECORD_DIR|LOG|TRACK:N|NAME|auto",
+                   help="auto (default): the prior world record of the logs' track (fetched), or a newer record folder of ours")
+    _track(p, required=False, default_help="default: the track the logs tell")
+    p.add_argument("--code", action="store_true", help="also print the full source diff")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="overlay the val-loss curves in a PNG")
+    _add_source_flags(p)
     _add_selection_flags(p)
     p.set_defaults(handler=cmd_diff)
 
@@ -385,15 +390,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     new = diff.side_from_logs("new", args.logs, args.allow_incomplete, args.allow_mixed)
-    track = args.track or new.runset.track or 1
-    against, why = diff.resolve_against(_records_root(args), track, args.against, new)
-    old = diff.load_against(against, args.allow_incomplete, args.allow_mixed)
-    print(f"against {against}: {why}")
-    print(diff.render_diff(old, new))
+    track = _group_track(new.runset, args.track)
+    source = diff.Source(args.cache_dir or published.default_cache_dir(), published.source_url(args.source_url))
+    prior = diff.choose_prior(_records_root(args), track, args.against, new, source, args.allow_incomplete, args.allow_mixed)
+    print(f"against {prior.where}: {prior.why}")
+    print(diff.render_diff(prior.side, new, track, full_code=args.code))
     if args.plot is not None:
         if args.plot.exists():
             raise RecordsError(f"{args.plot}: already exists; pass another --plot path")
-        diff.plot_val_curves(old, new, args.plot, target=stats.TARGETS[track])
+        diff.plot_val_curves(prior.side, new, args.plot, target=stats.TARGETS[track])
         print(f"wrote {args.plot}")
     return 0
 
