@@ -192,21 +192,27 @@ def hyperparameters(run: Run | None) -> tuple[dict[str, Any], str] | None:
 
 
 def hyperparameters_from_source(source: str) -> dict[str, Any] | None:
-    """Field defaults of `class Hyperparameters` (literal values, else their source text)."""
+    """Field defaults of `class Hyperparameters` (literal values, else their source text); a script without that class
+    (the Track 3 scripts) gives its module-level UPPER_CASE constants instead."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return None
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == "Hyperparameters":
-            values: dict[str, Any] = {}
-            for item in node.body:
-                target = item.target if isinstance(item, ast.AnnAssign) else (item.targets[0] if isinstance(item, ast.Assign) and len(item.targets) == 1 else None)
-                value = getattr(item, "value", None)
-                if isinstance(target, ast.Name) and value is not None:
-                    values[target.id] = _literal_or_text(value)
-            return values
-    return None
+            return _assigned_values(node.body, lambda name: True)
+    constants = _assigned_values(tree.body, lambda name: name.isupper() and len(name) > 1)
+    return constants or None
+
+
+def _assigned_values(body: list[ast.stmt], wanted: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for item in body:
+        target = item.target if isinstance(item, ast.AnnAssign) else (item.targets[0] if isinstance(item, ast.Assign) and len(item.targets) == 1 else None)
+        value = getattr(item, "value", None)
+        if isinstance(target, ast.Name) and value is not None and wanted(target.id):
+            values[target.id] = _literal_or_text(value)
+    return values
 
 
 def _literal_or_text(node: ast.expr) -> Any:

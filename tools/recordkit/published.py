@@ -31,7 +31,7 @@ from typing import IO
 from tqdm import tqdm
 
 from .errors import RecordsError
-from .parse import parse_text
+from .parse import LOG_SUFFIXES, parse_text
 from .tables import HistoryRow, history_path, load_history
 
 PUBLISHED_REPOSITORY = "KellerJordan/modded-nanogpt"
@@ -66,9 +66,12 @@ class PublishedRecord:
 
     @property
     def name(self) -> str:
-        """The published folder's name, e.g. 2026-07-17_FP8DownProjection/this_pr."""
-        parts = PurePosixPath(self.logs_at).parts
+        """The published folder's name, e.g. 2026-07-17_FP8DownProjection/this_pr (for a loose log: its file name)."""
+        path = PurePosixPath(self.logs_at)
+        parts = path.parts
         skip = 3 if parts[:3] == ("records", "track_3_optimization", "results") else 2
+        if path.suffix in LOG_SUFFIXES and len(parts) > skip + 1:
+            parts = parts[:-1]  # a linked log inside the record's folder: the folder names the record
         return "/".join(parts[skip:])
 
     @property
