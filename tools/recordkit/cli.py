@@ -14,7 +14,8 @@ from . import check, compare, diff, extract, folders, index, newrecord, publishe
 from .errors import RecordsError
 from .parse import find_logs, parse_log
 from .report import render_statistics_md, render_stats_text, track_report
-from .runsets import LoadedLogs, RunSet, differing_parts, pool, select_track, track_text
+from .runs import Run
+from .runsets import LoadedLogs, RunSet, differing_parts, first_code_difference, pool, select_track, track_text
 from .serialize import run_to_json, run_to_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -316,15 +317,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps({"configurations": reports, "notes": loaded.notes}, indent=1, ensure_ascii=False))
     else:
         blocks = []
-        for index, report in enumerate(reports, start=1):
+        first = _example_run(groups[0])
+        for index, (report, group) in enumerate(zip(reports, groups), start=1):
             heading = f"configuration {index} of {len(reports)}" if len(reports) > 1 else "configuration"
-            blocks.append(_render_block(report, heading, args.verbose))
+            block = _render_block(report, heading, args.verbose)
+            where = first_code_difference(first, _example_run(group)) if args.verbose and index > 1 else None
+            blocks.append(block + (f"\ncode differs from configuration 1 at {where}" if where else ""))
         print("\n\n".join(blocks))
         for note in loaded.notes:
             print(f"note: {note}")
     if args.md is not None:
         print(_write_md(args, reports), file=sys.stderr if args.json else sys.stdout)
     return 2 if any("error" in report for report in reports) else 0
+
+
+def _example_run(group: RunSet) -> Run | None:
+    return next((fact.run for fact in group.runs if fact.run is not None and fact.run.sources), None)
 
 
 def _render_block(report: dict[str, Any], heading: str, verbose: bool) -> str:

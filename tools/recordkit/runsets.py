@@ -294,6 +294,26 @@ def track_text(track: int | None) -> str:
     return f"track {track}" if track is not None else "track unknown"
 
 
+def first_code_difference(a: Run | None, b: Run | None) -> str | None:
+    """Where the embedded code of two runs first differs, as `<file> line N: `old` -> `new``; None if it does not."""
+    if a is None or b is None or a.program_hash == b.program_hash:
+        return None
+    if not a.sources or not b.sources:
+        return "one of them embeds no code"
+    for name in dict.fromkeys([*a.sources, *b.sources]):
+        label = "train script" if name == "__script__" else name
+        old, new = a.sources.get(name), b.sources.get(name)
+        if old is None or new is None:
+            return f"{label} is only in one of them"
+        old_lines, new_lines = old.splitlines(), new.splitlines()
+        for number, (before, after) in enumerate(zip(old_lines, new_lines), start=1):
+            if before != after:
+                return f"{label} line {number}: `{before[:80]}` -> `{after[:80]}`"
+        if len(old_lines) != len(new_lines):
+            return f"{label} line {min(len(old_lines), len(new_lines)) + 1}: one of them ends there"
+    return "comments, docstrings or layout only"
+
+
 def _code_text(group: RunSet) -> str:
     """The code hash as `parse` and results.json show it (the text's, stable across Python versions)."""
     hashes = list(dict.fromkeys(fact.code_hash for fact in group.runs if fact.code_hash))

@@ -234,21 +234,18 @@ def test_header_only_and_garbled_logs_are_skipped_or_warned_and_the_rest_used(tm
 # ----- diff and new -----
 
 
-def test_diff_picks_the_newest_record_with_logs_and_says_why(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_diff_prefers_a_newer_record_folder_of_ours_and_says_why(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The published prior record (#89, 07/17/26) is older than this folder: the folder is used, nothing is fetched.
     logs = [F.write(tmp_path / "new" / f"{i}.txt", F.harness(final_loss=3.279, lr=0.06)) for i in range(2)]
-    code, _, err = run_cli(["--root", str(root), "diff", *map(str, logs)], capsys)
-    assert code == 2 and err == ("records: error: no Track 1 record with logs in this repository to diff against "
-                                 "(newest: 2025-09-23_MuonCustomSizing, published figures only); pass --against RECORD_DIR|LOG\n")
-    base = [F.write(tmp_path / "base" / f"b{i}.txt", F.harness(final_loss=3.2785 + i / 1e4)) for i in range(2)]
+    base = [F.write(tmp_path / "base" / f"b{i}.txt", F.harness(final_loss=3.2770 + i / 1e4)) for i in range(3)]
     folder = create_record(root / "records", 1, "Baseline", base, date=F_DATE)
     create_record(root / "records", 1, "OursOnly", [F.write(tmp_path / "o.txt", F.harness(final_loss=3.27))],
                   date=F_DATE.replace(month=12, day=1), not_a_record=True)  # newer, but our own results
-    code, out, _ = run_cli(["--root", str(root), "diff", *map(str, logs)], capsys)
+    code, out, _ = run_cli(["--root", str(root), "diff", *map(str, logs), "--source-url", "http://127.0.0.1:9"], capsys)
     assert code == 0
-    assert out.splitlines()[0] == f"against {folder}: the newest Track 1 record with logs in this repository (filed by `new` as a record)"
-    assert "~ learning_rate: 0.05 -> 0.06" in out
-    code, out, _ = run_cli(["--root", str(root), "diff", *map(str, base)], capsys)  # the record's own logs: nothing prior
-    assert code == 2
+    assert out.splitlines()[0] == (f"against {folder}: the newest Track 1 record: a folder of ours with logs, filed on 2026-11-30, "
+                                   "newer than the published Track 1 #89 (2026-07-17_FP8DownProjection/this_pr, 07/17/26)")
+    assert "  learning_rate: 0.05 -> 0.06" in out
 
 
 def test_new_refuses_hardware_that_cannot_make_the_record(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -327,7 +324,7 @@ def test_verdict_says_why_and_how_many_more_runs(tmp_path: Path, capsys: pytest.
 def test_every_subcommand_has_a_description_and_an_example() -> None:
     parser = build_parser()
     subparsers = next(action for action in parser._actions if action.dest == "command").choices
-    assert set(subparsers) == {"parse", "stats", "compare", "diff", "new", "extract", "check", "tables"}
+    assert set(subparsers) == {"parse", "stats", "compare", "diff", "new", "extract", "fetch", "index", "check", "tables"}
     for name in subparsers:
         help_text = subparsers[name].format_help()  # what `records NAME --help` prints
         description = help_text.split("\n\n")[1]
