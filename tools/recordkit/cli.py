@@ -15,7 +15,7 @@ from .errors import RecordsError
 from .parse import find_logs, parse_log
 from .report import render_statistics_md, render_stats_text, track_report
 from .runs import Run
-from .runsets import LoadedLogs, RunSet, differing_parts, first_code_difference, pool, select_track, track_text
+from .runsets import LoadedLogs, RunSet, differing_parts, first_code_difference, no_run_left, pool, select_track, track_text
 from .serialize import run_to_json, run_to_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -274,9 +274,7 @@ def _configurations(loaded: LoadedLogs, track: int | None, allow_mixed: bool, pa
         loaded.notes.append(f"{len(groups)} configurations (they differ in {', '.join(differing_parts(groups))}), each reported on its "
                             "own; --allow-mixed pools those of one track, -v says where they differ")
     if all(not group.runs for group in groups):
-        reasons = [note for group in groups for note in group.notes] + loaded.notes
-        raise RecordsError(f"no complete run left (first: {reasons[0] if reasons else 'none'}); "
-                           "pass --allow-incomplete to use truncated or diverged runs", detail=reasons)
+        raise no_run_left([note for group in groups for note in group.notes] + loaded.notes)
     return groups
 
 

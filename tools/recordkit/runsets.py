@@ -161,12 +161,20 @@ def single_configuration(loaded: LoadedLogs, allow_mixed: bool) -> RunSet:
                            "pass the logs of one, or --allow-mixed to pool them", detail=[g.description for g in groups])
     runset = pool(groups) if len(groups) > 1 else groups[0]
     if not runset.runs:
-        reasons = [note.removesuffix(EXCLUDED_HINT) for note in runset.notes + loaded.notes]
-        more = f" and {len(reasons) - 1} more" if len(reasons) > 1 else ""
-        raise RecordsError(f"no complete run left ({reasons[0] if reasons else 'no run'}{more}); "
-                           "pass --allow-incomplete to use truncated or diverged runs", detail=reasons)
+        raise no_run_left(runset.notes + loaded.notes)
     runset.notes[:0] = loaded.notes
     return runset
+
+
+def no_run_left(notes: list[str]) -> RecordsError:
+    """The error when every run was left out: the first reason, and the flag that would change it, if one would."""
+    reasons = [note.removesuffix(EXCLUDED_HINT) for note in notes]
+    excluded = [note for note in notes if note.endswith(EXCLUDED_HINT)]  # truncated, damaged, diverged: a flag includes them
+    first = (excluded or reasons or ["no run"])[0].removesuffix(EXCLUDED_HINT)
+    more = f" and {len(reasons) - 1} more" if len(reasons) > 1 else ""
+    hint = ("pass --allow-incomplete to use truncated, damaged or diverged runs" if excluded else
+            "no flag includes an inconsistent log" if any(INCONSISTENT_NOTE in note for note in notes) else "check the logs")
+    return RecordsError(f"no complete run left ({first}{more}); {hint}", detail=reasons)
 
 
 def group_runs(runs: list[Run], allow_incomplete: bool = False, metric: str = "val_loss", notes: list[str] | None = None) -> LoadedLogs:
@@ -209,7 +217,7 @@ def _select(runs: list[Run], allow_incomplete: bool, metric: str, key: tuple[Any
     kept: list[RunFacts] = []
     for run in runs:
         if run.inconsistencies:
-            notes.append(f"{run.label}: {run.status}; excluded: a log must hold what its run wrote ({INCONSISTENT_HINT})")
+            notes.append(f"{run.label}: {run.status}; {INCONSISTENT_NOTE}")
         elif not run.usable_val_points:
             notes.append(f"{run.label}: {run.status} before its first val line; excluded")
         elif not run.complete and not allow_incomplete:
@@ -223,7 +231,7 @@ def _select(runs: list[Run], allow_incomplete: bool, metric: str, key: tuple[Any
     return RunSet(kept, notes, track=key[0], key=key)
 
 
-INCONSISTENT_HINT = "no flag includes it; restore the log as the run wrote it"
+INCONSISTENT_NOTE = "excluded: a log must hold what its run wrote (no flag includes it; restore the original)"
 
 
 def configuration_key(run: Run) -> tuple[Any, ...]:
@@ -370,11 +378,19 @@ def _drop_duplicates(runs: list[Run], notes: list[str]) -> list[Run]:
         if twin is None:
             kept.append(i)
         elif points[i] == points[twin]:
-            notes.append(f"{runs[i].label}: same val lines (losses and times) as {runs[twin].label}; counted once, as {runs[twin].label}")
+            notes.append(f"{_named(runs[i], runs)}: same val lines (losses and times) as {_named(runs[twin], runs)}; counted once, "
+                         f"as {_named(runs[twin], runs)}")
         else:
-            notes.append(f"{runs[i].label}: its {len(points[i])} val line(s) all appear in {runs[twin].label} (a copy of part "
-                         "of that run); not a run of its own")
+            notes.append(f"{_named(runs[i], runs)}: its {len(points[i])} val line(s) all appear in {_named(runs[twin], runs)} "
+                         "(a copy of part of that run); not a run of its own")
     return [runs[i] for i in sorted(kept)]
+
+
+def _named(run: Run, runs: list[Run]) -> str:
+    """The run's label, with its folder when another input has the same file name (seed_0/stdout.txt)."""
+    if sum(1 for other in runs if other.path.name == run.path.name) > 1:
+        return f"{run.path.parent.name}/{run.label}"
+    return run.label
 
 
 def _flag_same_trajectories(facts: list[RunFacts], notes: list[str]) -> None:
