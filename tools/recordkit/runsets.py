@@ -171,7 +171,7 @@ def no_run_left(notes: list[str]) -> RecordsError:
     reasons = [note.removesuffix(EXCLUDED_HINT) for note in notes]
     excluded = [note for note in notes if note.endswith(EXCLUDED_HINT)]  # truncated, damaged, diverged: a flag includes them
     first = (excluded or reasons or ["no run"])[0].removesuffix(EXCLUDED_HINT)
-    more = f" and {len(reasons) - 1} more" if len(reasons) > 1 else ""
+    more = f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
     hint = ("pass --allow-incomplete to use truncated, damaged or diverged runs" if excluded else
             "no flag includes an inconsistent log" if any(INCONSISTENT_NOTE in note for note in notes) else "check the logs")
     return RecordsError(f"no complete run left ({first}{more}); {hint}", detail=reasons)
@@ -231,7 +231,7 @@ def _select(runs: list[Run], allow_incomplete: bool, metric: str, key: tuple[Any
     return RunSet(kept, notes, track=key[0], key=key)
 
 
-INCONSISTENT_NOTE = "excluded: a log must hold what its run wrote (no flag includes it; restore the original)"
+INCONSISTENT_NOTE = "excluded: a log must hold what its run wrote; restore the original"
 
 
 def configuration_key(run: Run) -> tuple[Any, ...]:
