@@ -135,6 +135,11 @@ def _check_run_values(folder: RecordFolder, log: Path, entry: dict[str, Any], re
         for key, value in parsed.items()
         if not _same(entry.get(key), value)
     ]
+    if run.track is not None and run.track != folder.track:
+        problems.append(f"{log}: a Track {run.track} log ({run.track_reason}) in a Track {folder.track} folder; file it again with "
+                        f"`records new --track {run.track}`")
+    if run.inconsistencies:
+        problems.append(f"{log}: {run.status}; a record folder holds logs as their runs wrote them: restore the original")
     why = hardware_problem(run.env, folder.track) if record else None
     if why is not None:
         problems.append(f"{folder.results_path}: marked as a record, but {run.label} {why}; set \"record\": false (our own results)")

@@ -23,7 +23,7 @@ from .errors import RecordsError
 from .folders import is_record_folder, list_folders, listed_logs, load_folder_runset, read_results
 from .report import format_p, track_report
 from .runs import Environment, Run
-from .runsets import RunFacts, RunSet, load_logs, load_runset
+from .runsets import PER_RUN_SETTINGS, RESULT_NEUTRAL_SETTINGS, RunFacts, RunSet, load_logs, load_runset
 from .tables import load_history
 
 ENV_FIELDS = ("python", "torch", "cuda", "triton", "driver", "hardware", "world_size", "device")
@@ -226,12 +226,18 @@ def mapping_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     lines = []
     for key in sorted(set(old) | set(new)):
         if key not in old:
-            lines.append(f"+ {key} = {new[key]!r}")
+            lines.append(f"+ {key} = {_short(new[key])}")
         elif key not in new:
-            lines.append(f"- {key} = {old[key]!r}")
+            lines.append(f"- {key} = {_short(old[key])}")
         elif old[key] != new[key]:
-            lines.append(f"~ {key}: {old[key]!r} -> {new[key]!r}")
+            lines.append(f"~ {key}: {_short(old[key])} -> {_short(new[key])}")
     return lines
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    """A value's repr, cut to `limit` characters (a rank's parameter list can run to a thousand)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def hyperparameter_diff(old: Run | None, new: Run | None) -> list[str]:
@@ -309,8 +315,11 @@ def hyperparameter_summary(old: Run | None, new: Run | None, width: int = 100) -
         missing = "prior record" if before is None else "new run"
         return [f"hyperparameters: not found for the {missing} (no `hyperparameters:` line, no `class Hyperparameters`)"]
     changed = [key for key in sorted(set(before[0]) & set(after[0])) if before[0][key] != after[0][key]]
-    lines = [f"hyperparameters: {len(changed)} changed (record values from its {before[1]}, new values from its {after[1]})"]
-    lines += [f"  {key}: {before[0][key]!r} -> {after[0][key]!r}" for key in changed]
+    per_run = [key for key in changed if key in PER_RUN_SETTINGS | RESULT_NEUTRAL_SETTINGS]
+    changed = [key for key in changed if key not in per_run]
+    aside = f"; {', '.join(per_run)} aside (they name or place a run)" if per_run else ""
+    lines = [f"hyperparameters: {len(changed)} changed (record values from its {before[1]}, new values from its {after[1]}{aside})"]
+    lines += [f"  {key}: {_short(before[0][key])} -> {_short(after[0][key])}" for key in changed]
     for label, names in (("only in the new run", sorted(set(after[0]) - set(before[0]))),
                          ("only in the record", sorted(set(before[0]) - set(after[0])))):
         if names:
