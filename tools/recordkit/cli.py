@@ -316,10 +316,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     else:
         blocks = []
         first = _example_run(groups[0])
-        for index, (report, group) in enumerate(zip(reports, groups), start=1):
-            heading = f"configuration {index} of {len(reports)}" if len(reports) > 1 else "configuration"
+        for number, (report, group) in enumerate(zip(reports, groups), start=1):
+            heading = f"configuration {number} of {len(reports)}" if len(reports) > 1 else "configuration"
             block = _render_block(report, heading, args.verbose)
-            where = first_code_difference(first, _example_run(group)) if args.verbose and index > 1 else None
+            where = first_code_difference(first, _example_run(group)) if args.verbose and number > 1 else None
             blocks.append(block + (f"\ncode differs from configuration 1 at {where}" if where else ""))
         print("\n\n".join(blocks))
         for note in loaded.notes:

@@ -371,6 +371,7 @@ class TrialLines:
         return not self.val_points and not self.train_points
 
 
+TIME_RESOLUTION_S = 1e-3  # logged times are whole milliseconds (Tracks 1, 2) or seconds to 3 decimals (Track 3)
 # A new trial starts where the step counter returns to the start: step 0 (a val line), 1 (a train line), or the
 # first step of the trial before it (console captures that print no step-0 line).
 TRIAL_START_STEP = 1
@@ -445,18 +446,13 @@ def _check_final_line(trial: TrialLines) -> None:
     if trial.last_train is not None and final.train_time_s is not None:
         train_number, train = trial.last_train
         if train_number < number and train.step == final.step and train.train_time_s is not None \
-                and final.train_time_s < train.train_time_s - _time_resolution(final):
+                and final.train_time_s < train.train_time_s - TIME_RESOLUTION_S:
             trial.inconsistencies.append(f"{where} has train_time {final.train_time_s:g} s, below the {train.train_time_s:g} s "
                                          f"of the train line for the same step")
     formula = _step_avg_formula(trial.val_points[:-1])
     if formula is not None and not _fits(formula, trial.val_points, len(trial.val_points) - 1):
         trial.inconsistencies.append(f"{where} has step_avg {final.step_avg_ms}ms, which does not follow from its train_time "
                                      f"as on every earlier val line")
-
-
-def _time_resolution(point: ValPoint) -> float:
-    """Seconds a logged time may be off by rounding: both formats write whole milliseconds."""
-    return 1e-3
 
 
 # step_avg on val lines: cumulative time / step (Tracks 1/2 since 2025), the same after the 10-step warm-up
