@@ -24,7 +24,13 @@ class Extraction:
     invalid_bytes: int  # bytes that are not valid UTF-8, kept as they were
 
 
-def extraction_plan(log: Path, output: Path) -> dict[Path, bytes]:
+def extraction_plan(log: Path, output: Path) -> dict[Path, str]:
+    """Each embedded file's path and text (bytes that are not UTF-8 shown as U+FFFD); bench/ab.py writes these."""
+    return {path: content.decode("utf-8", errors="replace") for path, content in file_plan(log, output).items()}
+
+
+def file_plan(log: Path, output: Path) -> dict[Path, bytes]:
+    """Each embedded file's path and exact bytes."""
     data = read_log_bytes(log)
     text = data.decode("utf-8", errors="surrogateescape")
     parse_text(data.decode("utf-8", errors="replace"), log, hashlib.sha256(data).hexdigest())  # refuses a file that is no log
@@ -50,7 +56,7 @@ def invalid_byte_count(content: bytes) -> int:
 
 def extract_sources(log: Path, output: Path) -> Extraction:
     """Write every embedded file; refuse before writing anything if one of them already exists."""
-    plan = extraction_plan(log, output)
+    plan = file_plan(log, output)
     existing = [path for path in plan if path.exists()]
     if existing:
         raise RecordsError(f"{existing[0]}: already exists; extract into an empty folder (nothing was written)")

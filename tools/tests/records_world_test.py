@@ -131,7 +131,7 @@ def test_a_track3_run_that_stops_where_its_script_says_is_complete(tmp_path: Pat
     code, out, _ = run_cli(["stats", str(tmp_path)], capsys)
     assert code == 0 and "n=10  val loss at step 2720" in out
     assert "complete: stops at step 2720 of 2900, fixed by STOP_STEP in its script" in out
-    assert "first passing step over shared steps: 2720" in out and "passes: yes" in out
+    assert "claim step: 2720 (first passing step over shared steps: 2720)" in out and "passes: yes" in out
     stopped_by_hand = F.track3_fixed_stop(final_loss=3.2778).replace('"2720"))', '"2900"))')  # the script says 2900
     (run,) = parse_text(stopped_by_hand, tmp_path / "x.txt")
     assert run.status == "truncated: last val 2720/2900"
