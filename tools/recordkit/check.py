@@ -7,7 +7,8 @@ Every problem is one line naming the file and what to do. Published folders (run
 from __future__ import annotations
 
 import math
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import RecordsError
@@ -15,6 +16,7 @@ from .folders import (RESULTS_JSON, STATISTICS_MD, SUMMARY_KEYS, TRACK_DIRS, Rec
                       parse_folder_name, read_results, sha256_of, sign, summary_of, track_dir)
 from .newrecord import hardware_problem
 from .parse import LOG_SUFFIXES, parse_log
+from .published import load_manifest, manifest_path
 from .report import render_statistics_md, track_report
 from .tables import find_marked_readmes, load_history, replace_blocks
 
@@ -28,6 +30,7 @@ def check_all(repo_root: Path, records_root: Path) -> list[str]:
         for folder in list_folders(records_root, track):
             problems += check_folder(folder)
     problems += check_history(records_root)
+    problems += check_published_logs(records_root)
     problems += check_readmes(repo_root, records_root)
     return problems
 
@@ -132,6 +135,11 @@ def _check_run_values(folder: RecordFolder, log: Path, entry: dict[str, Any], re
         for key, value in parsed.items()
         if not _same(entry.get(key), value)
     ]
+    if run.track is not None and run.track != folder.track:
+        problems.append(f"{log}: a Track {run.track} log ({run.track_reason}) in a Track {folder.track} folder; file it again with "
+                        f"`records new --track {run.track}`")
+    if run.inconsistencies:
+        problems.append(f"{log}: {run.status}; a record folder holds logs as their runs wrote them: restore the original")
     why = hardware_problem(run.env, folder.track) if record else None
     if why is not None:
         problems.append(f"{folder.results_path}: marked as a record, but {run.label} {why}; set \"record\": false (our own results)")
@@ -167,7 +175,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def check_history(records_root: Path) -> list[str]:
     problems = []
-    for track in (1, 3):
+    for track in (1, 2, 3):
         for row in load_history(records_root, track):
             if not row.folder:
                 continue
@@ -182,12 +190,12 @@ def check_history(records_root: Path) -> list[str]:
 
 
 def _row_against_summary(track: int, number: str, result: str, evidence: str, summary: dict[str, Any], path: Path) -> list[str]:
-    if track == 1:
+    if track in (1, 2):
         minutes = result.split()[0]
         decimals = len(minutes.partition(".")[2])
         time = (summary.get("train_time_s") or {}).get("mean")
         if time is None or f"{time / 60:.{decimals}f}" != minutes:
-            return [f"{path}: Track 1 history row #{number} says {result} but results.json gives a mean of {time} s; fix one of them"]
+            return [f"{path}: Track {track} history row #{number} says {result} but results.json gives a mean of {time} s; fix one of them"]
         return []
     steps = result.replace("(!)", "")
     mean = (summary.get("val_loss") or {}).get("mean")
@@ -198,6 +206,35 @@ def _row_against_summary(track: int, number: str, result: str, evidence: str, su
         problems.append(f"{path}: Track 3 history row #{number} claims {steps} steps but results.json is at step {summary.get('step')}; fix one of them")
     if evidence != expected:
         problems.append(f"{path}: Track 3 history row #{number} evidence {evidence!r} but results.json gives {expected!r}; fix one of them")
+    return problems
+
+
+def check_published_logs(records_root: Path) -> list[str]:
+    """Every history row that names its published logs has files in published_logs.csv, under that path, and
+    every file listed there belongs to such a row."""
+    try:
+        manifest = load_manifest(records_root)
+    except RecordsError as exc:
+        return [str(exc)]
+    where = manifest_path(records_root)
+    problems = []
+    named = set()
+    for track in (1, 2, 3):
+        for row in load_history(records_root, track):
+            if not row.logs_at:
+                continue
+            named.add(row.logs_at)
+            if row.logs_at not in manifest:
+                problems.append(f"{where}: no file for Track {track} row #{row.number} ({row.logs_at}); run `records index CLONE --write`")
+    for logs_at, entries in manifest.items():
+        if logs_at not in named:
+            problems.append(f"{where}: lists files of {logs_at}, which no history row names; run `records index CLONE --write`")
+        base = PurePosixPath(logs_at)
+        for entry in entries:
+            path = PurePosixPath(entry.path)
+            inside = path == base or base in path.parents or (base.suffix and base.parent in path.parents)
+            if not inside or entry.size <= 0 or not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+                problems.append(f"{where}: {entry.path} is not a file of {logs_at} with a size and a sha256; run `records index CLONE --write`")
     return problems
 
 

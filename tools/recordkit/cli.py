@@ -10,17 +10,18 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
-from . import check, compare, diff, extract, folders, newrecord, stats, tables
+from . import check, compare, diff, extract, folders, index, newrecord, published, stats, tables
 from .errors import RecordsError
 from .parse import find_logs, parse_log
 from .report import render_statistics_md, render_stats_text, track_report
-from .runsets import LoadedLogs, RunSet, log_family, pool, select_track
+from .runs import Run
+from .runsets import LoadedLogs, RunSet, differing_parts, first_code_difference, no_run_left, pool, select_track, track_text
 from .serialize import run_to_json, run_to_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOL = "python tools/records.py"
 DEFAULT_MD = Path("<folder>/statistics.md")  # the value of a bare --md
-BLOCK_NAMES = {"track1": "Track 1 history", "track3": "Track 3 history", "folders": "record folders"}
+BLOCK_NAMES = {"track1": "Track 1 history", "track2": "Track 2 history", "track3": "Track 3 history", "folders": "record folders"}
 
 DESCRIPTIONS = {
     "parse": (
@@ -53,12 +54,15 @@ DESCRIPTIONS = {
          f"{TOOL} compare --baseline b1.txt b2.txt --candidate c1.txt c2.txt --paired"],
     ),
     "diff": (
-        "New runs against a prior record: the source diff (the prior record's code comes from its logs), the "
-        "Hyperparameters diff, the environment diff, mean val loss at shared steps and the timing. Without "
-        "--against, the prior record is the newest record of the track whose logs are in this repository (a "
-        "folder linked from the track's history.csv, or filed by `new` as a record); the output says which "
-        "and why, and one line says so when there is none.",
-        [f"{TOOL} diff logs/<run>.txt", f"{TOOL} diff logs/a.txt logs/b.txt --against records/track_1_short/<folder> --plot curves.png"],
+        "New runs against the prior record. The first screen is the decision: the track, steps and claim step, "
+        "every changed hyperparameter, val loss at the steps both share, and time to the target with a Welch test "
+        "(Tracks 1, 2) or steps to 3.28 with the pairwise rule (Track 3); then the changed lines per top-level "
+        "definition (--code: the full source diff), the environment and timing detail. Without --against the "
+        "prior record is the prior world record of the logs' track, fetched into the cache like `fetch` (or a "
+        "newer record folder of ours with logs); the first line says which and why.",
+        [f"{TOOL} diff logs/<run>.txt", f"{TOOL} diff logs/<run>.txt --code",
+         f"{TOOL} diff logs/a.txt logs/b.txt --against 1:88 --plot curves.png",
+         f"{TOOL} diff logs/a.txt --against /path/to/record/logs/   # offline"],
     ),
     "new": (
         "Create a record folder from the logs of one configuration: the logs copied byte for byte (checked by "
@@ -75,6 +79,21 @@ DESCRIPTIONS = {
         "distributed_shampoo package), so that the run can be repeated as it was logged. Refuses before "
         "writing anything if one of the files exists.",
         [f"{TOOL} extract logs/<run>.txt -o /tmp/repro/train_gpt.py"],
+    ),
+    "fetch": (
+        "Download a published record's logs into a cache (the platform's user cache folder, or --cache-dir): the files "
+        "that records/published_logs.csv lists for the record, each checked (size, sha256, and that it parses as a log) "
+        "and moved into place atomically; a file already in the cache is checked, never overwritten. The source is "
+        f"the public repository at a fixed commit; --source-url or ${published.SOURCE_URL_ENV} points at a mirror. "
+        "Offline, `diff --against LOCAL_DIR` compares with logs you have.",
+        [f"{TOOL} fetch latest", f"{TOOL} fetch 1:89", f"{TOOL} fetch 3:45 --cache-dir /tmp/records-cache",
+         f"{TOOL} fetch FP8DownProjection"],
+    ),
+    "index": (
+        "Rebuild records/published_logs.csv from a local clone of the public speedrun repository (checked out at the "
+        "commit recordkit/published.py names): for every history row with logs_at, the files holding the record's "
+        "runs, with size and sha256. Without --write, prints what it found.",
+        [f"{TOOL} index ~/src/modded-nanogpt", f"{TOOL} index ~/src/modded-nanogpt --write"],
     ),
     "check": (
         "Check records/: every folder's logs against the sha256 and figures in its results.json, its "
@@ -102,6 +121,12 @@ def _add_selection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-incomplete", action="store_true",
                         help="include truncated runs and diverged runs (at their last val line before the divergence)")
     parser.add_argument("--allow-mixed", action="store_true", help="pool runs of different configurations into one statistic")
+
+
+def _add_source_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", type=Path, metavar="DIR", help=f"where fetched logs go (default: {published.default_cache_dir()})")
+    parser.add_argument("--source-url", metavar="URL", help=f"raw-file server of the public repository (default: ${published.SOURCE_URL_ENV}, "
+                                                           "else its GitHub raw files at the pinned commit)")
 
 
 def _track(parser: argparse.ArgumentParser, required: bool, default_help: str) -> None:
@@ -146,10 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _subcommand(sub, "diff", "new runs against the prior record: code, Hyperparameters, environment, losses, timing", common)
     p.add_argument("logs", nargs="+", type=Path, metavar="NEW_LOG")
-    p.add_argument("--against", default="auto", metavar="RECORD_DIR|LOG|auto",
-                   help="auto: the newest record of the track with logs in this repository")
-    _track(p, required=False, default_help="for --against auto; default: 3 for logs timed in seconds, else 1")
+    p.add_argument("--against", default="auto", metavar="RECORD_DIR|LOG|TRACK:N|NAME|auto",
+                   help="auto (default): the prior world record of the logs' track (fetched), or a newer record folder of ours")
+    _track(p, required=False, default_help="default: the track the logs tell")
+    p.add_argument("--code", action="store_true", help="also print the full source diff")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="overlay the val-loss curves in a PNG")
+    _add_source_flags(p)
     _add_selection_flags(p)
     p.set_defaults(handler=cmd_diff)
 
@@ -169,6 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("log", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="path of the script; appended files go next to it")
     p.set_defaults(handler=cmd_extract)
+
+    p = _subcommand(sub, "fetch", "download a published record's logs into the cache (checked, never overwritten)", common)
+    p.add_argument("record", metavar="TRACK:N|NAME|latest", help="e.g. 1:89, 3:45, FP8DownProjection, or latest (of --track, default 1)")
+    p.add_argument("--track", type=int, choices=(1, 2, 3), help="the track of `latest` or of NAME")
+    _add_source_flags(p)
+    p.set_defaults(handler=cmd_fetch)
+
+    p = _subcommand(sub, "index", "rebuild records/published_logs.csv from a clone of the public repository", common)
+    p.add_argument("clone", type=Path, metavar="CLONE_DIR")
+    p.add_argument("--write", action="store_true", help="write records/published_logs.csv (default: print a summary)")
+    p.set_defaults(handler=cmd_index)
 
     p = _subcommand(sub, "check", "lint record folders, results.json against logs, README tables against folders", common)
     p.set_defaults(handler=cmd_check)
@@ -195,13 +233,16 @@ def _records_root(args: argparse.Namespace) -> Path:
 
 def cmd_parse(args: argparse.Namespace) -> int:
     runs = []
-    for log in find_logs(args.logs):
+    unreadable: list[str] = []
+    for log in find_logs(args.logs, unreadable):
         try:
             runs += parse_log(log)
         except RecordsError as exc:
             if log in args.logs:  # named on the command line: an error; found in a folder: skipped
                 raise
             print(f"skipped {exc}", file=sys.stderr)
+    for problem in unreadable:
+        print(f"warning: {problem}", file=sys.stderr)
     if args.json:
         print(json.dumps([run_to_json(r, include_source=not args.no_source) for r in runs], indent=1))
     else:
@@ -222,17 +263,18 @@ def _configurations(loaded: LoadedLogs, track: int | None, allow_mixed: bool, pa
     if track is not None:
         chosen = select_track(groups, track)
         if not chosen:
-            found = sorted({f"Track {'3' if log_family(g.track) == 3 else '1/2'}" for g in groups})
-            raise RecordsError(f"no Track {track} runs in {_paths_text(paths)} (found {', '.join(found)} logs); pass another --track or drop it")
+            found = ", ".join(sorted({track_text(g.track).capitalize() for g in groups}))
+            raise RecordsError(f"no Track {track} runs in {_paths_text(paths)} (found {found} logs); pass another --track or drop it")
         if len(chosen) < len(groups):
             loaded.notes.append(f"{len(groups) - len(chosen)} configuration(s) of another track not shown (--track {track}); drop --track to see them")
         groups = chosen
     if allow_mixed and len(groups) > 1:
         groups = [pool(groups)]
+    elif len(groups) > 1:
+        loaded.notes.append(f"{len(groups)} configurations (they differ in {', '.join(differing_parts(groups))}), each reported on its "
+                            "own; --allow-mixed pools those of one track, -v says where they differ")
     if all(not group.runs for group in groups):
-        reasons = [note for group in groups for note in group.notes] + loaded.notes
-        raise RecordsError(f"no complete run left (first: {reasons[0] if reasons else 'none'}); "
-                           "pass --allow-incomplete to use truncated or diverged runs", detail=reasons)
+        raise no_run_left([note for group in groups for note in group.notes] + loaded.notes)
     return groups
 
 
@@ -243,7 +285,7 @@ def _group_reports(groups: list[RunSet], track: int | None, step: int | None, me
             reports.append({"configuration": group.description, "no_usable_run": True, "notes": group.notes})
             continue
         try:
-            report = track_report(group, track or group.track or 1, step)
+            report = track_report(group, _group_track(group, track), step)
         except RecordsError as exc:
             if len(groups) == 1:
                 raise
@@ -255,6 +297,16 @@ def _group_reports(groups: list[RunSet], track: int | None, step: int | None, me
     return reports
 
 
+def _group_track(group: RunSet, track: int | None) -> int:
+    """The track whose rule applies: --track, else the one the logs tell; a log that does not say is refused."""
+    chosen = track or group.track
+    if chosen is None:
+        why = next((fact.run.track_reason for fact in group.runs if fact.run is not None), "")
+        raise RecordsError(f"{group.runs[0].label if group.runs else 'these logs'}: the track cannot be told from the log "
+                           f"({why}); pass --track 1 or --track 2")
+    return chosen
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     loaded = folders.load_paths(args.logs, allow_incomplete=args.allow_incomplete, metric=args.metric)
     groups = _configurations(loaded, args.track, args.allow_mixed, args.logs)
@@ -263,15 +315,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps({"configurations": reports, "notes": loaded.notes}, indent=1, ensure_ascii=False))
     else:
         blocks = []
-        for index, report in enumerate(reports, start=1):
-            heading = f"configuration {index} of {len(reports)}" if len(reports) > 1 else "configuration"
-            blocks.append(_render_block(report, heading, args.verbose))
+        first = _example_run(groups[0])
+        for number, (report, group) in enumerate(zip(reports, groups), start=1):
+            heading = f"configuration {number} of {len(reports)}" if len(reports) > 1 else "configuration"
+            block = _render_block(report, heading, args.verbose)
+            where = first_code_difference(first, _example_run(group)) if args.verbose and number > 1 else None
+            blocks.append(block + (f"\ncode differs from configuration 1 at {where}" if where else ""))
         print("\n\n".join(blocks))
         for note in loaded.notes:
             print(f"note: {note}")
     if args.md is not None:
         print(_write_md(args, reports), file=sys.stderr if args.json else sys.stdout)
     return 2 if any("error" in report for report in reports) else 0
+
+
+def _example_run(group: RunSet) -> Run | None:
+    return next((fact.run for fact in group.runs if fact.run is not None and fact.run.sources), None)
 
 
 def _render_block(report: dict[str, Any], heading: str, verbose: bool) -> str:
@@ -314,12 +373,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         loaded.notes += [f"{group.description}: no usable run, not compared ({'; '.join(group.notes)})" for group in groups if not group.runs]
         sides.append(([group for group in groups if group.runs], loaded.notes))
     (baselines, base_notes), (candidates, cand_notes) = sides
-    pairs = [(b, c) for b in baselines for c in candidates if log_family(b.track) == log_family(c.track) or None in (b.track, c.track)]
+    pairs = [(b, c) for b in baselines for c in candidates if b.track == c.track or None in (b.track, c.track)]
     if not pairs:
-        raise RecordsError("baseline and candidate hold no configurations of the same track (Track 3 logs time in seconds); check the paths")
+        raise RecordsError("baseline and candidate hold no configurations of the same track; check the paths, or pass --track N")
     results = []
     for baseline, candidate in pairs:
-        track = args.track or candidate.track or baseline.track or 1
+        track = args.track or candidate.track or baseline.track
+        if track is None:
+            raise RecordsError(f"{_paths_text(args.candidate)}: the track cannot be told from these logs; pass --track 1 or --track 2")
         result = compare.compare_runsets(baseline, candidate, track, paired=args.paired)
         result["notes"] += base_notes + cand_notes
         results.append(result)
@@ -335,15 +396,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     new = diff.side_from_logs("new", args.logs, args.allow_incomplete, args.allow_mixed)
-    track = args.track or new.runset.track or 1
-    against, why = diff.resolve_against(_records_root(args), track, args.against, new)
-    old = diff.load_against(against, args.allow_incomplete, args.allow_mixed)
-    print(f"against {against}: {why}")
-    print(diff.render_diff(old, new))
+    track = _group_track(new.runset, args.track)
+    source = diff.Source(args.cache_dir or published.default_cache_dir(), published.source_url(args.source_url))
+    prior = diff.choose_prior(_records_root(args), track, args.against, new, source, args.allow_incomplete, args.allow_mixed)
+    print(f"against {prior.where}: {prior.why}")
+    print(diff.render_diff(prior.side, new, track, full_code=args.code))
     if args.plot is not None:
         if args.plot.exists():
             raise RecordsError(f"{args.plot}: already exists; pass another --plot path")
-        diff.plot_val_curves(old, new, args.plot, target=stats.TARGETS[track])
+        diff.plot_val_curves(prior.side, new, args.plot, target=stats.TARGETS[track])
         print(f"wrote {args.plot}")
     return 0
 
@@ -371,8 +432,32 @@ def _report_tables(changed: list[tuple[Path, list[str]]]) -> None:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    for path in extract.extract_sources(args.log, args.output):
+    extraction = extract.extract_sources(args.log, args.output)
+    for path in extraction.written:
         print(f"wrote {path}")
+    if extraction.invalid_bytes:
+        print(f"warning: {args.log}: the embedded code holds {extraction.invalid_bytes} byte(s) that are not valid UTF-8, "
+              "written back unchanged; Python will refuse the file until they are fixed", file=sys.stderr)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    record = published.resolve_record(_records_root(args), args.record, args.track)
+    fetched = published.fetch_record(record, args.cache_dir or published.default_cache_dir(), published.source_url(args.source_url))
+    print(f"{record.label}: {len(fetched.files)} log(s) in {fetched.folder} "
+          f"({fetched.downloaded} downloaded, {fetched.from_cache} already in the cache)")
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    indexed = index.index_clone(args.clone, _records_root(args))
+    files = sum(len(record.files) for record in indexed)
+    megabytes = sum(entry.size for record in indexed for entry in record.files) / 1e6
+    for record in indexed if args.verbose else []:
+        print(f"Track {record.track} #{record.number}: {len(record.files)} file(s), {record.runs} run(s) in {record.logs_at}")
+    print(f"{len(indexed)} records, {files} log files, {megabytes:.1f} MB")
+    if args.write:
+        print(f"{index.write_manifest(_records_root(args), indexed)} {published.manifest_path(_records_root(args))}")
     return 0
 
 

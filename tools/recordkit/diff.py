@@ -1,28 +1,34 @@
-"""`diff`: new runs against a prior record: code, hyperparameters, environment, losses, timing.
+"""`diff`: new runs against the prior record: the decision first, then the code, environment and detail.
 
-These are what a submission is judged on: the code (every log embeds its script, so a prior record's
-code comes from its logs), the changed constants, the software and GPUs (a new stack alone can move the
-loss by a few 1e-4), the loss at equal steps, and step_avg and total time.
+These are what a submission is judged on: the track and its claim (time to the target for Tracks 1 and 2,
+steps to 3.28 for Track 3), the changed constants, the loss at equal steps, then the code (every log embeds
+its script, so a prior record's code comes from its logs) and the software and GPUs (a new stack alone can
+move the loss by a few 1e-4). Without --against the prior record is the prior world record of the log's
+track (published.prior_record), fetched into the cache, or a newer record folder of ours with logs.
 """
 
 from __future__ import annotations
 
 import ast
+import datetime as dt
 import difflib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from . import stats
+from . import published, stats
 from .compare import loss_at_matched_steps
 from .errors import RecordsError
 from .folders import is_record_folder, list_folders, listed_logs, load_folder_runset, read_results
+from .report import format_p, track_report
 from .runs import Environment, Run
-from .runsets import RunFacts, RunSet, load_runset
+from .runsets import PER_RUN_SETTINGS, RESULT_NEUTRAL_SETTINGS, RunFacts, RunSet, load_logs, load_runset
 from .tables import load_history
 
 ENV_FIELDS = ("python", "torch", "cuda", "triton", "driver", "hardware", "world_size", "device")
 ENV_SKIP_SETTINGS = {"hyperparameters", "overrides"}
+LOSS_ROWS = 10  # rows of the loss table on the first screen
 
 
 @dataclass
@@ -50,37 +56,97 @@ def _example(runset: RunSet) -> Run | None:
     return next((run for run in runs if run.sources), runs[0] if runs else None)
 
 
-def resolve_against(records_root: Path, track: int, against: str, new: Side | None = None) -> tuple[Path, str]:
-    """The folder or log to diff against, and why it was chosen.
+# ----- which record -----
 
-    `auto`: the newest record of the track whose logs are in the repository (a folder that a history row
-    links, or that `new` filed as a record), other than the one holding the new logs; a record known only by
-    its published figures has no code or hyperparameters to diff, so it is passed over.
-    """
+
+@dataclass
+class Prior:
+    side: Side
+    where: str  # the folder or log shown on the first line
+    why: str
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where published logs come from and go to (fetch's --cache-dir and --source-url)."""
+
+    cache: Path
+    url: str
+    progress: IO[str] | None = None
+
+
+def choose_prior(records_root: Path, track: int, against: str, new: Side, source: Source,
+                 allow_incomplete: bool = False, allow_mixed: bool = False) -> Prior:
+    """The record to diff against, and why: --against (a folder, a log, or TRACK:N|NAME of a published record), else
+    the prior world record of the track, or a record folder of ours with logs that is newer than it."""
     if against != "auto":
         path = Path(against)
-        if not path.exists():
-            raise RecordsError(f"--against {against}: no such folder or log; pass a record folder, logs, or 'auto'")
-        return path, "given with --against"
-    linked = {row.folder: row.number for row in load_history(records_root, track) if row.folder}
-    new_files = {fact.run.file_sha256 for fact in new.runset.runs if fact.run is not None} if new else set()
-    without_logs: list[str] = []
-    for folder in reversed(list_folders(records_root, track)):  # newest first
+        if path.exists():
+            return Prior(load_against(path, allow_incomplete, allow_mixed), str(path), "given with --against")
+        try:
+            record = published.resolve_record(records_root, against, track)
+        except RecordsError:
+            raise RecordsError(f"--against {against}: no such folder or log, and no published record of that name; pass a "
+                               "record folder, logs, TRACK:N (e.g. 1:89) or auto") from None
+        return _published_prior(record, source, "given with --against")
+    new_files = {fact.run.file_sha256 for fact in new.runset.runs if fact.run is not None}
+    records = _published_candidates(records_root, track)
+    newest = next((record for record in reversed(records) if not new_files & {entry.sha256 for entry in record.files}), None)
+    local = _newest_local_record(records_root, track, new_files)
+    if local is not None and (newest is None or local[1] > _row_date(newest)):
+        folder, date = local
+        than = f", newer than the published {newest.label}" if newest is not None else ""
+        return Prior(side_from_folder(folder), str(folder), f"the newest Track {track} record: a folder of ours with logs, "
+                     f"filed on {date.isoformat()}{than}")
+    if newest is None:
+        raise RecordsError(f"no Track {track} record with logs to diff against (records/{published.PUBLISHED_LOGS_CSV} lists none); "
+                           "pass --against RECORD_DIR|LOG")
+    skipped = " (the newer one holds these very logs)" if newest is not (records[-1] if records else None) else ""
+    what = "the prior world record" if track != 3 else "the prior best result (fewest steps, marked (!))"
+    return _published_prior(newest, source, f"{what} of Track {track}, the newest in its history.csv{skipped}")
+
+
+def _published_candidates(records_root: Path, track: int) -> list[published.PublishedRecord]:
+    records = published.published_records(records_root, track)
+    return [record for record in records if "(!)" in record.row.result] if track == 3 else records
+
+
+def _published_prior(record: published.PublishedRecord, source: Source, why: str) -> Prior:
+    fetched = published.fetch_record(record, source.cache, source.url, source.progress)
+    origin = (f"{fetched.downloaded} log(s) downloaded" + (f", {fetched.from_cache} from the cache" if fetched.from_cache else "")
+              if fetched.downloaded else f"{fetched.from_cache} log(s) from the cache")
+    loaded = load_logs(fetched.files, allow_incomplete=True)
+    for group in loaded.groups:
+        group.track = group.track or record.track  # a log without code (llm.c) takes its row's track
+    group = max(loaded.groups, key=lambda g: len(g.runs))
+    group.notes[:0] = loaded.notes
+    side = Side(f"#{record.row.number} {record.name}", group, _example(group))
+    return Prior(side, f"{record.label}, {fetched.folder}", f"{why}; {origin}")
+
+
+def _row_date(record: published.PublishedRecord) -> dt.date:
+    text = record.row.date
+    for form in ("%m/%d/%y", "%Y/%m/%d"):
+        try:
+            return dt.datetime.strptime(text, form).date()
+        except ValueError:
+            continue
+    return dt.date.min
+
+
+def _newest_local_record(records_root: Path, track: int, new_files: set[str]) -> tuple[Path, dt.date] | None:
+    """Our newest record folder of the track with logs (linked by a history row, or filed by `new` as a record)."""
+    linked = {row.folder for row in load_history(records_root, track) if row.folder}
+    for folder in reversed(list_folders(records_root, track)):
         if not is_record_folder(folder.path):
             continue
         results = read_results(folder.results_path)
         if folder.path.name not in linked and results.get("record") is not True:
-            continue  # our own results (or a folder that predates the label): not a record
-        if not listed_logs(folder.path, results):
-            without_logs.append(folder.path.name)
-            continue
-        if new_files & {entry.get("sha256") for entry in results.get("runs") or []}:
-            continue  # the new runs' own folder
-        why = f"history row #{linked[folder.path.name]}" if folder.path.name in linked else "filed by `new` as a record"
-        skipped = f"; newer records without logs here: {', '.join(without_logs)}" if without_logs else ""
-        return folder.path, f"the newest Track {track} record with logs in this repository ({why}){skipped}"
-    newest = f" (newest: {without_logs[0]}, published figures only)" if without_logs else ""
-    raise RecordsError(f"no Track {track} record with logs in this repository to diff against{newest}; pass --against RECORD_DIR|LOG")
+            continue  # our own results: not a record
+        if not listed_logs(folder.path, results) or new_files & {entry.get("sha256") for entry in results.get("runs") or []}:
+            continue  # published figures only, or the new runs' own folder
+        return folder.path, folder.date
+    return None
 
 
 def load_against(path: Path, allow_incomplete: bool, allow_mixed: bool) -> Side:
@@ -126,21 +192,27 @@ def hyperparameters(run: Run | None) -> tuple[dict[str, Any], str] | None:
 
 
 def hyperparameters_from_source(source: str) -> dict[str, Any] | None:
-    """Field defaults of `class Hyperparameters` (literal values, else their source text)."""
+    """Field defaults of `class Hyperparameters` (literal values, else their source text); a script without that class
+    (the Track 3 scripts) gives its module-level UPPER_CASE constants instead."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return None
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == "Hyperparameters":
-            values: dict[str, Any] = {}
-            for item in node.body:
-                target = item.target if isinstance(item, ast.AnnAssign) else (item.targets[0] if isinstance(item, ast.Assign) and len(item.targets) == 1 else None)
-                value = getattr(item, "value", None)
-                if isinstance(target, ast.Name) and value is not None:
-                    values[target.id] = _literal_or_text(value)
-            return values
-    return None
+            return _assigned_values(node.body, lambda name: True)
+    constants = _assigned_values(tree.body, lambda name: name.isupper() and len(name) > 1)
+    return constants or None
+
+
+def _assigned_values(body: list[ast.stmt], wanted: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for item in body:
+        target = item.target if isinstance(item, ast.AnnAssign) else (item.targets[0] if isinstance(item, ast.Assign) and len(item.targets) == 1 else None)
+        value = getattr(item, "value", None)
+        if isinstance(target, ast.Name) and value is not None and wanted(target.id):
+            values[target.id] = _literal_or_text(value)
+    return values
 
 
 def _literal_or_text(node: ast.expr) -> Any:
@@ -154,12 +226,18 @@ def mapping_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     lines = []
     for key in sorted(set(old) | set(new)):
         if key not in old:
-            lines.append(f"+ {key} = {new[key]!r}")
+            lines.append(f"+ {key} = {_short(new[key])}")
         elif key not in new:
-            lines.append(f"- {key} = {old[key]!r}")
+            lines.append(f"- {key} = {_short(old[key])}")
         elif old[key] != new[key]:
-            lines.append(f"~ {key}: {old[key]!r} -> {new[key]!r}")
+            lines.append(f"~ {key}: {_short(old[key])} -> {_short(new[key])}")
     return lines
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    """A value's repr, cut to `limit` characters (a rank's parameter list can run to a thousand)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def hyperparameter_diff(old: Run | None, new: Run | None) -> list[str]:
@@ -188,20 +266,21 @@ def environment_diff(old: Side, new: Side) -> list[str]:
     return mapping_diff(environment_of(old.example.env), environment_of(new.example.env)) or ["(no differences)"]
 
 
-def loss_table(old: list[RunFacts], new: list[RunFacts]) -> list[str]:
+def loss_table(old: list[RunFacts], new: list[RunFacts], limit: int | None = None) -> list[str]:
+    """Mean val loss of each side at the steps every run shares; at most `limit` rows (spread out, the last kept)."""
     rows = loss_at_matched_steps(old, new)
     if not rows:
         return ["(no val step shared by every run on both sides)"]
-    return [f"{'step':>6}  {'record':>9}  {'new':>9}  {'delta':>9}"] + [
-        f"{r['step']:>6}  {r['baseline']:>9.5f}  {r['candidate']:>9.5f}  {r['delta']:>+9.5f}" for r in rows
-    ]
+    shown = rows
+    if limit is not None and len(rows) > limit:
+        picks = sorted({round(i * (len(rows) - 1) / (limit - 1)) for i in range(limit)})
+        shown = [rows[i] for i in picks]
+    header = f"{'step':>6}  {'record':>9}  {'new':>9}  {'delta':>9}" + (f"   ({len(shown)} of {len(rows)} shared steps)" if shown is not rows else "")
+    return [header] + [f"{r['step']:>6}  {r['baseline']:>9.5f}  {r['candidate']:>9.5f}  {r['delta']:>+9.5f}" for r in shown]
 
 
 def timing_lines(old: list[RunFacts], new: list[RunFacts]) -> list[str]:
     lines = []
-    steps_old = sorted({r.total_steps for r in old if r.total_steps})
-    steps_new = sorted({r.total_steps for r in new if r.total_steps})
-    lines.append(f"steps: record {steps_old or '?'}  new {steps_new or '?'}")
     for label, key, unit, digits in (("total train time", "train_time_s", "s", 3), ("final step_avg", "step_avg_ms", "ms", 2)):
         before = [getattr(r, key) for r in old]
         after = [getattr(r, key) for r in new]
@@ -214,23 +293,196 @@ def timing_lines(old: list[RunFacts], new: list[RunFacts]) -> list[str]:
     return lines
 
 
-def render_diff(old: Side, new: Side) -> str:
-    sections = [
-        (f"new: {len(new.runset.runs)} run(s) [{', '.join(r.label for r in new.runset.runs)}]  vs record: {old.name} "
-         f"({len(old.runset.runs)} run(s){', published figures' if old.example is None else ''})", []),
-        ("== source diff", source_diff(old.example, new.example)),
-        ("== Hyperparameters", hyperparameter_diff(old.example, new.example)),
+# ----- the first screen: the decision -----
+
+
+def _hardware(side: Side) -> str:
+    found = sorted({fact.hardware for fact in side.runset.runs if fact.hardware})
+    return ", ".join(found) if found else "unknown"
+
+
+def _steps(side: Side) -> str:
+    totals = sorted({fact.total_steps for fact in side.runset.runs if fact.total_steps})
+    finals = sorted({fact.final_step for fact in side.runset.runs if fact.final_step is not None})
+    text = "/".join(map(str, totals)) or "?"
+    return text if finals == totals or not finals else f"{text} (runs end at {'/'.join(map(str, finals))})"
+
+
+def hyperparameter_summary(old: Run | None, new: Run | None, width: int = 100) -> list[str]:
+    """Every changed hyperparameter, one line each; names on one side only, wrapped."""
+    before, after = hyperparameters(old), hyperparameters(new)
+    if before is None or after is None:
+        missing = "prior record" if before is None else "new run"
+        return [f"hyperparameters: not found for the {missing} (no `hyperparameters:` line, no `class Hyperparameters`)"]
+    changed = [key for key in sorted(set(before[0]) & set(after[0])) if before[0][key] != after[0][key]]
+    per_run = [key for key in changed if key in PER_RUN_SETTINGS | RESULT_NEUTRAL_SETTINGS]
+    changed = [key for key in changed if key not in per_run]
+    aside = f"; {', '.join(per_run)} aside (they name or place a run)" if per_run else ""
+    lines = [f"hyperparameters: {len(changed)} changed (record values from its {before[1]}, new values from its {after[1]}{aside})"]
+    lines += [f"  {key}: {_short(before[0][key])} -> {_short(after[0][key])}" for key in changed]
+    for label, names in (("only in the new run", sorted(set(after[0]) - set(before[0]))),
+                         ("only in the record", sorted(set(before[0]) - set(after[0])))):
+        if names:
+            lines += _wrapped(f"  {label} ({len(names)}): ", names, width)
+    return lines
+
+
+def _wrapped(head: str, names: list[str], width: int) -> list[str]:
+    lines, line = [], head
+    for name in names:
+        piece = name if line.endswith(": ") else f", {name}"
+        if len(line) + len(piece) > width and not line.endswith(": "):
+            lines.append(line + ",")
+            line = " " * 4 + name
+        else:
+            line += piece
+    return lines + [line]
+
+
+def claim_lines(old: Side, new: Side, track: int) -> list[str]:
+    """Time to the target (Tracks 1, 2) or steps to 3.28 (Track 3), with the statistic, and the new runs' own rule."""
+    if track == 3:
+        return _steps_to_target(old, new)
+    target = stats.TARGETS[track]
+    lines = []
+    times_old = [f.train_time_s for f in old.runset.runs]
+    times_new = [f.train_time_s for f in new.runset.runs]
+    if None in times_old or None in times_new:
+        lines.append("time to target: not in every run's log (llm.c logs carry no time)")
+    else:
+        b, a = stats.mean(times_old), stats.mean(times_new)  # type: ignore[arg-type]
+        test = stats.welch_less(times_new, times_old)  # type: ignore[arg-type]
+        p = f"one-sided Welch p = {format_p(test.p)}" if test.p is not None else f"Welch p {test.reason}"
+        lines.append(f"time to {target}: new {a:.3f} s (n={len(times_new)}) vs record {b:.3f} s (n={len(times_old)}): "
+                     f"{a - b:+.3f} s ({(a - b) / b * 100:+.2f}%), {p} (H1: new faster)")
+        if _hardware(old) != _hardware(new):
+            lines.append("  different hardware: this time difference says nothing about the change; time the record on your machine "
+                         "and use `compare`")
+    own = track_report(new.runset, track)
+    lines.append(f"loss rule of the new runs (mean < {target}, p < 0.01): {'passes' if own['passes'] else 'does not pass'} ({own['verdict']})")
+    return lines
+
+
+def _steps_to_target(old: Side, new: Side) -> list[str]:
+    reports = []
+    for label, side in (("record", old), ("new", new)):
+        try:
+            reports.append((label, track_report(side.runset, 3)))
+        except RecordsError as exc:
+            return [f"steps to 3.28: the {label} side has no step shared by its runs ({exc})"]
+    lines = []
+    for label, report in reports:
+        claim = "first passing step" if report["first_passing_step"] == report["step"] else "no step passes; last shared step"
+        lines.append(f"steps to 3.28 ({label}): {report['step']} ({claim}), n={report['n']}, mean {report['val_loss']['mean']:.5f}, "
+                     f"(3.28 − mean)·√n = {report['margin']:.5f} ({'passes' if report['passes'] else 'fails'} ≥ 0.004)")
+    (_, old_report), (_, new_report) = reports
+    pair = stats.track3_pairwise(old_report["val_loss"]["mean"], old_report["n"], old_report["step"],
+                                 new_report["val_loss"]["mean"], new_report["n"], new_report["step"])
+    lines.append(f"pairwise (loss difference + 0.0045 per 100 steps saved)/√(1/n₁ + 1/n₂) = {pair.value:.5f}: "
+                 f"{'significantly better' if pair.passes else 'not significantly better'} (needs ≥ 0.004; z p = {format_p(pair.z_p)})")
+    return lines
+
+
+def decision(old: Side, new: Side, track: int) -> list[str]:
+    rule = ("fewest steps to 3.28 val loss: (3.28 − mean)·√n ≥ 0.004" if track == 3 else
+            f"time to {stats.TARGETS[track]} val loss on 8 GPUs; mean loss below {stats.TARGETS[track]} at p < 0.01")
+    lines = [f"track {track} ({rule})",
+             f"runs: new {len(new.runset.runs)} on {_hardware(new)}; record {len(old.runset.runs)} on {_hardware(old)}",
+             f"steps: new {_steps(new)}; record {_steps(old)}"]
+    lines += hyperparameter_summary(old.example, new.example)
+    lines.append("val loss at the steps both share (mean over runs):")
+    lines += ["  " + line for line in loss_table(old.runset.runs, new.runset.runs, LOSS_ROWS)]
+    lines += claim_lines(old, new, track)
+    return lines
+
+
+# ----- code: changed lines per section -----
+
+
+def _sections(text: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, name) of each top-level definition; [] when the text is not Python."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            kind = "class" if isinstance(node, ast.ClassDef) else "def"
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            found.append((first, node.end_lineno or node.lineno, f"{kind} {node.name}"))
+    return found
+
+
+def _section_of(line: int, sections: list[tuple[int, int, str]]) -> str:
+    return next((name for first, last, name in sections if first <= line <= last), "module level")
+
+
+def code_summary(old: Run | None, new: Run | None, limit: int = 6) -> list[str]:
+    """Per embedded file: lines added and removed, by top-level definition."""
+    if old is None or not old.sources or new is None or not new.sources:
+        return source_diff(old, new)
+    if old.code_hash == new.code_hash:
+        return [f"(sources identical, code hash {new.code_hash[:12] if new.code_hash else '?'})"]
+    lines = ["(same program: the code differs only in comments, docstrings or per-run literals)"] if old.program_hash == new.program_hash else []
+    unchanged = 0
+    for name in dict.fromkeys([*new.sources, *old.sources]):
+        label = "train script" if name == "__script__" else name
+        before, after = old.sources.get(name), new.sources.get(name)
+        if before == after:
+            unchanged += 1
+            continue
+        if before is None or after is None:
+            lines.append(f"{label}: only in the {'new run' if before is None else 'record'} ({len((after or before or '').splitlines())} lines)")
+            continue
+        added, removed = _changed_lines(before, after)
+        total_added, total_removed = sum(added.values()), sum(removed.values())
+        names = sorted(set(added) | set(removed), key=lambda n: -(added[n] + removed[n]))
+        parts = [f"{n} +{added[n]} −{removed[n]}" for n in names[:limit]]
+        more = f"; {len(names) - limit} more" if len(names) > limit else ""
+        lines.append(f"{label}: +{total_added} −{total_removed} lines: " + "; ".join(parts) + more)
+    if unchanged:
+        lines.append(f"({unchanged} file(s) unchanged)")
+    return lines
+
+
+def _changed_lines(before: str, after: str) -> tuple[Counter[str], Counter[str]]:
+    old_lines, new_lines = before.splitlines(), after.splitlines()
+    old_sections, new_sections = _sections(before), _sections(after)
+    added: Counter[str] = Counter()
+    removed: Counter[str] = Counter()
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old_lines, new_lines).get_opcodes():
+        if tag == "equal":
+            continue
+        for i in range(i1, i2):
+            removed[_section_of(i + 1, old_sections)] += 1
+        for j in range(j1, j2):
+            added[_section_of(j + 1, new_sections)] += 1
+    return added, removed
+
+
+def render_diff(old: Side, new: Side, track: int, full_code: bool = False) -> str:
+    published = ", published figures" if old.example is None else ""
+    sections: list[tuple[str, list[str]]] = [
+        (f"new: {len(new.runset.runs)} run(s) [{_labels(new.runset.runs)}]  vs record: {old.name} ({len(old.runset.runs)} run(s){published})", []),
+        ("== decision", decision(old, new, track)),
+        ("== code (changed lines per top-level definition; --code prints the full diff)", code_summary(old.example, new.example)),
         ("== environment", environment_diff(old, new)),
-        ("== val loss at shared steps (mean over runs)", loss_table(old.runset.runs, new.runset.runs)),
-        ("== timing (means over runs)", timing_lines(old.runset.runs, new.runset.runs)),
+        ("== timing detail (means over runs)", timing_lines(old.runset.runs, new.runset.runs)),
     ]
+    if full_code:
+        sections.append(("== source diff", source_diff(old.example, new.example)))
     out: list[str] = []
     for title, lines in sections:
         out.append(title)
         out += lines
-    notes = old.runset.notes + new.runset.notes
-    out += [f"note: {note}" for note in notes]
+    out += [f"note: {note}" for note in old.runset.notes + new.runset.notes]
     return "\n".join(out)
+
+
+def _labels(runs: list[RunFacts], limit: int = 4) -> str:
+    labels = [fact.label for fact in runs]
+    return ", ".join(labels[:limit]) + (f", +{len(labels) - limit} more" if len(labels) > limit else "")
 
 
 def plot_val_curves(old: Side, new: Side, path: Path, target: float = stats.TARGET_LOSS) -> None:

@@ -1,42 +1,67 @@
-"""`extract`: write the script embedded in a log (and the files appended after it) back to disk.
+"""`extract`: write the script embedded in a log (and the files appended after it) back to disk, byte for byte.
 
 The extra files land next to the script at their logged relative paths, e.g.
-`distributed_shampoo/shampoo.py` beside `train_gpt_shampoo.py`, so the extracted script runs as is.
+`distributed_shampoo/shampoo.py` beside `train_gpt_shampoo.py`, so the extracted script runs as is. Bytes
+that are not valid UTF-8 are written back unchanged (decoded and encoded with `surrogateescape`), and counted.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from .errors import RecordsError
-from .parse import parse_log
+from .parse import read_log_bytes, log_lines, parse_text, split_layout, split_sources
+
+# surrogateescape maps each byte that is not valid UTF-8 to one code point in this range, and back.
+_ESCAPED_BYTES = range(0xDC80, 0xDD00)
+
+
+@dataclass(frozen=True)
+class Extraction:
+    written: list[Path]
+    invalid_bytes: int  # bytes that are not valid UTF-8, kept as they were
 
 
 def extraction_plan(log: Path, output: Path) -> dict[Path, str]:
-    runs = parse_log(log)
-    sources = runs[0].sources
+    """Each embedded file's path and text (bytes that are not UTF-8 shown as U+FFFD); bench/ab.py writes these."""
+    return {path: content.decode("utf-8", errors="replace") for path, content in file_plan(log, output).items()}
+
+
+def file_plan(log: Path, output: Path) -> dict[Path, bytes]:
+    """Each embedded file's path and exact bytes."""
+    data = read_log_bytes(log)
+    text = data.decode("utf-8", errors="surrogateescape")
+    parse_text(data.decode("utf-8", errors="replace"), log, hashlib.sha256(data).hexdigest())  # refuses a file that is no log
+    sources = split_sources(split_layout(log_lines(text)).code_text)
     if not sources:
         raise RecordsError(f"{log}: no embedded source (a console capture or an llm.c log?); extract from the run's log file instead")
-    plan: dict[Path, str] = {}
-    for name, text in sources.items():
+    plan: dict[Path, bytes] = {}
+    for name, source in sources.items():
+        content = source.encode("utf-8", errors="surrogateescape")
         if name == "__script__":
-            plan[output] = text
+            plan[output] = content
             continue
         relative = PurePosixPath(name)
         if relative.is_absolute() or ".." in relative.parts:
             raise RecordsError(f"{log}: embedded file name {name!r} points outside the output folder; not extracted")
-        plan[output.parent / Path(*relative.parts)] = text
+        plan[output.parent / Path(*relative.parts)] = content
     return plan
 
 
-def extract_sources(log: Path, output: Path) -> list[Path]:
+def invalid_byte_count(content: bytes) -> int:
+    return sum(1 for char in content.decode("utf-8", errors="surrogateescape") if ord(char) in _ESCAPED_BYTES)
+
+
+def extract_sources(log: Path, output: Path) -> Extraction:
     """Write every embedded file; refuse before writing anything if one of them already exists."""
-    plan = extraction_plan(log, output)
+    plan = file_plan(log, output)
     existing = [path for path in plan if path.exists()]
     if existing:
         raise RecordsError(f"{existing[0]}: already exists; extract into an empty folder (nothing was written)")
-    for path, text in plan.items():
+    for path, content in plan.items():
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("x", encoding="utf-8") as handle:
-            handle.write(text)
-    return list(plan)
+        with path.open("xb") as handle:
+            handle.write(content)
+    return Extraction(list(plan), sum(invalid_byte_count(content) for content in plan.values()))

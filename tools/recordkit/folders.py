@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RecordsError
-from .runsets import LoadedLogs, RunFacts, RunSet, load_logs, log_family, pool, single_configuration
+from .runsets import LoadedLogs, RunFacts, RunSet, load_logs, pool, single_configuration
 
 RESULTS_JSON = "results.json"
 STATISTICS_MD = "statistics.md"
@@ -146,8 +146,8 @@ def load_folder(folder: Path, allow_incomplete: bool = False, metric: str = "val
     if results.get("allow_mixed") and len(loaded.groups) > 1:
         loaded.groups = [pool(loaded.groups)]
     for group in loaded.groups:
-        if log_family(group.track) == log_family(results.get("track")):
-            group.track = results["track"]  # the folder knows Track 2 from Track 1; the log format does not
+        if group.track is None:
+            group.track = results.get("track")  # logs that do not say their track (no embedded code) take the folder's
     return loaded
 
 

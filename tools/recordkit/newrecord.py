@@ -1,8 +1,9 @@
 """`new`: create a record folder from logs; it never overwrites or renames anything.
 
-A folder is a record candidate unless `--not-a-record` files it as our own results. A record candidate
-must come from hardware that can make a record of its track: Tracks 1 and 2 are timed on 8 GPUs, so a
-run on fewer GPUs or on the CPU is refused; Track 3 counts steps, so any GPU count will do, but not the CPU.
+A folder is a record unless `--not-a-record` files it as our own results, and a record must be one: its logs
+are of the track asked for, consistent (as their runs wrote them), from hardware that can make a record of
+the track (Tracks 1 and 2: 8 GPUs of one kind; Track 3, which counts steps: GPUs of one kind), and they pass
+the track's rule. Anything else is refused in one line naming --not-a-record, or what to change.
 """
 
 from __future__ import annotations
@@ -16,20 +17,29 @@ from typing import Any
 
 from .errors import RecordsError
 from .folders import (RESULTS_JSON, STATISTICS_MD, folder_name, results_from_logs, sha256_of, sign, track_dir)
+from .parse import find_logs
 from .report import render_statistics_md, track_report
-from .runs import Environment
-from .runsets import RunSet, load_runset
+from .runs import Environment, Run
+from .runsets import RunSet, group_runs, load_runset, parse_logs, single_configuration
 
-RECORD_GPUS = {1: 8, 2: 8, 3: 1}
+RECORD_GPUS = {1: 8, 2: 8}  # Tracks 1 and 2 are timed on 8 GPUs; Track 3 counts steps on any number
+NOT_A_RECORD = "pass --not-a-record to file the folder as our own results"
 
 
 def hardware_problem(env: Environment, track: int) -> str | None:
     """Why a run on this machine cannot be a record of the track, or None."""
     if env.on_cpu:
         return "ran on the CPU"
+    models = sorted(set(env.gpu_models)) or ([env.hardware.split("× ", 1)[-1]] if env.device and env.hardware else [])
+    if not models:
+        return "its log names no GPU (no nvidia-smi table, GPU table or device line)"
+    if len(models) > 1:
+        return f"ran on GPUs of different kinds ({', '.join(models)})"
     count = env.gpu_count
-    if count is not None and count < RECORD_GPUS[track]:
-        return f"ran on {count} GPU{'s' if count != 1 else ''}, Track {track} records on {RECORD_GPUS[track]}"
+    needed = RECORD_GPUS.get(track)
+    if needed is not None and count != needed:
+        return (f"ran on {count} GPU{'s' if count != 1 else ''}" if count else "its log does not say how many GPUs") + \
+            f", Track {track} records run on {needed}"
     return None
 
 
@@ -38,15 +48,29 @@ def refuse_non_record_hardware(runset: RunSet, track: int) -> None:
                 if (why := hardware_problem(fact.run.env, track)) is not None]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise RecordsError(f"{problems[0]}{more}: not a Track {track} record; pass --not-a-record to file the folder as our own results",
-                           detail=problems)
+        raise RecordsError(f"{problems[0]}{more}: not a Track {track} record; {NOT_A_RECORD}", detail=problems)
 
 
-def refuse_other_track(runset: RunSet, track: int) -> None:
-    family = 3 if track == 3 else 1
-    if runset.track is not None and runset.track != family:
-        unit, other = ("seconds, as Track 3 logs do", "3") if runset.track == 3 else ("ms, as Track 1/2 logs do", "1")
-        raise RecordsError(f"these logs give train_time in {unit}: not Track {track} logs; pass --track {other}")
+def refuse_other_track(runs: list[Run], track: int) -> None:
+    other = [run for run in runs if run.track is not None and run.track != track]
+    if other:
+        run = other[0]
+        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+        raise RecordsError(f"{run.label}{more}: a Track {run.track} log ({run.track_reason}), not Track {track}; pass --track {run.track}",
+                           detail=[f"{r.label}: Track {r.track} ({r.track_reason})" for r in other])
+
+
+def refuse_inconsistent(runs: list[Run]) -> None:
+    bad = [run for run in runs if run.inconsistencies]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise RecordsError(f"{bad[0].path}: {bad[0].status}{more}; `new` files logs only as their runs wrote them: restore "
+                           "it, or leave it out of --logs", detail=[f"{run.label}: {run.status}" for run in bad])
+
+
+def refuse_failing_rule(report: dict[str, Any], track: int) -> None:
+    if not report["passes"]:
+        raise RecordsError(f"does not pass the Track {track} rule ({report['verdict']}); {NOT_A_RECORD}")
 
 
 def create_record(records_root: Path, track: int, name: str, logs: list[Path], date: dt.date | None = None,
@@ -57,15 +81,23 @@ def create_record(records_root: Path, track: int, name: str, logs: list[Path], d
     target = track_dir(records_root, track) / folder_name(track, date, name)
     if target.exists():
         raise RecordsError(f"{target}: already exists; records are never overwritten; choose another --name or --date")
-    runset = load_runset(logs, allow_incomplete=allow_incomplete, allow_mixed=allow_mixed)
-    refuse_other_track(runset, track)
+    runs, notes = parse_logs(find_logs(logs))  # find_logs without a list: an unreadable folder is refused
+    refuse_inconsistent(runs)
+    refuse_other_track(runs, track)
+    runset = single_configuration(group_runs(runs, allow_incomplete=allow_incomplete, notes=notes), allow_mixed)
     if not not_a_record:
         refuse_non_record_hardware(runset, track)
     used_logs = sorted({fact.run.path for fact in runset.runs if fact.run is not None})
     _refuse_name_clash(used_logs)
-    track_report(runset, track)  # any statistics error surfaces before the folder exists
+    report = track_report(runset, track)  # any statistics error surfaces before the folder exists
+    if not not_a_record:
+        refuse_failing_rule(report, track)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.mkdir()  # fails if someone created it meanwhile: never merge into an existing folder
+    try:
+        target.mkdir()  # fails if someone created it meanwhile: never merge into an existing folder
+    except FileExistsError:
+        raise RecordsError(f"{target}: created by another process meanwhile (two `new` with one name?); nothing written, "
+                           "choose another --name or --date") from None
     try:
         _fill_folder(target, records_root, track, date, name, used_logs, runset.notes, hardware, note,
                      {"allow_incomplete": allow_incomplete, "allow_mixed": allow_mixed}, not not_a_record)
@@ -90,7 +122,8 @@ def _fill_folder(target: Path, records_root: Path, track: int, date: dt.date, na
         results["left_out"] = left_out
     _write_new(target / RESULTS_JSON, json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     _write_new(target / STATISTICS_MD, sign(render_statistics_md(report, target.name)))
-    _write_new(target / "README.md", readme_skeleton(results, report, target.relative_to(records_root.parent)))
+    ours = all(fact.run is not None and "git_commit" in fact.run.env.settings for fact in copied.runs)
+    _write_new(target / "README.md", readme_skeleton(results, report, target.relative_to(records_root.parent), ours))
 
 
 def _refuse_name_clash(logs: list[Path]) -> None:
@@ -114,15 +147,13 @@ def _write_new(path: Path, text: str) -> None:
         handle.write(text)
 
 
-def readme_skeleton(results: dict[str, Any], report: dict[str, Any], folder: Path) -> str:
+def readme_skeleton(results: dict[str, Any], report: dict[str, Any], folder: Path, ours: bool) -> str:
     track, summary = results["track"], results["summary"]
     loss, time = summary["val_loss"], summary["train_time_s"]
     first_log = results["runs"][0]["log"]
     processes = results["runs"][0].get("gpu_count") or 8
     arguments = "".join(f" {shlex.quote(f'--{key}={_cli_value(value)}')}" for key, value in (results["runs"][0].get("overrides") or {}).items())
-    what = ("Runs of this repository's code, added with `python tools/records.py new`; the logs in this folder are ours."
-            if results["record"] else
-            "Our own results, not a record (`python tools/records.py new --not-a-record`); the logs in this folder are ours.")
+    what = _origin_sentence(results["record"], ours)
     lines = [f"# {results['name']} (Track {track}, {results['date']})", "", what, f"Hardware: {results['hardware']}."]
     if results.get("note"):
         lines += ["", f"Note: {results['note']}"]
@@ -155,6 +186,15 @@ def readme_skeleton(results: dict[str, Any], report: dict[str, Any], folder: Pat
     if results["record"]:
         lines += ["", "## Draft table row", "", draft_table_row(results)]
     return "\n".join(lines) + "\n"
+
+
+def _origin_sentence(record: bool, ours: bool) -> str:
+    """Who wrote the logs: this repository's scripts log a `git_commit:` line, imported logs do not."""
+    kind = "A record candidate" if record else "Our own results, not a record (`new --not-a-record`)"
+    if ours:
+        return f"{kind}: runs of this repository's code, added with `python tools/records.py new`; the logs in this folder are ours."
+    return (f"{kind}: runs of the code embedded in these logs, which this repository's scripts did not write (imported "
+            "with `python tools/records.py new`); the logs are copied byte for byte.")
 
 
 def _cli_value(value: Any) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any, Sequence
 from .errors import RecordsError
 from .program import program_hash
 from .runs import Environment, PeakMemory, Run, TrainPoint, ValPoint
+from .tracks import fixed_stop_steps, recognize_track
 
 SEPARATOR = "=" * 100
 LOG_SUFFIXES = (".txt", ".log", ".stdout", ".out")
@@ -51,6 +53,8 @@ DEVICE_NAME_LINE = re.compile(r"^Running on device_name=(.+) with world_size=(\d
 USING_LINE = re.compile(r"^Using (\w+)=(.*)$")
 DRIVER = re.compile(r"Driver Version: (\S+)")
 GPU_ROW = re.compile(r"^\|\s*(\d+)\s+([A-Za-z][^|]*?)\s+(?:On|Off)\s+\|")
+LIBRARY_GPU_HEADER = re.compile(r"^GPU\s+Name\s+Temp\b")
+LIBRARY_GPU_ROW = re.compile(r"^(\d+)\s+([A-Za-z][^|]*?)\s{2,}\d")
 KEY_VALUE = re.compile(r"^([a-z][a-z0-9_]*): (.*)$")
 
 # Banners between the files of an embedded source: the 2025+ Track 1 scripts append kernels behind
@@ -62,14 +66,21 @@ SHAMPOO_BANNER = re.compile(r"^# ===== (\S+) =====\s*$")
 
 def parse_log(path: Path) -> list[Run]:
     """Parse one log file into its runs; raise RecordsError if it holds no val line at all."""
-    data = _read_bytes(path)
+    data = read_log_bytes(path)
     text = data.decode("utf-8", errors="replace")
     return parse_text(text, path=path, file_sha256=hashlib.sha256(data).hexdigest())
 
 
+def log_lines(text: str) -> list[str]:
+    """The file's lines, split at newlines only: a form feed or a stray carriage return inside a line (binary
+    garbage, a console's progress bar) stays in its line, so line numbers and embedded files are exact."""
+    lines = text.split("\n")
+    return lines[:-1] if lines and lines[-1] == "" else lines
+
+
 def parse_text(text: str, path: Path, file_sha256: str = "") -> list[Run]:
-    layout = split_layout(text.splitlines())
-    sources = split_sources(layout.code)
+    layout = split_layout(log_lines(text))
+    sources = split_sources(layout.code_text)
     code_hash = hash_sources(sources) if sources else None
     env = parse_environment(layout.env_lines, layout.step_lines)
     trials = split_trials(layout.step_lines, first_line_number=layout.step_start + 1)
@@ -77,6 +88,8 @@ def parse_text(text: str, path: Path, file_sha256: str = "") -> list[Run]:
         raise RecordsError(f"{path}: {_why_no_val_line(layout, trials)}")
     era = detect_era(layout, env, trials)
     program = program_hash(sources) if sources else None
+    seconds = any(p.time_unit == "s" for trial in trials for p in trial.val_points)
+    track, track_reason = recognize_track(sources, env, seconds)
     return [
         Run(
             path=path,
@@ -94,9 +107,25 @@ def parse_text(text: str, path: Path, file_sha256: str = "") -> list[Run]:
             warmup_time_s=trial.warmup_time_s,
             notes=trial.notes,
             warnings=[f"{path}: {warning}" for warning in trial.warnings],
+            track=track,
+            track_reason=track_reason,
+            inconsistencies=trial.inconsistencies,
+            lost_val_lines=trial.warnings,
+            fixed_stop=_fixed_stop(trial, sources, env, seconds),
         )
         for index, trial in enumerate(trials, start=1)
     ]
+
+
+def _fixed_stop(trial: TrialLines, sources: dict[str, str], env: Environment, seconds: bool) -> tuple[int, str] | None:
+    """(step, where it is fixed) when a Track 3 run ends before its total at a step its script fixed in advance."""
+    if not seconds or not trial.val_points:
+        return None
+    final = trial.val_points[-1]
+    if final.total_steps is None or final.step >= final.total_steps:
+        return None
+    where = fixed_stop_steps(sources, env).get(final.step)
+    return (final.step, where) if where is not None else None
 
 
 def _why_no_val_line(layout: Layout, trials: list[TrialLines]) -> str:
@@ -110,7 +139,7 @@ def _why_no_val_line(layout: Layout, trials: list[TrialLines]) -> str:
     return "no val line ('step:N/T val_loss:X train_time:...' or 's:N tel:X'); pass a training log"
 
 
-def _read_bytes(path: Path) -> bytes:
+def read_log_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError:
@@ -132,6 +161,11 @@ class Layout:
     separator_count: int
     leading_separator: bool
     step_start: int = 0  # index of the first step line in the file's lines
+
+    @property
+    def code_text(self) -> str:
+        """The embedded source as written, up to the separator (each of its lines ended by a newline)."""
+        return "".join(line + "\n" for line in self.code)
 
 
 def is_separator(line: str) -> bool:
@@ -155,43 +189,53 @@ def split_layout(lines: list[str]) -> Layout:
 # ----- embedded sources -----
 
 
-def split_sources(code_lines: list[str]) -> dict[str, str]:
-    """Split the embedded source at file banners; the first entry is the training script itself."""
-    if not any(line.strip() for line in code_lines):
+@dataclass
+class _Part:
+    name: str
+    lines: list[str] = field(default_factory=list)
+    after_dash_banner: bool = False  # the logger wrote a blank line after the banner
+    before_dash_banner: bool = False  # ... and two newlines before it
+
+
+def split_sources(code_text: str) -> dict[str, str]:
+    """The files embedded before the separator, byte for byte as their writers read them; the script comes first.
+
+    Two writers exist. The Track 1/2 record scripts print their code (print adds one newline) and append each
+    kernel file as `code + "\\n\\n" + banner + "\\n\\n" + file`, the banner being 40 dashes, `# name.py`, 40 dashes;
+    this repository's train_gpt_shampoo.py writes its text and each module behind a `# ===== path =====` line
+    with nothing added. Undoing exactly what the writer added gives back each file as it was.
+    """
+    if not code_text.strip():
         return {}
-    files: dict[str, list[str]] = {}
-    current = "__script__"
-    files[current] = []
-    i = 0
-    while i < len(code_lines):
-        line = code_lines[i]
-        shampoo = SHAMPOO_BANNER.match(line)
-        if shampoo:
-            current = shampoo.group(1)
-            files[current] = []
-            i += 1
+    lines = code_text.split("\n")[:-1]  # code_text ends with a newline
+    parts = [_Part("__script__")]
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if shampoo := SHAMPOO_BANNER.match(line):
+            parts.append(_Part(shampoo.group(1)))
+            index += 1
             continue
-        if (
-            line.rstrip() == DASH_BANNER
-            and i + 2 < len(code_lines)
-            and DASH_BANNER_NAME.match(code_lines[i + 1])
-            and code_lines[i + 2].rstrip() == DASH_BANNER
-        ):
-            current = DASH_BANNER_NAME.match(code_lines[i + 1]).group(1)  # type: ignore[union-attr]
-            files[current] = []
-            i += 3
+        if (line.rstrip() == DASH_BANNER and index + 2 < len(lines) and DASH_BANNER_NAME.match(lines[index + 1])
+                and lines[index + 2].rstrip() == DASH_BANNER):
+            parts[-1].before_dash_banner = True
+            parts.append(_Part(DASH_BANNER_NAME.match(lines[index + 1]).group(1), after_dash_banner=True))  # type: ignore[union-attr]
+            index += 3
             continue
-        files[current].append(line)
-        i += 1
-    return {name: _join_file(lines) for name, lines in files.items()}
-
-
-def _join_file(lines: list[str]) -> str:
-    # The logger adds one newline after the file text; a file that ended in a newline therefore
-    # shows one blank line before the next banner. Keep exactly one trailing newline.
-    while lines and not lines[-1].strip():
-        lines = lines[:-1]
-    return "\n".join(lines) + "\n" if lines else ""
+        parts[-1].lines.append(line)
+        index += 1
+    printed = not any(SHAMPOO_BANNER.match(line) for line in lines)  # print() added a newline after the last file
+    files = {}
+    for number, part in enumerate(parts):
+        text = "".join(line + "\n" for line in part.lines)
+        if part.after_dash_banner:
+            text = text.removeprefix("\n")
+        if part.before_dash_banner:
+            text = text[:-2] if text.endswith("\n\n") else text.removesuffix("\n")
+        elif printed and number == len(parts) - 1:
+            text = text.removesuffix("\n")
+        files[part.name] = text
+    return files
 
 
 def hash_sources(sources: dict[str, str]) -> str:
@@ -205,13 +249,19 @@ def hash_sources(sources: dict[str, str]) -> str:
 
 
 def parse_environment(env_lines: Sequence[str], step_lines: Sequence[str] = ()) -> Environment:
-    """Environment blocks in full; among step lines (console captures) only the `Running ...` lines."""
+    """Environment blocks in full; among step lines, the `Running ...` lines (console captures) and any GPU table
+    printed before the first step line."""
     env = Environment()
+    library_table = False
     for line in env_lines:
         if not _apply_running_line(env, line):
-            _apply_env_line(env, line)
+            library_table = _apply_env_line(env, line, library_table)
     for line in step_lines:
         _apply_running_line(env, line)
+    for line in step_lines:
+        if _step_point(line.strip()) is not None:
+            break
+        library_table = _apply_gpu_table_line(env, line, library_table)
     return env
 
 
@@ -231,17 +281,36 @@ def _apply_running_line(env: Environment, line: str) -> bool:
     return True
 
 
-def _apply_env_line(env: Environment, line: str) -> None:
+def _apply_env_line(env: Environment, line: str, library_table: bool) -> bool:
+    """Read one environment line; returns whether a library GPU table (`GPU Name  Temp ...`) is being read."""
     if m := USING_LINE.match(line):
         env.settings[m.group(1)] = m.group(2)
-    elif m := GPU_ROW.match(line):
-        env.gpu_models.append(m.group(2).strip())
+    elif _is_gpu_table_line(line, library_table):
+        return _apply_gpu_table_line(env, line, library_table)
     elif m := DRIVER.search(line):
         env.driver = m.group(1)
     elif line.strip() == "nvidia-smi: not available":
         env.settings["nvidia-smi"] = "not available"
     elif m := KEY_VALUE.match(line):
         _apply_key_value(env, m.group(1), m.group(2).strip())
+    return False
+
+
+def _is_gpu_table_line(line: str, library_table: bool) -> bool:
+    return bool(GPU_ROW.match(line) or LIBRARY_GPU_HEADER.match(line) or (library_table and LIBRARY_GPU_ROW.match(line)))
+
+
+def _apply_gpu_table_line(env: Environment, line: str, library_table: bool) -> bool:
+    """One GPU row of an nvidia-smi table, or of the table some scripts print without nvidia-smi
+    (`GPU Name  Temp  Power ...` then `0   NVIDIA H100 80GB HBM3   35 ...`)."""
+    if m := GPU_ROW.match(line):
+        env.gpu_models.append(m.group(2).strip())
+    elif LIBRARY_GPU_HEADER.match(line):
+        return True
+    elif library_table and (m := LIBRARY_GPU_ROW.match(line)):
+        env.gpu_models.append(m.group(2).strip())
+        return True
+    return False
 
 
 def _apply_key_value(env: Environment, key: str, value: str) -> None:
@@ -290,23 +359,39 @@ class TrialLines:
     peak_memory: PeakMemory | None = None
     warmup_time_s: float | None = None
     notes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # "line N: why", for lines lost to damage
+    warnings: list[str] = field(default_factory=list)  # "line N: why", for val lines lost to damage
+    inconsistencies: list[str] = field(default_factory=list)  # "line N: why", for lines a run cannot have written
+    first_step: int = -1
     last_step: int = -1
-    last_val_line: str | None = None
+    val_lines: dict[int, tuple[int, str]] = field(default_factory=dict)  # step -> (line number, text)
+    last_train: tuple[int, TrainPoint] | None = None  # (line number, point)
 
     @property
     def empty(self) -> bool:
         return not self.val_points and not self.train_points
 
 
+TIME_RESOLUTION_S = 1e-3  # logged times are whole milliseconds (Tracks 1, 2) or seconds to 3 decimals (Track 3)
+# A new trial starts where the step counter returns to the start: step 0 (a val line), 1 (a train line), or the
+# first step of the trial before it (console captures that print no step-0 line).
+TRIAL_START_STEP = 1
+
+
 def split_trials(lines: list[str], first_line_number: int = 1) -> list[TrialLines]:
-    """Collect step lines; a new trial starts at a `trial:` marker or when the step counter goes back."""
+    """Collect step lines; a new trial starts at a `trial:` marker or when the step counter returns to the start
+    (TRIAL_START_STEP).
+
+    A run writes its val lines once per step, in step order, and its final line agrees with the lines before it;
+    lines that break this (two val lines for one step, a step going back, a final line out of step with the
+    others) are kept as inconsistencies, and the run is reported and left out of statistics.
+    """
     trials = [TrialLines()]
     for number, raw in enumerate(lines, start=first_line_number):
         line = raw.strip()
         trial = trials[-1]
         if TRIAL_MARKER.match(line):
             if not trial.empty:
+                _check_final_line(trial)
                 trials.append(TrialLines())
             continue
         point = _step_point(line)
@@ -315,19 +400,102 @@ def split_trials(lines: list[str], first_line_number: int = 1) -> list[TrialLine
                 trial.warnings.append(f"line {number}: {lost}")
             _apply_trailer(trial, line)
             continue
-        if point.step < trial.last_step:
+        if point.step < trial.last_step and point.step <= max(TRIAL_START_STEP, trial.first_step):
+            _check_final_line(trial)
             trial = TrialLines()
             trials.append(trial)
+        if isinstance(point, ValPoint) and trial.val_lines.get(point.step, (0, None))[1] == line:
+            trial.notes.append(f"repeated val line collapsed: {line}")  # e.g. a summary that repeats the last lines
+            continue
+        if point.step < trial.last_step:
+            trial.inconsistencies.append(f"line {number}: step {point.step} after step {trial.last_step} (steps out of order)")
         if isinstance(point, ValPoint):
-            if line == trial.last_val_line:
-                trial.notes.append(f"repeated val line collapsed: {line}")
-                continue
-            trial.val_points.append(point)
-            trial.last_val_line = line
+            _add_val_point(trial, point, line, number)
         else:
             trial.train_points.append(point)
-        trial.last_step = point.step
+            trial.last_train = (number, point)
+        trial.first_step = point.step if trial.first_step < 0 else trial.first_step
+        trial.last_step = max(trial.last_step, point.step)
+    _check_final_line(trials[-1])
     return [trial for trial in trials if not trial.empty] or [TrialLines()]
+
+
+def _add_val_point(trial: TrialLines, point: ValPoint, line: str, number: int) -> None:
+    earlier = trial.val_lines.get(point.step)
+    if earlier is not None:
+        trial.inconsistencies.append(f"line {number}: a second val line for step {point.step} (first at line {earlier[0]}) "
+                                     "with other values")
+    trial.val_points.append(point)
+    trial.val_lines[point.step] = (number, line)
+
+
+def _check_final_line(trial: TrialLines) -> None:
+    """The final val line must agree with the lines before it: same total step count, a clock that did not go
+    back, and the step_avg formula that every earlier val line follows."""
+    if len(trial.val_points) < 2:
+        return
+    final, earlier = trial.val_points[-1], trial.val_points[:-1]
+    number = trial.val_lines[final.step][0]
+    where = f"line {number}: final val line (step {final.step})"
+    totals = {p.total_steps for p in earlier if p.total_steps is not None}
+    if final.total_steps is not None and totals and final.total_steps not in totals:
+        trial.inconsistencies.append(f"{where} says {final.total_steps} steps, the lines before it {max(totals)}")
+    times = [p.train_time_s for p in earlier if p.train_time_s is not None]
+    if final.train_time_s is not None and times and final.train_time_s < max(times):
+        trial.inconsistencies.append(f"{where} has train_time {final.train_time_s:g} s, below the {max(times):g} s of an earlier line")
+    if trial.last_train is not None and final.train_time_s is not None:
+        train_number, train = trial.last_train
+        if train_number < number and train.step == final.step and train.train_time_s is not None \
+                and final.train_time_s < train.train_time_s - TIME_RESOLUTION_S:
+            trial.inconsistencies.append(f"{where} has train_time {final.train_time_s:g} s, below the {train.train_time_s:g} s "
+                                         f"of the train line for the same step")
+    formula = _step_avg_formula(trial.val_points[:-1])
+    if formula is not None and not _fits(formula, trial.val_points, len(trial.val_points) - 1):
+        trial.inconsistencies.append(f"{where} has step_avg {final.step_avg_ms}ms, which does not follow from its train_time "
+                                     f"as on every earlier val line")
+
+
+# step_avg on val lines: cumulative time / step (Tracks 1/2 since 2025), the same after the 10-step warm-up
+# of 2024 logs, or the average over the interval since the previous val line (Track 3).
+_STEP_AVG_FORMULAS = ("cumulative", "cumulative_after_10", "interval")
+
+
+def _expected_step_avg(formula: str, points: list[ValPoint], index: int) -> float | None:
+    point = points[index]
+    if point.train_time_s is None:
+        return None
+    if formula == "cumulative":
+        return point.train_time_s * 1000 / max(point.step, 1)
+    if formula == "cumulative_after_10":
+        return point.train_time_s * 1000 / (point.step - 10) if point.step > 10 else None
+    previous = points[index - 1] if index > 0 else None
+    if previous is None or previous.train_time_s is None or point.step <= previous.step:
+        return None
+    return (point.train_time_s - previous.train_time_s) * 1000 / (point.step - previous.step)
+
+
+def _fits(formula: str, points: list[ValPoint], index: int) -> bool:
+    logged = points[index].step_avg_ms
+    expected = _expected_step_avg(formula, points, index)
+    if logged is None or expected is None or not math.isfinite(logged):
+        return True  # nothing to compare
+    # Logs round times (ms, or s to 3 decimals) and step_avg (2 decimals): allow both roundings.
+    step = max(points[index].step - (10 if formula == "cumulative_after_10" else 0), 1)
+    span = step if formula != "interval" else max(points[index].step - points[index - 1].step, 1)
+    return abs(logged - expected) <= 0.006 + 1.0 / span
+
+
+def _step_avg_formula(points: list[ValPoint]) -> str | None:
+    """The formula that every val line with a checkable step_avg follows (None when none, or too few lines, do)."""
+    checkable = [i for i in range(len(points)) if points[i].step_avg_ms is not None and math.isfinite(points[i].step_avg_ms)
+                 and points[i].step > 0]
+    if len(checkable) < 2:
+        return None
+    for formula in _STEP_AVG_FORMULAS:
+        compared = [i for i in checkable if _expected_step_avg(formula, points, i) is not None]
+        if len(compared) >= 2 and all(_fits(formula, points, i) for i in compared):
+            return formula
+    return None
 
 
 def _step_point(line: str) -> ValPoint | TrainPoint | None:
@@ -408,16 +576,39 @@ def detect_era(layout: Layout, env: Environment, trials: list[TrialLines]) -> st
     return "2025+"
 
 
-def find_logs(paths: list[Path]) -> list[Path]:
-    """Expand folders (recursively) into log files; keep explicit files as given."""
+def find_logs(paths: list[Path], unreadable: list[str] | None = None) -> list[Path]:
+    """Expand folders (recursively) into log files; keep explicit files as given.
+
+    A folder that cannot be listed (no permission) is not skipped silently: its line goes to `unreadable` when the
+    caller collects them, and is an error otherwise.
+    """
     found: list[Path] = []
+    problems: list[str] = []
     for path in paths:
         if path.is_dir():
-            found.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOG_SUFFIXES))
+            found.extend(_logs_under(path, problems))
         elif path.exists():
             found.append(path)
         else:
             raise RecordsError(f"{path}: no such file or folder; check the path")
+    if problems and unreadable is None:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise RecordsError(f"{problems[0]}{more}", detail=problems)
+    if unreadable is not None:
+        unreadable.extend(problems)
     if not found:
-        raise RecordsError(f"{', '.join(map(str, paths))}: no log files (*.txt, *.log, *.stdout, *.out) found")
+        first = f" ({problems[0]})" if problems else ""
+        raise RecordsError(f"{', '.join(map(str, paths))}: no log files (*.txt, *.log, *.stdout, *.out) found{first}")
     return found
+
+
+def _logs_under(folder: Path, problems: list[str]) -> list[Path]:
+    def report(error: OSError) -> None:
+        problems.append(f"{error.filename}: cannot be read ({error.strerror}); its logs were not searched: "
+                        "fix its permissions (chmod u+rx) or leave it out")
+
+    files = []
+    for directory, subdirectories, names in os.walk(folder, onerror=report):
+        subdirectories.sort()
+        files += [Path(directory) / name for name in names if Path(name).suffix in LOG_SUFFIXES]
+    return sorted(path for path in files if path.is_file())

@@ -239,7 +239,7 @@ def render_stats_text(report: dict[str, Any]) -> str:
     if report["track"] == 3:
         first = report["first_passing_step"]
         out.append(f"margin (3.28 − mean)·√n = {report['margin']:.5f} (needs ≥ 0.004)  z p = {format_p(report['z_p_value'])}")
-        out.append(f"first passing step over shared steps: {first if first is not None else 'none'}")
+        out.append(f"claim step: {report['step']} (first passing step over shared steps: {first if first is not None else 'none'})")
     else:
         out.append(f"one-sided t-test H1 mean < {report['target']}: t = {_fmt(report['t_statistic'], 3)}  p = {format_p(report['p_value'])}")
     out.append(f"passes: {'yes' if report['passes'] else 'no'} ({report['verdict']})")

@@ -111,7 +111,12 @@ class Run:
     peak_memory: PeakMemory | None
     warmup_time_s: float | None
     notes: list[str] = field(default_factory=list)  # repeated lines collapsed, etc.
-    warnings: list[str] = field(default_factory=list)  # lines that look like val lines but could not be read
+    warnings: list[str] = field(default_factory=list)  # "<path>: line N: why" for val lines that could not be read
+    track: int | None = None  # told from the log itself (tracks.recognize_track); None when it does not say
+    track_reason: str = ""
+    inconsistencies: list[str] = field(default_factory=list)  # "line N: why": lines the run cannot have written
+    lost_val_lines: list[str] = field(default_factory=list)  # "line N: why", without the path
+    fixed_stop: tuple[int, str] | None = None  # (step, where): a stop the script fixed in advance (Track 3)
 
     @property
     def label(self) -> str:
@@ -151,23 +156,31 @@ class Run:
 
     @property
     def complete(self) -> bool:
-        """True when the last val line is at the last step and every loss is finite (llm.c logs carry no total: trusted)."""
+        """True when the last val line is at the last step, or at a stop its script fixed in advance, and the log is
+        consistent with every loss finite (llm.c logs carry no total: trusted)."""
         final = self.final
-        if final is None or self.diverged_at is not None:
+        if final is None or self.diverged_at is not None or self.inconsistencies:
             return False
         total = self.total_steps
-        return total is None or final.step >= total
+        return total is None or final.step >= total or self.fixed_stop is not None
 
     @property
     def status(self) -> str:
         final = self.final
         diverged = self.diverged_at
+        if self.inconsistencies:
+            more = f" (+{len(self.inconsistencies) - 1} more)" if len(self.inconsistencies) > 1 else ""
+            return f"inconsistent: {self.inconsistencies[0]}{more}"
         if diverged is not None:
             return f"diverged at step {diverged}"
         if final is None:
             return "truncated: no val line"
         if not self.complete:
+            if self.lost_val_lines:
+                return f"damaged: last val {final.step}/{self.total_steps}, {self.lost_val_lines[-1]}"
             return f"truncated: last val {final.step}/{self.total_steps}"
+        if self.fixed_stop is not None:
+            return f"complete: stops at step {self.fixed_stop[0]} of {self.total_steps}, fixed by {self.fixed_stop[1]}"
         return "complete"
 
     def val_at(self, step: int) -> ValPoint | None:

@@ -1,11 +1,13 @@
 """Turn parsed logs into sets of runs of one configuration, ready for statistics.
 
 A claim is a statistic over independent runs of one program, so runs are grouped by configuration: the
-track (Track 3 logs time in seconds, Tracks 1 and 2 in ms), the program (embedded source with comments,
-docstrings and layout left out), the GPU count, the step count and the logged hyperparameters (minus the
-settings in RESULT_NEUTRAL_SETTINGS and PER_RUN_SETTINGS). Within a configuration, truncated and diverged
-runs are reported and left out unless allowed, a run logged twice (twin files, or a console capture of a
-logged run) counts once, and identical trajectories are flagged.
+track (told from the log, tracks.recognize_track), the program (embedded source with comments, docstrings,
+layout and per-run literals left out), the GPU count, the step count and the logged hyperparameters (minus
+the settings in RESULT_NEUTRAL_SETTINGS and PER_RUN_SETTINGS). A run counts once: twin files, a console
+capture of a logged run, or a file repeating part of another run (a final_val_loss.txt) are not runs of
+their own, and console captures without code join the one configuration with code that they match.
+Within a configuration, truncated, damaged and diverged runs are reported and left out unless allowed,
+inconsistent logs are always left out, and identical trajectories are flagged.
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ def parse_logs(paths: list[Path]) -> tuple[list[Run], list[str]]:
     """Every run in the logs under `paths`; logs that cannot be used are skipped with a note (all of them: an error)."""
     runs: list[Run] = []
     skipped: list[str] = []
-    files = find_logs(paths)
+    unreadable: list[str] = []
+    files = find_logs(paths, unreadable)
     for log in files:
         try:
             runs += parse_log(log)
@@ -135,7 +138,7 @@ def parse_logs(paths: list[Path]) -> tuple[list[Run], list[str]]:
         if len(skipped) == 1:
             raise RecordsError(skipped[0])
         raise RecordsError(f"none of the {len(files)} log files is usable (first: {skipped[0]})", detail=skipped)
-    notes = [f"skipped {reason}" for reason in skipped]
+    notes = [f"warning: {problem}" for problem in unreadable] + [f"skipped {reason}" for reason in skipped]
     notes += [f"warning: {warning}" for run in runs for warning in run.warnings]
     return runs, notes
 
@@ -158,12 +161,20 @@ def single_configuration(loaded: LoadedLogs, allow_mixed: bool) -> RunSet:
                            "pass the logs of one, or --allow-mixed to pool them", detail=[g.description for g in groups])
     runset = pool(groups) if len(groups) > 1 else groups[0]
     if not runset.runs:
-        reasons = [note.removesuffix(EXCLUDED_HINT) for note in runset.notes + loaded.notes]
-        more = f" and {len(reasons) - 1} more" if len(reasons) > 1 else ""
-        raise RecordsError(f"no complete run left ({reasons[0] if reasons else 'no run'}{more}); "
-                           "pass --allow-incomplete to use truncated or diverged runs", detail=reasons)
+        raise no_run_left(runset.notes + loaded.notes)
     runset.notes[:0] = loaded.notes
     return runset
+
+
+def no_run_left(notes: list[str]) -> RecordsError:
+    """The error when every run was left out: the first reason, and the flag that would change it, if one would."""
+    reasons = [note.removesuffix(EXCLUDED_HINT) for note in notes]
+    excluded = [note for note in notes if note.endswith(EXCLUDED_HINT)]  # truncated, damaged, diverged: a flag includes them
+    first = (excluded or reasons or ["no run"])[0].removesuffix(EXCLUDED_HINT)
+    more = f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
+    hint = ("pass --allow-incomplete to use truncated, damaged or diverged runs" if excluded else
+            "no flag includes an inconsistent log" if any(INCONSISTENT_NOTE in note for note in notes) else "check the logs")
+    return RecordsError(f"no complete run left ({first}{more}); {hint}", detail=reasons)
 
 
 def group_runs(runs: list[Run], allow_incomplete: bool = False, metric: str = "val_loss", notes: list[str] | None = None) -> LoadedLogs:
@@ -171,9 +182,31 @@ def group_runs(runs: list[Run], allow_incomplete: bool = False, metric: str = "v
     by_key: dict[tuple[Any, ...], list[Run]] = {}
     for run in runs:
         by_key.setdefault(configuration_key(run), []).append(run)
+    _merge_captures_without_code(by_key, notes)
     groups = [_select(group, allow_incomplete, metric, key) for key, group in by_key.items()]
     describe_configurations(groups)
     return LoadedLogs(groups, notes)
+
+
+def _merge_captures_without_code(by_key: dict[tuple[Any, ...], list[Run]], notes: list[str]) -> None:
+    """Runs without embedded code (console captures) join the one configuration with code of the same track, step
+    count and GPU count (a count the capture does not give matches any): a folder often holds the logs of some
+    seeds and the console output of others."""
+    for key in [key for key in by_key if key[1] is None and key[4] is None]:
+        track, _, devices, steps, _ = key
+        matches = [other for other in by_key if other[1] is not None and other[3] == steps
+                   and (track is None or other[0] == track) and (devices is None or other[2] == devices)]
+        if len(matches) != 1:
+            continue
+        runs = by_key.pop(key)
+        by_key[matches[0]].extend(runs)
+        notes.append(f"{len(runs)} run(s) without embedded code ({_labels(runs)}) counted with the configuration of "
+                     f"{by_key[matches[0]][0].label} (same track and {steps} steps); pass them apart to see them alone")
+
+
+def _labels(runs: list[Run], limit: int = 3) -> str:
+    labels = [run.label for run in runs]
+    return ", ".join(labels[:limit]) + (f" +{len(labels) - limit} more" if len(labels) > limit else "")
 
 
 EXCLUDED_HINT = " (pass --allow-incomplete to include it)"
@@ -183,7 +216,9 @@ def _select(runs: list[Run], allow_incomplete: bool, metric: str, key: tuple[Any
     notes: list[str] = []
     kept: list[RunFacts] = []
     for run in runs:
-        if not run.usable_val_points:
+        if run.inconsistencies:
+            notes.append(f"{run.label}: {run.status}; {INCONSISTENT_NOTE}")
+        elif not run.usable_val_points:
             notes.append(f"{run.label}: {run.status} before its first val line; excluded")
         elif not run.complete and not allow_incomplete:
             notes.append(f"{run.label}: {run.status}; excluded{EXCLUDED_HINT}")
@@ -196,14 +231,17 @@ def _select(runs: list[Run], allow_incomplete: bool, metric: str, key: tuple[Any
     return RunSet(kept, notes, track=key[0], key=key)
 
 
+INCONSISTENT_NOTE = "excluded: a log must hold what its run wrote; restore the original"
+
+
 def configuration_key(run: Run) -> tuple[Any, ...]:
-    """What must agree between the runs of one claim; None means the log does not say (its own group)."""
+    """What must agree between the runs of one claim; None means the log does not say."""
     hyperparameters = run.env.hyperparameters
     settings = None
     if hyperparameters is not None:
         settings = tuple(sorted((k, repr(v)) for k, v in hyperparameters.items() if k not in RESULT_NEUTRAL_SETTINGS | PER_RUN_SETTINGS))
     devices = "CPU" if run.env.on_cpu else run.env.gpu_count
-    return (3 if run.timed_in_seconds else 1, run.program_hash, devices, run.total_steps, settings)
+    return (run.track, run.program_hash, devices, run.total_steps, settings)
 
 
 KEY_PARTS = ("track", "code", "CPU or GPU count", "steps", "hyperparameters")
@@ -248,8 +286,7 @@ def describe_configurations(groups: list[RunSet]) -> None:
         assert group.key is not None  # groups of parsed logs always have one
         track, _program, devices, steps, settings = group.key
         varying = _varying_settings([g.key for g in groups if g.key is not None and g.key[:4] == group.key[:4]])
-        parts = [f"track {track if track == 3 else '1/2'}", _code_text(group), _devices_text(devices),
-                 f"{steps if steps is not None else '?'} steps"]
+        parts = [track_text(track), _code_text(group), _devices_text(devices), f"{steps if steps is not None else '?'} steps"]
         if settings is not None and varying:
             values = dict(settings)
             group.distinct = [f"{name}={values.get(name, '<missing>')}" for name in sorted(varying)]
@@ -258,7 +295,31 @@ def describe_configurations(groups: list[RunSet]) -> None:
         group.description = ", ".join(parts)
         raw_hashes = {fact.code_hash for fact in group.runs if fact.code_hash}
         if len(raw_hashes) > 1:
-            group.notes.append(f"code differs only in comments/docstrings ({len(raw_hashes)} texts of one program)")
+            group.notes.append(f"code differs only in comments, docstrings or per-run literals ({len(raw_hashes)} texts of one program)")
+
+
+def track_text(track: int | None) -> str:
+    return f"track {track}" if track is not None else "track unknown"
+
+
+def first_code_difference(a: Run | None, b: Run | None) -> str | None:
+    """Where the embedded code of two runs first differs, as `<file> line N: `old` -> `new``; None if it does not."""
+    if a is None or b is None or a.program_hash == b.program_hash:
+        return None
+    if not a.sources or not b.sources:
+        return "one of them embeds no code"
+    for name in dict.fromkeys([*a.sources, *b.sources]):
+        label = "train script" if name == "__script__" else name
+        old, new = a.sources.get(name), b.sources.get(name)
+        if old is None or new is None:
+            return f"{label} is only in one of them"
+        old_lines, new_lines = old.splitlines(), new.splitlines()
+        for number, (before, after) in enumerate(zip(old_lines, new_lines), start=1):
+            if before != after:
+                return f"{label} line {number}: `{before[:80]}` -> `{after[:80]}`"
+        if len(old_lines) != len(new_lines):
+            return f"{label} line {min(len(old_lines), len(new_lines)) + 1}: one of them ends there"
+    return "comments, docstrings or layout only"
 
 
 def _code_text(group: RunSet) -> str:
@@ -283,42 +344,53 @@ def _varying_settings(keys: list[tuple[Any, ...]]) -> set[str]:
     return {name for name in names if len({entry.get(name) for entry in logged}) > 1}
 
 
-def log_family(track: int | None) -> int | None:
-    """3 for Track 3 (train_time in seconds), 1 for Tracks 1 and 2 (train_time in ms), None if unknown."""
-    return None if track is None else 3 if track == 3 else 1
-
-
 def select_track(groups: list[RunSet], track: int) -> list[RunSet]:
-    """The groups a `--track` asks for: Track 3 logs time in seconds; Tracks 1 and 2 share the ms format."""
-    return [group for group in groups if log_family(group.track) in (log_family(track), None)]
+    """The groups a `--track` asks for: those of that track, and those whose logs do not say (given that track)."""
+    chosen = [group for group in groups if group.track in (track, None)]
+    for group in chosen:
+        if group.track is None:
+            group.track = track
+            group.description = group.description.replace(track_text(None), f"{track_text(track)} (--track)", 1)
+    return chosen
 
 
 def pool(groups: list[RunSet]) -> RunSet:
-    """One RunSet over several configurations (--allow-mixed), noting what differs."""
+    """One RunSet over several configurations of one track (--allow-mixed), noting what differs."""
+    tracks = sorted({group.track for group in groups}, key=str)
+    if len(tracks) > 1:
+        raise RecordsError(f"--allow-mixed pools configurations of one track, and these logs hold "
+                           f"{' and '.join(track_text(t) for t in tracks)}; pass --track N to take one (never pooled)")
     runs = [fact for group in groups for fact in group.runs]
     notes = [f"pooled {len(groups)} configurations (--allow-mixed): " + " | ".join(g.description for g in groups)]
     notes += [note for group in groups for note in group.notes]
-    tracks = {group.track for group in groups}
-    return RunSet(runs, notes, track=tracks.pop() if len(tracks) == 1 else None, description="pooled: " + "; ".join(g.description for g in groups))
+    return RunSet(runs, notes, track=tracks[0], description="pooled: " + "; ".join(g.description for g in groups))
 
 
 def _drop_duplicates(runs: list[Run], notes: list[str]) -> list[Run]:
-    """Count a run once: twin files, or a console capture of a run whose log is also given."""
-    kept: list[Run] = []
-    seen: dict[tuple[Any, ...], Run] = {}
-    for run in runs:
-        key = tuple((p.step, p.val_loss, p.train_time_s) for p in run.val_points)
-        twin = seen.get(key)
-        if twin is None or not key:
-            seen[key] = run
-            kept.append(run)
-            continue
-        keep, drop = (run, twin) if twin.code_hash is None and run.code_hash is not None else (twin, run)
-        notes.append(f"{drop.label}: same val lines (losses and times) as {keep.label}; counted once, as {keep.label}")
-        if keep is run:  # prefer the copy that embeds the source
-            kept[kept.index(twin)] = run
-            seen[key] = run
-    return kept
+    """Count a run once: twin files, a console capture of a run whose log is also given, or a file whose val lines
+    all appear in another run (a copy of part of it, e.g. a final_val_loss.txt repeating the last line)."""
+    points = [frozenset((p.step, p.val_loss, p.train_time_s) for p in run.val_points) for run in runs]
+    # The fullest version of a run first, and among equals the one that embeds its source.
+    order = sorted(range(len(runs)), key=lambda i: (-len(points[i]), runs[i].code_hash is None, i))
+    kept: list[int] = []
+    for i in order:
+        twin = next((j for j in kept if points[i] and points[i] <= points[j]), None)
+        if twin is None:
+            kept.append(i)
+        elif points[i] == points[twin]:
+            notes.append(f"{_named(runs[i], runs)}: same val lines (losses and times) as {_named(runs[twin], runs)}; counted once, "
+                         f"as {_named(runs[twin], runs)}")
+        else:
+            notes.append(f"{_named(runs[i], runs)}: its {len(points[i])} val line(s) all appear in {_named(runs[twin], runs)} "
+                         "(a copy of part of that run); not a run of its own")
+    return [runs[i] for i in sorted(kept)]
+
+
+def _named(run: Run, runs: list[Run]) -> str:
+    """The run's label, with its folder when another input has the same file name (seed_0/stdout.txt)."""
+    if sum(1 for other in runs if other.path.name == run.path.name) > 1:
+        return f"{run.path.parent.name}/{run.label}"
+    return run.label
 
 
 def _flag_same_trajectories(facts: list[RunFacts], notes: list[str]) -> None:

@@ -34,6 +34,11 @@ def run_to_json(run: Run, include_source: bool = True) -> dict[str, Any]:
         "final": _point(run.final) if run.final else None,
         "status": run.status,
         "complete": run.complete,
+        "track": run.track,
+        "track_reason": run.track_reason,
+        "inconsistencies": run.inconsistencies,
+        "lost_val_lines": run.lost_val_lines,
+        "fixed_stop": {"step": run.fixed_stop[0], "fixed_by": run.fixed_stop[1]} if run.fixed_stop else None,
         "total_steps": run.total_steps,
         "peak_memory": asdict(run.peak_memory) if run.peak_memory else None,
         "warmup_time_s": run.warmup_time_s,
@@ -46,6 +51,7 @@ def run_to_text(run: Run) -> str:
     final = run.final
     lines = [
         f"{run.label}  [{run.era}]  {run.status}",
+        f"  track: {run.track if run.track is not None else 'unknown'} ({run.track_reason})",
         f"  code: {run.code_hash[:12] if run.code_hash else 'none embedded'}"
         + (f"  files: {', '.join(n if n != '__script__' else 'script' for n in run.sources)}" if run.sources else ""),
         f"  env: python {_short(env.python)}  torch {env.torch or '?'}  cuda {env.cuda or '?'}  triton {env.triton or '?'}"

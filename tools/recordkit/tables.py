@@ -15,9 +15,8 @@ from .errors import RecordsError
 from .folders import RESULTS_JSON, list_folders, read_results, track_dir
 
 HISTORY_CSV = "history.csv"
-TRACK1_DIR = Path("track_1_short")
-TRACK3_DIR = Path("track_3_optimization")
-BLOCKS = ("track1", "track3", "folders")
+HISTORY_DIRS = {1: Path("track_1_short"), 2: Path("track_2_medium"), 3: Path("track_3_optimization")}
+BLOCKS = ("track1", "track2", "track3", "folders")
 SKIP_DIRS = {".git", "logs", "checkpoints", "node_modules", "__pycache__", ".proxy", ".whl", "data"}
 
 
@@ -34,15 +33,16 @@ class HistoryRow:
     """One row of a history.csv: published facts, our description, and our folder if we have one."""
 
     number: str
-    result: str  # Track 1: "2.495 minutes"; Track 3: "4100" or "3600(!)"
+    result: str  # Tracks 1, 2: "2.495 minutes"; Track 3: "4100" or "3600(!)"
     evidence: str  # Track 3 only: "3.2776 (n=4)✓"
-    date: str  # as published: MM/DD/YY (Track 1), YYYY/MM/DD (Track 3)
+    date: str  # as published: MM/DD/YY (Tracks 1, 2), YYYY/MM/DD (Track 3)
     description: str
     folder: str  # folder name inside the track's record directory, or ""
+    logs_at: str = ""  # where the public speedrun repository keeps its logs (a folder or one file), or ""
 
 
 def history_path(records_root: Path, track: int) -> Path:
-    return records_root / (TRACK1_DIR if track == 1 else TRACK3_DIR) / HISTORY_CSV
+    return records_root / HISTORY_DIRS[track] / HISTORY_CSV
 
 
 def load_history(records_root: Path, track: int) -> list[HistoryRow]:
@@ -52,9 +52,10 @@ def load_history(records_root: Path, track: int) -> list[HistoryRow]:
     with path.open(newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
         try:
-            if track == 1:
-                return [HistoryRow(r["record"], r["time"], "", r["date"], r["description"], r["folder"]) for r in reader]
-            return [HistoryRow(r["result"], r["steps"], r["evidence"], r["date"], r["description"], r["folder"]) for r in reader]
+            if track in (1, 2):
+                return [HistoryRow(r["record"], r["time"], "", r["date"], r["description"], r["folder"], r["logs_at"]) for r in reader]
+            return [HistoryRow(r["result"], r["steps"], r["evidence"], r["date"], r["description"], r["folder"], r["logs_at"])
+                    for r in reader]
         except KeyError as exc:
             raise RecordsError(f"{path}: missing column {exc}; restore the header line") from None
 
@@ -71,10 +72,11 @@ def _folder_link(records_root: Path, track: int, folder: str, readme_dir: Path) 
     return f"[{folder}]({relative}/)"
 
 
-def render_track1(records_root: Path, readme_dir: Path) -> str:
+def render_timed(track: int, records_root: Path, readme_dir: Path) -> str:
+    """Tracks 1 and 2: record time, description, date, our folder."""
     lines = ["| # | Record time | Description | Date | Folder here |", "|---|---|---|---|---|"]
-    for row in load_history(records_root, 1):
-        link = _folder_link(records_root, 1, row.folder, readme_dir)
+    for row in load_history(records_root, track):
+        link = _folder_link(records_root, track, row.folder, readme_dir)
         lines.append(f"| {row.number} | {row.result} | {_cell(row.description)} | {row.date} | {link} |")
     return "\n".join(lines)
 
@@ -112,8 +114,8 @@ def render_folders(records_root: Path, readme_dir: Path) -> str:
 
 
 def render_block(block: str, records_root: Path, readme_dir: Path) -> str:
-    if block == "track1":
-        return render_track1(records_root, readme_dir)
+    if block in ("track1", "track2"):
+        return render_timed(int(block[-1]), records_root, readme_dir)
     if block == "track3":
         return render_track3(records_root, readme_dir)
     return render_folders(records_root, readme_dir)

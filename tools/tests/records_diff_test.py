@@ -26,7 +26,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def test_diff_two_logs_differing_in_one_hyperparameter(tmp_path: Path) -> None:
     old = diff.load_against(F.write(tmp_path / "old.txt", F.track1_2025(lr=0.05, final_ms=150000)), False, False)
     new = diff.side_from_logs("new", [F.write(tmp_path / "new.txt", F.track1_2025(lr=0.06, final_ms=149000))], False, False)
-    text = diff.render_diff(old, new)
+    text = diff.render_diff(old, new, track=1)
     source = diff.source_diff(old.example, new.example)
     assert [line for line in source if line.startswith(("+ ", "- ", "+\t", "-\t")) or (line[:1] in "+-" and not line.startswith(("+++", "---")))] == [
         "-    learning_rate: float = 0.05",
@@ -36,6 +36,8 @@ def test_diff_two_logs_differing_in_one_hyperparameter(tmp_path: Path) -> None:
                                                                    "~ learning_rate: 0.05 -> 0.06"]
     assert "== environment\n(no differences)" in text
     assert "total train time: record 150.000 s  new 149.000 s  delta -1.000 s (-0.67%)" in text
+    assert "hyperparameters: 1 changed (record values from its source, new values from its source)\n  learning_rate: 0.05 -> 0.06" in text
+    assert "train script: +1 −1 lines: class Hyperparameters +1 −1\n(1 file(s) unchanged)" in text
 
 
 def test_hyperparameters_from_source_keeps_non_literals_as_text() -> None:
@@ -58,8 +60,8 @@ def test_diff_against_a_log_plots_png_and_never_overwrites(tmp_path: Path, capsy
     assert main(["diff", *map(str, logs), "--against", str(old), "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"against {old}: given with --against\n")
-    assert "~ learning_rate: 0.05 -> 0.06" in out
-    assert "  1680    3.27960    3.27905   -0.00055" in out
+    assert "  learning_rate: 0.05 -> 0.06" in out
+    assert "    1680    3.27960    3.27905   -0.00055" in out
     data = plot.read_bytes()
     assert data[:8] == PNG_SIGNATURE
     image = mpimg.imread(plot)
@@ -96,7 +98,7 @@ def test_compare_track3_pairwise(tmp_path: Path) -> None:
 def test_extract_rebuilds_shampoo_package_and_runs(tmp_path: Path) -> None:
     log = F.write(tmp_path / "log.txt", F.harness(shampoo=True))
     out = tmp_path / "repro" / "train_gpt_shampoo.py"
-    written = extract_sources(log, out)
+    written = extract_sources(log, out).written
     assert written == [out, tmp_path / "repro" / "distributed_shampoo" / "__init__.py", tmp_path / "repro" / "distributed_shampoo" / "shampoo.py"]
     assert out.read_text() == F.script(1680, 0.05)
     result = subprocess.run([sys.executable, str(out)], capture_output=True, text=True, timeout=60)
@@ -107,7 +109,7 @@ def test_extract_rebuilds_shampoo_package_and_runs(tmp_path: Path) -> None:
 
 def test_extract_appended_kernels_and_refuses_console_capture(tmp_path: Path) -> None:
     log = F.write(tmp_path / "log.txt", F.track1_2025())
-    written = extract_sources(log, tmp_path / "x" / "train_gpt.py")
+    written = extract_sources(log, tmp_path / "x" / "train_gpt.py").written
     assert (tmp_path / "x" / "triton_kernels.py").read_text() == F.KERNELS and len(written) == 2
     console = F.write(tmp_path / "c.stdout", F.track3_trials(F.SHAMPOO_TRIALS, source=False))
     with pytest.raises(RecordsError, match="no embedded source"):

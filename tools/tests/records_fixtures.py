@@ -22,8 +22,8 @@ REPO = TOOLS_DIR.parent
 # The published seed folders (figures only): folders of our own runs come and go, so tests copy only these.
 SEED_FOLDERS = ("track_1_short/2025-09-23_MuonCustomSizing", "track_3_optimization/results/20260513_shampoo_1_4_power")
 README = "\n\n".join(
-    ["# Records", start_marker("track1"), end_marker("track1"), start_marker("track3"), end_marker("track3"),
-     start_marker("folders"), end_marker("folders"), ""]
+    ["# Records", start_marker("track1"), end_marker("track1"), start_marker("track2"), end_marker("track2"),
+     start_marker("track3"), end_marker("track3"), start_marker("folders"), end_marker("folders"), ""]
 )
 
 
@@ -37,8 +37,9 @@ def root(tmp_path: Path) -> Path:
     records = tmp_path / "repo" / "records"
     for seed in SEED_FOLDERS:
         shutil.copytree(REPO / "records" / seed, records / seed)
-    for history in ("track_1_short/history.csv", "track_3_optimization/history.csv"):
-        shutil.copy(REPO / "records" / history, records / history)
+    for data in ("track_1_short/history.csv", "track_2_medium/history.csv", "track_3_optimization/history.csv", "published_logs.csv"):
+        (records / data).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / "records" / data, records / data)
     (records / "README.md").write_text(README)
     write_tables(tmp_path / "repo", records)
     return tmp_path / "repo"
@@ -59,9 +60,14 @@ class Hyperparameters:
     val_loss_every: int = 125
 
 
+def GPT(**shape):
+    return shape
+
+
 def main():
     args = Hyperparameters()
-    print(args)
+    model = GPT(vocab_size=50304, num_layers={layers}, num_heads={heads}, model_dim={width})
+    print(args, model)
 
 
 if __name__ == "__main__":
@@ -71,8 +77,13 @@ if __name__ == "__main__":
 DOC = "A stand-in training script."
 
 
-def script(steps: int, lr: float, doc: str = DOC) -> str:
-    return SCRIPT.format(steps=steps, lr=lr, doc=doc)
+# Model shapes by track: GPT-2 small (Tracks 1 and 3) and GPT-2 medium (Track 2); the width tells them apart.
+SMALL = {"layers": 12, "heads": 6, "width": 768}
+MEDIUM = {"layers": 16, "heads": 8, "width": 1024}
+
+
+def script(steps: int, lr: float, doc: str = DOC, model: dict[str, int] = SMALL) -> str:
+    return SCRIPT.format(steps=steps, lr=lr, doc=doc, **model)
 
 
 KERNELS = '''import triton
@@ -137,8 +148,8 @@ def track1_2025(
     `diverge_at`: every loss from that step on is written as `nan`, as a diverged run's script writes it.
     """
     code = script(steps, lr, doc)
-    if kernels:
-        code += "\n" + "-" * 40 + "\n# triton_kernels.py\n" + "-" * 40 + "\n" + KERNELS
+    if kernels:  # as the 2025 record scripts append them: two newlines, the banner, two newlines, the file
+        code += "\n\n" + "-" * 40 + "\n# triton_kernels.py\n" + "-" * 40 + "\n\n" + KERNELS
     lines = [
         code,
         SEP,
@@ -210,6 +221,39 @@ def track1_2024_12(final_loss: float = 3.2791, final_ms: int = 228000, steps: in
     return "\n".join(lines) + "\n"
 
 
+def library_gpu_table(gpus: int = 8, model: str = "NVIDIA H100 80GB HBM3") -> str:
+    """What some 2025 Track 2 scripts print when nvidia-smi is missing: their own table, after a line saying so."""
+    rows = ["nvidia-smi not found. Using library functions instead.",
+            "GPU Name                      Temp  Power      Mem Used        Mem Total       Util  "]
+    rows += [f"{index:<3} {model:<25} {35 + index:<5} {117 + index:<10} {2029:<15} {81559:<15} 0     %" for index in range(gpus)]
+    return "\n".join(rows + ["None"])
+
+
+def track2_2025(final_loss: float = 2.91855, final_ms: int = 1041071, steps: int = 4740, seed: int = 0,
+                smi: str = "nvidia-smi") -> str:
+    """Track 2 (GPT-2 medium, width 1024, target 2.92): the 2025 layout, 6-decimal losses as in 2025 Track 2 logs.
+
+    `smi`: "nvidia-smi" (its table), "library" (the table printed without nvidia-smi) or "none".
+    """
+    hardware = {"nvidia-smi": nvidia_smi(8), "library": library_gpu_table(8), "none": ""}[smi]
+    lines = [
+        script(steps, 0.008, model=MEDIUM),
+        SEP,
+        "Running Python 3.10.18 | packaged by conda-forge | (main, Jun  4 2025, 14:45:41) [GCC 13.3.0]",
+        "Running PyTorch 2.10.0.dev20251210+cu126 compiled for CUDA 12.6",
+        *([hardware] if hardware else []),
+        SEP,
+    ]
+    for step in range(0, steps, 250):
+        ms = int(final_ms * step / steps)
+        loss = 10.82584 if step == 0 else final_loss + 1.5 * (1 - step / steps) ** 2 + 0.00001 * seed
+        lines.append(_ms_val(step, steps, loss, ms, decimals=6))
+        lines.append(f"step:{step + 1}/{steps} train_time:{ms + 220}ms step_avg:{(ms + 220) / (step + 1):.2f}ms")
+    lines.append(_ms_val(steps, steps, final_loss, final_ms, decimals=6))
+    lines.append("peak memory allocated: 61234 MiB reserved: 70112 MiB")
+    return "\n".join(lines) + "\n"
+
+
 def llmc(final_loss: float = 3.2847) -> str:
     """llm.c baseline: no code, no environment, `s:` lines only."""
     lines = []
@@ -253,6 +297,41 @@ def track3_trials(
     return "\n".join(lines) + "\n"
 
 
+T3_FIXED_STOP_SCRIPT = '''"""A stand-in Track 3 script that stops at a step fixed in advance."""
+import os
+
+SEED = {seed}
+TRAIN_STEPS = {total}  # the schedule spans these steps
+STOP_STEP = int(os.environ.get("STOP_STEP", "{stop}"))  # stop right after the claimed validation
+
+
+def main():
+    for step in range(STOP_STEP + 1):
+        pass
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def track3_fixed_stop(final_loss: float, seed: int = 0, total: int = 2900, stop: int = 2720) -> str:
+    """A Track 3 run whose script stops at STOP_STEP < its total steps (Track 3 #45 did so at 2720 of 2900);
+    val every 125 steps, then every 5 steps from stop − 20; interval step_avg, as the Track 3 scripts write it."""
+    lines = [T3_FIXED_STOP_SCRIPT.format(seed=seed, total=total, stop=stop), SEP,
+             "Running PyTorch 2.9.1+cu128 compiled for CUDA 12.8",
+             "Running on device_name=NVIDIA GH200 480GB with world_size=1", f"Using seed={seed}", SEP]
+    steps = sorted(set(range(0, stop - 20, 125)) | set(range(stop - 20, stop + 1, 5)))
+    previous = (0, 0.0)
+    for step in steps:
+        seconds = step * 2.2155 + 0.001 * seed
+        loss = 10.82584 if step == 0 else final_loss + 1.2 * (1 - step / total) ** 2 - 1.2 * (1 - stop / total) ** 2
+        avg = "nan" if step == 0 else f"{(seconds - previous[1]) * 1000 / (step - previous[0]):.2f}"
+        lines.append(f"step:{step}/{total} val_loss:{loss:.5f} train_time:{seconds:.3f}s step_avg:{avg}ms")
+        previous = (step, seconds)
+    return "\n".join(lines) + "\n"
+
+
 # The published per-trial val losses of Track 3 record #21 (2026-05-13, shampoo_1_4_power).
 SHAMPOO_TRIALS = [
     {4075: 3.27819, 4100: 3.27717, 4125: 3.27642, 4150: 3.27611},
@@ -289,9 +368,9 @@ def harness(
     `diverge_at`: the run logs `nan` losses from that step on and stops there, as our scripts do.
     """
     code = script(steps, lr, doc)
-    if shampoo:
-        code += "\n# ===== distributed_shampoo/__init__.py =====\nfrom .shampoo import DistributedShampoo\n"
-        code += "\n# ===== distributed_shampoo/shampoo.py =====\n" + SHAMPOO_FILE
+    if shampoo:  # train_gpt_shampoo.py writes each module behind a banner line and adds no newline before the separator
+        code += "# ===== distributed_shampoo/__init__.py =====\nfrom .shampoo import DistributedShampoo\n"
+        code += "# ===== distributed_shampoo/shampoo.py =====\n" + SHAMPOO_FILE.removesuffix("\n")
     overrides = dict(settings or {})
     hyper = {"num_iterations": steps, "learning_rate": lr, "seed": 0, "run_name": "x", **overrides}
     lines = [

@@ -53,11 +53,11 @@ F_DATE = __import__("datetime").date(2026, 11, 30)
 
 def test_new_refuses_to_overwrite(root: Path, tmp_path: Path) -> None:
     logs = harness_logs(tmp_path / "logs", [3.2790, 3.2785])
-    folder = create_record(root / "records", 1, "H200Repro", logs, date=F_DATE)
+    folder = create_record(root / "records", 1, "H200Repro", logs, date=F_DATE, not_a_record=True)
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     other = harness_logs(tmp_path / "other", [3.2700, 3.2701])
     with pytest.raises(RecordsError, match="already exists; records are never overwritten"):
-        create_record(root / "records", 1, "H200Repro", other, date=F_DATE)
+        create_record(root / "records", 1, "H200Repro", other, date=F_DATE, not_a_record=True)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
@@ -98,7 +98,7 @@ def test_new_track3_multi_trial(root: Path, tmp_path: Path) -> None:
 
 def test_check_finds_edited_log_stale_table_and_bad_published(root: Path, tmp_path: Path) -> None:
     logs = harness_logs(tmp_path / "logs", [3.2790, 3.2785])
-    folder = create_record(root / "records", 1, "H200Repro", logs, date=F_DATE)
+    folder = create_record(root / "records", 1, "H200Repro", logs, date=F_DATE, not_a_record=True)
     # The folder is not in the README table until the tables are rewritten.
     problems = check_all(root, root / "records")
     assert len(problems) == 1 and "tables differ" in problems[0] and "tables --write" in problems[0]
@@ -128,7 +128,7 @@ def test_list_folders_oldest_first(root: Path) -> None:
 
 def test_cli_new_then_check(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     logs = harness_logs(tmp_path / "logs", [3.2790, 3.2785])
-    argv = ["--root", str(root), "new", "--track", "1", "--name", "CliRun", "--date", "2026-11-30", "--logs", *map(str, logs)]
+    argv = ["--root", str(root), "new", "--track", "1", "--name", "CliRun", "--date", "2026-11-30", "--not-a-record", "--logs", *map(str, logs)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"updated {root / 'records' / 'README.md'}: folders table (record folders)\n" in out
@@ -177,7 +177,7 @@ def test_new_orders_runs_by_file_name_so_check_agrees(root: Path, tmp_path: Path
     # Paths sort as a/run_b, b/run_a; the folder holds run_a, run_b; check reads the folder by file name.
     logs = [F.write(tmp_path / "b" / "run_a.txt", F.harness(final_loss=3.2790, final_ms=150000)),
             F.write(tmp_path / "a" / "run_b.txt", F.harness(final_loss=3.2700, final_ms=151000))]
-    folder = create_record(root / "records", 1, "NameOrder", logs, date=F_DATE)
+    folder = create_record(root / "records", 1, "NameOrder", logs, date=F_DATE, not_a_record=True)
     assert [run["log"] for run in json.loads((folder / "results.json").read_text())["runs"]] == ["run_a.txt", "run_b.txt"]
     write_tables(root, root / "records")
     assert check_all(root, root / "records") == []

@@ -61,7 +61,7 @@ def test_published_logs_differing_in_a_docstring_are_one_configuration(tmp_path:
     code, out, err = run_cli(["stats", str(folder), "--track", "1"], capsys)
     assert (code, err) == (0, "")
     assert "val_loss     mean 3.27960" in out and "train_time_s mean 149.690" in out and "p = 0.0933" in out
-    assert "note: code differs only in comments/docstrings (4 texts of one program)" in out
+    assert "note: code differs only in comments, docstrings or per-run literals (4 texts of one program)" in out
 
 
 def test_a_real_code_change_is_still_another_configuration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,7 +69,7 @@ def test_a_real_code_change_is_still_another_configuration(tmp_path: Path, capsy
     F.write(folder / "changed.txt", F.track1_2025(lr=0.06))
     code, out, _ = run_cli(["stats", str(folder), "--track", "1"], capsys)
     assert code == 0
-    assert out.count("configuration 1 of 2: track 1/2, code ") == 1 and "configuration 2 of 2: " in out
+    assert out.count("configuration 1 of 2: track 1, code ") == 1 and "configuration 2 of 2: " in out
     assert "n=4" in out and "n=1" in out
 
 
@@ -114,11 +114,11 @@ def test_mixed_logs_folder_gives_one_block_per_configuration(tmp_path: Path, cap
     logs = mixed_logs(tmp_path / "logs")
     code, out, err = run_cli(["stats", str(logs)], capsys)
     assert (code, err) == (0, "")
-    assert "configuration 1 of 2: track 1/2, code " in out and ", CPU, 32 steps" in out
+    assert "configuration 1 of 2: track 1, code " in out and ", CPU, 32 steps" in out
     assert "configuration 2 of 2: track 3, code " in out and ", CPU, 20 steps" in out
     code, out, err = run_cli(["stats", str(logs), "--track", "1"], capsys)
     assert (code, err) == (0, "")
-    assert out.startswith("configuration: track 1/2") and "track 1  n=1" in out and "track 3" not in out
+    assert out.startswith("configuration: track 1") and "track 1  n=1" in out and "track 3" not in out
     assert "note: 1 configuration(s) of another track not shown (--track 1); drop --track to see them" in out
     code, out, _ = run_cli(["stats", str(logs), "--json"], capsys)
     assert [report["track"] for report in json.loads(out)["configurations"]] == [1, 3]
@@ -152,7 +152,7 @@ def test_error_lines_stay_short_and_verbose_gives_the_detail(tmp_path: Path, cap
     code, _, err = run_cli(["--root", str(tmp_path), "new", "--track", "1", "--name", "Many", "--logs", str(many), "--verbose"], capsys)
     lines = err.splitlines()
     assert code == 2 and lines[0].startswith("records: error: 30 configurations in these logs") and len(lines) == 31
-    assert all(line.startswith("  track 1/2, code ") for line in lines[1:])
+    assert all(line.startswith("  track 1, code ") for line in lines[1:])
 
 
 # ----- nothing written unasked -----
@@ -228,27 +228,24 @@ def test_header_only_and_garbled_logs_are_skipped_or_warned_and_the_rest_used(tm
     assert warning.startswith(f"note: warning: {garbled}: line ")
     assert int(warning.split("line ")[1].split(":")[0]) >= line
     assert "characters of other data (binary garbage?); not used" in warning
-    assert "garbled.txt: truncated: last val 1625/1680; excluded" in out
+    assert "garbled.txt: damaged: last val 1625/1680, line " in out
 
 
 # ----- diff and new -----
 
 
-def test_diff_picks_the_newest_record_with_logs_and_says_why(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_diff_prefers_a_newer_record_folder_of_ours_and_says_why(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The published prior record (#89, 07/17/26) is older than this folder: the folder is used, nothing is fetched.
     logs = [F.write(tmp_path / "new" / f"{i}.txt", F.harness(final_loss=3.279, lr=0.06)) for i in range(2)]
-    code, _, err = run_cli(["--root", str(root), "diff", *map(str, logs)], capsys)
-    assert code == 2 and err == ("records: error: no Track 1 record with logs in this repository to diff against "
-                                 "(newest: 2025-09-23_MuonCustomSizing, published figures only); pass --against RECORD_DIR|LOG\n")
-    base = [F.write(tmp_path / "base" / f"b{i}.txt", F.harness(final_loss=3.2785 + i / 1e4)) for i in range(2)]
+    base = [F.write(tmp_path / "base" / f"b{i}.txt", F.harness(final_loss=3.2770 + i / 1e4)) for i in range(3)]
     folder = create_record(root / "records", 1, "Baseline", base, date=F_DATE)
     create_record(root / "records", 1, "OursOnly", [F.write(tmp_path / "o.txt", F.harness(final_loss=3.27))],
                   date=F_DATE.replace(month=12, day=1), not_a_record=True)  # newer, but our own results
-    code, out, _ = run_cli(["--root", str(root), "diff", *map(str, logs)], capsys)
+    code, out, _ = run_cli(["--root", str(root), "diff", *map(str, logs), "--source-url", "http://127.0.0.1:9"], capsys)
     assert code == 0
-    assert out.splitlines()[0] == f"against {folder}: the newest Track 1 record with logs in this repository (filed by `new` as a record)"
-    assert "~ learning_rate: 0.05 -> 0.06" in out
-    code, out, _ = run_cli(["--root", str(root), "diff", *map(str, base)], capsys)  # the record's own logs: nothing prior
-    assert code == 2
+    assert out.splitlines()[0] == (f"against {folder}: the newest Track 1 record: a folder of ours with logs, filed on 2026-11-30, "
+                                   "newer than the published Track 1 #89 (2026-07-17_FP8DownProjection/this_pr, 07/17/26)")
+    assert "  learning_rate: 0.05 -> 0.06" in out
 
 
 def test_new_refuses_hardware_that_cannot_make_the_record(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -258,7 +255,7 @@ def test_new_refuses_hardware_that_cannot_make_the_record(root: Path, tmp_path: 
     code, _, err = run_cli([*base, str(cpu), "--name", "Smoke"], capsys)
     assert code == 2 and "smoke.txt: ran on the CPU: not a Track 1 record; pass --not-a-record" in err
     code, _, err = run_cli([*base, str(two), "--name", "Two"], capsys)
-    assert code == 2 and "two.txt: ran on 2 GPUs, Track 1 records on 8" in err
+    assert code == 2 and "two.txt: ran on 2 GPUs, Track 1 records run on 8: not a Track 1 record; pass --not-a-record" in err
     assert not any((root / "records" / "track_1_short").glob("2026-11-30_*"))
     code, out, _ = run_cli([*base, str(cpu), "--name", "Smoke", "--not-a-record"], capsys)
     assert code == 0 and "(our own results, not a record)" in out
@@ -327,7 +324,7 @@ def test_verdict_says_why_and_how_many_more_runs(tmp_path: Path, capsys: pytest.
 def test_every_subcommand_has_a_description_and_an_example() -> None:
     parser = build_parser()
     subparsers = next(action for action in parser._actions if action.dest == "command").choices
-    assert set(subparsers) == {"parse", "stats", "compare", "diff", "new", "extract", "check", "tables"}
+    assert set(subparsers) == {"parse", "stats", "compare", "diff", "new", "extract", "fetch", "index", "check", "tables"}
     for name in subparsers:
         help_text = subparsers[name].format_help()  # what `records NAME --help` prints
         description = help_text.split("\n\n")[1]

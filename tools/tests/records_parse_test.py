@@ -177,7 +177,7 @@ def test_val_line_behind_garbage_is_a_warning_naming_the_line() -> None:
     (run,) = parse(text, "g.txt")
     number = 1 + text.splitlines().index(next(line for line in text.splitlines() if line.startswith("\0\0\0\0step:")))
     assert run.warnings == [f"g.txt: line {number}: val line behind 4 characters of other data (binary garbage?); not used"]
-    assert run.status == "truncated: last val 1625/1680"
+    assert run.status == f"damaged: last val 1625/1680, line {number}: val line behind 4 characters of other data (binary garbage?); not used"
     cut = F.track1_2025().replace("step:1680/1680 val_loss:3.2792 train_time:149775ms step_avg:89.15ms", "step:1680/1680 val_loss:3.27")
     (run,) = parse(cut, "c.txt")
     assert run.warnings and run.warnings[0].endswith("val line cut short or malformed; not used")
