@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _subcommand(sub, "stats", "per configuration: n, mean/sd/min/max, and the track's significance rule", common)
     p.add_argument("logs", nargs="+", type=Path, metavar="LOG|DIR")
-    _track(p, required=False, default_help="default: each configuration's own: 3 for logs timed in seconds, else 1")
+    _track(p, required=False, default_help="default: each configuration's own, told from its logs (docs/records.md)")
     p.add_argument("--step", type=int, help="use the val loss at this step (default: final; Track 3: first passing step)")
     p.add_argument("--metric", default="val_loss", help="val-line column to use, e.g. val_ema_loss (default: val_loss)")
     p.add_argument("--json", action="store_true", help="print the statistics as a JSON object")
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _subcommand(sub, "compare", "candidate vs baseline: time (Welch, paired), loss, matched steps, Track 3 pairwise rule", common)
     p.add_argument("--baseline", nargs="+", type=Path, required=True, metavar="LOG|DIR", help="logs, a folder of logs, or a record folder")
     p.add_argument("--candidate", nargs="+", type=Path, required=True, metavar="LOG|DIR")
-    _track(p, required=False, default_help="default: 3 for logs timed in seconds, else 1")
+    _track(p, required=False, default_help="default: told from the logs (docs/records.md)")
     p.add_argument("--paired", action="store_true", help="runs were interleaved: pair the i-th baseline with the i-th candidate (pass files in run order)")
     p.add_argument("--json", action="store_true")
     _add_selection_flags(p)

@@ -371,7 +371,7 @@ class TrialLines:
         return not self.val_points and not self.train_points
 
 
-TIME_RESOLUTION_S = 1e-3  # logged times are whole milliseconds (Tracks 1, 2) or seconds to 3 decimals (Track 3)
+TIME_RESOLUTION_S = 1e-3  # logged times are whole milliseconds (Tracks 1, 2, ours) or seconds to 3 decimals (published Track 3)
 # A new trial starts where the step counter returns to the start: step 0 (a val line), 1 (a train line), or the
 # first step of the trial before it (console captures that print no step-0 line).
 TRIAL_START_STEP = 1
@@ -568,7 +568,7 @@ def detect_era(layout: Layout, env: Environment, trials: list[TrialLines]) -> st
     if seconds:
         return "track3"
     if env.hyperparameters is not None:
-        return "harness"  # our train_gpt.py (train_gpt_shampoo.py times in seconds: "track3" above)
+        return "harness"  # this repository's train_gpt.py or train_gpt_shampoo.py (both time in ms)
     if layout.leading_separator:
         return "2024-10/11"
     if any(line.startswith(("Running pytorch", "Running python")) for line in layout.env_lines):

@@ -124,7 +124,8 @@ class Run:
 
     @property
     def timed_in_seconds(self) -> bool:
-        """Track 3 scripts log train_time in seconds; Tracks 1 and 2 (and llm.c, untimed) do not."""
+        """The published Track 3 scripts log train_time in seconds; Tracks 1 and 2, this repository's scripts and
+        llm.c (untimed) do not."""
         return any(point.time_unit == "s" for point in self.val_points)
 
     @property

@@ -60,7 +60,7 @@ class RunSet:
 
     runs: list[RunFacts]
     notes: list[str] = field(default_factory=list)  # excluded runs, duplicates, pooled configurations
-    track: int | None = None  # a record folder's track; for logs 3 if timed in seconds, else 1 (Tracks 1 and 2 log alike)
+    track: int | None = None  # a record folder's track; for logs, what tracks.recognize_track tells
     description: str = ""  # what the runs share: track, code, GPUs, steps (see describe_configurations)
     key: tuple[Any, ...] | None = None  # configuration_key of its runs; None for pooled or published runs
     distinct: list[str] = field(default_factory=list)  # `name=value` of the hyperparameters that set it apart

@@ -1,10 +1,11 @@
 """What a log says about its track, and the stopping steps its script fixed in advance.
 
-Tracks 1 and 2 log alike (train_time in ms); Track 3 scripts log seconds. Track 2 trains GPT-2 medium
-(350M, width 1024), Tracks 1 and 3 GPT-2 small (124M, width 768), and every log since 2024 embeds the
-script that sets the width. So: seconds mean Track 3; this repository's train_gpt.py (a `hyperparameters:`
-line, times in ms) is Track 1; otherwise the width in the embedded code decides. A log without code
-(console captures, llm.c logs) does not say, and the commands ask for --track.
+Tracks 1 and 2 log alike (train_time in ms); the published Track 3 scripts log seconds. Track 2 trains GPT-2
+medium (350M, width 1024), Tracks 1 and 3 GPT-2 small (124M, width 768), and every log since 2024 embeds the
+script that sets the width. So: seconds mean Track 3; this repository's scripts write a `hyperparameters:` line
+(both in ms): train_gpt_shampoo.py's settings hold `matrix_optimizer` (Track 3), train_gpt.py's do not (Track 1);
+otherwise the width in the embedded code decides. A log without code (console captures, llm.c logs) does not
+say, and the commands ask for --track.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from .runs import Environment
 
 WIDTH_TRACKS = {768: 1, 1024: 2}  # model width -> track (timed in ms); 768 in seconds is Track 3
+TRACK3_SETTING = "matrix_optimizer"  # a setting only train_gpt_shampoo.py has
 _WIDTH = re.compile(r"\b(?:model_dim|n_embd)\s*(?::\s*int\s*)?=\s*(\d+)\b")
 _STOP_SETTING = re.compile(r"\b(\w*stop\w*)=(\d+)\b", re.IGNORECASE)
 
@@ -25,6 +27,8 @@ def recognize_track(sources: Mapping[str, str], env: Environment, timed_in_secon
     """The track a run belongs to, and why; (None, why not) when the log does not say."""
     if timed_in_seconds:
         return 3, "train_time in seconds (Track 3 scripts)"
+    if env.hyperparameters is not None and TRACK3_SETTING in env.hyperparameters:
+        return 3, f"this repository's train_gpt_shampoo.py (a hyperparameters: line with {TRACK3_SETTING})"
     if env.hyperparameters is not None:
         return 1, "this repository's train_gpt.py (a hyperparameters: line)"
     script = next(iter(sources.values()), "")

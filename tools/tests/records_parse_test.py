@@ -183,3 +183,13 @@ def test_val_line_behind_garbage_is_a_warning_naming_the_line() -> None:
     assert run.warnings and run.warnings[0].endswith("val line cut short or malformed; not used")
     side = F.track1_2025().replace("peak memory", "readout step:1680 alpha:0.5 val_loss:3.2700\npeak memory")
     assert parse(side)[0].warnings == []  # side evaluations are not val lines
+
+
+def test_this_repositorys_track3_script_is_told_by_its_settings_not_its_time_unit(tmp_path: Path) -> None:
+    """train_gpt_shampoo.py logs milliseconds, as train_gpt.py does: its matrix_optimizer setting says Track 3."""
+    shampoo = F.write(tmp_path / "t3.txt", F.harness(steps=150, gpus=1, device="1x NVIDIA H200", shampoo=True,
+                                                     settings={"matrix_optimizer": "shampoo"}))
+    track1 = F.write(tmp_path / "t1.txt", F.harness(steps=150, gpus=1, device="1x NVIDIA H200"))
+    (run3,), (run1,) = parse_log(shampoo), parse_log(track1)
+    assert run3.track == 3 and "train_gpt_shampoo.py" in run3.track_reason and not run3.timed_in_seconds
+    assert run1.track == 1 and "train_gpt.py" in run1.track_reason
