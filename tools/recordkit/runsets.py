@@ -240,7 +240,8 @@ def configuration_key(run: Run) -> tuple[Any, ...]:
     settings = None
     if hyperparameters is not None:
         settings = tuple(sorted((k, repr(v)) for k, v in hyperparameters.items() if k not in RESULT_NEUTRAL_SETTINGS | PER_RUN_SETTINGS))
-    devices = "CPU" if run.env.on_cpu else run.env.gpu_count
+    # CPU runs split by their process count, as GPU runs by their GPU count (the reduction order differs)
+    devices = _cpu_text(run.env.world_size) if run.env.on_cpu else run.env.gpu_count
     return (run.track, run.program_hash, devices, run.total_steps, settings)
 
 
@@ -330,6 +331,10 @@ def _code_text(group: RunSet) -> str:
     return f"code {hashes[0][:12]}" + (f" +{len(hashes) - 1} text variant{'s' if len(hashes) > 2 else ''}" if len(hashes) > 1 else "")
 
 
+def _cpu_text(processes: int | None) -> str:
+    return "CPU" if processes is None else f"CPU, {processes} process{'es' if processes != 1 else ''}"
+
+
 def _devices_text(devices: int | str | None) -> str:
     if devices is None:
         return "GPUs unknown"
@@ -394,9 +399,22 @@ def _named(run: Run, runs: list[Run]) -> str:
 
 
 def _flag_same_trajectories(facts: list[RunFacts], notes: list[str]) -> None:
-    by_losses: dict[tuple[tuple[int, float], ...], str] = {}
+    by_losses: dict[tuple[tuple[int, float], ...], RunFacts] = {}
     for fact in facts:
         key = tuple(sorted(fact.val_losses.items()))
-        if len(key) > 1 and key in by_losses:
-            notes.append(f"{fact.label}: identical val-loss trajectory to {by_losses[key]} (same seed?); runs must be independent")
-        by_losses.setdefault(key, fact.label)
+        twin = by_losses.get(key)
+        if len(key) > 1 and twin is not None:
+            seed = _logged_seed(fact)
+            if seed is not None and seed == _logged_seed(twin):
+                why = f"both seeded with seed={seed}, so deterministic code repeats it; fine for a smoke test, but a record needs independent runs (distinct seeds or none)"
+            else:
+                why = "same seed?; a record needs independent runs"
+            notes.append(f"{fact.label}: identical val-loss trajectory to {twin.label} ({why})")
+        by_losses.setdefault(key, fact)
+
+
+def _logged_seed(fact: RunFacts) -> int | None:
+    """The seed a run's log names (this repository's scripts log it; -1 means unseeded), or None."""
+    settings = fact.run.env.hyperparameters if fact.run is not None else None
+    seed = (settings or {}).get("seed")
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 else None

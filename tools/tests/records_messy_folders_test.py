@@ -114,8 +114,8 @@ def test_mixed_logs_folder_gives_one_block_per_configuration(tmp_path: Path, cap
     logs = mixed_logs(tmp_path / "logs")
     code, out, err = run_cli(["stats", str(logs)], capsys)
     assert (code, err) == (0, "")
-    assert "configuration 1 of 2: track 1, code " in out and ", CPU, 32 steps" in out
-    assert "configuration 2 of 2: track 3, code " in out and ", CPU, 20 steps" in out
+    assert "configuration 1 of 2: track 1, code " in out and ", CPU, 1 process, 32 steps" in out
+    assert "configuration 2 of 2: track 3, code " in out and ", CPU, 1 process, 20 steps" in out
     code, out, err = run_cli(["stats", str(logs), "--track", "1"], capsys)
     assert (code, err) == (0, "")
     assert out.startswith("configuration: track 1") and "track 1  n=1" in out and "track 3" not in out
@@ -331,3 +331,23 @@ def test_every_subcommand_has_a_description_and_an_example() -> None:
         assert len(description.split()) >= 25, (name, description)
         assert f"examples:\n  python tools/records.py {name}" in help_text, name
 
+
+
+def test_cpu_runs_of_one_and_two_processes_are_two_configurations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The reduction order differs with the process count, as with the GPU count: smoke runs are not pooled across it."""
+    one = F.harness(final_loss=8.2562, steps=6, final_ms=10000, device="cpu", smi=False, settings={"seed": 0})
+    F.write(tmp_path / "one.txt", one)
+    F.write(tmp_path / "two.txt", one.replace("world_size: 1", "world_size: 2").replace("val_loss:8.2562", "val_loss:8.2563"))
+    code, out, err = run_cli(["stats", str(tmp_path)], capsys)
+    assert (code, err) == (0, "")
+    assert ", CPU, 1 process, 6 steps" in out and ", CPU, 2 processes, 6 steps" in out and "configuration 2 of 2" in out
+
+
+def test_identical_seeded_runs_are_called_what_they_are(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs of one seed repeat each other by construction: the note says so instead of guessing."""
+    run = F.harness(final_loss=8.2562, steps=6, final_ms=10000, device="cpu", smi=False, settings={"seed": 0})
+    F.write(tmp_path / "a.txt", run)
+    F.write(tmp_path / "b.txt", run.replace("train_time:10000ms", "train_time:10500ms"))
+    code, out, err = run_cli(["stats", str(tmp_path)], capsys)
+    assert code == 0
+    assert "identical val-loss trajectory to a.txt (both seeded with seed=0" in out and "(same seed?" not in out
