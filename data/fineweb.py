@@ -11,6 +11,8 @@ Every document becomes <|endoftext|> followed by its tokens; the token stream is
 Local inputs: .txt (one document per file), .jsonl (one JSON object per line, its "text" field is a
 document), .parquet (its "text" column), and .txt or .jsonl compressed as .gz or .xz (a compressed file
 not named .jsonl.gz/.jsonl.xz is one text document). Directories are searched recursively for such files.
+Empty documents are skipped. One writer at a time per --out-dir (an OS lock on its .fineweb.lock file); existing
+shards are never overwritten.
 """
 
 from __future__ import annotations
