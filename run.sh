@@ -14,6 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 fail() { echo "run.sh: $*" >&2; exit 1; }
+say() { echo "run.sh: $*" >&2 2>/dev/null || true; } # also after the terminal is gone
 
 case "${TRACK:-1}" in
   1) script=train_gpt.py download="python data/cached_fineweb10B.py 9" ;;
@@ -98,6 +99,9 @@ if [[ " $* " != *" --train_files"* && " $* " != *" --val_files"* && " $* " != *"
   done
 fi
 
+command -v torchrun >/dev/null 2>&1 ||
+  fail "torchrun is not on PATH; activate the environment torch is installed in (its bin/ holds torchrun)"
+
 if ((check)); then
   exec python3 tools/doctor.py --track "${TRACK:-1}" --nproc "$nproc_per_node" --nnodes "$nnodes" --flags-as-given "$@"
 fi
@@ -163,7 +167,7 @@ emit_stderr_line() { # line, into_report
 
 if ((nnodes > 1)); then
   others=$((nnodes - 1))
-  echo "run.sh: waiting at the rendezvous $endpoint (id $rdzv_id) for $others more machine$( ((others > 1)) && echo s) to start ./run.sh with NNODES=$nnodes and this address; torchrun gives up after $rdzv_timeout s" >&2
+  say "waiting at the rendezvous $endpoint (id $rdzv_id) for $others more machine$( ((others > 1)) && echo s) to start ./run.sh with NNODES=$nnodes and this address; torchrun gives up after $rdzv_timeout s"
 fi
 
 exec {watched_stdout}> >(watch_stdout)
@@ -197,9 +201,9 @@ signal_status() { # a signal's number or name -> 128 + its number
 # The log's path, last, on every machine: global rank 0's machine printed it; the others say where it is.
 finish() { # exit status
   if [[ -s "$launcher_dir/log_path.txt" ]]; then
-    echo "run.sh: log: $(tail -n 1 "$launcher_dir/log_path.txt")" >&2
+    say "log: $(tail -n 1 "$launcher_dir/log_path.txt")"
   elif ((nnodes > 1 && $1 == 0)); then
-    echo "run.sh: the log is $log_dir/<run id>.txt on the machine that ran global rank 0 (its ./run.sh printed the path), not on this one" >&2
+    say "the log is $log_dir/<run id>.txt on the machine that ran global rank 0 (its ./run.sh printed the path), not on this one"
   fi
   exit "$1"
 }
@@ -230,11 +234,11 @@ elif grep -q '^Root Cause' <<<"$report"; then # torchrun's failure table: its fi
   else
     how="exited with status $code (its own output, if any, is above)"
   fi
-  echo "run.sh: ${rank:-a worker} on ${host:-this machine} $how; torchrun stopped the others" >&2
+  say "${rank:-a worker} on ${host:-this machine} $how; torchrun stopped the others"
 elif grep -q 'RendezvousTimeoutError' <<<"$report"; then
-  echo "run.sh: no rendezvous at $endpoint (id $rdzv_id) within $rdzv_timeout s: start ./run.sh with NNODES=$nnodes, the same address and RDZV_ID on every machine (RDZV_TIMEOUT waits longer)" >&2
+  say "no rendezvous at $endpoint (id $rdzv_id) within $rdzv_timeout s: start ./run.sh with NNODES=$nnodes, the same address and RDZV_ID on every machine (RDZV_TIMEOUT waits longer)"
 elif grep -q '^Traceback' <<<"$report"; then # torchrun itself failed: its exception's last line
-  echo "run.sh: torchrun stopped: $(grep -v '^ ' <<<"$report" | grep -v '^[IWE][0-9]\{4\} ' | tail -n 1)" >&2
+  say "torchrun stopped: $(grep -v '^ ' <<<"$report" | grep -v '^[IWE][0-9]\{4\} ' | tail -n 1)"
 elif [[ -n "$report" ]]; then
   printf '%s\n' "$report" >&2
 fi

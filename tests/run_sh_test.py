@@ -275,6 +275,15 @@ def test_bad_multi_node_settings_are_one_sentence(checkout: Path, env: dict[str,
     assert result.stderr.count("\n") == 1 and fragment in result.stderr, result.stderr
 
 
+def test_torchrun_missing_is_one_sentence_for_the_run_and_the_check(checkout: Path) -> None:
+    (checkout / "bin" / "torchrun").unlink()
+    fake_doctor(checkout, status=0)
+    for args in ((), ("--check",)):
+        result = run(checkout, *args)
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr == "run.sh: torchrun is not on PATH; activate the environment torch is installed in (its bin/ holds torchrun)\n"
+
+
 def test_track_3_needs_its_own_download(checkout: Path) -> None:
     (checkout / SHARDS[0]).unlink()
     result = run(checkout, TRACK="3")
