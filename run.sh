@@ -90,21 +90,30 @@ if [[ -n "${NNODES:-}" ]]; then
   rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id" --rdzv-conf="$rdzv_conf")
 fi
 
-# The script reads the default shards unless told otherwise (the smoke preset writes its own);
-# like the scripts, DATA_PATH is prefixed to the default paths.
-if [[ " $* " != *" --train_files"* && " $* " != *" --val_files"* && " $* " != *" --preset=smoke "* ]]; then
-  for shard in data/fineweb10B/fineweb_train_000001.bin data/fineweb10B/fineweb_val_000000.bin; do
-    [[ -f "${DATA_PATH:-.}/$shard" ]] ||
-      fail "${DATA_PATH:-.}/$shard is missing; download the FineWeb shards with: $download"
-  done
-fi
-
 command -v torchrun >/dev/null 2>&1 ||
   fail "torchrun is not on PATH; activate the environment torch is installed in (its bin/ holds torchrun)"
 
-if ((check)); then
-  exec python3 tools/doctor.py --track "${TRACK:-1}" --nproc "$nproc_per_node" --nnodes "$nnodes" --flags-as-given "$@"
+# The script reads the default shards unless told otherwise (the smoke preset writes its own);
+# like the scripts, DATA_PATH is prefixed to the default paths.
+missing_shard=""
+if [[ " $* " != *" --train_files"* && " $* " != *" --val_files"* && " $* " != *" --preset=smoke "* ]]; then
+  for shard in data/fineweb10B/fineweb_train_000001.bin data/fineweb10B/fineweb_val_000000.bin; do
+    if [[ ! -f "${DATA_PATH:-.}/$shard" ]]; then
+      missing_shard="${DATA_PATH:-.}/$shard is missing; download the FineWeb shards with: $download"
+      break
+    fi
+  done
 fi
+
+if ((check)); then
+  doctor=(python3 tools/doctor.py --track "${TRACK:-1}" --nproc "$nproc_per_node" --nnodes "$nnodes" --flags-as-given "$@")
+  if [[ -n "$missing_shard" ]]; then # a fresh machine: the rest is worth checking before the download
+    "${doctor[@]}" || true
+    fail "$missing_shard"
+  fi
+  exec "${doctor[@]}"
+fi
+[[ -z "$missing_shard" ]] || fail "$missing_shard"
 
 log_dir=logs # where the script writes its log: the last --log_dir given, as its parser takes it
 for arg in "$@"; do [[ "$arg" == --log_dir=* ]] && log_dir=${arg#--log_dir=}; done
