@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Train on every visible CUDA GPU: ./run.sh [--name=value ...]     Check the machine first: ./run.sh --check
+# Train on every visible CUDA GPU: ./run.sh [--name=value ...]     Check that run first: ./run.sh --check [...]
 #   TRACK=3                train_gpt_shampoo.py instead of train_gpt.py (Track 1)
-#   NPROC=N                processes on this machine instead of the visible GPU count (CUDA_VISIBLE_DEVICES limits those)
+#   NPROC=N                processes on this machine instead of the visible GPU count (CUDA_VISIBLE_DEVICES limits
+#                          those); without a GPU, N gloo processes on the CPU: NPROC=1 ./run.sh --preset=smoke
 #   NNODES=N               machines in the run, through torchrun's c10d rendezvous; every machine runs ./run.sh with
 #   MASTER_ADDR, MASTER_PORT   the same NNODES and the rendezvous address (the first machine's, port 29500 by default),
 #   RDZV_ENDPOINT          or host:port in one; NODE_RANK=0 marks the machine that hosts the rendezvous (others 1, 2, ...)
 #   RDZV_ID                the run's name at the rendezvous (default: SLURM_JOB_ID, else nanogpt)
+#   RDZV_TIMEOUT           seconds to wait at the rendezvous for the other machines (default 600)
+# --check runs tools/doctor.py on exactly this run, after run.sh's own checks: it exits 0 exactly when run.sh
+# would start. Ctrl-C, SIGTERM and SIGHUP reach the workers through torchrun; run.sh exits with their status.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 fail() { echo "run.sh: $*" >&2; exit 1; }
+say() { echo "run.sh: $*" >&2 2>/dev/null || true; } # also after the terminal is gone
 
 case "${TRACK:-1}" in
   1) script=train_gpt.py download="python data/cached_fineweb10B.py 9" ;;
@@ -17,12 +22,10 @@ case "${TRACK:-1}" in
   *) fail "TRACK must be 1 (train_gpt.py) or 3 (train_gpt_shampoo.py), got '$TRACK'" ;;
 esac
 
-if [[ "${1:-}" == "--check" ]]; then # the pre-flight check of this run, by tools/doctor.py
+check=0
+if [[ "${1:-}" == "--check" ]]; then # the pre-flight check of this run: run.sh's checks below, then tools/doctor.py
+  check=1
   shift
-  doctor=(--track "${TRACK:-1}")
-  [[ -n "${NPROC:-}" ]] && doctor+=(--nproc "$NPROC")
-  [[ -n "${NNODES:-}" ]] && doctor+=(--nnodes "$NNODES")
-  exec python3 tools/doctor.py "${doctor[@]}" "$@"
 fi
 
 count_visible_gpus() {
@@ -50,7 +53,7 @@ if [[ -n "${NPROC:-}" ]]; then
 else
   nproc_per_node=$(count_visible_gpus)
   ((nproc_per_node > 0)) ||
-    fail "no CUDA GPU is visible; to train a tiny model on the CPU instead, run: python $script --preset=smoke"
+    fail "no CUDA GPU is visible; to train a tiny model on the CPU, run: python $script --preset=smoke (or NPROC=1 ./run.sh --preset=smoke)"
   ((8 % nproc_per_node == 0)) ||
     fail "$nproc_per_node GPUs are visible, but $script splits its batch over 1, 2, 4 or 8 processes; set NPROC=$(largest_usable "$nproc_per_node") (or CUDA_VISIBLE_DEVICES)"
 fi
@@ -60,8 +63,10 @@ fi
 # writes the log); NODE_RANK only says which machine hosts the rendezvous store, for when host names do not
 # match the address (containers, Slurm).
 rendezvous=(--standalone)
+nnodes=1
 if [[ -n "${NNODES:-}" ]]; then
   [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES must be a positive number of machines, got '$NNODES'"
+  nnodes=$NNODES
   world_size=$((NNODES * nproc_per_node))
   ((8 % world_size == 0)) ||
     fail "NNODES=$NNODES x $nproc_per_node processes = $world_size, but $script splits its batch over 1, 2, 4 or 8 processes in all; set NPROC (per machine) so that NNODES x NPROC is one of them"
@@ -73,77 +78,190 @@ if [[ -n "${NNODES:-}" ]]; then
     fi
     endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
   fi
-  rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-nanogpt}}")
+  rdzv_timeout=${RDZV_TIMEOUT:-600}
+  [[ "$rdzv_timeout" =~ ^[1-9][0-9]*$ ]] || fail "RDZV_TIMEOUT must be a positive number of seconds, got '$rdzv_timeout'"
+  rdzv_id=${RDZV_ID:-${SLURM_JOB_ID:-nanogpt}}
+  rdzv_conf="join_timeout=$rdzv_timeout"
   if [[ -n "${NODE_RANK:-}" ]]; then
     [[ "$NODE_RANK" =~ ^[0-9]+$ ]] && ((NODE_RANK < NNODES)) ||
       fail "NODE_RANK must be 0 .. $((NNODES - 1)) (NNODES=$NNODES), got '$NODE_RANK'"
-    if ((NODE_RANK == 0)); then rendezvous+=(--rdzv-conf=is_host=1); else rendezvous+=(--rdzv-conf=is_host=0); fi
+    if ((NODE_RANK == 0)); then rdzv_conf+=",is_host=1"; else rdzv_conf+=",is_host=0"; fi
   fi
+  rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id" --rdzv-conf="$rdzv_conf")
 fi
+
+command -v torchrun >/dev/null 2>&1 ||
+  fail "torchrun is not on PATH; activate the environment torch is installed in (its bin/ holds torchrun)"
 
 # The script reads the default shards unless told otherwise (the smoke preset writes its own);
 # like the scripts, DATA_PATH is prefixed to the default paths.
+missing_shard=""
 if [[ " $* " != *" --train_files"* && " $* " != *" --val_files"* && " $* " != *" --preset=smoke "* ]]; then
   for shard in data/fineweb10B/fineweb_train_000001.bin data/fineweb10B/fineweb_val_000000.bin; do
-    [[ -f "${DATA_PATH:-.}/$shard" ]] ||
-      fail "${DATA_PATH:-.}/$shard is missing; download the FineWeb shards with: $download"
+    if [[ ! -f "${DATA_PATH:-.}/$shard" ]]; then
+      missing_shard="${DATA_PATH:-.}/$shard is missing; download the FineWeb shards with: $download"
+      break
+    fi
   done
 fi
 
-# A worker that stops on an error it reports (one line on stderr) also writes that line to torchrun's
-# per-rank error file (TORCHELASTIC_ERROR_FILE, under --log-dir). torchrun then adds its own traceback and
-# failure table; when a worker's line exists, that report is left out and the line is all that shows.
+if ((check)); then
+  doctor=(python3 tools/doctor.py --track "${TRACK:-1}" --nproc "$nproc_per_node" --nnodes "$nnodes" --flags-as-given "$@")
+  if [[ -n "$missing_shard" ]]; then # a fresh machine: the rest is worth checking before the download
+    "${doctor[@]}" || true
+    fail "$missing_shard"
+  fi
+  exec "${doctor[@]}"
+fi
+[[ -z "$missing_shard" ]] || fail "$missing_shard"
+
+log_dir=logs # where the script writes its log: the last --log_dir given, as its parser takes it
+for arg in "$@"; do [[ "$arg" == --log_dir=* ]] && log_dir=${arg#--log_dir=}; done
+
 launcher_dir=$(mktemp -d "${TMPDIR:-/tmp}/run_sh.XXXXXX")
 trap 'rm -rf "$launcher_dir"' EXIT
 
-# stderr passes through, except torchrun's own log lines and, from its failure or shutdown message on,
-# everything (the report): those go to report.txt. Signals are for torchrun, not for this filter.
-split_launcher_report() {
-  trap '' INT TERM
-  local line in_report=0
+# The filters below outlive a closed terminal (no SIGPIPE, write errors ignored), so that the workers never
+# write into a dead pipe, and leave signals to run.sh.
+
+# stdout passes through; the script's `log: PATH` line (global rank 0's machine) is noted for the last line.
+watch_stdout() {
+  trap '' INT TERM HUP PIPE
+  local line
   while IFS= read -r line || [[ -n "$line" ]]; do
-    if [[ "$line" =~ torch/distributed/elastic/.*\]\ (failed\ \(exitcode|Received.*death\ signal) ]]; then
-      in_report=1
-    fi
-    if ((in_report)) || [[ "$line" =~ ^[IWE][0-9]{4}\ .*torch/distributed/elastic/ ]]; then
-      printf '%s\n' "$line" >>"$launcher_dir/report.txt"
-    else
-      printf '%s\n' "$line" >&2
-      printf '%s\n' "$line" >>"$launcher_dir/passed.txt"
-    fi
+    printf '%s\n' "$line" 2>/dev/null || true
+    [[ "$line" == "log: "* ]] && printf '%s\n' "${line#log: }" >>"$launcher_dir/log_path.txt"
   done
 }
 
+# A worker that stops on an error it reports (one line on stderr) also writes that line to torchrun's
+# per-rank error file (TORCHELASTIC_ERROR_FILE, under --log-dir). torchrun adds its own log lines, traceback and
+# failure table: those go to report.txt, from which the end of this script makes one line when no worker said why.
+# Everything else on stderr (the workers' own lines) passes through.
+split_launcher_report() {
+  trap '' INT TERM HUP PIPE
+  local line held="" in_report=0
+  while IFS= read -r line || [[ -n "$line" ]]; do
+    if [[ -n "$held" ]]; then # a traceback: torchrun's own when its first frame is torchrun's
+      if [[ "$line" =~ /torchrun\",\ line|torch/distributed/run\.py ]]; then
+        in_report=1
+      fi
+      emit_stderr_line "$held" "$in_report"
+      held=""
+    fi
+    if [[ "$line" =~ torch/distributed/elastic/.*\]\ (failed\ \(exitcode|Received.*death\ signal) ]]; then
+      in_report=1
+    fi
+    if ((!in_report)) && [[ "$line" == "Traceback (most recent call last):" ]]; then
+      held=$line
+      continue
+    fi
+    if [[ "$line" =~ ^[IWE][0-9]{4}\ .*torch/distributed/elastic/ ]]; then
+      emit_stderr_line "$line" 1
+    else
+      emit_stderr_line "$line" "$in_report"
+    fi
+  done
+  [[ -z "$held" ]] || emit_stderr_line "$held" "$in_report"
+}
+
+emit_stderr_line() { # line, into_report
+  if (($2)); then
+    printf '%s\n' "$1" >>"$launcher_dir/report.txt"
+  else
+    printf '%s\n' "$1" >&2 2>/dev/null || true
+    printf '%s\n' "$1" >>"$launcher_dir/passed.txt"
+  fi
+}
+
+if ((nnodes > 1)); then
+  others=$((nnodes - 1))
+  say "waiting at the rendezvous $endpoint (id $rdzv_id) for $others more machine$( ((others > 1)) && echo s) to start ./run.sh with NNODES=$nnodes and this address; torchrun gives up after $rdzv_timeout s"
+fi
+
+exec {watched_stdout}> >(watch_stdout)
+stdout_filter=$!
 exec {filtered_stderr}> >(split_launcher_report)
-filter_pid=$!
-torchrun "${rendezvous[@]}" --nproc_per_node="$nproc_per_node" --log-dir="$launcher_dir/torchrun" "$script" "$@" 2>&"$filtered_stderr" &
+stderr_filter=$!
+# torchrun gets a process group of its own (set -m), so a terminal's Ctrl-C reaches run.sh alone, which passes it
+# on once: torchrun stops the workers on its first signal, and a second one arriving meanwhile would cut that short.
+set -m
+torchrun "${rendezvous[@]}" --nproc_per_node="$nproc_per_node" --log-dir="$launcher_dir/torchrun" "$script" "$@" \
+  >&"$watched_stdout" 2>&"$filtered_stderr" &
 launcher_pid=$!
+set +m
 received=""
-trap 'received=INT' INT # a terminal's Ctrl-C reaches torchrun too, which passes it to the workers
-trap 'received=TERM; kill -TERM "$launcher_pid" 2>/dev/null || true' TERM
+forward() { received=$1; kill -"$1" "$launcher_pid" 2>/dev/null || true; }
+trap 'forward INT' INT
+trap 'forward TERM' TERM
+trap 'forward HUP' HUP
 while kill -0 "$launcher_pid" 2>/dev/null; do wait "$launcher_pid" || true; done
 status=0
 wait "$launcher_pid" || status=$?
-exec {filtered_stderr}>&-
-wait "$filter_pid" || true
+exec {watched_stdout}>&- {filtered_stderr}>&-
+wait "$stdout_filter" "$stderr_filter" || true
+
+signal_status() { # a signal's number or name -> 128 + its number
+  local number=$1
+  [[ "$number" =~ ^[0-9]+$ ]] || number=$(kill -l "${number#Signals.}" 2>/dev/null) || return 1
+  echo $((128 + number))
+}
+
+# The log's path, last, on every machine: global rank 0's machine printed it; the others say where it is.
+finish() { # exit status
+  if [[ -s "$launcher_dir/log_path.txt" ]]; then
+    say "log: $(tail -n 1 "$launcher_dir/log_path.txt")"
+  elif ((nnodes > 1 && $1 == 0)); then
+    say "the log is $log_dir/<run id>.txt on the machine that ran global rank 0 (its ./run.sh printed the path), not on this one"
+  fi
+  exit "$1"
+}
+
+report=$(cat "$launcher_dir/report.txt" 2>/dev/null || true)
 if ((status == 0)); then
-  [[ -f "$launcher_dir/report.txt" ]] && cat "$launcher_dir/report.txt" >&2
-  exit 0
+  [[ -z "$report" ]] || printf '%s\n' "$report" >&2
+  finish 0
 fi
 
+# Why it stopped, in one line unless a worker already said it.
 error_files=$(find "$launcher_dir/torchrun" -name error.json 2>/dev/null | sort || true)
-if [[ -z "$error_files" ]]; then # no worker explained itself: the launcher's report is all there is
-  [[ -f "$launcher_dir/report.txt" ]] && cat "$launcher_dir/report.txt" >&2
-  exit "$status"
+if [[ -n "$error_files" ]]; then # a worker explained itself: rank 0's line (printed already, unless it went elsewhere)
+  rank0_file=$(grep -m1 '/0/error.json$' <<<"$error_files" || head -n1 <<<"$error_files")
+  message=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["message"])' "$rank0_file" 2>/dev/null || true)
+  if [[ -n "$message" ]] && ! grep -qxF -- "$message" "$launcher_dir/passed.txt" 2>/dev/null; then
+    printf '%s\n' "$message" >&2
+  fi
+elif [[ -n "$received" ]]; then
+  : # run.sh's own signal stopped the workers: nothing else to say
+elif grep -q '^Root Cause' <<<"$report"; then # torchrun's failure table: its first failure, in one line
+  cause=$(sed -n '/^Root Cause/,$p' <<<"$report")
+  rank=$(sed -n 's/^ *rank *: *\([0-9]*\) (local_rank: \([0-9]*\)).*/rank \1 (local rank \2)/p' <<<"$cause" | head -n1)
+  host=$(sed -n 's/^ *host *: *\(.*\)$/\1/p' <<<"$cause" | head -n1)
+  code=$(sed -n 's/^ *exitcode *: *\(-\{0,1\}[0-9]*\).*/\1/p' <<<"$cause" | head -n1)
+  if [[ "$code" == -* ]]; then
+    how="was killed by SIG$(kill -l "${code#-}" 2>/dev/null || echo "NAL ${code#-}")"
+  else
+    how="exited with status $code (its own output, if any, is above)"
+  fi
+  say "${rank:-a worker} on ${host:-this machine} $how; torchrun stopped the others"
+elif grep -q 'RendezvousTimeoutError' <<<"$report"; then
+  say "no rendezvous at $endpoint (id $rdzv_id) within $rdzv_timeout s: start ./run.sh with NNODES=$nnodes, the same address and RDZV_ID on every machine (RDZV_TIMEOUT waits longer)"
+elif grep -q '^Traceback' <<<"$report"; then # torchrun itself failed: its exception's last line
+  say "torchrun stopped: $(grep -v '^ ' <<<"$report" | grep -v '^[IWE][0-9]\{4\} ' | tail -n 1)"
+elif [[ -n "$report" ]]; then
+  printf '%s\n' "$report" >&2
 fi
-rank0_file=$(grep -m1 '/0/error.json$' <<<"$error_files" || head -n1 <<<"$error_files")
-message=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["message"])' "$rank0_file" 2>/dev/null || true)
-if [[ -n "$message" ]] && ! grep -qxF -- "$message" "$launcher_dir/passed.txt" 2>/dev/null; then
-  printf '%s\n' "$message" >&2
+
+# The workers' status: 128 + the signal that stopped them, else the first failure's exit code.
+if [[ -n "$received" ]]; then
+  finish "$(signal_status "$received")"
 fi
-worker_status=$(sed -n 's/.*failed (exitcode: \([0-9]*\)).*/\1/p' "$launcher_dir/report.txt" 2>/dev/null | head -n1)
-case "$received" in
-  INT) exit 130 ;;
-  TERM) exit 143 ;;
-  *) exit "${worker_status:-$status}" ;;
-esac
+died_of=$(sed -n 's/.*Received \([^ ]*\) death signal.*/\1/p' <<<"$report" | head -n1)
+if [[ -n "$died_of" ]] && code=$(signal_status "$died_of"); then
+  finish "$code"
+fi
+worker_status=$(sed -n 's/.*failed (exitcode: \(-\{0,1\}[0-9]*\)).*/\1/p' <<<"$report" | head -n1)
+if [[ "$worker_status" == -* ]]; then
+  finish $((128 + ${worker_status#-}))
+fi
+finish "${worker_status:-$status}"

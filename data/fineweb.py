@@ -11,6 +11,8 @@ Every document becomes <|endoftext|> followed by its tokens; the token stream is
 Local inputs: .txt (one document per file), .jsonl (one JSON object per line, its "text" field is a
 document), .parquet (its "text" column), and .txt or .jsonl compressed as .gz or .xz (a compressed file
 not named .jsonl.gz/.jsonl.xz is one text document). Directories are searched recursively for such files.
+Empty documents are skipped. One writer at a time per --out-dir (an OS lock on its .fineweb.lock file); existing
+shards are never overwritten.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import fcntl
 import gzip
 import json
 import lzma
@@ -29,11 +32,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
-import numpy as np
-import tiktoken
-from tqdm import tqdm
+try:
+    import numpy as np
+    import tiktoken
+    from tqdm import tqdm
+except ModuleNotFoundError as missing:  # run outside the environment requirements.txt went into
+    sys.exit(f"data/fineweb.py: the {missing.name} package is missing; install the requirements: pip install -r requirements.txt")
 
-from shards import MAX_TOKEN, write_shard
+from shards import MAX_TOKEN, read_header, write_shard
 
 DATA_DIR = Path(__file__).resolve().parent
 EOT = 50256  # <|endoftext|> in GPT-2's vocabulary
@@ -44,6 +50,10 @@ HF_SAMPLES = {"10BT": DATA_DIR / "fineweb10B", "100BT": DATA_DIR / "fineweb100B"
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens, as in the published shards
 DOCUMENTS_PER_TASK = 16  # documents sent to a worker at once: amortizes the inter-process hand-off
 SUPPORTED_INPUTS = ".txt, .jsonl, .parquet, .gz, .xz"
+LOCK_NAME = ".fineweb.lock"  # in --out-dir: one writer at a time
+# train_gpt.py --preset=smoke validates on 1,024 tokens, read in windows that need 2 tokens more
+# (train_gpt.py::check_val_data): the smallest validation shard worth suggesting.
+SMOKE_VAL_TOKENS = 1026
 
 
 class InputError(ValueError):
@@ -210,6 +220,19 @@ def local_documents(files: Iterable[Path]) -> Iterator[str]:
         yield from file_documents(path)
 
 
+class DocumentCount:
+    """How many documents the input held; skip_empty passes on those with text (an empty one would add a lone EOT)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def skip_empty(self, documents: Iterable[str]) -> Iterator[str]:
+        for text in documents:
+            self.seen += 1
+            if text:
+                yield text
+
+
 def hub_documents(sample: str) -> Iterator[str]:
     """The documents of a FineWeb sample, streamed (the import fails here, before any work starts)."""
     try:
@@ -281,6 +304,30 @@ class ShardWriter:
         self.filled = 0
 
 
+def lock_out_dir(out_dir: Path) -> TextIO:
+    """Creates out_dir and takes an OS lock on its LOCK_NAME file, held while the returned file stays open: a second
+    writer into the same folder is refused. The lock dies with its process, so a killed writer leaves no stale lock
+    (the lock file itself stays, harmless)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = (out_dir / LOCK_NAME).open("a+")
+    except OSError as error:
+        raise InputError(f"--out-dir {out_dir}: cannot write there ({error.strerror}); pass a folder you can write to") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise InputError(
+            f"--out-dir {out_dir}: another data/fineweb.py ({holder}) is writing there; wait for it to finish or pass another --out-dir"
+        ) from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 def check_out_dir(out_dir: Path, name: str) -> None:
     existing = sorted(out_dir.glob(f"{name}_*.bin"))
     if existing:
@@ -298,19 +345,28 @@ def tokenize_corpus(
     bpe_file: Path | None = None,
     workers: int | None = None,
 ) -> list[Path]:
-    """Tokenize `documents` in `workers` processes and write the shards; returns their paths."""
+    """Tokenize `documents` in `workers` processes and write the shards; returns their paths. Empty documents are
+    skipped; an input without text writes nothing and raises InputError."""
     if shard_size <= 0:
         raise InputError(f"--shard-size must be positive, got {shard_size}")
     gpt2_encoding(bpe_file)  # fail here, once, rather than in every worker
-    out_dir.mkdir(parents=True, exist_ok=True)
-    check_out_dir(out_dir, name)
+    with lock_out_dir(out_dir):
+        check_out_dir(out_dir, name)
+        paths = _write_shards(documents, out_dir, name, shard_size, bpe_file, workers)
+    return paths
+
+
+def _write_shards(
+    documents: Iterable[str], out_dir: Path, name: str, shard_size: int, bpe_file: Path | None, workers: int | None
+) -> list[Path]:
     writer = ShardWriter(out_dir, name, shard_size)
+    count = DocumentCount()
     with (
         multiprocessing.Pool(workers or os.cpu_count(), initializer=init_worker, initargs=(bpe_file,)) as pool,
         tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress,
     ):
         try:
-            for tokens in pool.imap(tokenize, documents, chunksize=DOCUMENTS_PER_TASK):
+            for tokens in pool.imap(tokenize, count.skip_empty(documents), chunksize=DOCUMENTS_PER_TASK):
                 writer.add(tokens)
                 progress.update(tokens.size)
         except InputError as error:
@@ -324,7 +380,24 @@ def tokenize_corpus(
                 f"interrupted: {len(writer.paths)} complete shards are in {out_dir} (the one being filled was not written); "
                 "delete them before running again"
             ) from None
-    return writer.close()
+    paths = writer.close()
+    if not paths:
+        what = f"its {count.seen} documents are all empty" if count.seen else "it holds no documents"
+        raise InputError(f"the input has no text ({what}), so no shards were written to {out_dir}; check the --input files")
+    return paths
+
+
+def validation_only_note(val_shard: Path, num_tokens: int, shard_size: int) -> str:
+    """What to do when the whole corpus fit in the validation shard: a --shard-size that leaves most of it to
+    training (a tenth validates), never below what the smoke run validates on."""
+    note = (f"note: all {num_tokens:,} tokens went to the validation shard {val_shard} (--shard-size {shard_size} "
+            "is larger than the corpus), so there is nothing to train on")
+    if num_tokens < 2 * SMOKE_VAL_TOKENS:
+        return (f"{note}; add text: train_gpt.py --preset=smoke needs a validation shard of {SMOKE_VAL_TOKENS:,} tokens "
+                "and more to train on (README.md, 'Your own text')")
+    suggested = max(SMOKE_VAL_TOKENS, num_tokens // 10)
+    return (f"{note}; delete it and run again with --shard-size {suggested}: the first {suggested:,} tokens validate, "
+            "the rest train (README.md, 'Your own text', says how much a smoke run needs)")
 
 
 _stop_signal = signal.SIGINT  # what interrupted tokenizing: Ctrl-C unless SIGTERM arrived
@@ -374,12 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + _stop_signal
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
-    if not paths:
-        print(f"error: the input holds no documents, so no shards were written to {args.out_dir}", file=sys.stderr)
-        return 1
     print(f"wrote {len(paths)} shards to {args.out_dir}: 1 validation shard, {len(paths) - 1} training shards")
     if len(paths) == 1:
-        print("note: the whole corpus fit in the validation shard; use a smaller --shard-size to get training shards")
+        print(validation_only_note(paths[0], read_header(paths[0]), args.shard_size))
     return 0
 
 

@@ -1,13 +1,17 @@
-"""run.sh: GPU count, NPROC override and the one-sentence failures, with fake nvidia-smi and torchrun."""
+"""run.sh: GPU count, NPROC override and the one-sentence failures, with fake nvidia-smi and torchrun; --check
+against the run; signals, the rendezvous and the log's path with the real torchrun and a stand-in worker."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -115,10 +119,26 @@ def test_visible_gpu_count_that_does_not_divide_8_is_refused(checkout: Path) -> 
     assert result.stderr.count("\n") == 1 and "3 GPUs are visible" in result.stderr and "NPROC=2" in result.stderr
 
 
-LAUNCHER_REPORT = """echo "E0101 00:00:00.000000 1 torch/distributed/elastic/multiprocessing/api.py:1] failed (exitcode: 2) local_rank: 0 (pid: 1) of binary: python" >&2
-echo "Traceback (most recent call last):" >&2
-echo "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:" >&2
-exit 1"""
+def launcher_report(exitcode: int, rank: int) -> str:
+    """What torchrun prints when a worker fails (its log line, traceback and failure table), as a fake torchrun's body."""
+    lines = [
+        f"E0101 00:00:00.000000 1 torch/distributed/elastic/multiprocessing/api.py:1] failed (exitcode: {exitcode}) local_rank: {rank} (pid: 7) of binary: python",
+        "Traceback (most recent call last):",
+        '  File "/usr/bin/torchrun", line 8, in <module>',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  time      : 2026-12-04_21:06:49",
+        "  host      : node1",
+        f"  rank      : {rank} (local_rank: {rank})",
+        f"  exitcode  : {exitcode} (pid: 7)",
+        "  error_file: <N/A>",
+        "==========",
+    ]
+    return "\n".join(f"echo '{line}' >&2" for line in lines) + "\nexit 1"
+
+
+LAUNCHER_REPORT = launcher_report(2, 0)
 
 
 def failing_torchrun(checkout: Path, worker_reports: bool) -> None:
@@ -142,16 +162,66 @@ def test_a_workers_reported_error_is_the_only_line(checkout: Path) -> None:
     assert result.returncode == 2  # the worker's status, not torchrun's
 
 
-def test_an_unexplained_worker_failure_keeps_the_launchers_report(checkout: Path) -> None:
+def test_an_unexplained_worker_failure_is_the_workers_output_and_one_line(checkout: Path) -> None:
     failing_torchrun(checkout, worker_reports=False)
     result = run(checkout)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "Segmentation fault (core dumped)",  # the worker's own output passes through
+        "run.sh: rank 0 (local rank 0) on node1 exited with status 2 (its own output, if any, is above); torchrun stopped the others",
+    ]
+
+
+def test_a_killed_rank_is_one_line_and_128_plus_the_signal(checkout: Path) -> None:
+    """Issue 39, N32: a rank killed under torchrun; the survivors' own line is the scripts' (none here)."""
+    make_executable(checkout / "bin" / "torchrun", launcher_report(-9, 1))
+    result = run(checkout)
+    assert result.stderr == "run.sh: rank 1 (local rank 1) on node1 was killed by SIGKILL; torchrun stopped the others\n"
+    assert result.returncode == 137
+
+
+def test_torchruns_own_failure_is_its_last_line(checkout: Path) -> None:
+    lines = ["Traceback (most recent call last):", '  File "/opt/venv/bin/torchrun", line 8, in <module>', "    sys.exit(main())",
+             "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has failed."]
+    make_executable(checkout / "bin" / "torchrun", "\n".join(f"echo '{line}' >&2" for line in lines) + "\nexit 1")
+    result = run(checkout, NNODES="2", MASTER_ADDR="node0")
     assert result.returncode == 1
-    assert result.stderr.splitlines()[0] == "Segmentation fault (core dumped)" and "ChildFailedError" in result.stderr
+    assert result.stderr.splitlines()[1:] == [
+        "run.sh: torchrun stopped: torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has failed."]
+
+
+def test_a_workers_traceback_passes_through(checkout: Path) -> None:
+    lines = ["Traceback (most recent call last):", '  File "/repo/train_gpt.py", line 3, in <module>', "ZeroDivisionError: division by zero"]
+    make_executable(checkout / "bin" / "torchrun", "\n".join(f"echo '{line}' >&2" for line in lines) + "\n" + launcher_report(1, 0))
+    result = run(checkout)
+    assert result.stderr.splitlines()[:3] == lines and len(result.stderr.splitlines()) == 4 and result.returncode == 1
+
+
+@pytest.mark.parametrize(("args", "env", "expected"), [
+    ((), {}, "run.sh: log: logs/abc.txt"),  # the machine of global rank 0 repeats the script's line last
+    (("--log_dir=runs",), {"NNODES": "2", "MASTER_ADDR": "node0"}, "run.sh: log: logs/abc.txt"),
+])
+def test_the_log_path_is_the_last_line(checkout: Path, args: tuple[str, ...], env: dict[str, str], expected: str) -> None:
+    make_executable(checkout / "bin" / "torchrun", 'echo "log: logs/abc.txt"; echo "step:1/1 val_loss:1.0"')
+    result = run(checkout, *args, **env)
+    assert result.returncode == 0 and result.stdout == "log: logs/abc.txt\nstep:1/1 val_loss:1.0\n"
+    assert result.stderr.splitlines()[-1] == expected
+
+
+def test_the_other_machines_say_where_the_log_is(checkout: Path) -> None:
+    make_executable(checkout / "bin" / "torchrun", 'echo "step:1/1 val_loss:1.0"')
+    result = run(checkout, "--log_dir=runs", NNODES="2", MASTER_ADDR="node0", NODE_RANK="1")
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == [
+        "run.sh: waiting at the rendezvous node0:29500 (id nanogpt) for 1 more machine to start ./run.sh with NNODES=2 and this address; torchrun gives up after 600 s",
+        "run.sh: the log is runs/<run id>.txt on the machine that ran global rank 0 (its ./run.sh printed the path), not on this one",
+    ]
 
 
 @pytest.mark.slow
 def test_real_torchrun_worker_error_is_one_line() -> None:
-    """Two CPU processes through the real torchrun: the script's own line, no launcher traceback."""
+    """Two CPU processes through the real torchrun: the script's own line, no launcher traceback, no log line (the
+    run was refused before its log existed)."""
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(NPROC="2", OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}")
     result = subprocess.run(["bash", str(REPO / "run.sh"), "--preset=smoke", "--model_dim=100"], capture_output=True, text=True,
@@ -162,18 +232,20 @@ def test_real_torchrun_worker_error_is_one_line() -> None:
 
 # ----- several machines through torchrun's c10d rendezvous; TRACK=3; --check (issue 15) -----
 
-RENDEZVOUS = r"torchrun --nnodes={nnodes} --rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id={rdzv_id}{host} --nproc_per_node={nproc} --log-dir=\S+ {script}"
+RENDEZVOUS = r"torchrun --nnodes={nnodes} --rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id={rdzv_id} --rdzv-conf=join_timeout={timeout}{host} --nproc_per_node={nproc} --log-dir=\S+ {script}"
 
 
-def launch_line(nnodes: int, endpoint: str, nproc: int, rdzv_id: str = "nanogpt", host: str = "", script: str = "train_gpt.py") -> str:
-    return RENDEZVOUS.format(nnodes=nnodes, endpoint=re.escape(endpoint), rdzv_id=rdzv_id, host=host, nproc=nproc, script=script)
+def launch_line(nnodes: int, endpoint: str, nproc: int, rdzv_id: str = "nanogpt", host: str = "", script: str = "train_gpt.py",
+                timeout: int = 600) -> str:
+    return RENDEZVOUS.format(nnodes=nnodes, endpoint=re.escape(endpoint), rdzv_id=rdzv_id, host=host, nproc=nproc, script=script,
+                             timeout=timeout)
 
 
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "node0", "MASTER_PORT": "29400"}, launch_line(2, "node0:29400", 4, host=" --rdzv-conf=is_host=1")),
-        ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0"}, launch_line(2, "node0:29500", 4, host=" --rdzv-conf=is_host=0")),
+        ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "node0", "MASTER_PORT": "29400"}, launch_line(2, "node0:29400", 4, host=",is_host=1")),
+        ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0", "RDZV_TIMEOUT": "30"}, launch_line(2, "node0:29500", 4, host=",is_host=0", timeout=30)),
         ({"NNODES": "2", "MASTER_ADDR": "node0", "RDZV_ENDPOINT": "head:1234", "RDZV_ID": "job7"}, launch_line(2, "head:1234", 4, "job7")),
         ({"NNODES": "2", "NPROC": "1", "MASTER_ADDR": "node0", "SLURM_JOB_ID": "991"}, launch_line(2, "node0:29500", 1, "991")),
         ({"NNODES": "1"}, launch_line(1, "127.0.0.1:29500", 4)),
@@ -193,6 +265,7 @@ def test_nnodes_launches_through_the_c10d_rendezvous(checkout: Path, env: dict[s
         ({"NNODES": "two", "MASTER_ADDR": "node0"}, "NNODES must be a positive number"),
         ({"NNODES": "3", "MASTER_ADDR": "node0"}, "NNODES=3 x 4 processes = 12"),
         ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "node0"}, "NODE_RANK must be 0 .. 1"),
+        ({"NNODES": "2", "MASTER_ADDR": "node0", "RDZV_TIMEOUT": "soon"}, "RDZV_TIMEOUT must be a positive number of seconds"),
         ({"TRACK": "2"}, "TRACK must be 1"),
     ],
 )
@@ -202,27 +275,161 @@ def test_bad_multi_node_settings_are_one_sentence(checkout: Path, env: dict[str,
     assert result.stderr.count("\n") == 1 and fragment in result.stderr, result.stderr
 
 
+def test_torchrun_missing_is_one_sentence_for_the_run_and_the_check(checkout: Path) -> None:
+    (checkout / "bin" / "torchrun").unlink()
+    fake_doctor(checkout, status=0)
+    for args in ((), ("--check",)):
+        result = run(checkout, *args)
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr == "run.sh: torchrun is not on PATH; activate the environment torch is installed in (its bin/ holds torchrun)\n"
+
+
 def test_track_3_needs_its_own_download(checkout: Path) -> None:
     (checkout / SHARDS[0]).unlink()
     result = run(checkout, TRACK="3")
     assert result.returncode == 1 and "python data/cached_fineweb10B.py 22" in result.stderr
 
 
+def fake_doctor(checkout: Path, status: int = 1) -> None:
+    (checkout / "tools").mkdir(exist_ok=True)
+    (checkout / "tools" / "doctor.py").write_text(f"import sys\nprint(' '.join(sys.argv[1:]))\nsys.exit({status})\n")
+    if not (checkout / "bin" / "python3").exists():
+        (checkout / "bin" / "python3").symlink_to(sys.executable)
+
+
 def test_check_hands_the_run_to_doctor(checkout: Path) -> None:
-    (checkout / "tools").mkdir()
-    (checkout / "tools" / "doctor.py").write_text("import sys\nprint(' '.join(sys.argv[1:]))\nsys.exit(1)\n")
-    (checkout / "bin" / "python3").symlink_to(sys.executable)
-    result = run(checkout, "--check", "--quick", "--train_steps=5", TRACK="3", NPROC="2", NNODES="2")
+    fake_doctor(checkout)
+    result = run(checkout, "--check", "--quick", "--train_steps=5", TRACK="3", NPROC="2", NNODES="2", MASTER_ADDR="node0")
     assert result.returncode == 1  # doctor's status
-    assert result.stdout.strip() == "--track 3 --nproc 2 --nnodes 2 --quick --train_steps=5"
-    result = run(checkout, "--check", gpus_present=False)  # no GPU: doctor still runs (it reports CPU mode)
-    assert result.stdout.strip() == "--track 1"
+    assert result.stdout.strip() == "--track 3 --nproc 2 --nnodes 2 --flags-as-given --quick --train_steps=5"
+    assert run(checkout, "--check").stdout.strip() == "--track 1 --nproc 4 --nnodes 1 --flags-as-given"  # run.sh's GPU count
 
 
-def test_real_check_on_this_cpu_machine() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "NNODES", "TRACK", "DATA_PATH")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    result = subprocess.run(["bash", str(REPO / "run.sh"), "--check", "--quick"], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("doctor: Track 1 (train_gpt.py), 1 process, CPU mode")
-    assert "doctor: the smoke run would start" in result.stdout
+@pytest.mark.parametrize(("args", "env", "gpus_present"), [
+    ((), {}, False),  # a CPU-only machine (issue 38: --check said "would start", the run said "no CUDA GPU")
+    (("--preset=smoke",), {}, False),
+    (("--preset=smoke",), {"NPROC": "1"}, False),  # a CPU run: it starts
+    (("--preset=smoke",), {"NNODES": "2", "NPROC": "1"}, False),  # NNODES without MASTER_ADDR (issue 38)
+    (("--preset=smoke",), {"NNODES": "2", "NPROC": "1", "MASTER_ADDR": "127.0.0.1"}, False),
+    ((), {"NPROC": "3"}, True),
+    ((), {"CUDA_VISIBLE_DEVICES": "0,1,2"}, True),
+    ((), {"TRACK": "2"}, True),
+    ((), {"NNODES": "2", "NODE_RANK": "5", "MASTER_ADDR": "node0"}, True),
+    (("--train_files=mine/*.bin",), {}, True),
+    ((), {"DATA_PATH": "/nonexistent"}, True),  # the default shards are missing
+    ((), {}, True),
+])
+def test_check_exits_0_exactly_when_the_run_would_start(checkout: Path, args: tuple[str, ...], env: dict[str, str], gpus_present: bool) -> None:
+    """run.sh --check (doctor passing) against run.sh with the same settings (torchrun succeeding): the same status,
+    and where run.sh refuses, the same line."""
+    fake_doctor(checkout, status=0)
+    started = run(checkout, *args, gpus_present=gpus_present, **env)
+    checked = run(checkout, "--check", *args, gpus_present=gpus_present, **env)
+    assert checked.returncode == started.returncode
+    if started.returncode:
+        assert checked.stderr == started.stderr and started.stderr.startswith("run.sh: ") and started.stderr.count("\n") == 1
+        # only where the default shards are missing does doctor still check the rest of the machine
+        assert (checked.stdout != "") is ("is missing; download" in started.stderr)
+    else:
+        assert started.stdout.startswith("torchrun ") and checked.stdout.startswith("--track ")
+
+
+def cpu_environment(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NPROC", "NNODES", "TRACK", "DATA_PATH", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RDZV_ID", "RDZV_ENDPOINT")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", **extra)
+    return env
+
+
+def test_real_check_on_this_cpu_machine(tmp_path: Path) -> None:
+    def check(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(REPO / "run.sh"), "--check", "--quick", *args], capture_output=True, text=True,
+                              env=cpu_environment(**env), timeout=120, cwd=tmp_path)
+
+    smoke = check("--preset=smoke", NPROC="1")
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    assert smoke.stdout.startswith("doctor: Track 1 (train_gpt.py), 1 process, CPU mode (the smoke run)")
+    assert "doctor: the smoke run would start" in smoke.stdout
+    no_nproc = check()
+    assert no_nproc.returncode == 1 and no_nproc.stdout == "" and "no CUDA GPU is visible" in no_nproc.stderr
+    two_machines = check("--preset=smoke", NPROC="1", NNODES="2")
+    assert two_machines.returncode == 1 and "NNODES=2: set MASTER_ADDR" in two_machines.stderr
+
+
+# ----- the real torchrun with a stand-in worker: signals, the rendezvous (issue 39 N30, issue 38) -----
+
+STAND_IN_WORKER = """import json, os, signal, sys, time
+# Stands in for train_gpt.py: stops on SIGINT, SIGTERM or SIGHUP as the scripts do (one line, the error file, 128 + signal)
+def stop(signum, frame):
+    with open(os.path.join(os.environ["MARKS"], f"rank{os.environ['RANK']}.{signal.Signals(signum).name}"), "a") as f:
+        f.write("x")
+    line = f"step 1: interrupted by {signal.Signals(signum).name}"
+    if os.environ["RANK"] == "0":
+        print(line, file=sys.stderr, flush=True)
+    with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+        json.dump({"message": line, "timestamp": "0"}, f)
+    time.sleep(0.5)  # as a checkpoint being written
+    sys.exit(128 + signum)
+for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(signum, stop)
+open(os.path.join(os.environ["MARKS"], f"started{os.environ['RANK']}"), "w").close()
+if os.environ["RANK"] == "0":
+    print("log: logs/stand_in.txt", flush=True)
+time.sleep(float(os.environ.get("WORK_S", "60")))
+"""
+
+
+def stand_in_checkout(tmp_path: Path) -> Path:
+    folder = tmp_path / "checkout"
+    folder.mkdir()
+    shutil.copy(REPO / "run.sh", folder / "run.sh")
+    (folder / "train_gpt.py").write_text(STAND_IN_WORKER)
+    (folder / "marks").mkdir()
+    return folder
+
+
+def wait_for(condition, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "whole_group"), [(signal.SIGINT, True), (signal.SIGINT, False), (signal.SIGHUP, False)])
+def test_a_signal_reaches_every_worker_once_and_run_sh_returns_their_status(tmp_path: Path, signum: int, whole_group: bool) -> None:
+    """whole_group: Ctrl-C in a terminal (the whole foreground process group); else the signal to run.sh alone."""
+    folder = stand_in_checkout(tmp_path)
+    marks = folder / "marks"
+    launcher = subprocess.Popen(["bash", str(folder / "run.sh"), "--preset=smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=cpu_environment(NPROC="2", MARKS=str(marks)), start_new_session=True)
+    try:
+        wait_for(lambda: (marks / "started0").exists() and (marks / "started1").exists())
+        os.killpg(launcher.pid, signum) if whole_group else os.kill(launcher.pid, signum)
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    name = signal.Signals(signum).name
+    assert launcher.returncode == 128 + signum, stderr
+    assert sorted(path.name for path in marks.glob("rank*")) == [f"rank0.{name}", f"rank1.{name}"]
+    assert all(path.read_text() == "x" for path in marks.glob("rank*"))  # one signal each
+    assert stderr.splitlines() == [f"step 1: interrupted by {name}", "run.sh: log: logs/stand_in.txt"]
+    assert stdout == "log: logs/stand_in.txt\n"
+
+
+@pytest.mark.slow
+def test_a_launcher_whose_peer_never_comes_says_whom_it_waits_for_and_gives_up_in_one_line(tmp_path: Path) -> None:
+    from conftest import free_port
+
+    folder = stand_in_checkout(tmp_path)
+    port = free_port()
+    env = cpu_environment(NNODES="2", NPROC="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="3",
+                          RDZV_ID=uuid.uuid4().hex[:8], MARKS=str(folder / "marks"))
+    result = subprocess.run(["bash", str(folder / "run.sh"), "--preset=smoke"], capture_output=True, text=True, env=env, timeout=120)
+    rdzv_id = env["RDZV_ID"]
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"run.sh: waiting at the rendezvous 127.0.0.1:{port} (id {rdzv_id}) for 1 more machine to start ./run.sh with NNODES=2 and this address; torchrun gives up after 3 s",
+        f"run.sh: no rendezvous at 127.0.0.1:{port} (id {rdzv_id}) within 3 s: start ./run.sh with NNODES=2, the same address and RDZV_ID on every machine (RDZV_TIMEOUT waits longer)",
+    ]

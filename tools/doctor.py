@@ -4,13 +4,17 @@
     python tools/doctor.py [--track 1|3] [--nproc N] [--nnodes N] [--quick] [--name=value ...]
     ./run.sh --check [...]             # the same, for the run that ./run.sh would start
 
-Checks Python, torch, Triton, the CUDA runtime and driver against the versions we test; the GPUs (model,
-count, compute capability, free memory); the attention backend train_gpt.py will use and why; an all-reduce
-over the run's processes (NCCL; not with --quick); the shards the run reads (present, valid, enough tokens);
+Checks that torch, numpy, Triton, tiktoken and huggingface_hub import (each in a fresh interpreter, so a
+broken install is a failed check, not a crash); Python, torch, Triton, the CUDA runtime and driver against
+the versions we test; the GPUs (model, count, compute capability, free memory); the attention backend
+train_gpt.py will use and why; an all-reduce over the run's processes (NCCL; not with --quick); the shards
+the run reads (present, valid, enough tokens; on several machines a fingerprint to compare between them);
 torchrun; free disk for logs and checkpoints; and, when we have measured this GPU, the ms/step to expect.
-Training flags (--name=value) are parsed by the track's script, so the check is of that exact run.
+Training flags (--name=value) are parsed by the track's script, and the shards are walked by its own
+functions and loader, so the check is of that exact run.
 
-On a machine without a CUDA GPU it checks the CPU smoke run instead and prints the smoke commands.
+On a machine without a CUDA GPU it checks the CPU smoke run instead (unless --flags-as-given, which
+./run.sh --check passes) and prints the smoke commands.
 Exit status: 0 when the run would start (no check failed), 1 when a check failed, 2 for a bad command line.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -55,7 +60,20 @@ MIN_DRIVER_FOR_CUDA_MAJOR = {12: "525.60.13", 13: "580.65.06"}
 FP8_CAPABILITY = (8, 9)  # train_gpt.py's FP8 head needs it; below, the head runs in bf16
 BF16_CAPABILITY = (8, 0)
 FA3_CAPABILITY = (9, 0)  # FlashAttention-3 kernels are built for Hopper
-INSTALL_HINT = f"pip install -r requirements.txt (torch >={MIN_TORCH},<={MAX_TORCH}); on GPUs a CUDA build of torch {GPU_TORCH} first"
+# README "Install": PyPI's torch 2.11.0 is the CUDA 13.0 build that pins triton 3.6.0; the CPU build of 2.13.0 comes
+# from PyTorch's own index, and requirements.txt then keeps it.
+CUDA_INSTALL = f"pip install torch=={GPU_TORCH}.0 -r requirements.txt"
+CPU_INSTALL = f"pip install torch=={MAX_TORCH} --index-url https://download.pytorch.org/whl/cpu && pip install -r requirements.txt"
+# What each package that doctor imports is for; torch and numpy are needed by everything.
+PACKAGES = {
+    "torch": "the training scripts",
+    "numpy": "the training scripts and data tools",
+    "triton": "torch.compile and the Triton kernels",
+    "tiktoken": "data/fineweb.py",
+    "huggingface_hub": "data/cached_fineweb*.py",
+}
+NOT_INSTALLED = "not installed"
+IMPORT_TIMEOUT_S = 120
 SHARD_TOKENS = 100_000_000  # one Hub shard of data/cached_fineweb10B.py
 
 
@@ -94,8 +112,9 @@ STEP_NEUTRAL_FLAGS = frozenset({
     "checkpoint_every", "checkpoint_dir", "resume", "val_loss_every", "val_every", "val_every_late", "late_frac",
     "num_iterations", "iteration_extension", "train_steps", "warmup_steps", "num_trials", "val_tokens", "val_batch_size",
 })
-# `time python <script> --preset=smoke` on this project's 2-core machines (shared with other work), 2026-11-30.
-SMOKE_SECONDS_ON_2_CORES = {1: 27, 3: 18}
+# `time python <script> --preset=smoke` on this project's 2-core machines (shared with other work), the fastest of
+# several runs, 2026-12-04 (README "First 10 minutes").
+SMOKE_SECONDS_ON_2_CORES = {1: 15, 3: 6}
 NCCL_TIMEOUT_S = 120
 NCCL_TENSOR_BYTES = 256 * 2**20
 
@@ -172,6 +191,73 @@ def same_minor(version: tuple[int, ...], tested: str) -> bool:
     return version[:2] == release(tested)
 
 
+def install_hint(gpu_machine: bool) -> str:
+    return CUDA_INSTALL if gpu_machine else CPU_INSTALL
+
+
+# ---- packages: each imported in a fresh interpreter ----
+def import_errors(names: Sequence[str]) -> dict[str, str]:
+    """name -> why it does not import, for each package that does not. Each is imported in its own interpreter
+    (all at once, from the repository root as the scripts run), so a broken install, which may raise anything or
+    kill the interpreter, is reported instead of taking doctor down."""
+    errors = {name: NOT_INSTALLED for name in names if importlib.util.find_spec(name) is None}
+    children = {
+        name: subprocess.Popen([sys.executable, "-c", f"import {name}"], cwd=REPO, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+        for name in names if name not in errors
+    }
+    for name, child in children.items():
+        try:
+            _, stderr = child.communicate(timeout=IMPORT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            errors[name] = f"its import hangs (no result after {IMPORT_TIMEOUT_S} s)"
+            continue
+        if child.returncode != 0:
+            lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+            errors[name] = f"its import fails: {lines[-1]}" if lines else f"its import kills the interpreter (exit status {child.returncode})"
+    return errors
+
+
+def is_import_error(error: str) -> bool:
+    """True when the import raised ImportError (or ModuleNotFoundError), which the scripts treat as 'no Triton'."""
+    return error == NOT_INSTALLED or re.match(r"its import fails: (ImportError|ModuleNotFoundError)\b", error) is not None
+
+
+def stops_doctor(name: str, error: str) -> bool:
+    """Whether the training scripts (which doctor imports) cannot even be imported with this package as it is."""
+    return name in ("torch", "numpy") or (name == "triton" and not is_import_error(error))
+
+
+def check_broken_package(name: str, error: str, gpu_machine: bool) -> Check:
+    """The line of a package that does not import."""
+    install = install_hint(gpu_machine)
+    if name in ("torch", "numpy"):
+        return Check(name, "fail", f"{error}; {PACKAGES[name]} need it", install)
+    if name == "triton":
+        reinstall = f"pip install --force-reinstall triton=={required_triton() or TRITON}"
+        if error == NOT_INSTALLED and not gpu_machine:
+            return Check(name, "ok", "not installed (not needed on CPU)")
+        if gpu_machine:
+            return Check(name, "fail", f"{error}; {PACKAGES[name]} need it on GPUs", reinstall)
+        if not is_import_error(error):
+            return Check(name, "fail", f"{error}; train_gpt.py imports it at start", f"{reinstall}, or pip uninstall triton (not needed on CPU)")
+        return Check(name, "warn", f"{error}; the scripts run without it on CPU", f"{reinstall}, or pip uninstall triton")
+    return Check(name, "warn", f"{error}; {PACKAGES[name]} needs it (training does not)", install)
+
+
+def check_data_package(name: str, errors: dict[str, str], gpu_machine: bool) -> Check:
+    if name in errors:
+        return check_broken_package(name, errors[name], gpu_machine)
+    return Check(name, "ok", f"{version_of(name) or 'version unknown'} ({PACKAGES[name]})")
+
+
+def gpus_listed() -> bool:
+    """nvidia-smi lists a GPU: whether this is a CUDA machine, known before torch imports."""
+    return any(line.startswith("GPU ") for line in (_command_output(["nvidia-smi", "-L"]) or "").splitlines())
+
+
 # ---- machine facts ----
 def _command_output(args: list[str]) -> str | None:
     if shutil.which(args[0]) is None:
@@ -214,10 +300,10 @@ def training_module(track: Track) -> Any:
     return importlib.import_module(track.module)
 
 
-def make_plan(track: Track, nproc: int, nnodes: int, flags: list[str], gpu_mode: bool) -> Plan:
+def make_plan(track: Track, nproc: int, nnodes: int, flags: list[str], gpu_mode: bool, flags_as_given: bool = False) -> Plan:
     module = training_module(track)
     argv = list(flags)
-    if not gpu_mode and not any(flag.startswith("--preset") for flag in argv):
+    if not gpu_mode and not flags_as_given and not any(flag.startswith("--preset") for flag in argv):
         argv.insert(0, "--preset=smoke")  # on CPU the run that can start is the smoke run
     try:
         hp, overrides = module.parse_args(argv)
@@ -227,6 +313,10 @@ def make_plan(track: Track, nproc: int, nnodes: int, flags: list[str], gpu_mode:
 
 
 # ---- checks ----
+def is_smoke_run(plan: Plan) -> bool:
+    return plan.overrides.get("preset") == "smoke"
+
+
 def check_python() -> Check:
     version = ".".join(map(str, sys.version_info[:3]))
     if sys.version_info[:2] < MIN_PYTHON:
@@ -242,7 +332,7 @@ def check_torch(machine: Machine) -> Check:
     version = release(text)
     tested = GPU_TORCH if machine.gpu_mode else CPU_TORCH
     where = "GPU runs" if machine.gpu_mode else "CPU runs and CI"
-    install = INSTALL_HINT
+    install = install_hint(machine.gpu_mode)
     if version is None or version < release(MIN_TORCH):
         return Check("torch", "fail", f"{text}: the scripts need torch {MIN_TORCH} or newer (FlexAttention, torch.compile)", install)
     if not same_minor(version, tested) or version > release(MAX_TORCH):
@@ -263,9 +353,11 @@ def required_triton() -> str | None:
     return None
 
 
-def check_triton(machine: Machine) -> Check:
+def check_triton(machine: Machine, import_error: str | None = None) -> Check:
     import torch
 
+    if import_error is not None and import_error != NOT_INSTALLED:
+        return check_broken_package("triton", import_error, machine.gpu_mode)
     installed = version_of("triton") or version_of("pytorch-triton")
     pinned = required_triton()
     fix = f"pip install triton=={pinned or TRITON}"
@@ -288,7 +380,7 @@ def check_cuda(machine: Machine) -> Check:
         if machine.smi_gpu_count and not hidden:
             if machine.cuda_runtime is None:
                 return Check("cuda", "fail", f"nvidia-smi lists {machine.smi_gpu_count} GPUs, but torch {torch.__version__} is a CPU build",
-                             f"install a CUDA build of torch {GPU_TORCH} (pip install torch=={GPU_TORCH}.0), then pip install -r requirements.txt")
+                             f"install the CUDA build: {CUDA_INSTALL}")
             return Check("cuda", "fail", f"nvidia-smi lists {machine.smi_gpu_count} GPUs, but torch (CUDA {machine.cuda_runtime}) finds none; "
                          f"driver {machine.driver or 'unknown'}", "a driver too old for this CUDA runtime? install a torch build for your driver's CUDA")
         hidden_note = f" (CUDA_VISIBLE_DEVICES hides the {machine.smi_gpu_count} GPUs)" if hidden and machine.smi_gpu_count else ""
@@ -556,15 +648,26 @@ def _walk_track1(plan: Plan, files: list[str], needed: int) -> tuple[int, int, i
 
 
 def _walk_track3(plan: Plan, files: list[Any], needed: int) -> tuple[int, int, int]:
-    """train_gpt_shampoo.py's unaligned loader: a batch fits while position + batch + 1 < the shard's length."""
+    """train_gpt_shampoo.py's own TokenLoader, over one shard at a time: the loader starts each shard at its first
+    token and leaves its tail, so a shard's batches do not depend on the shards before it. The loader also checks
+    every token id of the shards it reads, as the run's will."""
+    import torch
+
     tgs, hp = training_module(plan.track), plan.hp
-    batch = 8 * hp.micro_batch_seqs * hp.seq_len
+    batch_tokens = 8 * hp.micro_batch_seqs * hp.seq_len  # as run_trial builds the training loader
     found = tokens_read = 0
     for number, path in enumerate(files, start=1):
-        size = tgs.read_shard_header(path)
-        found, tokens_read = found + max(0, (size - 2) // batch), tokens_read + size
+        loader = tgs.TokenLoader([path], batch_tokens=batch_tokens, seq_len=hp.seq_len, rank=0, world_size=plan.world_size,
+                                 vocab_size=hp.vocab_size, device=torch.device("cpu"))
+        tokens_read += len(loader.tokens)
+        while found < needed:
+            try:
+                loader.next_batch()
+            except tgs.UserError:  # a one-shard loader that does not cycle: this shard holds no further batch
+                break
+            found += 1
         if found >= needed:
-            return needed, number, tokens_read
+            return found, number, tokens_read
     return found, len(files), tokens_read
 
 
@@ -579,26 +682,25 @@ def _validate_data(plan: Plan) -> DataPlan:
         val_tokens = module.check_val_data(val_files, val_tokens=hp.val_tokens, val_batch_size=hp.val_batch_size,
                                            grad_accum_steps=8 // plan.world_size, vocab_size=hp.vocab_size)
         return DataPlan(train_files, train_tokens, val_tokens, needed, *_walk_track1(plan, train_files, needed))
+    import torch
+
     module.check_batch_geometry(hp, plan.world_size)
     train_files, val_files = module.resolve_files(hp.train_files, "train"), module.resolve_files(hp.val_files, "val")
     train_tokens = module.check_train_data(train_files, hp.vocab_size)
-    first_val = module.read_shard_header(val_files[0])
-    if first_val < hp.val_tokens + 2:
-        raise module.UserError(f"{val_files[0]} holds {first_val} tokens, fewer than --val_tokens={hp.val_tokens} + 2; lower --val_tokens")
-    module.read_shard(val_files[0], hp.vocab_size)
+    module.load_validation_data(val_files, hp, module.Runtime(0, plan.world_size, 0, torch.device("cpu")))
     val_tokens = sum(module.read_shard_header(path) for path in val_files)
     return DataPlan(train_files, train_tokens, val_tokens, needed, *_walk_track3(plan, train_files, needed))
 
 
 def shards_to_download(plan: Plan, data: DataPlan | None) -> int:
-    """Hub shards (100M tokens each) that hold the run: from the walk's tokens per batch when there is one."""
-    if plan.track.number == 3:
-        per_shard = (SHARD_TOKENS - 2) // (8 * plan.hp.micro_batch_seqs * plan.hp.seq_len)
-        count = math.ceil(plan.hp.train_steps / max(per_shard, 1))
-    elif data is not None and data.batches_found:
-        count = math.ceil(data.batches_needed * data.tokens_read / data.batches_found / SHARD_TOKENS) + 1
+    """Hub shards (100M tokens each) that hold the run: from the walk's tokens per batch when there is one, else
+    from the nominal tokens (Track 1 adds a shard for what BOS alignment drops; Track 3's loader drops less than a
+    batch per shard)."""
+    spare = 1 if plan.track.number == 1 else 0
+    if data is not None and data.batches_found:
+        count = math.ceil(data.batches_needed * data.tokens_read / data.batches_found / SHARD_TOKENS) + spare
     else:
-        count = math.ceil(nominal_tokens(plan) / SHARD_TOKENS) + 1  # a shard's worth for alignment losses
+        count = math.ceil(nominal_tokens(plan) / SHARD_TOKENS) + spare
     return max(plan.track.hub_shards, count)
 
 
@@ -616,10 +718,43 @@ def _matches(pattern: str) -> bool:
     return bool(glob.glob(_with_data_path(pattern)))
 
 
+def fingerprint(paths: Sequence[str]) -> str:
+    """A digest of the files' names and bytes: equal on two machines exactly when they hold the same shards."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def _writable(folder: Path) -> Path | None:
+    """The folder's nearest existing ancestor when this process cannot create files there, else None."""
+    existing = _existing_ancestor(folder)
+    return None if os.access(existing, os.W_OK | os.X_OK) else existing
+
+
+def check_smoke_shards(plan: Plan) -> Check:
+    """The smoke presets write their shards where the script runs: train_gpt.py into --log_dir, train_gpt_shampoo.py
+    into DATA_PATH/data/smoke. With several machines each machine writes its own copy (deterministic, so the same
+    bytes everywhere); nothing needs copying between them."""
+    if plan.track.number == 1:
+        folder, where = Path(plan.hp.log_dir), f"{plan.hp.log_dir}/smoke_shards_*/"
+    else:
+        folder = Path(os.environ.get("DATA_PATH", ""), "data/smoke")
+        where = f"{folder}/"
+    blocked = _writable(folder)
+    if blocked is not None:
+        fix = "pass a --log_dir you can write to" if plan.track.number == 1 else "run from a folder you can write to, or set DATA_PATH"
+        return Check("shards", "fail", f"the smoke preset writes its shards into {where}, but {blocked} is not writable", fix)
+    machines = f", on each of the {plan.nnodes} machines (the same bytes on each)" if plan.nnodes > 1 else ""
+    return Check("shards", "ok", f"the smoke preset writes its own synthetic shards ({where}){machines}")
+
+
 def check_shards(plan: Plan) -> Check:
-    if plan.overrides.get("preset") == "smoke" and "train_files" not in plan.overrides and "val_files" not in plan.overrides:
-        where = f"{plan.hp.log_dir}/smoke_shards_*/" if plan.track.number == 1 else "data/smoke/"
-        return Check("shards", "ok", f"the smoke preset writes its own synthetic shards ({where})")
+    if is_smoke_run(plan) and "train_files" not in plan.overrides and "val_files" not in plan.overrides:
+        return check_smoke_shards(plan)
     module = training_module(plan.track)
     missing = [pattern for pattern in (plan.hp.train_files, plan.hp.val_files) if not _matches(pattern)]
     if missing:
@@ -631,13 +766,17 @@ def check_shards(plan: Plan) -> Check:
     unit = "micro-batches" if plan.track.number == 1 else "batches"
     detail = (f"{len(data.files)} train shards, {data.tokens:,} tokens, {data.val_tokens:,} validation tokens, valid; "
               f"the run's {data.batches_needed:,} {unit} ({plan.hp.train_steps} steps)")
+    compare = ""
+    if plan.nnodes > 1:  # every machine reads its own copy: they must be the same files
+        read = [*data.files[: data.shards_read], *module.resolve_files(plan.hp.val_files, "val")]
+        compare = f"; fingerprint {fingerprint(read)}: run this check on every machine, the fingerprints must match"
     if data.batches_found >= data.batches_needed:
-        return Check("shards", "ok", f"{detail} fit in the first {data.shards_read} ({data.tokens_read:,} tokens)")
+        return Check("shards", "ok", f"{detail} fit in the first {data.shards_read} ({data.tokens_read:,} tokens){compare}")
     why = ("documents are cut at --train_max_seq_len and the rest of a batch's last one is dropped"
            if plan.track.number == 1 else "a shard's tail shorter than a batch is skipped")
     short = f"{detail}: the shards hold {data.batches_found:,} ({why})"
     if plan.hp.cycle_train_files and data.batches_found > 0:
-        return Check("shards", "warn", f"{short}; cycle_train_files repeats them (never a record)")
+        return Check("shards", "warn", f"{short}; cycle_train_files repeats them (never a record){compare}")
     return Check("shards", "fail", short, _download_fix(plan, data))
 
 
@@ -662,6 +801,12 @@ def checkpoint_bytes(plan: Plan) -> int:
 
 def check_disk(plan: Plan) -> Check:
     hp = plan.hp
+    for flag, folder in (("--log_dir", hp.log_dir), ("--checkpoint_dir", getattr(hp, "checkpoint_dir", "") or "checkpoints")):
+        if flag == "--checkpoint_dir" and not hp.checkpoint_every:
+            continue
+        blocked = _writable(Path(folder))
+        if blocked is not None:
+            return Check("disk", "fail", f"{flag}={folder}: {blocked} is not writable", f"pass a {flag} you can write to")
     log_root = _existing_ancestor(Path(hp.log_dir))  # relative paths are the script's: from the working directory
     free = shutil.disk_usage(log_root).free
     count = 0
@@ -690,6 +835,8 @@ def work_changing_flags(plan: Plan) -> list[str]:
 
 def check_expected_speed(machine: Machine, plan: Plan) -> Check:
     if not machine.gpu_mode:
+        if not is_smoke_run(plan):
+            return Check("expected", "skip", "CPU mode: measured for the smoke preset only")
         return Check("expected", "skip", f"CPU mode: the smoke run took about {SMOKE_SECONDS_ON_2_CORES[plan.track.number]} s on 2 shared cores")
     name = machine.gpus[0].name
     measured = MEASURED_MS_PER_STEP.get((name, plan.track.number, plan.world_size))
@@ -715,10 +862,15 @@ SMOKE_COMMANDS = """CPU mode: no CUDA GPU is visible, so this checked the CPU sm
   python -m pytest -q                               # the tests"""
 
 
-def run_checks(machine: Machine, plan: Plan, quick: bool, report: Callable[[Check], None] = lambda check: None) -> list[Check]:
-    """Every check in screen order; report sees each as soon as it is done (the all-reduce takes a while)."""
+def run_checks(machine: Machine, plan: Plan, quick: bool, report: Callable[[Check], None] = lambda check: None,
+               import_failures: dict[str, str] | None = None) -> list[Check]:
+    """Every check in screen order; report sees each as soon as it is done (the all-reduce takes a while).
+    import_failures: what import_errors found (torch and numpy import, or doctor would not get here)."""
+    failures = import_failures or {}
     steps: list[Callable[[], Check | None]] = [
-        check_python, lambda: check_torch(machine), lambda: check_triton(machine), lambda: check_cuda(machine),
+        check_python, lambda: check_torch(machine), lambda: check_data_package("numpy", failures, machine.gpu_mode),
+        lambda: check_triton(machine, failures.get("triton")), lambda: check_data_package("tiktoken", failures, machine.gpu_mode),
+        lambda: check_data_package("huggingface_hub", failures, machine.gpu_mode), lambda: check_cuda(machine),
         lambda: check_gpus(machine, plan), lambda: check_processes(plan), lambda: check_attention(machine, plan, quick),
         lambda: check_shampoo(plan), lambda: check_all_reduce(machine, plan, quick), lambda: check_shards(plan),
         lambda: check_torchrun(plan), lambda: check_disk(plan), lambda: check_expected_speed(machine, plan),
@@ -732,8 +884,12 @@ def run_checks(machine: Machine, plan: Plan, quick: bool, report: Callable[[Chec
     return checks
 
 
+def run_name(plan: Plan) -> str:
+    return "the smoke run" if is_smoke_run(plan) and not plan.gpu_mode else "the run"
+
+
 def header(machine: Machine, plan: Plan) -> str:
-    mode = "GPU mode" if machine.gpu_mode else "CPU mode (the smoke run)"
+    mode = "GPU mode" if machine.gpu_mode else f"CPU mode ({run_name(plan)})"
     nodes = f" on each of {plan.nnodes} nodes" if plan.nnodes > 1 else ""
     return f"doctor: Track {plan.track.number} ({plan.track.script}), {plan.nproc} process{'es' if plan.nproc > 1 else ''}{nodes}, {mode}"
 
@@ -753,6 +909,8 @@ def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, list[st
     parser.add_argument("--nproc", type=int, default=None, help="processes on this machine (default: the visible GPUs, as run.sh counts; 1 on CPU)")
     parser.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", "1") or 1), help="machines in the run (default: NNODES or 1)")
     parser.add_argument("--quick", action="store_true", help="skip the all-reduce and FA3's kernel (seconds instead of tens of seconds)")
+    parser.add_argument("--flags-as-given", action="store_true",
+                        help="check the training flags as they are, also on CPU (where doctor otherwise checks the smoke run); ./run.sh --check passes it")
     parser.add_argument("--all-reduce-worker", help=argparse.SUPPRESS)
     args, training_flags = parser.parse_known_args(list(argv))
     bad = [flag for flag in training_flags if not flag.startswith("--")]
@@ -769,25 +927,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank, world_size, port, backend, numel = args.all_reduce_worker.split(",")
         all_reduce_worker(int(rank), int(world_size), int(port), backend, int(numel))
         return 0
-    missing = [name for name in ("torch", "numpy") if importlib.util.find_spec(name) is None]
-    if missing:  # nothing else can be checked
-        checks = [check_python()] + [Check(name, "fail", "not installed", INSTALL_HINT) for name in missing]
+    failures = import_errors(list(PACKAGES))
+    if any(stops_doctor(name, error) for name, error in failures.items()):  # the scripts cannot even be imported
+        gpu_machine = gpus_listed()
+        checks = [check_python()]
+        for name in PACKAGES:
+            if name in failures:
+                checks.append(check_broken_package(name, failures[name], gpu_machine))
+            else:
+                checks.append(Check(name, "ok", version_of(name) or "version unknown"))
         for check in checks:
             print(check.line())
         print(summary(checks))
         return 1
     machine = read_machine()
     nproc = args.nproc or (len(machine.gpus) if machine.gpu_mode else 1)  # run.sh's count
+    smoke_by_default = not machine.gpu_mode and not args.flags_as_given
     try:
-        plan = make_plan(TRACKS[args.track], nproc, args.nnodes, training_flags, machine.gpu_mode)
+        plan = make_plan(TRACKS[args.track], nproc, args.nnodes, training_flags, machine.gpu_mode, args.flags_as_given)
     except PlanError as error:
         failed = Check("settings", "fail", str(error), f"python {TRACKS[args.track].script} --help lists the flags")
         print(failed.line())
-        print(summary([failed], "the run" if machine.gpu_mode else "the smoke run"))
+        print(summary([failed], "the smoke run" if smoke_by_default else "the run"))
         return 1
     print(header(machine, plan), flush=True)
-    checks = run_checks(machine, plan, args.quick, report=lambda check: print(check.line(), flush=True))
-    print(summary(checks, "the run" if machine.gpu_mode else "the smoke run"))
+    checks = run_checks(machine, plan, args.quick, report=lambda check: print(check.line(), flush=True), import_failures=failures)
+    print(summary(checks, run_name(plan)))
     if not machine.gpu_mode:
         print(SMOKE_COMMANDS)
     return 1 if any(check.status == "fail" for check in checks) else 0

@@ -6,6 +6,7 @@ import base64
 import gzip
 import json
 import lzma
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fineweb import EOT, InputError, expand_inputs, gpt2_encoding, local_documents, main, tokenize_corpus
+from fineweb import EOT, LOCK_NAME, InputError, expand_inputs, gpt2_encoding, local_documents, lock_out_dir, main, tokenize_corpus
 from shards import read_shard, write_shard
 
 DATA_DIR = Path(__file__).resolve().parents[1]
@@ -80,11 +81,12 @@ def test_every_local_format_round_trips(tmp_path: Path, bpe_file: Path, kind: st
     tokens = all_tokens(out)
 
     encoding = gpt2_encoding(bpe_file)
-    assert encoding.decode(tokens.tolist()) == "".join("<|endoftext|>" + text for text in DOCUMENTS)
+    with_text = [text for text in DOCUMENTS if text]  # an empty document adds nothing, not even its EOT
+    assert encoding.decode(tokens.tolist()) == "".join("<|endoftext|>" + text for text in with_text)
     # One EOT before every document and nowhere else (the literal "<|endoftext|>" text is not special).
     eot_positions = np.flatnonzero(tokens == EOT)
-    assert len(eot_positions) == len(DOCUMENTS) and eot_positions[0] == 0
-    for text, start, end in zip(DOCUMENTS, eot_positions, [*eot_positions[1:], len(tokens)]):
+    assert len(eot_positions) == len(with_text) and eot_positions[0] == 0
+    for text, start, end in zip(with_text, eot_positions, [*eot_positions[1:], len(tokens)]):
         assert encoding.decode(tokens[start + 1 : end].tolist()) == text
     assert {256, 258, 260} <= set(tokens.tolist())  # the file's merges were used
 
@@ -93,7 +95,7 @@ def test_every_local_format_round_trips(tmp_path: Path, bpe_file: Path, kind: st
     ]
     sizes = [read_shard(path).size for path in paths]
     assert all(size == 64 for size in sizes[:-1]) and 0 < sizes[-1] <= 64 and len(sizes) >= 3
-    assert sorted(out.iterdir()) == sorted(paths)  # no temporary files left
+    assert sorted(out.iterdir()) == sorted([*paths, out / LOCK_NAME])  # no temporary files left
 
 
 def test_shard_split_is_exact_at_the_boundary(tmp_path: Path, bpe_file: Path) -> None:
@@ -197,7 +199,7 @@ def test_interrupt_keeps_the_complete_shards_and_says_so(
     status = main(["--input", str(tmp_path / "corpus"), "--bpe-file", str(bpe_file), "--out-dir", str(out), "--shard-size", "16", "--workers", "1"])
     assert status == 130
     last_line = capsys.readouterr().err.splitlines()[-1]  # after tqdm's progress bar
-    written = sorted(out.iterdir())
+    written = sorted(path for path in out.iterdir() if path.name != LOCK_NAME)
     assert last_line == f"interrupted: {len(written)} complete shards are in {out} (the one being filled was not written); delete them before running again"
     assert len(written) >= 2 and all(read_shard(path).size == 16 for path in written)  # complete shards, no temporary files
 
@@ -234,4 +236,79 @@ def test_script_runs_from_the_command_line(tmp_path: Path, bpe_file: Path) -> No
     assert result.returncode == 0, result.stderr
     assert "wrote 3 shards" in result.stdout and "2 training shards" in result.stdout
     text = gpt2_encoding(bpe_file).decode(all_tokens(out).tolist())
-    assert text == "".join("<|endoftext|>" + path.read_bytes().decode() for path in files)
+    assert text == "".join("<|endoftext|>" + path.read_bytes().decode() for path in files if path.stat().st_size)
+
+
+# ----- an empty corpus, a second writer, a corpus smaller than one shard, a missing package -----
+
+
+@pytest.mark.parametrize("documents", [[], ["", ""]])
+def test_a_corpus_without_text_writes_nothing(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str],
+                                              documents: list[str]) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index, text in enumerate(documents):
+        (corpus / f"empty{index}.txt").write_text(text)
+    source = corpus if documents else write_corpus(corpus, "jsonl", [])[0]  # an empty .jsonl: no documents at all
+    out = tmp_path / "out"
+    assert main(["--input", str(source), "--bpe-file", str(bpe_file), "--out-dir", str(out), "--workers", "1"]) == 1
+    what = "its 2 documents are all empty" if documents else "it holds no documents"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: the input has no text ({what}), so no shards were written to {out}; check the --input files")
+    assert not list(out.glob("*.bin"))
+
+
+def test_a_second_writer_into_the_same_folder_is_refused(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    files = write_corpus(tmp_path / "corpus", "txt", DOCUMENTS)
+    with lock_out_dir(out):  # the first writer, still at work
+        args = ["--input", *map(str, files), "--bpe-file", str(bpe_file), "--out-dir", str(out), "--workers", "1"]
+        second = subprocess.run([sys.executable, str(DATA_DIR / "fineweb.py"), *args], capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1 and second.stdout == ""
+    assert second.stderr == (f"error: --out-dir {out}: another data/fineweb.py (pid {os.getpid()}) is writing there; "
+                             "wait for it to finish or pass another --out-dir\n")
+    assert not list(out.glob("*.bin"))
+    assert main(args) == 0  # the lock went with its holder
+    assert len(list(out.glob("*.bin"))) == 1
+
+
+def test_an_unwritable_out_dir_is_one_line(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["--input", *map(str, write_corpus(tmp_path / "corpus", "txt", ["text"])), "--bpe-file", str(bpe_file),
+                 "--out-dir", str(blocker / "out"), "--workers", "1"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: --out-dir {blocker / 'out'}: cannot write there (Not a directory); pass a folder you can write to"
+
+
+@pytest.mark.parametrize(("documents", "advice"), [
+    (["the cat and the hat " * 40] * 40, "delete it and run again with --shard-size {tenth}: the first {tenth:,} tokens validate"),
+    (["the cat and the hat"] * 30, "add text: train_gpt.py --preset=smoke needs a validation shard of 1,026 tokens"),
+])
+def test_a_corpus_smaller_than_one_shard_says_which_shard_size_to_use(
+    tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], documents: list[str], advice: str
+) -> None:
+    """README's case: a few hundred lines and --shard-size 20000."""
+    out = tmp_path / "out"
+    source = write_corpus(tmp_path / "corpus", "jsonl", documents)[0]
+    assert main(["--input", str(source), "--bpe-file", str(bpe_file), "--out-dir", str(out), "--workers", "1", "--shard-size", "20000"]) == 0
+    stdout = capsys.readouterr().out.splitlines()
+    total = read_shard(out / "fineweb_val_000000.bin").size
+    assert stdout[0] == f"wrote 1 shards to {out}: 1 validation shard, 0 training shards"
+    assert stdout[1].startswith(f"note: all {total:,} tokens went to the validation shard {out / 'fineweb_val_000000.bin'} "
+                                "(--shard-size 20000 is larger than the corpus), so there is nothing to train on; ")
+    assert advice.format(tenth=total // 10) in stdout[1]
+    if "--shard-size" in advice:  # the suggestion splits the corpus: a tenth validates, the rest trains
+        suggested = total // 10
+        assert 1026 < suggested < 20000
+        again = tmp_path / "again"
+        assert main(["--input", str(source), "--bpe-file", str(bpe_file), "--out-dir", str(again), "--workers", "1",
+                     "--shard-size", str(suggested)]) == 0
+        assert read_shard(again / "fineweb_val_000000.bin").size == suggested and len(list(again.glob("*_train_*.bin"))) == 9
+
+
+def test_run_outside_the_environment_names_the_missing_package(tmp_path: Path) -> None:
+    """python -S: no site-packages, as with a python that is not the one requirements.txt went into."""
+    for script in ("fineweb.py", "cached_fineweb10B.py"):
+        result = subprocess.run([sys.executable, "-S", str(DATA_DIR / script), "--help"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr == f"data/{script}: the numpy package is missing; install the requirements: pip install -r requirements.txt\n"

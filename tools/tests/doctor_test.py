@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -68,7 +69,8 @@ def test_cpu_mode_reports_the_smoke_run_and_skips_the_gpu_checks(tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0] == "doctor: Track 1 (train_gpt.py), 1 process, CPU mode (the smoke run)"
     found = statuses(result.stdout)
-    assert list(found) == ["python", "torch", "triton", "cuda", "gpus", "processes", "attention", "nccl", "shards", "torchrun", "disk", "expected"]
+    assert list(found) == ["python", "torch", "numpy", "triton", "tiktoken", "huggingface_hub", "cuda", "gpus", "processes",
+                           "attention", "nccl", "shards", "torchrun", "disk", "expected"]
     assert all(found[name] == "skip" for name in GPU_CHECKS), found
     assert "fail" not in found.values()
     assert "ok    attention  train_gpt.py will use reference: a CPU run (FlexAttention has no CPU backward)" in lines
@@ -144,6 +146,58 @@ def test_track3_vocabulary_mismatch_is_the_scripts_own_message(tmp_path):
     flags = write_shards(tmp_path / "mine")
     check = dr.check_shards(plan(*flags, "--preset=smoke", track=3, gpu_mode=False))  # smoke vocabulary 512 < GPT-2 ids
     assert check.status == "fail" and "--vocab_size=50304" in check.detail
+
+
+def test_track3_short_validation_shard_is_the_scripts_own_message(tmp_path):
+    flags = tiny_shards(tmp_path, (9000,))  # a 5,000-token validation shard; the smoke run validates on 4,096 + 2
+    check = dr.check_shards(plan(*flags, "--preset=smoke", "--val_tokens=8192", track=3, gpu_mode=False))
+    assert check.status == "fail"
+    assert check.detail.endswith("t_val_000000.bin holds 5000 tokens, fewer than --val_tokens=8192 + 2; lower --val_tokens")
+
+
+# ----- several machines: each reads its own copy of the shards, or writes its own smoke shards -----
+
+
+def test_several_machines_get_a_fingerprint_of_the_shards_to_compare(tmp_path):
+    flags = tiny_shards(tmp_path / "a", (3000, 7000))
+    copy = tmp_path / "b"
+    shutil.copytree(tmp_path / "a", copy)
+    copy_flags = [flag.replace(str(tmp_path / "a"), str(copy)) for flag in flags]
+    checks = [dr.check_shards(plan(*f, "--preset=smoke", "--bos_token=511", "--train_steps=5", nproc=1, nnodes=2, gpu_mode=False))
+              for f in (flags, copy_flags)]
+    prints = [check.detail.split("fingerprint ")[1].split(":")[0] for check in checks]
+    assert all(check.status == "ok" for check in checks) and prints[0] == prints[1] and len(prints[0]) == 16
+    assert checks[0].detail.endswith(": run this check on every machine, the fingerprints must match")
+    shard = copy / "t_train_000001.bin"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # one token differs on the second machine
+    shard.write_bytes(bytes(data))
+    changed = dr.check_shards(plan(*copy_flags, "--preset=smoke", "--bos_token=511", "--train_steps=5", nproc=1, nnodes=2, gpu_mode=False))
+    assert changed.status == "ok" and prints[0] not in changed.detail
+    assert "fingerprint" not in dr.check_shards(plan(*flags, "--preset=smoke", "--bos_token=511", "--train_steps=5", gpu_mode=False)).detail
+
+
+@pytest.mark.parametrize("track", [1, 3])
+def test_smoke_shards_are_written_on_every_machine_where_the_script_runs(tmp_path, monkeypatch, track):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DATA_PATH", raising=False)
+    where = "logs/smoke_shards_*/" if track == 1 else "data/smoke/"
+    two = dr.check_shards(plan("--preset=smoke", track=track, nnodes=2, gpu_mode=False))
+    assert two.status == "ok" and two.detail == f"the smoke preset writes its own synthetic shards ({where}), on each of the 2 machines (the same bytes on each)"
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    real_access = os.access
+    # a folder this process may not write (simulated: the tests may run as root, who may write anywhere)
+    monkeypatch.setattr(dr.os, "access", lambda path, mode: Path(path) != read_only and real_access(path, mode))
+    if track == 1:
+        blocked = dr.check_shards(plan("--preset=smoke", f"--log_dir={read_only}/logs", track=1, gpu_mode=False))
+        fix = "pass a --log_dir you can write to"
+    else:
+        monkeypatch.setenv("DATA_PATH", str(read_only))
+        blocked = dr.check_shards(plan("--preset=smoke", track=3, gpu_mode=False))
+        fix = "run from a folder you can write to, or set DATA_PATH"
+    assert blocked.status == "fail" and blocked.detail.endswith(f"but {read_only} is not writable") and blocked.fix == fix
+    assert dr.check_disk(plan("--preset=smoke", f"--log_dir={read_only}/logs", gpu_mode=False)).status == "fail"
 
 
 def test_disk_counts_the_checkpoints(tmp_path, monkeypatch):
@@ -335,11 +389,77 @@ def test_track3_walk_matches_the_loader(tmp_path):
 def test_without_torch_doctor_says_what_to_install(monkeypatch, capsys):
     real_find_spec = dr.importlib.util.find_spec
     monkeypatch.setattr(dr.importlib.util, "find_spec", lambda name: None if name == "torch" else real_find_spec(name))
+    monkeypatch.setattr(dr, "gpus_listed", lambda: False)
     assert dr.main([]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("ok    python")
-    assert lines[1].startswith("fail  torch      not installed -> pip install -r requirements.txt (torch >=2.11,<=2.13.0)")
-    assert lines[2] == "doctor: 1 check failed (torch): the run would not start as it is"
+    assert lines[1] == ("fail  torch      not installed; the training scripts need it -> pip install torch==2.13.0 "
+                        "--index-url https://download.pytorch.org/whl/cpu && pip install -r requirements.txt")
+    assert [line.split()[:2] for line in lines[2:6]] == [["ok", "numpy"], ["ok", "triton"], ["ok", "tiktoken"], ["ok", "huggingface_hub"]]
+    assert lines[6] == "doctor: 1 check failed (torch): the run would not start as it is"
+    monkeypatch.setattr(dr, "gpus_listed", lambda: True)  # a CUDA machine gets the CUDA build's command
+    assert dr.main([]) == 1
+    assert capsys.readouterr().out.splitlines()[1].endswith("-> pip install torch==2.11.0 -r requirements.txt")
+
+
+# ----- broken installs: a package that raises on import (issue 39, N40/N41) -----
+
+BROKEN = "raise RuntimeError('broken on purpose')\n"
+
+
+def run_doctor_with(fakes: dict[str, str], *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """doctor with a folder of fake top-level modules first on PYTHONPATH (each raises on import as given)."""
+    fake_dir = cwd / "fake_site"
+    fake_dir.mkdir(exist_ok=True)
+    for name, body in fakes.items():
+        (fake_dir / name).mkdir(exist_ok=True)
+        (fake_dir / name / "__init__.py").write_text(body)
+    env = {k: v for k, v in os.environ.items() if k not in ("DATA_PATH", "NNODES")}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(fake_dir))
+    return subprocess.run([sys.executable, str(TOOLS / "doctor.py"), *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["torch", "numpy"])
+def test_a_torch_or_numpy_that_raises_on_import_is_one_failed_line(tmp_path, name):
+    result = run_doctor_with({name: BROKEN}, cwd=tmp_path)
+    assert result.returncode == 1 and result.stderr == "", result.stderr
+    lines = result.stdout.splitlines()
+    assert f"fail  {name:<10} its import fails: RuntimeError: broken on purpose; the training scripts" in lines[[line.split()[1] for line in lines[:-1]].index(name)]
+    assert [line.split()[1] for line in lines[:-1]] == ["python", "torch", "numpy", "triton", "tiktoken", "huggingface_hub"]
+    failed = "1 check failed (torch)" if name == "torch" else "2 checks failed (torch, numpy)"  # torch imports numpy
+    assert lines[-1] == f"doctor: {failed}: the run would not start as it is"
+
+
+def test_a_triton_that_raises_on_import_fails_and_one_that_raises_import_error_warns_on_cpu(tmp_path):
+    broken = run_doctor_with({"triton": BROKEN}, cwd=tmp_path)
+    assert broken.returncode == 1 and broken.stderr == ""
+    (line,) = [line for line in broken.stdout.splitlines() if line.split()[1:2] == ["triton"]]
+    assert line.startswith("fail  triton     its import fails: RuntimeError: broken on purpose; train_gpt.py imports it at start -> ")
+
+    missing_library = run_doctor_with({"triton": "raise ImportError('libcuda.so.1: cannot open shared object file')\n"}, "--quick", cwd=tmp_path)
+    assert missing_library.returncode == 0, missing_library.stdout  # train_gpt.py runs without Triton on CPU
+    (line,) = [line for line in missing_library.stdout.splitlines() if line.split()[1:2] == ["triton"]]
+    assert line.startswith("warn  triton     its import fails: ImportError: libcuda.so.1: cannot open shared object file; "
+                           "the scripts run without it on CPU")
+
+
+def test_broken_data_packages_warn_and_the_run_still_starts(tmp_path):
+    result = run_doctor_with({"tiktoken": BROKEN, "huggingface_hub": "import no_such_dependency\n"}, "--quick", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout
+    lines = result.stdout.splitlines()
+    assert "warn  tiktoken   its import fails: RuntimeError: broken on purpose; data/fineweb.py needs it (training does not) -> pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && pip install -r requirements.txt" in lines
+    assert any(line.startswith("warn  huggingface_hub its import fails: ModuleNotFoundError: No module named 'no_such_dependency'; "
+                               "data/cached_fineweb*.py needs it") for line in lines)
+
+
+def test_an_import_that_kills_the_interpreter_is_reported(tmp_path, monkeypatch):
+    fake_dir = tmp_path / "fake_site"
+    (fake_dir / "crashing_package").mkdir(parents=True)
+    (fake_dir / "crashing_package" / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    monkeypatch.syspath_prepend(str(fake_dir))  # found here,
+    monkeypatch.setenv("PYTHONPATH", str(fake_dir))  # and imported by the child
+    errors = dr.import_errors(["json", "no_such_package_at_all", "crashing_package"])
+    assert errors == {"no_such_package_at_all": "not installed", "crashing_package": "its import kills the interpreter (exit status -9)"}
 
 
 def test_versions_and_torchs_triton_pin(monkeypatch):
