@@ -468,9 +468,8 @@ class Rotary(nn.Module):
         cos = self.cos[None, : x.size(1), None, None, :]
         sin = self.sin[None, : x.size(1), None, None, :]
         halves = x.to(cos.dtype).unflatten(-1, (2, -1))  # (..., 2, d/2): x1, x2
-        # (x1 cos + x2 sin, x2 cos + x1 (-sin)) without a cat of the halves: in training, inductor's q/k norm +
-        # rotary kernels took 28.2 ms per step with the cat form and 19.0 with this one (A/B profile, one H200,
-        # bench/NOTES.md)
+        # (x1 cos + x2 sin, x2 cos + x1 (-sin)) without a cat of the halves, which inductor fuses into cheaper q/k
+        # norm + rotary kernels (bench/NOTES.md, 2026-12-01)
         return (halves * cos + halves.flip(-2) * torch.cat((sin, -sin), dim=-2)).flatten(-2).type_as(x)
 
 
@@ -668,10 +667,16 @@ def choose_attention_backend(requested: str, device: torch.device) -> str:
 # tables go through TableLookups, the matrices through CastIntoGrad (Fast paths, with the eager formulas and the
 # measured reasons). Every zero_grad of the model or of its optimizers zeroes the buffers in place and leaves them
 # attached (reattach_grad_buffers): dropped, the next backward would add into a buffer no optimizer reads.
+def grad_buffer(param: nn.Parameter) -> Tensor | None:
+    """The parameter's gradient buffer, read from its module each time (a move of the module replaces it), or None."""
+    owner = getattr(param, "grad_buffer_owner", None)
+    return None if owner is None else getattr(owner[0], owner[1])
+
+
 def reattach_grad_buffers(params: Iterable[nn.Parameter]) -> None:
     """Each parameter that has a gradient buffer: the buffer zeroed, and set as its .grad again."""
     for param in params:
-        buffer = getattr(param, "grad_buffer", None)
+        buffer = grad_buffer(param)
         if buffer is not None:
             buffer.zero_()
             param.grad = buffer
@@ -815,12 +820,8 @@ class GPT(nn.Module):
         for param in params:
             module, name = owners[id(param)]
             module.register_buffer(f"{name}_grad", torch.zeros_like(param), persistent=False)
-            param.grad_buffer = getattr(module, f"{name}_grad")
+            param.grad_buffer_owner = (module, f"{name}_grad")  # where grad_buffer finds it
         self.zero_grad()
-
-    def grad_buffers(self) -> list[tuple[nn.Parameter, Tensor]]:
-        """(parameter, its gradient buffer) for the parameters of grads_into_buffers."""
-        return [(param, param.grad_buffer) for param in self.parameters() if hasattr(param, "grad_buffer")]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -854,7 +855,7 @@ class GPT(nn.Module):
     def forward(
         self, ids: Tensor, targets: Tensor, cu_seqlens: Tensor | None, ws_short: Window, ws_long: Window, max_seqlen: int
     ) -> Tensor:
-        """Sum of token losses in training, mean in eval. Windows in blocks (see Attention.window_args)."""
+        """Sum of token losses in training, mean in eval. Windows in blocks (see AttentionBackend.window_args)."""
         scalars = Scalars.of(self.scalars)
         inputs = self.attention.prepare(ids, cu_seqlens, {"short": ws_short, "long": ws_long}, max_seqlen)
         scale = self.rotary.softmax_scale(self.attention.takes_tensors)
@@ -1000,9 +1001,8 @@ def _orthogonalize_chunk(updates: Tensor, owned: list[nn.Parameter]) -> Tensor:
     """NS per entry; attn matrices as four (D, D) pieces (Q, K, V, O), zero for padding entries.
 
     The attn entries come first (muon_groups sorts by tag), so both kinds are slices. Indexing a CUDA tensor
-    with a Python list copies the list to the GPU and waits for all queued work (bench/sync_check.py found 10
-    such waits per step), after which the host's own work shows as GPU idle time: 610.97 -> 601.77 ms per step
-    on one H200 without them (paired A/B round, bench/NOTES.md, 2026-12-01, commit 256da49)."""
+    with a Python list copies the list to the GPU and waits for all queued work (bench/sync_check.py), after which
+    the host's own work shows as GPU idle time (bench/NOTES.md, 2026-12-01, commit 256da49)."""
     dtype = torch.bfloat16 if updates.device.type == "cuda" else torch.float32
     num_attn = sum(p.module_tag == "attn" for p in owned)
     assert all(p.module_tag == "attn" for p in owned[:num_attn]), "attn entries lead their group (muon_groups)"
@@ -2404,6 +2404,8 @@ def triton_runs(
         return interpreted
     if cuda_dtypes is not None and t.dtype not in cuda_dtypes:
         return False
+    if capability == (0, 0) and majors is None:  # no device query: some entry points run 32 times a micro-step
+        return True
     found = torch.cuda.get_device_capability(t.device)
     return found >= capability and (majors is None or found[0] in majors)
 
@@ -2510,7 +2512,7 @@ if triton is not None:
 
     @triton.jit
     def _cap_sigmoid(logits, CAP_DIVISOR: tl.constexpr, HARDWARE: tl.constexpr):
-        """sigmoid(logits / 7.5) as 1 / (1 + 2^(logits * -log2(e) / 7.5)) with an approximate reciprocal: the correctly
+        """sigmoid(logits / CAP_DIVISOR) as 1 / (1 + 2^(logits * -log2(e) / CAP_DIVISOR)) with an approximate reciprocal: the correctly
         rounded division is several times the instructions, and this kernel is bound by its arithmetic. On CUDA the
         bare MUFU reciprocal; otherwise the approximate division, which on CUDA gives the same bits here (its range
         guard only acts above 2^126) and which the interpreter runs (there as an exact division)."""
@@ -2560,7 +2562,7 @@ if triton is not None:
         # d(30 s)/dx = 30 s (1 - s) / 7.5 = 4 (s - s^2); the 4 rides in the scale (exact: a power of two before and
         # after each rounding, which the wrapper checks); then autograd's bf16 gradient, the division by the gradient
         # scale in bf16 (torch multiplies by the fp32 reciprocal) and the e5m2 cast
-        inv_scale_times_4 = grad_inv_scale * (CAP / CAP_DIVISOR)
+        inv_scale_times_cap_ratio = grad_inv_scale * (CAP / CAP_DIVISOR)
         block_grad = grad_ptr + row0.to(tl.int64) * N
         block_grad_t = grad_t_ptr + row0  # advanced by BLOCK_N rows of grad_t per tile: col0 * M needs 64 bits
         ahead = tl.load(block_logits + tile_offsets, mask=tile_mask, other=0.0)
@@ -2569,21 +2571,20 @@ if triton is not None:
             ahead = tl.load(block_logits + tl.minimum(col0 + BLOCK_N, N - BLOCK_N) + tile_offsets, mask=tile_mask, other=0.0)
             sig = _cap_sigmoid(logits, CAP_DIVISOR, HARDWARE)
             prob = tl.exp2(sig * CAP_LOG2E - log2_sum_exp[:, None])  # the softmax; the target's "- 1" comes below
-            code = _scaled_e5m2_codes(prob * (sig - sig * sig), inv_scale_times_4, HARDWARE)
+            code = _scaled_e5m2_codes(prob * (sig - sig * sig), inv_scale_times_cap_ratio, HARDWARE)
             tl.store(block_grad + col0 + tile_offsets, code, mask=tile_mask)
             tl.store(block_grad_t + tile_offsets_t, tl.trans(code), mask=tl.trans(tile_mask))
             block_grad_t += BLOCK_N * M
         # the target columns again, softmax - 1, over the loop's bytes: the barrier orders this block's stores
         tl.debug_barrier()
         target_prob = tl.exp2(target_sig * CAP_LOG2E - log2_sum_exp)
-        target_code = _scaled_e5m2_codes((target_prob - 1.0) * (target_sig - target_sig * target_sig), inv_scale_times_4, HARDWARE)
+        target_code = _scaled_e5m2_codes((target_prob - 1.0) * (target_sig - target_sig * target_sig), inv_scale_times_cap_ratio, HARDWARE)
         rows = row0 + local_rows
         tl.store(grad_ptr + rows.to(tl.int64) * N + targets, target_code, mask=row_ok)
         tl.store(grad_t_ptr + targets.to(tl.int64) * M + rows, target_code, mask=row_ok)
 
-# rows x columns per tile, warps: 4.67 ms per record micro-step on an H200, against 4.72 with 2 pipeline stages and
-# 4.92 with 4 warps (one invocation), and 5.10 against 4.81 for 64x128 w8 in another (bench/NOTES.md, 2026-12-02);
-# 32 rows store 32-byte runs of the transposed gradient
+# rows x columns per tile, warps: the fastest of bench/bench_softcap_ce.py's tiles on an H200 (bench/NOTES.md,
+# 2026-12-01); 32 rows store 32-byte runs of the transposed gradient
 SOFTCAP_CE_TILE = (32, 128, 8)
 
 
@@ -2630,8 +2631,8 @@ def softcap_ce_e5m2(
 # call on an H200 (two calls per micro-step, 4.0 ms per step in a trace; bench/NOTES.md, 2026-12-02, commit 7e9fd34).
 # A tile is read row-major and written transposed, both in whole rows of bytes. It only moves bytes, so it is
 # the eager copy bit for bit (tests/test_train_gpt_triton.py under the interpreter, tests/test_train_gpt_cuda.py).
-# rows, columns, warps: 0.063 / 0.051 ms for x / w on an H200 against 0.256 / 0.267 for the eager copy; 64x256 with 8
-# warps 0.055 / 0.055, the other tiles of bench/bench_fp8_head.py 0.052-0.080 (one invocation, bench/NOTES.md, 2026-12-02, commit 7e9fd34)
+# rows, columns, warps: the fastest of bench/bench_fp8_head.py's tiles on an H200, 0.063 / 0.051 ms for x / w against
+# 0.256 / 0.267 for the eager copy (bench/NOTES.md, 2026-12-02, commit 7e9fd34)
 FP8_TRANSPOSE_TILE = (64, 128, 4)
 
 if triton is not None:
@@ -2702,9 +2703,8 @@ def fp8_head_backward(
     column_major = lambda t: transpose_fp8(t).T  # _scaled_mm wants its second operand column-major
     grad_x = torch._scaled_mm(grad_f8, column_major(w_f8), scale_a=grad_scale, scale_b=_scale(w_s, x_f8), out_dtype=torch.bfloat16, use_fast_accum=False)
     # g^T (x/x_s) directly in the weight's (V, D) layout, so that the gradient comes out contiguous for the
-    # optimizer's reduce-scatter. In fp32, cast by autograd: out_dtype=bf16 gave the same bits on the bench's
-    # record-sized data, but cuBLAS picked a slower kernel for it (2.75 against 2.52 ms with the cast,
-    # bench/bench_fp8_head.py, bench/NOTES.md, 2026-12-02, commit 7e9fd34)
+    # optimizer's reduce-scatter. In fp32, cast by autograd: for out_dtype=bf16 cuBLAS picks a slower kernel
+    # (bench/bench_fp8_head.py; bench/NOTES.md, 2026-12-02, commit 7e9fd34)
     grad_w = torch._scaled_mm(grad_f8_t, column_major(x_f8), scale_a=grad_scale, scale_b=_scale(x_s, x_f8), out_dtype=torch.float32, use_fast_accum=False)
     return grad_x, grad_w
 
@@ -2930,11 +2930,11 @@ class ReLUSquaredProjection(torch.autograd.Function):
 # ---- gradients into fixed buffers: the tables' (summed over sorted ids) and the matrices' ----
 # Both families add a micro-step's gradient into the parameter's fixed gradient buffer (GPT.grads_into_buffers) in
 # their backward and give autograd no gradient for the parameter, so no AccumulateGrad runs; both add through the one
-# helper _add_into_grad_rows.
+# helper _add_into_grad_elements.
 if triton is not None:
 
     @triton.jit
-    def _add_into_grad_rows(grad_ptr, offsets, mask, summed, ROUND_TO_BF16: tl.constexpr):
+    def _add_into_grad_elements(grad_ptr, offsets, mask, summed, ROUND_TO_BF16: tl.constexpr):
         # grad += summed (fp32) as the eager formulas round it: for a bf16 grad summed.bfloat16(), then bf16 + bf16
         # computed in fp32 and rounded; for an fp32 grad one fp32 add
         old = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -2957,9 +2957,7 @@ if triton is not None:
 # sum into its row. Each row of the gradient is written by one program. The roundings are the formula's: fp32 sums,
 # one rounding to bf16, the add in fp32 rounded to bf16. The lookups' gradient reaches the op as a bf16 tensor, as in
 # eager autograd; where inductor fused its producer into the scatter it summed the unrounded fp32 values instead
-# (found on CPU; bench/NOTES.md, 2026-12-04, commit b67afb9), a difference of one bf16 rounding per term. The
-# tables' .grad are buffers that the backward adds into (GPT.grads_into_buffers): autograd gets no gradient for them, so no AccumulateGrad
-# runs.
+# (found on CPU; bench/NOTES.md, 2026-12-04, commit b67afb9), a difference of one bf16 rounding per term.
 TABLE_GRAD_TILE = (32, 256, 1)  # (sorted positions per chunk, columns per program, warps): bench/bench_embedding_grad.py
 
 if triton is not None:
@@ -2999,7 +2997,7 @@ if triton is not None:
                 if next_row != row:  # the run ends here
                     if begun_here:
                         if (row >= 0) & (row < n_rows):
-                            _add_into_grad_rows(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
+                            _add_into_grad_elements(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
                     else:  # the last part of a run that began in chunk `begin`
                         tl.atomic_add(parts_ptr + begin * DIM + cols, total, mask=col_ok, sem="relaxed")
                     total = tl.zeros((BLOCK_D,), tl.float32)
@@ -3027,7 +3025,7 @@ if triton is not None:
         began_here = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1) != row
         if goes_on & began_here & (row >= 0) & (row < n_rows):
             total = tl.load(parts_ptr + chunk * DIM + cols, mask=col_ok, other=0.0)
-            _add_into_grad_rows(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
+            _add_into_grad_elements(grad_ptr, row.to(tl.int64) * DIM + cols, col_ok, total, ROUND_TO_BF16)
 
 
 def accumulate_table_grads_eager(grad_outs: Sequence[Tensor], ids: Tensor, grads: Sequence[Tensor]) -> None:
@@ -3080,9 +3078,8 @@ def _(grad_outs: list[Tensor], ids: Tensor, grads: list[Tensor]) -> None:
 
 
 class TableLookups(torch.autograd.Function):
-    """TableLookups.apply(ids, *weights, *grad_buffers) = [F.embedding(ids, w) for w in weights], whose backward adds
-    each table's gradient into its buffer (accumulate_table_grads) and gives autograd none for the tables, so no
-    AccumulateGrad runs for them: each table's .grad must be its buffer (GPT.grads_into_buffers)."""
+    """TableLookups.apply(ids, *weights, *grad_buffers) = [F.embedding(ids, w) for w in weights]; its backward adds each
+    table's gradient into its buffer (accumulate_table_grads; the mechanism: GPT.grads_into_buffers)."""
 
     @staticmethod
     def forward(ctx: Any, ids: Tensor, *weights_and_buffers: Tensor) -> tuple[Tensor, ...]:
@@ -3103,9 +3100,8 @@ class TableLookups(torch.autograd.Function):
 # inductor writes the fp32 copy (4 bytes per element) and AccumulateGrad reads it back beside .grad: 18 bytes moved
 # per element and micro-step, 2.7 ms per step at one GPU for the 32 matrices (bench/NOTES.md, 2026-12-04, commit dff932c, the
 # `_to_copy` and `CUDAFunctor_add<float>` kernels). add_into_grad does .grad += grad_bf16 in one pass (10 bytes):
-# the same sum, as bf16 -> fp32 is exact and the add is one fp32 rounding either way. The matrices' .grad are
-# fixed buffers, zeroed by every zero_grad (GPT.grads_into_buffers), so the first micro-step adds to 0:
-# the one difference from autograd's values is that an exactly zero gradient is +0 where autograd kept a -0.
+# the same sum, as bf16 -> fp32 is exact and the add is one fp32 rounding either way. The buffers start each step at
+# 0, so the one difference from autograd's values is that an exactly zero gradient is +0 where autograd kept a -0.
 ADD_INTO_GRAD_BLOCK = 2048  # elements per program
 
 if triton is not None:
@@ -3114,7 +3110,7 @@ if triton is not None:
     def _add_into_grad_kernel(grad_ptr, addend_ptr, n, BLOCK: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
-        _add_into_grad_rows(grad_ptr, offsets, inside, tl.load(addend_ptr + offsets, mask=inside).to(tl.float32), ROUND_TO_BF16=False)
+        _add_into_grad_elements(grad_ptr, offsets, inside, tl.load(addend_ptr + offsets, mask=inside).to(tl.float32), ROUND_TO_BF16=False)
 
 
 def add_into_grad(grad: Tensor, addend: Tensor) -> None:
@@ -3142,9 +3138,8 @@ def _(grad: Tensor, addend: Tensor) -> None:
 
 
 class CastIntoGrad(torch.autograd.Function):
-    """CastIntoGrad.apply(matrix, buffer, dtype) = matrix.to(dtype), a copy, whose backward adds the gradient into
-    buffer (add_into_grad) and gives autograd none for the matrix, so no AccumulateGrad runs for it: the matrix's
-    .grad must be its buffer (GPT.grads_into_buffers)."""
+    """CastIntoGrad.apply(matrix, buffer, dtype) = matrix.to(dtype), a copy; its backward adds the gradient into buffer
+    (add_into_grad; the mechanism: GPT.grads_into_buffers)."""
 
     @staticmethod
     def forward(ctx: Any, matrix: Tensor, buffer: Tensor, dtype: torch.dtype) -> Tensor:

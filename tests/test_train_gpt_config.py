@@ -169,3 +169,38 @@ def test_git_commit_marks_modified_tracked_files(monkeypatch: pytest.MonkeyPatch
     answers = {"rev-parse": "abc123\n", "status": status}
     monkeypatch.setattr(tg, "_command_output", lambda args: answers[args[1]])
     assert tg.git_commit() == expected
+
+
+def _yarn_events(rotary: "tg.Rotary", windows: list[int]) -> list[tuple]:
+    """The apply_yarn and reset calls that set_window makes for this sequence of long windows, from a reset."""
+    events: list[tuple] = []
+    apply_yarn, reset = rotary.apply_yarn, rotary.reset
+    rotary.reset()
+    rotary.apply_yarn = lambda old, new: (events.append(("yarn", old, new)), apply_yarn(old, new))[1]
+    rotary.reset = lambda: (events.append(("reset",)), reset())[1]
+    for window in windows:
+        rotary.set_window(window)
+    return events
+
+
+def test_set_window_is_the_records_yarn_schedule_in_training_warmup_and_resume():
+    """Training: YaRN 3 -> 7 at step 547, 7 -> 11 at 1094, 11 -> 13 at 1680 and nothing else; the warm-up's cycle
+    3, 7, 11, 3, ... stretches twice per cycle and resets at each drop; a resumed run's replay ends in the tables of
+    the uninterrupted run, bit for bit."""
+    hp = tg.Hyperparameters()
+    rotary = tg.Rotary(128, 4096, hp.block_size, torch.float32)
+    schedule = [tg.window_blocks(step, hp)[1] for step in range(hp.train_steps + 1)]
+    assert _yarn_events(rotary, schedule) == [("yarn", 3, 7), ("yarn", 7, 11), ("yarn", 11, 13)]
+    assert [schedule.index(7), schedule.index(11), schedule.index(13)] == [547, 1094, 1680]
+    cycle = [hp.ws_schedule[step % 3] for step in range(hp.warmup_steps)]
+    assert _yarn_events(tg.Rotary(128, 4096, hp.block_size, torch.float32), cycle) == [("yarn", 3, 7), ("yarn", 7, 11), ("reset",)] * 9 + [
+        ("yarn", 3, 7), ("yarn", 7, 11)]
+    straight, resumed = (tg.Rotary(128, 4096, hp.block_size, torch.float32) for _ in range(2))
+    for step in range(1200):
+        straight.set_window(schedule[step])
+    resumed.set_window(11)  # a fresh process's tables, then the replay of training's steps before the checkpoint
+    resumed.reset()
+    for step in range(1200):
+        resumed.set_window(schedule[step])
+    assert torch.equal(straight.freqs, resumed.freqs) and torch.equal(straight.cos, resumed.cos)
+    assert straight.attn_scale == resumed.attn_scale

@@ -107,6 +107,11 @@ def test_in_place_table_gradients_equal_autograds_through_three_updates():
         assert torch.equal(p, q), name
 
 
+def module_buffers(model: tg.GPT) -> list[torch.Tensor]:
+    """The matrices' `<name>_grad` buffers, read from their modules (what the backward adds into)."""
+    return [getattr(module, f"{name}_grad") for module in model.modules() for name in tg.MATRIX_NAMES.get(type(module), ())]
+
+
 def in_cuda_dtypes(model: tg.GPT) -> tg.GPT:
     """build_model's dtypes on CUDA: tables and linears bf16 (so activations are bf16), matrices and scalars fp32."""
     for module in model.modules():
@@ -138,7 +143,9 @@ def test_in_place_matrix_gradients_equal_autograds_through_three_updates(cuda_dt
             ids[::37] = TINY_BOS
             for model in (plain, in_place):
                 model(ids, ids.long(), None, 1, 3, 128).backward()
-        assert all(p.grad is buffer for p, buffer in in_place.grad_buffers()) and len(in_place.grad_buffers()) == 4 + 32
+        buffered = [(p, tg.grad_buffer(p)) for p in in_place.parameters() if tg.grad_buffer(p) is not None]
+        assert len(buffered) == 4 + 32 and all(p.grad is buffer for p, buffer in buffered)
+        assert all(m.grad is m_module_buffer for m, m_module_buffer in zip(matrices, module_buffers(in_place)))
         for (name, p), q in zip(plain.named_parameters(), in_place.parameters()):
             assert torch.equal(p.grad, q.grad), name
         assert step < 2 or all(m.grad.abs().sum() > 0 for m in matrices)
@@ -294,3 +301,27 @@ def test_mlp_saves_what_the_unfused_mlp_saved() -> None:
     fused = activation_bytes(lambda: mlp(x))
     unfused = activation_bytes(lambda: _unfused_mlp(x, mlp.c_fc, mlp.c_proj))
     assert fused == unfused == 2 * 96 * 256 * 2
+
+
+def test_gradient_buffers_survive_every_zero_grad_and_a_move_of_the_model():
+    """The optimizers' zero_grad and the model's keep the buffers attached, zeroed; after a move of the model (which
+    replaces its buffers) the next zero_grad attaches the new ones, which the backward fills."""
+    model = tiny_model()
+    model.grads_into_buffers([*(table.weight for table in model.tables), *model.matrices()])
+    hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2)
+    adam, muon = tg.build_optimizers(model, hp, 0, 1)
+    ids = random_documents(128, num_bos=4, seed=3).to(torch.int32)
+    for zero_grad in (adam.zero_grad, muon.zero_grad, model.zero_grad):
+        model(ids, ids.long(), None, 1, 3, 128).backward()
+        zero_grad()
+        for param in (model.embed.weight, model.blocks[1].attn.qkvo_w):
+            assert param.grad is tg.grad_buffer(param) and not param.grad.any()
+    model._apply(lambda t: t.clone())  # what .to(device or dtype) does to the buffers: new tensors
+    model.zero_grad()
+    with torch.no_grad():  # the zero-initialized head and output projections would pass the tables no gradient
+        for param in model.parameters():
+            param.add_(torch.randn_like(param), alpha=0.05)
+    model(ids, ids.long(), None, 1, 3, 128).backward()
+    for param in (model.embed.weight, model.blocks[1].attn.qkvo_w):
+        module_buffer = tg.grad_buffer(param)
+        assert param.grad is module_buffer and module_buffer.abs().sum() > 0
