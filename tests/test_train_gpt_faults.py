@@ -5,6 +5,7 @@ import base64
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,7 +181,8 @@ def test_every_shard_fineweb_py_writes_is_read_by_both_scripts(tmp_path):
     assert len(served) == 2  # one from each full train shard, none from the short last one
 
 
-# ----- row 5: SIGKILL while train_gpt.py writes its smoke shards; two smoke runs at once -----
+# ----- row 5: SIGKILL while train_gpt.py writes its smoke shards; two smoke runs at once (and issue 38 item 7) -----
+ONE_CPU_PROCESS = tg.Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def smoke_hp(log_dir: Path) -> tg.Hyperparameters:
@@ -190,13 +192,25 @@ def smoke_hp(log_dir: Path) -> tg.Hyperparameters:
 
 def test_smoke_shards_survive_a_killed_writer_and_a_concurrent_run(tmp_path, one_process_group, monkeypatch, capsys):
     hp = smoke_hp(tmp_path / "logs")
-    train_pattern, _ = tg.smoke_shards(hp, rank=0)
+    train_pattern, _ = tg.smoke_shards(hp, ONE_CPU_PROCESS, time.time())
     folder = Path(train_pattern).parent
     (folder / "smoke_train_000002.bin").write_bytes(b"")  # what a writer killed by SIGKILL used to leave
-    train_pattern, val_pattern = tg.smoke_shards(hp, rank=0)
+    dead = folder / ".smoke_val_000000.bin.4242.0123abcd.tmp"  # what a writer killed by SIGKILL leaves now
+    live = folder / ".smoke_val_000000.bin.4343.4567cdef.tmp"  # a live writer's: it holds the lock
+    dead.write_bytes(b"half")
+    live.write_bytes(b"half")
+    for path in (dead, live):
+        os.utime(path, (time.time() - 60, time.time() - 60))
+    with open(live, "rb") as held:
+        tg.fcntl.flock(held, tg.fcntl.LOCK_EX)
+        train_pattern, val_pattern = tg.smoke_shards(hp, ONE_CPU_PROCESS, time.time())
     files = tg.resolve_files(train_pattern, "train")
     assert all(tg.read_shard(path, hp.vocab_size).size > 0 for path in files)
-    assert "rewriting" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    assert f"smoke shards: rewriting {folder / 'smoke_train_000002.bin'}, whose bytes are not this smoke run's" in out
+    assert f"smoke shards: removed {dead}, the temporary file of a killed writer" in out
+    assert not dead.exists() and live.exists()
+    live.unlink()
 
     # a second run writes the same shard between this run's check and its write
     other = smoke_hp(tmp_path / "race")
@@ -205,11 +219,11 @@ def test_smoke_shards_survive_a_killed_writer_and_a_concurrent_run(tmp_path, one
     def racing_tokens(*args, **kwargs):
         if not interleaved:
             interleaved.append(1)
-            tg.smoke_shards(other, rank=0)
+            tg.smoke_shards(other, ONE_CPU_PROCESS, time.time())
         return original(*args, **kwargs)
 
     monkeypatch.setattr(tg, "synthetic_tokens", racing_tokens)
-    train_pattern, val_pattern = tg.smoke_shards(other, rank=0)
+    train_pattern, val_pattern = tg.smoke_shards(other, ONE_CPU_PROCESS, time.time())
     assert interleaved and len(tg.resolve_files(train_pattern, "train")) == 2
     for path in tg.resolve_files(train_pattern, "train") + tg.resolve_files(val_pattern, "val"):
         tg.read_shard(path, hp.vocab_size)
@@ -231,8 +245,11 @@ def test_track1_bad_training_shard_is_refused_before_the_log_exists(tmp_path):
 
 
 def test_track3_bad_training_shard_is_refused_before_the_log_exists(workdir, capsys):
-    tgs.generate_smoke_shards(vocab_size=512)
-    bad = workdir / "data" / "smoke" / "smoke_train_000002.bin"
+    folder = workdir / "data" / "smoke"
+    folder.mkdir(parents=True)
+    for name, tokens in tgs.smoke_tokens(512).items():
+        tgs.write_shard(folder / name, tokens)
+    bad = folder / "smoke_train_000002.bin"
     bad.write_bytes(bad.read_bytes()[:-100])
     status, lines = track3_main(capsys, "--preset=smoke", "--matrix_optimizer=adamw",
                                 "--train_files=data/smoke/smoke_train_*.bin", "--val_files=data/smoke/smoke_val_*.bin")
@@ -282,14 +299,13 @@ def test_track3_resume_may_keep_writing_into_the_checkpoint_folder(workdir):
     straight = tgs.run(["--preset=smoke", *common]).trials[0].val_losses
     step4 = workdir / "ckpt" / "step000004"
     expected = {name: torch.load(step4 / name, weights_only=False) for name in ("shared.pt", "rank0.pt")}
-    for path in step4.iterdir():  # as if the run had been killed before step 4
-        path.unlink()
-    step4.rmdir()
+    for later in (step4, workdir / "ckpt" / "step000006"):  # as if the run had been killed before step 4
+        shutil.rmtree(later)
     resumed = tgs.run(["--preset=smoke", *common, f"--resume={workdir / 'ckpt' / 'step000002'}"]).trials[0].val_losses
     assert resumed[6] == straight[6]
     rewritten = torch.load(step4 / "shared.pt", weights_only=False)["model"]
     assert all(torch.equal(rewritten[name], value) for name, value in expected["shared.pt"]["model"].items())
-    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == ["step000002", "step000004"]
+    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == [".lock", "step000002", "step000004", "step000006"]
 
 
 def test_track3_runtime_only_settings_may_change_on_resume(workdir):
@@ -306,7 +322,7 @@ def test_track3_stale_partial_checkpoints_are_removed_with_one_line(workdir, cap
     result = tgs.run(["--preset=smoke", "--matrix_optimizer=adamw", "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
     line = "removed 1 unfinished checkpoint folder(s) of interrupted saves from ckpt: .step000002.partial-0123"
     assert line in capsys.readouterr().out.splitlines() and line in result.log_path.read_text().splitlines()
-    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == ["step000002"]
+    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == [".lock", "step000002", "step000004"]
 
 
 # ----- row 11: train_gpt.py's end-of-run checkpoint was written straight to its final name (resume: test_train_gpt_resume.py) -----
@@ -322,7 +338,7 @@ def test_track1_end_of_run_checkpoint_is_written_atomically(tmp_path, monkeypatc
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(OSError):
+    with pytest.raises(tg.UserError, match=r"^cannot write .*state_step000010\.pt \(No space left on device\)$"):
         tg.save_checkpoint(log_path, "run", 10, model, adam, muon)
     assert list((tmp_path / "run").iterdir()) == []  # neither the final name nor a temporary file
     monkeypatch.undo()
