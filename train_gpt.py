@@ -52,9 +52,12 @@ try:
     import torch.nn.functional as F
     from torch import Tensor, nn
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ModuleNotFoundError as missing:  # a Python without the requirements, e.g. outside the virtual environment
-    sys.exit(f"{Path(__file__).name}: error: cannot import {missing.name} in {sys.executable}; install the requirements "
-             f"(pip install -r requirements.txt, README.md#install) or run the Python that has them")
+except ImportError as missing:  # a Python without the requirements, e.g. outside the virtual environment
+    if __name__ != "__main__":
+        raise  # an importer (tools/doctor.py, the tests) reports it in its own way
+    print(f"{Path(__file__).name}: error: cannot import {missing.name or missing} in {sys.executable}; install the "
+          f"requirements (pip install -r requirements.txt, README.md#install) or run the Python that has them", file=sys.stderr)
+    sys.exit(2)
 
 try:
     import triton
@@ -304,10 +307,22 @@ def need(condition: bool, message: str) -> None:
 
 
 SEED_LIMIT = 2**64 - 1  # torch.manual_seed's largest
+NAME_LIMIT = 255  # bytes of one file name (NAME_MAX of Linux's file systems): a longer one fails every file operation
+PATH_FLAGS = ("train_files", "val_files", "log_dir", "checkpoint_dir", "resume")
+
+
+def check_path_names(hp: Hyperparameters) -> None:
+    """Every name in the path settings fits a file name."""
+    for flag in PATH_FLAGS:
+        for name in Path(getattr(hp, flag)).parts:
+            size = len(os.fsencode(name))
+            need(size <= NAME_LIMIT, f"--{flag}: the name {name[:20]}... is {size} bytes, longer than a file name may be "
+                                     f"({NAME_LIMIT}); pick a shorter --{flag}")
 
 
 def validate_hyperparameters(hp: Hyperparameters) -> None:
     """Every setting's range, at parse time (the float flags' finiteness: _parse_float), each a one-line UserError."""
+    check_path_names(hp)
     need(
         hp.attention_backend in ATTENTION_BACKENDS,
         f"--attention_backend={hp.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}",
@@ -318,6 +333,7 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
         (hp.model_dim // hp.num_heads) % 4 == 0, f"head dim {hp.model_dim // hp.num_heads} must be a multiple of 4 (half-truncated rotary)"
     )
     need(hp.model_dim >= GATE_INPUT_DIMS, f"--model_dim={hp.model_dim} must be at least {GATE_INPUT_DIMS} (the gates read 12 channels)")
+    need(hp.vocab_size >= 2, f"--vocab_size={hp.vocab_size} must be >= 2 (the BOS token and another)")
     need(0 <= hp.bos_token < hp.vocab_size, f"--bos_token={hp.bos_token} must lie in [0, vocab_size={hp.vocab_size})")
     need(hp.block_size > 0 and hp.block_size % 16 == 0, f"--block_size={hp.block_size} must be a positive multiple of 16")
     need(len(hp.ws_schedule) > 0 and min(hp.ws_schedule) >= 1, f"--ws_schedule={hp.ws_schedule} needs at least one window of >= 1 block")
@@ -347,7 +363,8 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
     need(hp.adam_eps > 0, f"--adam_eps={hp.adam_eps} must be > 0")
     need(
         hp.run_id == "" or (hp.run_id == Path(hp.run_id).name and hp.run_id not in (".", "..") and len(os.fsencode(hp.run_id)) <= 200),
-        f"--run_id={hp.run_id!r} must be a plain file name of at most 200 bytes (no '/'): the log is <log_dir>/<run_id>.txt",
+        f"--run_id={hp.run_id[:40]!r}{'...' if len(hp.run_id) > 40 else ''} must be a plain file name of at most 200 bytes "
+        f"(no '/'): the log is <log_dir>/<run_id>.txt",
     )
 
 
@@ -2062,15 +2079,8 @@ def checkpoint_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimize
 
 
 def check_output_folder(folder: Path, flag: str) -> None:
-    """The folder --flag names: every name in its path fits the file system, and it exists (created when missing)
-    and takes a new file; a one-line UserError otherwise."""
+    """The folder --flag names exists (created when missing) and takes a new file; a one-line UserError otherwise."""
     where = f"--{flag}={folder}"
-    existing = next(path for path in (folder.absolute(), *folder.absolute().parents) if path.exists())
-    limit = os.pathconf(existing, "PC_NAME_MAX") if existing.is_dir() else 255
-    for name in folder.parts:
-        if len(os.fsencode(name)) > limit:
-            raise UserError(f"{where}: the name {name[:20]}... is {len(os.fsencode(name))} bytes, longer than the file "
-                            f"system's {limit}; pick a shorter --{flag}")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{where}: is a file, not a folder; pick another --{flag}")
     try:
@@ -2134,11 +2144,11 @@ def prepare_outputs(log_path: Path, log_bytes: int, checkpoint_dir: Path | None,
     error, log_dir = None, log_path.parent
     if _is_master:
         try:
-            if log_path.exists():
-                raise UserError(f"{log_path} already exists; choose another --run_id (logs are never overwritten)")
             needs = [("log_dir", log_dir, log_bytes)] + ([("checkpoint_dir", checkpoint_dir, checkpoint_size)] if checkpoint_dir else [])
             for flag, folder, _ in needs:
                 check_output_folder(folder, flag)
+            if log_path.exists():
+                raise UserError(f"{log_path} already exists; choose another --run_id (logs are never overwritten)")
             check_room(needs)
             if checkpoint_dir is not None:
                 claim_checkpoint_dir(checkpoint_dir)

@@ -47,9 +47,12 @@ try:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch import Tensor, nn
-except ModuleNotFoundError as missing:  # a Python without the requirements, e.g. outside the virtual environment
-    sys.exit(f"{Path(__file__).name}: error: cannot import {missing.name} in {sys.executable}; install the requirements "
-             f"(pip install -r requirements.txt, README.md#install) or run the Python that has them")
+except ImportError as missing:  # a Python without the requirements, e.g. outside the virtual environment
+    if __name__ != "__main__":
+        raise  # an importer (tools/doctor.py, the tests) reports it in its own way
+    print(f"{Path(__file__).name}: error: cannot import {missing.name or missing} in {sys.executable}; install the "
+          f"requirements (pip install -r requirements.txt, README.md#install) or run the Python that has them", file=sys.stderr)
+    sys.exit(2)
 
 # The AdamW ablation must run without the package, hence the guard; the log embeds the package modules this
 # script imports (shampoo_source_files).
@@ -273,10 +276,22 @@ def need(condition: bool, message: str) -> None:
 
 
 SEED_LIMIT = 2**64 - 1  # torch.manual_seed's largest
+NAME_LIMIT = 255  # bytes of one file name (NAME_MAX of Linux's file systems): a longer one fails every file operation
+PATH_FLAGS = ("train_files", "val_files", "log_dir", "checkpoint_dir", "resume")
+
+
+def check_path_names(hp: Hyperparameters) -> None:
+    """Every name in the path settings fits a file name."""
+    for flag in PATH_FLAGS:
+        for name in Path(getattr(hp, flag)).parts:
+            size = len(os.fsencode(name))
+            need(size <= NAME_LIMIT, f"--{flag}: the name {name[:20]}... is {size} bytes, longer than a file name may be "
+                                     f"({NAME_LIMIT}); pick a shorter --{flag}")
 
 
 def validate_hyperparameters(hp: Hyperparameters) -> None:
     """Every setting's range, at parse time (the float flags' finiteness: _parse_float), each a one-line UserError."""
+    check_path_names(hp)
     need(hp.matrix_optimizer in ("shampoo", "adamw"), f"--matrix_optimizer={hp.matrix_optimizer!r}: use shampoo or adamw")
     for name in ("seq_len", "micro_batch_seqs", "vocab_size", "num_layers", "model_dim", "head_dim", "val_tokens",
                  "train_steps", "val_every", "val_every_late", "num_trials"):
@@ -1216,15 +1231,8 @@ def checkpoint_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimize
 
 
 def check_output_folder(folder: Path, flag: str) -> None:
-    """The folder --flag names: every name in its path fits the file system, and it exists (created when missing)
-    and takes a new file; a one-line UserError otherwise."""
+    """The folder --flag names exists (created when missing) and takes a new file; a one-line UserError otherwise."""
     where = f"--{flag}={folder}"
-    existing = next(path for path in (folder.absolute(), *folder.absolute().parents) if path.exists())
-    limit = os.pathconf(existing, "PC_NAME_MAX") if existing.is_dir() else 255
-    for name in folder.parts:
-        if len(os.fsencode(name)) > limit:
-            raise UserError(f"{where}: the name {name[:20]}... is {len(os.fsencode(name))} bytes, longer than the file "
-                            f"system's {limit}; pick a shorter --{flag}")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{where}: is a file, not a folder; pick another --{flag}")
     try:
@@ -1288,11 +1296,11 @@ def prepare_outputs(log_path: Path, log_bytes: int, checkpoint_dir: Path | None,
     error, log_dir = None, log_path.parent
     if _is_master:
         try:
-            if log_path.exists():
-                raise UserError(f"{log_path} already exists; choose another --run_id (logs are never overwritten)")
             needs = [("log_dir", log_dir, log_bytes)] + ([("checkpoint_dir", checkpoint_dir, checkpoint_size)] if checkpoint_dir else [])
             for flag, folder, _ in needs:
                 check_output_folder(folder, flag)
+            if log_path.exists():
+                raise UserError(f"{log_path} already exists; choose another --run_id (logs are never overwritten)")
             check_room(needs)
             if checkpoint_dir is not None:
                 claim_checkpoint_dir(checkpoint_dir)

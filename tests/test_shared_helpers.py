@@ -27,7 +27,7 @@ SCRIPTS = (ROOT / "train_gpt.py", ROOT / "train_gpt_shampoo.py")
 SHARED = (
     # errors and the command line
     "UserError", "RunStopped", "need", "_ArgumentParser", "_parse_bool", "_parse_float", "HELP_GROUPS", "setting",
-    "FLAG_GROUPS", "FLAG_HELP", "SEED_LIMIT",
+    "FLAG_GROUPS", "FLAG_HELP", "SEED_LIMIT", "NAME_LIMIT", "PATH_FLAGS", "check_path_names",
     # shards
     "SHARD_MAGIC", "SHARD_VERSION", "SHARD_HEADER_INTS", "GPT2_VOCAB_SIZE", "HUB_SHARD_SCRIPTS",
     "resolve_files", "shard_fix", "read_shard_header", "read_shard", "check_train_data", "shard_bytes",
