@@ -2052,6 +2052,7 @@ RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkp
 
 # ---- what a run writes, checked before its log exists (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
 FREE_SPACE_MARGIN = 64 * 2**20  # bytes beyond a run's estimated needs
+LOG_HEADER_BYTES = 64 * 2**10  # a log's environment block, at most (nvidia-smi's table is its longest part)
 CHECKPOINT_DIR_LOCK = ".lock"  # in a checkpoint folder: held (an OS lock) by the run that saves there
 _checkpoint_dir_lock: BinaryIO | None = None
 
@@ -2076,6 +2077,11 @@ def checkpoint_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimize
         params = [p for group in optimizer.param_groups for p in group["params"]]
         total += world_size * state if state else 2 * sum(p.nbytes for p in params)
     return total
+
+
+def log_bytes(source: str, lines: int) -> int:
+    """About the size of a run's log: the program, the environment block and `lines` lines of at most 200 bytes."""
+    return len(source.encode()) + LOG_HEADER_BYTES + 200 * lines
 
 
 def check_output_folder(folder: Path, flag: str) -> None:
@@ -2716,10 +2722,10 @@ def run(argv: list[str]) -> float:
 
     run_id = new_run_id(hp.run_id)
     checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id}")
-    log_bytes = len(Path(__file__).read_bytes()) + 200 * (hp.train_steps + 1)
+    log_size = log_bytes(Path(__file__).read_text(), 2 * (hp.train_steps + 1))  # a train and a val line per step, at most
     if hp.save_checkpoint:  # the end-of-run state, <log_dir>/<run_id>/state_step<N>.pt
-        log_bytes += checkpoint_bytes(raw_model, [adam, muon], world_size=1)
-    prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_bytes, checkpoint_dir if hp.checkpoint_every else None,
+        log_size += checkpoint_bytes(raw_model, [adam, muon], world_size=1)
+    prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_size, checkpoint_dir if hp.checkpoint_every else None,
                     checkpoint_bytes(raw_model, [adam, muon], rt.world_size), run_started)
     open_run_log(hp, run_id)
     print0("=" * 100)

@@ -1204,6 +1204,7 @@ RUNTIME_ONLY_FIELDS = frozenset(
 
 # ---- what a run writes, checked before its log exists (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
 FREE_SPACE_MARGIN = 64 * 2**20  # bytes beyond a run's estimated needs
+LOG_HEADER_BYTES = 64 * 2**10  # a log's environment block, at most (nvidia-smi's table is its longest part)
 CHECKPOINT_DIR_LOCK = ".lock"  # in a checkpoint folder: held (an OS lock) by the run that saves there
 _checkpoint_dir_lock: BinaryIO | None = None
 
@@ -1228,6 +1229,11 @@ def checkpoint_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimize
         params = [p for group in optimizer.param_groups for p in group["params"]]
         total += world_size * state if state else 2 * sum(p.nbytes for p in params)
     return total
+
+
+def log_bytes(source: str, lines: int) -> int:
+    """About the size of a run's log: the program, the environment block and `lines` lines of at most 200 bytes."""
+    return len(source.encode()) + LOG_HEADER_BYTES + 200 * lines
 
 
 def check_output_folder(folder: Path, flag: str) -> None:
@@ -1853,7 +1859,7 @@ def train_trials(hp: Hyperparameters, settings: dict[str, Any], overrides: dict[
     source = program_source()
     # the optimizers' state as a trial builds it (Shampoo's at once, AdamW's at its first step), measured once
     checkpoint_size = checkpoint_bytes(model, build_optimizers(model, hp, rt.world_size, rt.device), rt.world_size)
-    prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", len(source.encode()) + 200 * (hp.train_steps + 1) * hp.num_trials,
+    prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_bytes(source, 2 * (hp.train_steps + 1) * hp.num_trials),
                     checkpoint_dir if hp.checkpoint_every else None, checkpoint_size, run_started)
     error = None
     if _is_master:

@@ -42,7 +42,7 @@ SHARED = (
     "interrupted", "_on_stop_signal", "install_stop_handlers", "LOST_PROCESS_SIGNS", "lost_process_line",
     "StepHealth", "report_stop", "environment_lines",
     # what a run writes, checked before its log exists
-    "FREE_SPACE_MARGIN", "CHECKPOINT_DIR_LOCK", "_checkpoint_dir_lock", "tensor_bytes", "checkpoint_bytes",
+    "FREE_SPACE_MARGIN", "LOG_HEADER_BYTES", "log_bytes", "CHECKPOINT_DIR_LOCK", "_checkpoint_dir_lock", "tensor_bytes", "checkpoint_bytes",
     "check_output_folder", "check_room", "claim_checkpoint_dir", "release_checkpoint_dir", "prepare_outputs",
     # checkpoint files
     "PARTIAL_MARKER", "_last_checkpoint", "last_checkpoint_note", "remove_stale_partial_checkpoints", "HashingWriter",
