@@ -2044,12 +2044,6 @@ def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime)
         print0(f"muon_rank{rank}_owns: {owned}")
 
 
-# ---- checkpoints and resume ----
-CHECKPOINT_FORMAT = "train_gpt/2"  # /2: the manifest records each file's size and SHA-256
-# Settings that may differ between a checkpointed run and its resumption (the trajectory does not depend on them).
-RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"})
-
-
 # ---- what a run writes, checked before its log exists (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
 FREE_SPACE_MARGIN = 64 * 2**20  # bytes beyond a run's estimated needs
 LOG_HEADER_BYTES = 64 * 2**10  # a log's environment block, at most (nvidia-smi's table is its longest part)
@@ -2164,6 +2158,12 @@ def prepare_outputs(log_path: Path, log_bytes: int, checkpoint_dir: Path | None,
         except UserError as failure:
             error = str(failure)
     raise_if_any_rank_failed(error)
+
+
+# ---- checkpoints and resume ----
+CHECKPOINT_FORMAT = "train_gpt/2"  # /2: the manifest records each file's size and SHA-256
+# Settings that may differ between a checkpointed run and its resumption (the trajectory does not depend on them).
+RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"})
 
 
 # ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----

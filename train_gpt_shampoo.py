@@ -1191,17 +1191,6 @@ def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
             for group, params in split_parameters(model).items()]
 
 
-# ------------------------------------------------------------------------------------------------
-# Checkpoints and resume
-
-CHECKPOINT_FORMAT = "train_gpt_shampoo/4"  # /2: the settings moved to manifest.json; /3: the clock in ms; /4: file hashes
-# Settings that may differ between a checkpointed run and its resumption without changing the trajectory
-# (the root streams and their memory fraction change only how fast the same eigendecompositions run).
-RUNTIME_ONLY_FIELDS = frozenset(
-    {"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume", "shampoo_root_streams", "shampoo_root_memory_fraction"}
-)
-
-
 # ---- what a run writes, checked before its log exists (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
 FREE_SPACE_MARGIN = 64 * 2**20  # bytes beyond a run's estimated needs
 LOG_HEADER_BYTES = 64 * 2**10  # a log's environment block, at most (nvidia-smi's table is its longest part)
@@ -1316,6 +1305,17 @@ def prepare_outputs(log_path: Path, log_bytes: int, checkpoint_dir: Path | None,
         except UserError as failure:
             error = str(failure)
     raise_if_any_rank_failed(error)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints and resume
+
+CHECKPOINT_FORMAT = "train_gpt_shampoo/4"  # /2: the settings moved to manifest.json; /3: the clock in ms; /4: file hashes
+# Settings that may differ between a checkpointed run and its resumption without changing the trajectory
+# (the root streams and their memory fraction change only how fast the same eigendecompositions run).
+RUNTIME_ONLY_FIELDS = frozenset(
+    {"num_trials", "log_dir", "checkpoint_every", "checkpoint_dir", "resume", "shampoo_root_streams", "shampoo_root_memory_fraction"}
+)
 
 
 # ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
@@ -1735,7 +1735,7 @@ def run_trial(launch: Launch, trial: int, resume: ResumePoint | None) -> TrialRe
 
     val_losses: dict[int, float] = {}
     start_step = _step_reached = progress.step
-    requested = torch.tensor(float(_stop_signal is not None), device=rt.device)
+    requested = torch.tensor(float(stop_requested()), device=rt.device)
     dist.all_reduce(requested)  # a signal during the previous trial's last validation: agree before starting
     if requested.item() > 0:
         raise interrupted()
