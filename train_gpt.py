@@ -2725,8 +2725,8 @@ def run(argv: list[str]) -> float:
     log_size = log_bytes(Path(__file__).read_text(), 2 * (hp.train_steps + 1))  # a train and a val line per step, at most
     if hp.save_checkpoint:  # the end-of-run state, <log_dir>/<run_id>/state_step<N>.pt
         log_size += checkpoint_bytes(raw_model, [adam, muon], world_size=1)
-    prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_size, checkpoint_dir if hp.checkpoint_every else None,
-                    checkpoint_bytes(raw_model, [adam, muon], rt.world_size), run_started)
+    checkpoint_size = checkpoint_bytes(raw_model, [adam, muon], rt.world_size) if hp.checkpoint_every else 0
+    prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_size, checkpoint_dir if hp.checkpoint_every else None, checkpoint_size, run_started)
     open_run_log(hp, run_id)
     print0("=" * 100)
     track_lines = [f"attention_backend: {backend}", f"fp8_head: {'on' if fp8 else 'off'}"]

@@ -1857,8 +1857,9 @@ def train_trials(hp: Hyperparameters, settings: dict[str, Any], overrides: dict[
     run_id = new_run_id("")
     checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id}")
     source = program_source()
-    # the optimizers' state as a trial builds it (Shampoo's at once, AdamW's at its first step), measured once
-    checkpoint_size = checkpoint_bytes(model, build_optimizers(model, hp, rt.world_size, rt.device), rt.world_size)
+    # with checkpoints, their size: the optimizers' state as a trial builds it (Shampoo's at once, AdamW's at its
+    # first step), measured on a set built for it alone
+    checkpoint_size = checkpoint_bytes(model, build_optimizers(model, hp, rt.world_size, rt.device), rt.world_size) if hp.checkpoint_every else 0
     prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_bytes(source, 2 * (hp.train_steps + 1) * hp.num_trials),
                     checkpoint_dir if hp.checkpoint_every else None, checkpoint_size, run_started)
     error = None
