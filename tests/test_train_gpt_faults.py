@@ -339,6 +339,7 @@ def test_track1_end_of_run_checkpoint_is_written_atomically(tmp_path, monkeypatc
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", broken_save)
+    monkeypatch.setattr(tg, "_last_checkpoint", None)  # this process saved no resumable checkpoint
     with pytest.raises(tg.UserError, match=r"^cannot write .*state_step000010\.pt \(No space left on device\)$"):
         tg.save_checkpoint(log_path, "run", 10, model, adam, muon)
     assert list((tmp_path / "run").iterdir()) == []  # neither the final name nor a temporary file

@@ -75,8 +75,9 @@ def test_corrupt_and_truncated_checkpoints_are_refused_before_the_log_exists(wor
     assert logs(workdir) == [first_log]  # no stub log of the refused runs
 
 
-def test_track1_refuses_a_corrupt_checkpoint_before_the_log_exists(tmp_path):
+def test_track1_refuses_a_corrupt_checkpoint_before_the_log_exists(tmp_path, monkeypatch):
     """Track 1's checks run in its own order: the checkpoint before the log (written here by the shared helper)."""
+    monkeypatch.setattr(tg, "_last_checkpoint", None)  # write_checkpoint sets it: restored afterwards
     shards = make_shards(tmp_path / "data")
     checkpoint = tmp_path / "ckpt" / "step000004"
     checkpoint.parent.mkdir()
