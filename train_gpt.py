@@ -18,16 +18,21 @@ above read as (and what runs on CPU).
 import argparse
 import copy
 import dataclasses
+import fcntl
 import gc
 import glob
+import hashlib
 import json
 import math
 import os
+import re
+import resource
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -36,16 +41,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, NamedTuple, Sequence
 
-import numpy as np
-import torch
-# torch._dynamo before any process group exists: imported later (torch.optim and torch.compile do), it keeps
-# references to the group past destroy_process_group, whose gloo threads then race the interpreter's exit and
-# abort a finished CPU run now and then (SIGABRT in 1 of about 100 two-process smoke runs)
-import torch._dynamo  # noqa: F401
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+try:
+    import numpy as np
+    import torch
+    # torch._dynamo before any process group exists: imported later (torch.optim and torch.compile do), it keeps
+    # references to the group past destroy_process_group, whose gloo threads then race the interpreter's exit and
+    # abort a finished CPU run now and then (SIGABRT in 1 of about 100 two-process smoke runs)
+    import torch._dynamo  # noqa: F401
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import Tensor, nn
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError as missing:  # a Python without the requirements, e.g. outside the virtual environment
+    if __name__ != "__main__":
+        raise  # an importer (tools/doctor.py, the tests) reports it in its own way
+    print(f"{Path(__file__).name}: error: cannot import {missing.name or missing} in {sys.executable}; install the "
+          f"requirements (pip install -r requirements.txt, README.md#install) or run the Python that has them", file=sys.stderr)
+    sys.exit(2)
 
 try:
     import triton
@@ -183,6 +195,17 @@ def _parse_bool(text: str) -> bool:
     return value
 
 
+def _parse_float(text: str) -> float:
+    """A finite number: nan or inf in a setting would only show later, as a run that diverges or never learns."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
 def _parse_int_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.replace("(", "").replace(")", "").split(",") if part.strip())
 
@@ -190,7 +213,9 @@ def _parse_int_tuple(text: str) -> tuple[int, ...]:
 def _value_parser(field_type: Any) -> Callable[[str], Any]:
     if field_type is bool:
         return _parse_bool
-    if field_type in (int, float, str):
+    if field_type is float:
+        return _parse_float
+    if field_type in (int, str):
         return field_type
     return _parse_int_tuple  # the only other field type is tuple[int, ...]
 
@@ -281,16 +306,34 @@ def need(condition: bool, message: str) -> None:
         raise UserError(message)
 
 
+SEED_LIMIT = 2**64 - 1  # torch.manual_seed's largest
+NAME_LIMIT = 255  # bytes of one file name (NAME_MAX of Linux's file systems): a longer one fails every file operation
+PATH_FLAGS = ("train_files", "val_files", "log_dir", "checkpoint_dir", "resume")
+
+
+def check_path_names(hp: Hyperparameters) -> None:
+    """Every name in the path settings fits a file name."""
+    for flag in PATH_FLAGS:
+        for name in Path(getattr(hp, flag)).parts:
+            size = len(os.fsencode(name))
+            need(size <= NAME_LIMIT, f"--{flag}: the name {name[:20]}... is {size} bytes, longer than a file name may be "
+                                     f"({NAME_LIMIT}); pick a shorter --{flag}")
+
+
 def validate_hyperparameters(hp: Hyperparameters) -> None:
+    """Every setting's range, at parse time (the float flags' finiteness: _parse_float), each a one-line UserError."""
+    check_path_names(hp)
     need(
         hp.attention_backend in ATTENTION_BACKENDS,
         f"--attention_backend={hp.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}",
     )
+    need(hp.num_heads >= 1, f"--num_heads={hp.num_heads} must be >= 1")
     need(hp.model_dim % hp.num_heads == 0, f"--model_dim={hp.model_dim} must be a multiple of --num_heads={hp.num_heads}")
     need(
         (hp.model_dim // hp.num_heads) % 4 == 0, f"head dim {hp.model_dim // hp.num_heads} must be a multiple of 4 (half-truncated rotary)"
     )
     need(hp.model_dim >= GATE_INPUT_DIMS, f"--model_dim={hp.model_dim} must be at least {GATE_INPUT_DIMS} (the gates read 12 channels)")
+    need(hp.vocab_size >= 2, f"--vocab_size={hp.vocab_size} must be >= 2 (the BOS token and another)")
     need(0 <= hp.bos_token < hp.vocab_size, f"--bos_token={hp.bos_token} must lie in [0, vocab_size={hp.vocab_size})")
     need(hp.block_size > 0 and hp.block_size % 16 == 0, f"--block_size={hp.block_size} must be a positive multiple of 16")
     need(len(hp.ws_schedule) > 0 and min(hp.ws_schedule) >= 1, f"--ws_schedule={hp.ws_schedule} needs at least one window of >= 1 block")
@@ -309,6 +352,20 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
     need(0.0 <= hp.cooldown_frac <= 1.0, f"--cooldown_frac={hp.cooldown_frac} must lie in [0, 1]")
     need(hp.val_loss_every >= 0 and hp.warmup_steps >= 0, "--val_loss_every and --warmup_steps must be >= 0")
     need(hp.checkpoint_every >= 0, f"--checkpoint_every={hp.checkpoint_every} must be >= 0 (0: no checkpoints)")
+    need(hp.ws_validate >= 2, f"--ws_validate={hp.ws_validate} must be >= 2 (the final validation's short windows are ws_validate // 2 blocks)")
+    need(hp.ws_long_validate >= 1, f"--ws_long_validate={hp.ws_long_validate} must be >= 1")
+    need(hp.muon_momentum_warmup_steps >= 0, f"--muon_momentum_warmup_steps={hp.muon_momentum_warmup_steps} must be >= 0")
+    need(-1 <= hp.seed <= SEED_LIMIT, f"--seed={hp.seed} must be -1 (unseeded) or in [0, {SEED_LIMIT}]")
+    for name in ("adam_lr", "muon_lr", "weight_decay"):
+        need(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)} must be >= 0")
+    for name in ("adam_beta1", "adam_beta2", "muon_momentum", "muon_momentum_start"):
+        need(0 <= getattr(hp, name) < 1, f"--{name}={getattr(hp, name)} must lie in [0, 1)")
+    need(hp.adam_eps > 0, f"--adam_eps={hp.adam_eps} must be > 0")
+    need(
+        hp.run_id == "" or (hp.run_id == Path(hp.run_id).name and hp.run_id not in (".", "..") and len(os.fsencode(hp.run_id)) <= 200),
+        f"--run_id={hp.run_id[:40]!r}{'...' if len(hp.run_id) > 40 else ''} must be a plain file name of at most 200 bytes "
+        f"(no '/'): the log is <log_dir>/<run_id>.txt",
+    )
 
 
 # ---- schedules (step → value); the boundary steps of docs/track1_recipe.md#schedules are tested ----
@@ -1295,21 +1352,48 @@ def shard_bytes(tokens: np.ndarray) -> bytes:
     return header.tobytes() + tokens.astype("<u2").tobytes()
 
 
+TEMPORARY_NAME = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")  # write_atomically's: .<name>.<pid>.<random>.tmp
+
+
 def write_atomically(path: Path, write: Callable[[BinaryIO], object], replace: bool = True) -> None:
     """write(f) fills a temporary file in the same folder, which is then published under path: a crash never
-    leaves a partial file under the final name. replace=False never replaces an existing path (FileExistsError)."""
+    leaves a partial file under the final name. replace=False never replaces an existing path (FileExistsError).
+    The writer holds an OS lock on its temporary file until it is published: remove_dead_temporaries tells the
+    file of a killed writer from a live one's by it."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(temporary, "xb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        if replace:
-            os.replace(temporary, path)
-        else:
-            os.link(temporary, path)  # unlike a rename, fails when path exists
+            if replace:
+                os.replace(temporary, path)
+            else:
+                os.link(temporary, path)  # unlike a rename, fails when path exists
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def remove_dead_temporaries(folder: Path, started: float) -> list[Path]:
+    """Removes the temporary files of writers that were killed (write_atomically's, in folder): older than this run
+    (started, a time.time()) and locked by no process. A live writer locks its file just after creating it and holds
+    the lock until the file is published; the age leaves alone a file created a moment ago, not yet locked. Returns
+    the removed paths."""
+    removed = []
+    for path in sorted(folder.glob(".*.tmp")):
+        if not TEMPORARY_NAME.fullmatch(path.name):
+            continue
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_mtime >= started:
+                    continue
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                path.unlink()
+        except (BlockingIOError, FileNotFoundError):  # a live writer's, or published or removed meanwhile
+            continue
+        removed.append(path)
+    return removed
 
 
 def write_shard(path: str | Path, tokens: np.ndarray) -> None:
@@ -1606,42 +1690,50 @@ def synthetic_tokens(num_tokens: int, vocab_size: int, bos_token: int, seed: int
     return tokens
 
 
-def _is_valid_shard(path: Path) -> bool:
-    try:
-        read_shard_header(str(path))
-    except UserError:
-        return False
-    return True
+# ---- smoke shards (the same writer in train_gpt.py and train_gpt_shampoo.py; each track its own sizes and tokens) ----
+def write_smoke_shards(folder: Path, make_shards: Callable[[], dict[str, np.ndarray]], local_rank: int, started: float) -> tuple[str, str]:
+    """Makes folder hold exactly the shards make_shards() returns (file name -> tokens), on every machine: each
+    machine's first process keeps a file whose bytes are already these, writes any other afresh (atomically; a
+    missing, damaged or stale file: the folder is the smoke preset's own, one line announces a rewrite) and removes
+    the temporary files of killed writers; then every process waits for all machines (collective). The bytes follow
+    from the settings alone, so every rank reads identical shards, and machines sharing a file system write
+    identical files. Returns the train and val patterns, absolute (resolve_files's DATA_PATH prefix leaves them)."""
+    error = None
+    if local_rank == 0:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for path in remove_dead_temporaries(folder, started):
+                print(f"smoke shards: removed {path}, the temporary file of a killed writer", flush=True)
+            for name, tokens in make_shards().items():
+                path, data = folder / name, shard_bytes(tokens)
+                if path.is_dir():
+                    raise UserError(f"{path}: is a directory, not a token shard; move it away")
+                if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
+                    continue
+                if path.exists():
+                    print(f"smoke shards: rewriting {path}, whose bytes are not this smoke run's", flush=True)
+                write_atomically(path, lambda f: f.write(data))
+        except UserError as failure:
+            error = str(failure)
+        except OSError as failure:
+            error = f"smoke shards: cannot write {failure.filename or folder} ({failure.strerror}); free space there or pass --train_files and --val_files"
+    raise_if_any_rank_failed(error)
+    return str(folder.absolute() / "smoke_train_*.bin"), str(folder.absolute() / "smoke_val_*.bin")
 
 
-def smoke_shards(hp: Hyperparameters, rank: int) -> tuple[str, str]:
-    """Small deterministic shards for the smoke preset, written by rank 0 into a folder of log_dir named by
-    the settings that size them (reused when already present); returns the train and val patterns. Each of
-    the two train shards alone holds twice the run's tokens: BOS alignment drops the cut remainders of documents.
-    Writes are atomic, so concurrent smoke runs share the folder safely; an unreadable file there (left by a
-    killed writer) is rewritten."""
+def smoke_shards(hp: Hyperparameters, rt: "Runtime", started: float) -> tuple[str, str]:
+    """The smoke preset's shards of synthetic_tokens, in a folder of log_dir named by the settings that decide their
+    bytes: two train shards, each alone twice the run's tokens (BOS alignment drops the cut remainders of documents),
+    and a val shard."""
     folder = Path(hp.log_dir) / (
-        f"smoke_shards_v{hp.vocab_size}_b{hp.train_batch_size}_n{hp.train_steps}_w{hp.warmup_steps}_val{hp.val_tokens}"
+        f"smoke_shards_v{hp.vocab_size}_bos{hp.bos_token}_b{hp.train_batch_size}_n{hp.train_steps}_w{hp.warmup_steps}_val{hp.val_tokens}"
     )
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        train_tokens = 2 * hp.train_batch_size * (hp.train_steps + hp.warmup_steps + 1)
-        for name, size, seed in (
-            ("smoke_train_000001.bin", train_tokens, 1),
-            ("smoke_train_000002.bin", train_tokens, 2),
-            ("smoke_val_000000.bin", hp.val_tokens + 2, 3),
-        ):
-            path = folder / name
-            if path.is_file() and _is_valid_shard(path):
-                continue
-            if path.is_dir():
-                raise UserError(f"{path}: is a directory, not a token shard; move it away")
-            if path.exists():
-                print(f"smoke shards: rewriting {path}, which is not a complete shard", flush=True)
-            data = shard_bytes(synthetic_tokens(size, hp.vocab_size, hp.bos_token, seed))
-            write_atomically(path, lambda f: f.write(data))  # replaces the broken file: the folder is ours
-    dist.barrier()
-    return str(folder / "smoke_train_*.bin"), str(folder / "smoke_val_*.bin")
+    train_tokens = 2 * hp.train_batch_size * (hp.train_steps + hp.warmup_steps + 1)
+    return write_smoke_shards(folder, lambda: {
+        "smoke_train_000001.bin": synthetic_tokens(train_tokens, hp.vocab_size, hp.bos_token, seed=1),
+        "smoke_train_000002.bin": synthetic_tokens(train_tokens, hp.vocab_size, hp.bos_token, seed=2),
+        "smoke_val_000000.bin": synthetic_tokens(hp.val_tokens + 2, hp.vocab_size, hp.bos_token, seed=3),
+    }, rt.local_rank, started)
 
 
 # =============================================================================================
@@ -1710,8 +1802,54 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def raise_if_any_rank_failed(error: str | None) -> None:
+    """Collective: every rank passes its error (None: none) and all raise the first one as a UserError, so that a
+    check only some ranks make (rank 0's folders, each machine's smoke shards) stops every rank at the same point."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise UserError(first)
+
+
+def new_run_id(requested: str) -> str:
+    """The run's id on every rank: the requested one, or rank 0's fresh uuid4 (collective)."""
+    run_id = [requested or str(uuid.uuid4())]
+    dist.broadcast_object_list(run_id, 0)
+    return run_id[0]
+
+
 _log_path: Path | None = None  # rank 0's log, once created
+_log_error: str | None = None  # why rank 0 could not write its log: the run stops at its next check (stop_requested)
 _is_master = True
+
+
+def append_to_log(path: Path, text: str) -> None:
+    """Appends text (whole lines); a write that fails (ENOSPC, EFBIG) is undone, so the log never ends mid-line."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        size = os.fstat(fd).st_size
+        data = memoryview(text.encode())
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_log(text: str) -> None:
+    """Rank 0 appends text to the run log. A failed write is recorded in _log_error (nothing more is written): the
+    run stops at its next check, after the header, at a step boundary or at the end, with one line."""
+    global _log_error
+    if not _is_master or _log_path is None or _log_error is not None:
+        return
+    try:
+        append_to_log(_log_path, text)
+    except OSError as error:
+        _log_error = f"cannot write the log {_log_path} ({error.strerror})"
 
 
 def print0(s: str, console: bool = False) -> None:
@@ -1719,26 +1857,21 @@ def print0(s: str, console: bool = False) -> None:
     if not _is_master:
         return
     if console:
-        print(s, flush=True)
-    if _log_path is not None:
-        with open(_log_path, "a", encoding="utf-8") as f:
-            f.write(s + "\n")
-
-
-def open_log(log_dir: str, run_id: str) -> tuple[Path, str]:
-    """Creates <log_dir>/<run_id>.txt without ever overwriting a file; an empty run_id draws a uuid4 (again on a
-    collision)."""
-    folder = Path(log_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    while True:
-        rid = run_id or str(uuid.uuid4())
-        path = folder / f"{rid}.txt"
         try:
-            with open(path, "x", encoding="utf-8"):
-                return path, rid
-        except FileExistsError:
-            if run_id:
-                raise UserError(f"{path} already exists; choose another --run_id (logs are never overwritten)") from None
+            print(s, flush=True)
+        except OSError:  # the terminal is gone (SIGHUP from a dropped session): the log still gets the line
+            pass
+    write_log(s + "\n")
+
+
+def open_log(log_dir: str, run_id: str) -> Path:
+    """Creates <log_dir>/<run_id>.txt, never overwriting a file."""
+    path = Path(log_dir) / f"{run_id}.txt"
+    try:
+        with open(path, "x", encoding="utf-8"):
+            return path
+    except FileExistsError:
+        raise UserError(f"{path} already exists; choose another --run_id (logs are never overwritten)") from None
 
 
 def _command_output(args: list[str]) -> str | None:
@@ -1759,15 +1892,25 @@ def git_commit() -> str:
     return commit
 
 
-_stop_signal: int | None = None  # the first SIGINT or SIGTERM received
+_stop_signal: int | None = None  # the first SIGINT, SIGTERM or SIGHUP received
 _defer_stop = False  # while training: a signal is honoured at the next step boundary (see StepHealth)
 _step_reached = 0  # steps completed, for the interrupt message
 NON_FINITE_EXIT_STATUS = 3
+LOST_PROCESS_EXIT_STATUS = 4
 HEALTH_LAG_CUDA = 2  # steps between a training loss and its check: the GPU finished that step long ago
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: a dropped SSH session
+
+
+def stop_requested() -> bool:
+    """This process asks every rank to stop at the next step boundary: a signal arrived, or the log is unwritable."""
+    return _stop_signal is not None or _log_error is not None
 
 
 def interrupted(signum: int | None = None) -> RunStopped:
-    """The stop for a signal; by default the one this process received, or SIGTERM when another rank received it."""
+    """The stop at a step boundary: for an unwritable log, or for a signal, by default the one this process received
+    (SIGTERM when another rank received it)."""
+    if signum is None and _log_error is not None:
+        return RunStopped(f"step {_step_reached}: {_log_error}; stopping{last_checkpoint_note()}", 2)
     if signum is None:
         signum = _stop_signal if _stop_signal is not None else signal.SIGTERM
     return RunStopped(f"step {_step_reached}: interrupted by {signal.Signals(signum).name}", 128 + signum)
@@ -1785,8 +1928,24 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
 
 
 def install_stop_handlers() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, _on_stop_signal)
+
+
+# What a collective raises when another process of the run is gone (killed, or its machine lost): gloo's
+# RuntimeError and torch.distributed's DistError carry these words of the transport.
+LOST_PROCESS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "failed to recv, got 0 bytes",
+                      "remote process exited", "communicator was aborted")
+
+
+def lost_process_line(error: RuntimeError) -> str | None:
+    """The one line for a collective's error that says another process of the run is gone; None for any other."""
+    text = " ".join(str(error).split())
+    sign = next((sign for sign in LOST_PROCESS_SIGNS if sign in text), None)
+    if sign is None or not (isinstance(error, dist.DistError) or "gloo" in text):
+        return None
+    return (f"rank {os.environ.get('RANK', '0')}: step {_step_reached}: another process of this run is gone ({sign}); "
+            f"stopping (its own output says why)")
 
 
 class StepHealth:
@@ -1832,9 +1991,12 @@ def report_stop(line: str, every_rank: bool = False) -> None:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        Path(error_file).parent.mkdir(parents=True, exist_ok=True)
         message = json.dumps({"message": line, "timestamp": str(int(time.time()))}).encode()
-        write_atomically(Path(error_file), lambda f: f.write(message))
+        try:
+            Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(Path(error_file), lambda f: f.write(message))
+        except OSError:  # a full disk: the line is on stderr, the launcher adds its own report
+            pass
 
 
 def environment_lines(rt: Runtime, hp: Hyperparameters, overrides: dict[str, Any], track_lines: list[str],
@@ -1882,26 +2044,151 @@ def log_model_and_muon(model: GPT, muon: Muon, hp: Hyperparameters, rt: Runtime)
         print0(f"muon_rank{rank}_owns: {owned}")
 
 
+# ---- what a run writes, checked before its log exists (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
+FREE_SPACE_MARGIN = 64 * 2**20  # bytes beyond a run's estimated needs
+LOG_HEADER_BYTES = 64 * 2**10  # a log's environment block, at most (nvidia-smi's table is its longest part)
+CHECKPOINT_DIR_LOCK = ".lock"  # in a checkpoint folder: held (an OS lock) by the run that saves there
+_checkpoint_dir_lock: BinaryIO | None = None
+
+
+def tensor_bytes(state: Any) -> int:
+    """The bytes of the tensors in a (nested) state dict."""
+    if isinstance(state, Tensor):
+        return state.nbytes
+    if isinstance(state, dict):
+        return sum(tensor_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(value) for value in state)
+    return 0
+
+
+def checkpoint_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], world_size: int) -> int:
+    """About the size of one resumable checkpoint: the model and every rank's optimizer state (as large as this rank's;
+    an optimizer whose state appears at its first step, like Adam's moments, counts two values per parameter)."""
+    total = tensor_bytes(model.state_dict())
+    for optimizer in optimizers:
+        state = tensor_bytes(optimizer.state_dict()["state"])
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        total += world_size * state if state else 2 * sum(p.nbytes for p in params)
+    return total
+
+
+def log_bytes(source: str, lines: int) -> int:
+    """About the size of a run's log: the program, the environment block and `lines` lines of at most 200 bytes."""
+    return len(source.encode()) + LOG_HEADER_BYTES + 200 * lines
+
+
+def check_output_folder(folder: Path, flag: str) -> None:
+    """The folder --flag names exists (created when missing) and takes a new file; a one-line UserError otherwise."""
+    where = f"--{flag}={folder}"
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{where}: is a file, not a folder; pick another --{flag}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise UserError(f"{where}: cannot write there ({error.strerror}); pick a writable --{flag}") from None
+
+
+def check_room(needs: Sequence[tuple[str, Path, int]]) -> None:
+    """Each (flag, folder, bytes the run writes there): the file system holds all that its folders need, plus
+    FREE_SPACE_MARGIN, and no file would pass the file-size limit (ulimit -f; the bytes bound a file's size)."""
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    per_device: dict[int, int] = {}
+    for _, folder, size in needs:
+        per_device[folder.stat().st_dev] = per_device.get(folder.stat().st_dev, 0) + size
+    for flag, folder, size in needs:
+        needed, free = per_device[folder.stat().st_dev] + FREE_SPACE_MARGIN, shutil.disk_usage(folder).free
+        if free < needed:
+            raise UserError(f"--{flag}={folder}: {free / 2**20:.0f} MiB free, this run needs about {needed / 2**20:.0f} MiB "
+                            f"there (its log and one checkpoint, with a margin); free some space or pick another --{flag}")
+        if size_limit != resource.RLIM_INFINITY and size > size_limit:
+            raise UserError(f"--{flag}={folder}: this run writes files of up to about {size / 2**20:.1f} MiB there, above "
+                            f"the file-size limit of {size_limit / 2**20:.1f} MiB (ulimit -f); raise the limit")
+
+
+def claim_checkpoint_dir(directory: Path) -> None:
+    """Holds an OS lock on <directory>/.lock for the rest of the process (release_checkpoint_dir ends it sooner): one
+    run at a time saves into a folder, and staging folders found there are of saves that died with their run. A
+    folder another live run holds is a one-line UserError naming that run."""
+    global _checkpoint_dir_lock
+    lock = open(directory / CHECKPOINT_DIR_LOCK, "a+b")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().decode(errors="replace").strip() or "another process"
+        lock.close()
+        raise UserError(f"--checkpoint_dir={directory}: in use by another run ({owner}); pick another --checkpoint_dir "
+                        f"(two runs never save into one folder)") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    lock.flush()
+    _checkpoint_dir_lock = lock
+
+
+def release_checkpoint_dir() -> None:
+    global _checkpoint_dir_lock
+    if _checkpoint_dir_lock is not None:
+        _checkpoint_dir_lock.close()
+        _checkpoint_dir_lock = None
+
+
+def prepare_outputs(log_path: Path, log_bytes: int, checkpoint_dir: Path | None, checkpoint_size: int, started: float) -> None:
+    """Before the log exists (collective; rank 0 checks): the log is new, its folder and the checkpoint folder (None:
+    no checkpoints) are writable and hold the run's log and one checkpoint with a margin (check_output_folder,
+    check_room); the checkpoint folder is claimed for this run (claim_checkpoint_dir); the temporary files of killed
+    writers in the log's folder and its folders (end-of-run states, smoke shards) are removed. Each failure: one line,
+    on every rank."""
+    error, log_dir = None, log_path.parent
+    if _is_master:
+        try:
+            needs = [("log_dir", log_dir, log_bytes)] + ([("checkpoint_dir", checkpoint_dir, checkpoint_size)] if checkpoint_dir else [])
+            for flag, folder, _ in needs:
+                check_output_folder(folder, flag)
+            if log_path.exists():
+                raise UserError(f"{log_path} already exists; choose another --run_id (logs are never overwritten)")
+            check_room(needs)
+            if checkpoint_dir is not None:
+                claim_checkpoint_dir(checkpoint_dir)
+            for folder in [log_dir, *sorted(path for path in log_dir.iterdir() if path.is_dir())]:
+                for path in remove_dead_temporaries(folder, started):
+                    print(f"removed {path}, the temporary file of a killed writer", flush=True)
+        except UserError as failure:
+            error = str(failure)
+    raise_if_any_rank_failed(error)
+
+
 # ---- checkpoints and resume ----
-CHECKPOINT_FORMAT = "train_gpt/1"
+CHECKPOINT_FORMAT = "train_gpt/2"  # /2: the manifest records each file's size and SHA-256
 # Settings that may differ between a checkpointed run and its resumption (the trajectory does not depend on them).
 RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"})
 
 
 # ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
 # A resumable checkpoint is a folder: rank<r>.pt from every rank (its optimizer state, RNG), shared.pt from rank 0
-# (model, loader position, progress) and manifest.json (format, run id, world size, progress, settings), staged
-# in a hidden .<name>.partial-<run id> folder that rank 0 renames into place: a save is all or nothing, and an
-# existing checkpoint is never replaced.
+# (model, loader position, progress) and manifest.json (format, run id, world size, progress, settings, and each
+# file's size and SHA-256, computed while writing and checked before anything is loaded), staged in a hidden
+# .<name>.partial-<run id> folder that rank 0 renames into place: a save is all or nothing, and an existing
+# checkpoint is never replaced.
 PARTIAL_MARKER = ".partial-"
+_last_checkpoint: Path | None = None  # this run's newest complete checkpoint, or the one it resumed from
 
 
-def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> None:
-    """Rank 0 removes the staging folders of saves that never finished (their run was killed), older than this
-    run, and logs one line naming them."""
+def last_checkpoint_note() -> str:
+    """Where a stopped run can continue from, for its last line."""
+    if _last_checkpoint is None:
+        return ""
+    return f"; the last complete checkpoint is {_last_checkpoint} (--resume={_last_checkpoint} continues from it)"
+
+
+def remove_stale_partial_checkpoints(directory: Path) -> None:
+    """Rank 0 removes the staging folders of saves that never finished, and logs one line naming them. This run
+    holds the folder (claim_checkpoint_dir) and has not saved yet: every such folder is a dead run's."""
     if not _is_master or not directory.is_dir():
         return
-    stale = sorted(p for p in directory.glob(f".*{PARTIAL_MARKER}*") if p.is_dir() and p.stat().st_mtime < run_started)
+    stale = sorted(p for p in directory.glob(f".*{PARTIAL_MARKER}*") if p.is_dir())
     for path in stale:
         shutil.rmtree(path)
     if stale:
@@ -1909,8 +2196,45 @@ def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> Non
                f"{', '.join(path.name for path in stale)}", console=True)
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    write_atomically(path, lambda f: torch.save(obj, f))
+class HashingWriter:
+    """A binary file that counts and hashes (SHA-256) the bytes written through it, and keeps the file system's
+    error (ENOSPC, EFBIG), which torch.save reports only as a RuntimeError of its own."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.size, self.sha256 = f, 0, hashlib.sha256()
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            written = self.f.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+        self.sha256.update(data)
+        self.size += memoryview(data).nbytes
+        return written
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def atomic_torch_save(obj: Any, path: Path, replace: bool = True) -> dict[str, Any]:
+    """torch.save through write_atomically; returns the file's manifest entry (size, SHA-256). A failed write raises
+    its OSError."""
+    entry: dict[str, Any] = {}
+
+    def save(f: BinaryIO) -> None:
+        hashing = HashingWriter(f)
+        try:
+            torch.save(obj, hashing)
+        except RuntimeError:
+            if hashing.error is None:
+                raise
+            raise hashing.error from None
+        entry.update(bytes=hashing.size, sha256=hashing.sha256.hexdigest())
+
+    write_atomically(path, save, replace)
+    return entry
 
 
 def fsync_directory(path: Path) -> None:
@@ -1941,27 +2265,54 @@ def comparable_settings(hp: Hyperparameters) -> dict[str, Any]:
 
 def write_checkpoint(target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], progress: dict[str, Any],
                      rank_state: dict[str, Any], shared_state: dict[str, Any]) -> bool:
-    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists."""
+    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists. A write
+    that fails on any rank (a full disk) removes the staging folder and stops every rank with one line that names
+    the last complete checkpoint."""
+    global _last_checkpoint
     exists = [target.exists()]
     dist.broadcast_object_list(exists, 0)  # every rank takes the same branch
     if exists[0]:
         return False
     staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
-    if rt.rank == 0:
-        staging.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    atomic_torch_save(dict(rank_state, rng=rng_state(rt.device)), staging / f"rank{rt.rank}.pt")
-    if rt.rank == 0:
-        atomic_torch_save(dict(shared_state, progress=progress), staging / "shared.pt")
-    dist.barrier()
-    if rt.rank == 0:
-        manifest = dict(format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, **progress, hyperparameters=settings)
-        text = json.dumps(manifest, indent=1) + "\n"
-        write_atomically(staging / "manifest.json", lambda f: f.write(text.encode()))
-        fsync_directory(staging)
-        os.rename(staging, target)  # target was checked above; a rename never merges into an existing folder
-        fsync_directory(target.parent)
-    dist.barrier()
+
+    def agree(error: OSError | None, files: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Collective: every rank's files' manifest entries, or a stop on every rank when a rank's write failed."""
+        outcomes: list[Any] = [None] * rt.world_size
+        dist.all_gather_object(outcomes, (error.strerror if error else None, files or {}))
+        failed = next((strerror for strerror, _ in outcomes if strerror is not None), None)
+        if failed is not None:
+            if rt.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)  # frees the space of the partial save
+            raise UserError(f"step {progress['step']}: cannot write checkpoint {target} ({failed}){last_checkpoint_note()}")
+        return {name: entry for _, entries in outcomes for name, entry in entries.items()}
+
+    error, files = None, {}
+    try:
+        if rt.rank == 0:
+            staging.mkdir(parents=True, exist_ok=True)
+    except OSError as failure:
+        error = failure
+    agree(error)
+    try:
+        files[f"rank{rt.rank}.pt"] = atomic_torch_save(dict(rank_state, rng=rng_state(rt.device)), staging / f"rank{rt.rank}.pt")
+        if rt.rank == 0:
+            files["shared.pt"] = atomic_torch_save(dict(shared_state, progress=progress), staging / "shared.pt")
+    except OSError as failure:
+        error = failure
+    files = agree(error, files)
+    try:
+        if rt.rank == 0:
+            manifest = dict(format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, **progress,
+                            hyperparameters=settings, files=dict(sorted(files.items())))
+            text = json.dumps(manifest, indent=1) + "\n"
+            write_atomically(staging / "manifest.json", lambda f: f.write(text.encode()))
+            fsync_directory(staging)
+            os.rename(staging, target)  # target was checked above; a rename never merges into an existing folder
+            fsync_directory(target.parent)
+    except OSError as failure:
+        error = failure
+    agree(error)
+    _last_checkpoint = target
     return True
 
 
@@ -1978,8 +2329,58 @@ class ResumePoint(NamedTuple):
         return int(self.manifest.get("trial", 0))  # a launch of train_gpt_shampoo.py may run several trials
 
 
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """A checkpoint folder's manifest.json, when it is one of this script's version."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == CHECKPOINT_FORMAT else None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_problem(path: Path, manifest: dict[str, Any], world_size: int) -> str | None:
+    """What is wrong with a checkpoint's files, against the sizes and SHA-256 hashes its manifest records (None:
+    nothing): the first missing, truncated or corrupt file, named."""
+    recorded = manifest.get("files") or {}
+    for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)]:
+        entry, file = recorded.get(name), path / name
+        if not isinstance(entry, dict):
+            return f"manifest.json records no size and hash of {name}"
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != entry.get("bytes"):
+            return f"{name} is {size} bytes, manifest.json records {entry.get('bytes')} (the file is truncated or was replaced)"
+        if file_sha256(file) != entry.get("sha256"):
+            return f"{name} does not match the SHA-256 manifest.json records (the file is corrupt)"
+    return None
+
+
+def previous_complete_checkpoint(path: Path, manifest: dict[str, Any], world_size: int) -> Path | None:
+    """The newest checkpoint of path's folder before path whose files match their manifest."""
+    position = lambda m: (int(m.get("trial", 0)), int(m.get("step", 0)))
+    earlier = []
+    for folder in path.parent.iterdir():
+        other = read_manifest(folder) if folder.is_dir() and not folder.name.startswith(".") and folder != path else None
+        if other is not None and other.get("world_size") == world_size and position(other) < position(manifest):
+            earlier.append((position(other), folder, other))
+    for _, folder, other in sorted(earlier, key=lambda item: item[0], reverse=True):
+        if checkpoint_problem(folder, other, world_size) is None:
+            return folder
+    return None
+
+
 def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -> ResumePoint:
-    """Checks, before the run starts, that the checkpoint is complete and continues these settings."""
+    """Checks, before the run starts, that the checkpoint is complete, that its files are the ones its manifest
+    records (sizes and SHA-256), and that it continues these settings."""
     path = Path(path_text)
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
@@ -1996,9 +2397,15 @@ def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -
     if manifest["world_size"] != world_size:
         raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; resume with the same "
                         f"number (this run has {world_size})")
-    missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
-    if missing:
-        raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
+    try:
+        problem = checkpoint_problem(path, manifest, world_size)
+    except OSError as error:
+        problem = f"cannot read {error.filename} ({error.strerror})"
+    if problem is not None:
+        previous = previous_complete_checkpoint(path, manifest, world_size)
+        advice = (f"resume from {previous}, the previous complete checkpoint there" if previous is not None
+                  else f"{path.parent} holds no earlier complete checkpoint")
+        raise UserError(f"--resume={path_text}: {problem}; {advice}")
     saved = manifest["hyperparameters"]
     differing = [f"{name}={saved.get(name)!r} there, {value!r} here" for name, value in settings.items()
                  if name not in RUNTIME_ONLY_FIELDS and saved.get(name) != value]
@@ -2020,11 +2427,16 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"step{step:06d}"
 
 
-def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, start_step: int) -> None:
-    """The periodic checkpoints this run would write must not exist; earlier steps may (a resumed run keeps
-    writing into the folder of the run it continues)."""
+def checkpoint_steps(hp: Hyperparameters, start_step: int) -> list[int]:
+    """The steps after start_step at which --checkpoint_every saves: its multiples, and the last step."""
     every = hp.checkpoint_every
-    for step in range((start_step // every + 1) * every, hp.train_steps, every):
+    return [*range((start_step // every + 1) * every, hp.train_steps, every), hp.train_steps] if start_step < hp.train_steps else []
+
+
+def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, start_step: int) -> None:
+    """The checkpoints this run would write must not exist; earlier steps may (a resumed run keeps writing into the
+    folder of the run it continues)."""
+    for step in checkpoint_steps(hp, start_step):
         if checkpoint_path(directory, step).exists():
             raise UserError(
                 f"checkpoint {checkpoint_path(directory, step)} already exists and this run would write it; pick another --checkpoint_dir (checkpoints are never overwritten)"
@@ -2042,13 +2454,15 @@ def save_resumable(
 def save_checkpoint(log_path: Path, run_id: str, step: int, raw_model: GPT, adam: DistAdam, muon: Muon) -> Path:
     """The record's end-of-run state file (rank 0's view; not resumable), written atomically; never overwrites."""
     folder = log_path.parent / run_id
-    folder.mkdir(exist_ok=True)
     path = folder / f"state_step{step:06d}.pt"
     state = dict(step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()])
     try:
-        write_atomically(path, lambda f: torch.save(state, f), replace=False)
+        folder.mkdir(exist_ok=True)
+        atomic_torch_save(state, path, replace=False)
     except FileExistsError:
         raise UserError(f"{path} already exists; checkpoints are never overwritten") from None
+    except OSError as error:  # a full disk: the temporary file is gone, the log names what survives
+        raise UserError(f"cannot write {path} ({error.strerror}){last_checkpoint_note()}") from None
     return path
 
 
@@ -2149,7 +2563,9 @@ def train(
     the clock. Returns the final val loss.
 
     Starts at progress.step (0, or a checkpoint's). Stops early, raising RunStopped, on a non-finite training
-    or validation loss or at the step boundary after SIGINT/SIGTERM (checkpointing first when enabled)."""
+    or validation loss, or at the step boundary after SIGINT/SIGTERM/SIGHUP or a failed write of the log
+    (checkpointing first when enabled). A stopped run leaves _defer_stop set: a signal that arrives while it
+    reports (torchrun's SIGTERM to the other ranks) cannot cut the report short."""
     global _defer_stop, _step_reached
     train_steps, start = hp.train_steps, progress.step
     raw_model.rotary.reset()
@@ -2176,7 +2592,7 @@ def train(
         ws_short, ws_long = window_blocks(step, hp)
         raw_model.rotary.set_window(ws_long)
         validate = last_step or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0)
-        checkpoint = save_resumable_at is not None and not last_step and step != start and step % hp.checkpoint_every == 0
+        checkpoint = save_resumable_at is not None and step != start and (last_step or step % hp.checkpoint_every == 0)
         if validate or checkpoint:
             stop_clock()
             if validate:
@@ -2212,9 +2628,11 @@ def train(
         adam.step()
         muon.step()
         raw_model.zero_grad()  # keeps the tables' and matrices' gradient buffers, zeroed
-        health.push(step, step_loss, _stop_signal is not None)
+        health.push(step, step_loss, stop_requested())
         approx_ms = progress.training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
         print0(f"step:{step + 1}/{train_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms", console=True)
+    if _log_error is not None:  # the last step's lines did not reach the log
+        raise interrupted()
     _defer_stop = False
     return final_loss
 
@@ -2256,22 +2674,25 @@ def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GP
     return raw_model
 
 
-def open_run_log(hp: Hyperparameters) -> str:
-    """Rank 0 creates the log and writes this script's source into it; returns the run id, on every rank."""
+def open_run_log(hp: Hyperparameters, run_id: str) -> None:
+    """Rank 0 creates the log and writes this script's source into it (collective: a failure stops every rank)."""
     global _log_path
-    run_ids = [hp.run_id]
+    error = None
     if _is_master:
-        _log_path, run_ids[0] = open_log(hp.log_dir, hp.run_id)
-        print(f"log: {_log_path}", flush=True)
-        print0(Path(__file__).read_text())
-    dist.broadcast_object_list(run_ids, 0)
-    return run_ids[0]
+        try:
+            _log_path = open_log(hp.log_dir, run_id)
+        except UserError as failure:
+            error = str(failure)
+        else:
+            print(f"log: {_log_path}", flush=True)
+            print0(Path(__file__).read_text())
+    raise_if_any_rank_failed(error)
 
 
 def run(argv: list[str]) -> float:
-    """Every input check that can fail runs before the log file is created: a refused run leaves no log."""
-    global _is_master
-    run_started = time.time()
+    """Every check that can fail runs before the log file is created: a refused run leaves no log."""
+    global _is_master, _last_checkpoint, _log_error
+    run_started, _log_error = time.time(), None
     hp, overrides = parse_args(argv)
     settings = comparable_settings(hp)  # what a checkpoint of this run records (before the smoke preset's paths)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read at CUDA's first allocation
@@ -2281,7 +2702,7 @@ def run(argv: list[str]) -> float:
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     if "train_files" not in overrides and "val_files" not in overrides and overrides.get("preset") == "smoke":
-        smoke_train, smoke_val = smoke_shards(hp, rt.rank)
+        smoke_train, smoke_val = smoke_shards(hp, rt, run_started)
         hp = dataclasses.replace(hp, train_files=smoke_train, val_files=smoke_val)
     train_files = resolve_files(hp.train_files, "train")
     val_files = resolve_files(hp.val_files, "val")
@@ -2292,14 +2713,21 @@ def run(argv: list[str]) -> float:
     resume = open_checkpoint(hp.resume, settings, rt.world_size) if hp.resume else None
     if hp.checkpoint_every and hp.checkpoint_dir:  # the default folder is new: named by the run id
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume.step if resume else 0)
+    _last_checkpoint = resume.path if resume is not None else None
 
     backend = choose_attention_backend(hp.attention_backend, rt.device)
     fp8 = fp8_head_available(rt.device) and not hp.disable_fp8
     raw_model = build_model(hp, rt, backend, fp8)
     adam, muon = build_optimizers(raw_model, hp, rt.rank, rt.world_size)
 
-    run_id = open_run_log(hp)
+    run_id = new_run_id(hp.run_id)
     checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id}")
+    log_size = log_bytes(Path(__file__).read_text(), 2 * (hp.train_steps + 1))  # a train and a val line per step, at most
+    if hp.save_checkpoint:  # the end-of-run state, <log_dir>/<run_id>/state_step<N>.pt
+        log_size += checkpoint_bytes(raw_model, [adam, muon], world_size=1)
+    checkpoint_size = checkpoint_bytes(raw_model, [adam, muon], rt.world_size) if hp.checkpoint_every else 0
+    prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_size, checkpoint_dir if hp.checkpoint_every else None, checkpoint_size, run_started)
+    open_run_log(hp, run_id)
     print0("=" * 100)
     track_lines = [f"attention_backend: {backend}", f"fp8_head: {'on' if fp8 else 'off'}"]
     for line in environment_lines(rt, hp, overrides, track_lines, train_files, train_token_count, val_files, val_token_count):
@@ -2308,8 +2736,9 @@ def run(argv: list[str]) -> float:
     if resume is not None:
         print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at step {resume.step}")
     if hp.checkpoint_every:
-        remove_stale_partial_checkpoints(checkpoint_dir, run_started)
+        remove_stale_partial_checkpoints(checkpoint_dir)
     print0("=" * 100)
+    raise_if_any_rank_failed(_log_error)
 
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, all ranks together
     both_loaders = dict(
@@ -2350,6 +2779,9 @@ def run(argv: list[str]) -> float:
     allocated = torch.cuda.max_memory_allocated(rt.device) // 2**20 if on_cuda else 0
     reserved = torch.cuda.max_memory_reserved(rt.device) // 2**20 if on_cuda else 0
     print0(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB", console=True)
+    if _log_error is not None:
+        raise UserError(_log_error + last_checkpoint_note())
+    release_checkpoint_dir()
     dist.destroy_process_group()
     return final_loss
 
@@ -2366,8 +2798,16 @@ def main() -> None:
         print0(str(stop))
         report_stop(str(stop), stop.every_rank)
         status = stop.exit_status
+    except RuntimeError as error:  # only the collectives' errors for a lost process; any other is raised
+        line = lost_process_line(error)
+        if line is None:
+            raise
+        print0(line)
+        report_stop(line, every_rank=True)
+        status = LOST_PROCESS_EXIT_STATUS
     else:
         return
+    release_checkpoint_dir()
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(status)

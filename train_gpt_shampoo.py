@@ -15,16 +15,20 @@ constant by constant in docs/track3_recipe.md.
 import argparse
 import ast
 import dataclasses
+import fcntl
 import glob
+import hashlib
 import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -33,15 +37,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, NamedTuple, cast
 
-import numpy as np
-import torch
-# torch._dynamo before any process group exists: imported later (torch.optim and torch.compile do), it keeps
-# references to the group past destroy_process_group, whose gloo threads then race the interpreter's exit and
-# abort a finished CPU run now and then (SIGABRT in 1 of about 100 two-process smoke runs)
-import torch._dynamo  # noqa: F401
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
+try:
+    import numpy as np
+    import torch
+    # torch._dynamo before any process group exists: imported later (torch.optim and torch.compile do), it keeps
+    # references to the group past destroy_process_group, whose gloo threads then race the interpreter's exit and
+    # abort a finished CPU run now and then (SIGABRT in 1 of about 100 two-process smoke runs)
+    import torch._dynamo  # noqa: F401
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import Tensor, nn
+except ImportError as missing:  # a Python without the requirements, e.g. outside the virtual environment
+    if __name__ != "__main__":
+        raise  # an importer (tools/doctor.py, the tests) reports it in its own way
+    print(f"{Path(__file__).name}: error: cannot import {missing.name or missing} in {sys.executable}; install the "
+          f"requirements (pip install -r requirements.txt, README.md#install) or run the Python that has them", file=sys.stderr)
+    sys.exit(2)
 
 # The AdamW ablation must run without the package, hence the guard; the log embeds the package modules this
 # script imports (shampoo_source_files).
@@ -189,7 +200,24 @@ def _parse_bool(text: str) -> bool:
     return value
 
 
-VALUE_PARSERS: dict[Any, Callable[[str], Any]] = {bool: _parse_bool, int: int, float: float, str: str}
+def _parse_float(text: str) -> float:
+    """A finite number: nan or inf in a setting would only show later, as a run that diverges or never learns."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _parse_bound(text: str) -> float:
+    """A finite number, or inf for no bound."""
+    return math.inf if text.strip().lower() in ("inf", "+inf", "infinity") else _parse_float(text)
+
+
+VALUE_PARSERS: dict[Any, Callable[[str], Any]] = {bool: _parse_bool, int: int, float: _parse_float, str: str}
+BOUND_FLAGS = frozenset({"shampoo_root_memory_fraction"})  # float settings that take inf: no bound
 
 # ---- command line: --name=value for every field, grouped in --help the same way in both training scripts ----
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
@@ -214,7 +242,8 @@ def _build_parser() -> _ArgumentParser:
             field = fields[name]
             also = "".join(f"; also --{alias}" for alias, target in FLAG_ALIASES.items() if target == name)
             default = '""' if field.default == "" else field.default
-            group.add_argument(f"--{name}", type=VALUE_PARSERS[field.type], default=argparse.SUPPRESS,
+            value_parser = _parse_bound if name in BOUND_FLAGS else VALUE_PARSERS[field.type]
+            group.add_argument(f"--{name}", type=value_parser, default=argparse.SUPPRESS,
                                metavar=getattr(field.type, "__name__", "VALUE"),
                                help=f"{FLAG_HELP.get(name, '')} (default: {default}){also}")
     for alias, target in FLAG_ALIASES.items():
@@ -246,7 +275,23 @@ def need(condition: bool, message: str) -> None:
         raise UserError(message)
 
 
+SEED_LIMIT = 2**64 - 1  # torch.manual_seed's largest
+NAME_LIMIT = 255  # bytes of one file name (NAME_MAX of Linux's file systems): a longer one fails every file operation
+PATH_FLAGS = ("train_files", "val_files", "log_dir", "checkpoint_dir", "resume")
+
+
+def check_path_names(hp: Hyperparameters) -> None:
+    """Every name in the path settings fits a file name."""
+    for flag in PATH_FLAGS:
+        for name in Path(getattr(hp, flag)).parts:
+            size = len(os.fsencode(name))
+            need(size <= NAME_LIMIT, f"--{flag}: the name {name[:20]}... is {size} bytes, longer than a file name may be "
+                                     f"({NAME_LIMIT}); pick a shorter --{flag}")
+
+
 def validate_hyperparameters(hp: Hyperparameters) -> None:
+    """Every setting's range, at parse time (the float flags' finiteness: _parse_float), each a one-line UserError."""
+    check_path_names(hp)
     need(hp.matrix_optimizer in ("shampoo", "adamw"), f"--matrix_optimizer={hp.matrix_optimizer!r}: use shampoo or adamw")
     for name in ("seq_len", "micro_batch_seqs", "vocab_size", "num_layers", "model_dim", "head_dim", "val_tokens",
                  "train_steps", "val_every", "val_every_late", "num_trials"):
@@ -256,7 +301,7 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
     need(0.0 <= hp.cooldown_frac <= 1.0, f"--cooldown_frac={hp.cooldown_frac}: must be in [0, 1]")
     need(0.0 <= hp.late_frac <= 1.0, f"--late_frac={hp.late_frac}: must be in [0, 1]")
     need(hp.checkpoint_every >= 0, f"--checkpoint_every={hp.checkpoint_every}: must be >= 0 (0 = off)")
-    need(hp.seed >= -1, f"--seed={hp.seed}: must be >= 0, or -1 for no seed")
+    need(-1 <= hp.seed <= SEED_LIMIT, f"--seed={hp.seed}: must be -1 (unseeded) or in [0, {SEED_LIMIT}]")
     for name in ("adam_embed_lr", "adam_head_lr", "adam_scalar_lr", "adam_weight_decay", "matrix_lr", "matrix_weight_decay"):
         need(getattr(hp, name) >= 0, f"--{name}={getattr(hp, name)}: must be >= 0")
     for name in ("adam_beta1", "adam_beta2", "matrix_beta1", "shampoo_grafting_beta2"):
@@ -359,21 +404,48 @@ def shard_bytes(tokens: np.ndarray) -> bytes:
     return header.tobytes() + tokens.astype("<u2").tobytes()
 
 
+TEMPORARY_NAME = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")  # write_atomically's: .<name>.<pid>.<random>.tmp
+
+
 def write_atomically(path: Path, write: Callable[[BinaryIO], object], replace: bool = True) -> None:
     """write(f) fills a temporary file in the same folder, which is then published under path: a crash never
-    leaves a partial file under the final name. replace=False never replaces an existing path (FileExistsError)."""
+    leaves a partial file under the final name. replace=False never replaces an existing path (FileExistsError).
+    The writer holds an OS lock on its temporary file until it is published: remove_dead_temporaries tells the
+    file of a killed writer from a live one's by it."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(temporary, "xb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        if replace:
-            os.replace(temporary, path)
-        else:
-            os.link(temporary, path)  # unlike a rename, fails when path exists
+            if replace:
+                os.replace(temporary, path)
+            else:
+                os.link(temporary, path)  # unlike a rename, fails when path exists
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def remove_dead_temporaries(folder: Path, started: float) -> list[Path]:
+    """Removes the temporary files of writers that were killed (write_atomically's, in folder): older than this run
+    (started, a time.time()) and locked by no process. A live writer locks its file just after creating it and holds
+    the lock until the file is published; the age leaves alone a file created a moment ago, not yet locked. Returns
+    the removed paths."""
+    removed = []
+    for path in sorted(folder.glob(".*.tmp")):
+        if not TEMPORARY_NAME.fullmatch(path.name):
+            continue
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_mtime >= started:
+                    continue
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                path.unlink()
+        except (BlockingIOError, FileNotFoundError):  # a live writer's, or published or removed meanwhile
+            continue
+        removed.append(path)
+    return removed
 
 
 def write_shard(path: str | Path, tokens: np.ndarray) -> None:
@@ -462,13 +534,43 @@ def load_validation_data(val_files: list[str], hp: Hyperparameters, rt: "Runtime
     return loader.next_batch()
 
 
-def generate_smoke_shards(vocab_size: int, relative_dir: str = "data/smoke") -> tuple[str, str]:
-    """Small deterministic shards with learnable structure (each token has a few likely successors);
-    returns their patterns, which resolve_files prefixes with DATA_PATH like any other."""
-    directory = Path(os.environ.get("DATA_PATH", ""), relative_dir)
-    directory.mkdir(parents=True, exist_ok=True)
+# ---- smoke shards (the same writer in train_gpt.py and train_gpt_shampoo.py; each track its own sizes and tokens) ----
+def write_smoke_shards(folder: Path, make_shards: Callable[[], dict[str, np.ndarray]], local_rank: int, started: float) -> tuple[str, str]:
+    """Makes folder hold exactly the shards make_shards() returns (file name -> tokens), on every machine: each
+    machine's first process keeps a file whose bytes are already these, writes any other afresh (atomically; a
+    missing, damaged or stale file: the folder is the smoke preset's own, one line announces a rewrite) and removes
+    the temporary files of killed writers; then every process waits for all machines (collective). The bytes follow
+    from the settings alone, so every rank reads identical shards, and machines sharing a file system write
+    identical files. Returns the train and val patterns, absolute (resolve_files's DATA_PATH prefix leaves them)."""
+    error = None
+    if local_rank == 0:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for path in remove_dead_temporaries(folder, started):
+                print(f"smoke shards: removed {path}, the temporary file of a killed writer", flush=True)
+            for name, tokens in make_shards().items():
+                path, data = folder / name, shard_bytes(tokens)
+                if path.is_dir():
+                    raise UserError(f"{path}: is a directory, not a token shard; move it away")
+                if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
+                    continue
+                if path.exists():
+                    print(f"smoke shards: rewriting {path}, whose bytes are not this smoke run's", flush=True)
+                write_atomically(path, lambda f: f.write(data))
+        except UserError as failure:
+            error = str(failure)
+        except OSError as failure:
+            error = f"smoke shards: cannot write {failure.filename or folder} ({failure.strerror}); free space there or pass --train_files and --val_files"
+    raise_if_any_rank_failed(error)
+    return str(folder.absolute() / "smoke_train_*.bin"), str(folder.absolute() / "smoke_val_*.bin")
+
+
+def smoke_tokens(vocab_size: int) -> dict[str, np.ndarray]:
+    """Small deterministic shards with learnable structure: each token drawn from four likely successors of the
+    previous one (one random table, then the three shards from the same generator, in this order)."""
     rng = np.random.default_rng(0)
     successors = rng.integers(0, vocab_size, size=(vocab_size, 4))
+    shards = {}
     for name, num_tokens in [("smoke_train_000001.bin", 32768), ("smoke_train_000002.bin", 32768),
                              ("smoke_val_000000.bin", 8192)]:
         tokens = np.empty(num_tokens, dtype=np.int64)
@@ -476,8 +578,16 @@ def generate_smoke_shards(vocab_size: int, relative_dir: str = "data/smoke") -> 
         choices = rng.integers(0, 4, size=num_tokens)
         for i in range(1, num_tokens):
             tokens[i] = successors[tokens[i - 1], choices[i]]
-        write_shard(directory / name, tokens)
-    return f"{relative_dir}/smoke_train_*.bin", f"{relative_dir}/smoke_val_*.bin"
+        shards[name] = tokens
+    return shards
+
+
+def smoke_shards(hp: Hyperparameters, rt: "Runtime", started: float) -> tuple[str, str]:
+    """The smoke preset's shards of smoke_tokens, in data/smoke/v<vocab_size> (under DATA_PATH when set): their bytes
+    depend on the vocabulary size alone."""
+    folder = Path(os.environ.get("DATA_PATH", ""), "data", "smoke", f"v{hp.vocab_size}")
+    return write_smoke_shards(folder, lambda: smoke_tokens(hp.vocab_size), rt.local_rank, started)
+
 
 
 # ------------------------------------------------------------------------------------------------
@@ -657,6 +767,13 @@ def require_shampoo() -> None:
                         f"({SHAMPOO_IMPORT_ERROR}); or pass --matrix_optimizer=adamw")
 
 
+def start_preconditioning_step(hp: Hyperparameters) -> int:
+    """-1 resolved here, as the package would resolve it (the precondition frequency), so that the package has no
+    notice to print (it printed one per rank, on stderr); the log's header names the step."""
+    start = hp.shampoo_start_preconditioning_step
+    return hp.shampoo_precondition_frequency if start == -1 else start
+
+
 def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) -> torch.optim.Optimizer:
     """The record's arguments (docs/track3_recipe.md#shampoo-arguments)."""
     require_shampoo()
@@ -674,7 +791,7 @@ def build_shampoo(matrices: list[Tensor], hp: Hyperparameters, world_size: int) 
         weight_decay_type=WeightDecayType.DECOUPLED,
         max_preconditioner_dim=hp.shampoo_max_preconditioner_dim,
         precondition_frequency=hp.shampoo_precondition_frequency,
-        start_preconditioning_step=hp.shampoo_start_preconditioning_step,
+        start_preconditioning_step=start_preconditioning_step(hp),
         grafting_config=AdamPreconditionerConfig(beta2=hp.shampoo_grafting_beta2, epsilon=hp.shampoo_grafting_epsilon),
         # full (unpacked) factors, as the record's package stored them: packing changes float32 rounding
         preconditioner_config=RootInvShampooPreconditionerConfig(use_symmetric_packing=False),
@@ -770,8 +887,54 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def raise_if_any_rank_failed(error: str | None) -> None:
+    """Collective: every rank passes its error (None: none) and all raise the first one as a UserError, so that a
+    check only some ranks make (rank 0's folders, each machine's smoke shards) stops every rank at the same point."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise UserError(first)
+
+
+def new_run_id(requested: str) -> str:
+    """The run's id on every rank: the requested one, or rank 0's fresh uuid4 (collective)."""
+    run_id = [requested or str(uuid.uuid4())]
+    dist.broadcast_object_list(run_id, 0)
+    return run_id[0]
+
+
 _log_path: Path | None = None  # rank 0's log, once created
+_log_error: str | None = None  # why rank 0 could not write its log: the run stops at its next check (stop_requested)
 _is_master = True
+
+
+def append_to_log(path: Path, text: str) -> None:
+    """Appends text (whole lines); a write that fails (ENOSPC, EFBIG) is undone, so the log never ends mid-line."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        size = os.fstat(fd).st_size
+        data = memoryview(text.encode())
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_log(text: str) -> None:
+    """Rank 0 appends text to the run log. A failed write is recorded in _log_error (nothing more is written): the
+    run stops at its next check, after the header, at a step boundary or at the end, with one line."""
+    global _log_error
+    if not _is_master or _log_path is None or _log_error is not None:
+        return
+    try:
+        append_to_log(_log_path, text)
+    except OSError as error:
+        _log_error = f"cannot write the log {_log_path} ({error.strerror})"
 
 
 def print0(s: str, console: bool = False) -> None:
@@ -779,26 +942,21 @@ def print0(s: str, console: bool = False) -> None:
     if not _is_master:
         return
     if console:
-        print(s, flush=True)
-    if _log_path is not None:
-        with open(_log_path, "a", encoding="utf-8") as f:
-            f.write(s + "\n")
-
-
-def open_log(log_dir: str, run_id: str) -> tuple[Path, str]:
-    """Creates <log_dir>/<run_id>.txt without ever overwriting a file; an empty run_id draws a uuid4 (again on a
-    collision)."""
-    folder = Path(log_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    while True:
-        rid = run_id or str(uuid.uuid4())
-        path = folder / f"{rid}.txt"
         try:
-            with open(path, "x", encoding="utf-8"):
-                return path, rid
-        except FileExistsError:
-            if run_id:
-                raise UserError(f"{path} already exists; choose another --run_id (logs are never overwritten)") from None
+            print(s, flush=True)
+        except OSError:  # the terminal is gone (SIGHUP from a dropped session): the log still gets the line
+            pass
+    write_log(s + "\n")
+
+
+def open_log(log_dir: str, run_id: str) -> Path:
+    """Creates <log_dir>/<run_id>.txt, never overwriting a file."""
+    path = Path(log_dir) / f"{run_id}.txt"
+    try:
+        with open(path, "x", encoding="utf-8"):
+            return path
+    except FileExistsError:
+        raise UserError(f"{path} already exists; choose another --run_id (logs are never overwritten)") from None
 
 
 def _command_output(args: list[str]) -> str | None:
@@ -819,15 +977,25 @@ def git_commit() -> str:
     return commit
 
 
-_stop_signal: int | None = None  # the first SIGINT or SIGTERM received
+_stop_signal: int | None = None  # the first SIGINT, SIGTERM or SIGHUP received
 _defer_stop = False  # while training: a signal is honoured at the next step boundary (see StepHealth)
 _step_reached = 0  # steps completed, for the interrupt message
 NON_FINITE_EXIT_STATUS = 3
+LOST_PROCESS_EXIT_STATUS = 4
 HEALTH_LAG_CUDA = 2  # steps between a training loss and its check: the GPU finished that step long ago
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: a dropped SSH session
+
+
+def stop_requested() -> bool:
+    """This process asks every rank to stop at the next step boundary: a signal arrived, or the log is unwritable."""
+    return _stop_signal is not None or _log_error is not None
 
 
 def interrupted(signum: int | None = None) -> RunStopped:
-    """The stop for a signal; by default the one this process received, or SIGTERM when another rank received it."""
+    """The stop at a step boundary: for an unwritable log, or for a signal, by default the one this process received
+    (SIGTERM when another rank received it)."""
+    if signum is None and _log_error is not None:
+        return RunStopped(f"step {_step_reached}: {_log_error}; stopping{last_checkpoint_note()}", 2)
     if signum is None:
         signum = _stop_signal if _stop_signal is not None else signal.SIGTERM
     return RunStopped(f"step {_step_reached}: interrupted by {signal.Signals(signum).name}", 128 + signum)
@@ -845,8 +1013,24 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
 
 
 def install_stop_handlers() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, _on_stop_signal)
+
+
+# What a collective raises when another process of the run is gone (killed, or its machine lost): gloo's
+# RuntimeError and torch.distributed's DistError carry these words of the transport.
+LOST_PROCESS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "failed to recv, got 0 bytes",
+                      "remote process exited", "communicator was aborted")
+
+
+def lost_process_line(error: RuntimeError) -> str | None:
+    """The one line for a collective's error that says another process of the run is gone; None for any other."""
+    text = " ".join(str(error).split())
+    sign = next((sign for sign in LOST_PROCESS_SIGNS if sign in text), None)
+    if sign is None or not (isinstance(error, dist.DistError) or "gloo" in text):
+        return None
+    return (f"rank {os.environ.get('RANK', '0')}: step {_step_reached}: another process of this run is gone ({sign}); "
+            f"stopping (its own output says why)")
 
 
 class StepHealth:
@@ -892,9 +1076,12 @@ def report_stop(line: str, every_rank: bool = False) -> None:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        Path(error_file).parent.mkdir(parents=True, exist_ok=True)
         message = json.dumps({"message": line, "timestamp": str(int(time.time()))}).encode()
-        write_atomically(Path(error_file), lambda f: f.write(message))
+        try:
+            Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(Path(error_file), lambda f: f.write(message))
+        except OSError:  # a full disk: the line is on stderr, the launcher adds its own report
+            pass
 
 
 def environment_lines(rt: Runtime, hp: Hyperparameters, overrides: dict[str, Any], track_lines: list[str],
@@ -1004,10 +1191,126 @@ def parameter_split_lines(model: GPT, hp: Hyperparameters) -> list[str]:
             for group, params in split_parameters(model).items()]
 
 
+# ---- what a run writes, checked before its log exists (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
+FREE_SPACE_MARGIN = 64 * 2**20  # bytes beyond a run's estimated needs
+LOG_HEADER_BYTES = 64 * 2**10  # a log's environment block, at most (nvidia-smi's table is its longest part)
+CHECKPOINT_DIR_LOCK = ".lock"  # in a checkpoint folder: held (an OS lock) by the run that saves there
+_checkpoint_dir_lock: BinaryIO | None = None
+
+
+def tensor_bytes(state: Any) -> int:
+    """The bytes of the tensors in a (nested) state dict."""
+    if isinstance(state, Tensor):
+        return state.nbytes
+    if isinstance(state, dict):
+        return sum(tensor_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(value) for value in state)
+    return 0
+
+
+def checkpoint_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], world_size: int) -> int:
+    """About the size of one resumable checkpoint: the model and every rank's optimizer state (as large as this rank's;
+    an optimizer whose state appears at its first step, like Adam's moments, counts two values per parameter)."""
+    total = tensor_bytes(model.state_dict())
+    for optimizer in optimizers:
+        state = tensor_bytes(optimizer.state_dict()["state"])
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        total += world_size * state if state else 2 * sum(p.nbytes for p in params)
+    return total
+
+
+def log_bytes(source: str, lines: int) -> int:
+    """About the size of a run's log: the program, the environment block and `lines` lines of at most 200 bytes."""
+    return len(source.encode()) + LOG_HEADER_BYTES + 200 * lines
+
+
+def check_output_folder(folder: Path, flag: str) -> None:
+    """The folder --flag names exists (created when missing) and takes a new file; a one-line UserError otherwise."""
+    where = f"--{flag}={folder}"
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{where}: is a file, not a folder; pick another --{flag}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise UserError(f"{where}: cannot write there ({error.strerror}); pick a writable --{flag}") from None
+
+
+def check_room(needs: Sequence[tuple[str, Path, int]]) -> None:
+    """Each (flag, folder, bytes the run writes there): the file system holds all that its folders need, plus
+    FREE_SPACE_MARGIN, and no file would pass the file-size limit (ulimit -f; the bytes bound a file's size)."""
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    per_device: dict[int, int] = {}
+    for _, folder, size in needs:
+        per_device[folder.stat().st_dev] = per_device.get(folder.stat().st_dev, 0) + size
+    for flag, folder, size in needs:
+        needed, free = per_device[folder.stat().st_dev] + FREE_SPACE_MARGIN, shutil.disk_usage(folder).free
+        if free < needed:
+            raise UserError(f"--{flag}={folder}: {free / 2**20:.0f} MiB free, this run needs about {needed / 2**20:.0f} MiB "
+                            f"there (its log and one checkpoint, with a margin); free some space or pick another --{flag}")
+        if size_limit != resource.RLIM_INFINITY and size > size_limit:
+            raise UserError(f"--{flag}={folder}: this run writes files of up to about {size / 2**20:.1f} MiB there, above "
+                            f"the file-size limit of {size_limit / 2**20:.1f} MiB (ulimit -f); raise the limit")
+
+
+def claim_checkpoint_dir(directory: Path) -> None:
+    """Holds an OS lock on <directory>/.lock for the rest of the process (release_checkpoint_dir ends it sooner): one
+    run at a time saves into a folder, and staging folders found there are of saves that died with their run. A
+    folder another live run holds is a one-line UserError naming that run."""
+    global _checkpoint_dir_lock
+    lock = open(directory / CHECKPOINT_DIR_LOCK, "a+b")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().decode(errors="replace").strip() or "another process"
+        lock.close()
+        raise UserError(f"--checkpoint_dir={directory}: in use by another run ({owner}); pick another --checkpoint_dir "
+                        f"(two runs never save into one folder)") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    lock.flush()
+    _checkpoint_dir_lock = lock
+
+
+def release_checkpoint_dir() -> None:
+    global _checkpoint_dir_lock
+    if _checkpoint_dir_lock is not None:
+        _checkpoint_dir_lock.close()
+        _checkpoint_dir_lock = None
+
+
+def prepare_outputs(log_path: Path, log_bytes: int, checkpoint_dir: Path | None, checkpoint_size: int, started: float) -> None:
+    """Before the log exists (collective; rank 0 checks): the log is new, its folder and the checkpoint folder (None:
+    no checkpoints) are writable and hold the run's log and one checkpoint with a margin (check_output_folder,
+    check_room); the checkpoint folder is claimed for this run (claim_checkpoint_dir); the temporary files of killed
+    writers in the log's folder and its folders (end-of-run states, smoke shards) are removed. Each failure: one line,
+    on every rank."""
+    error, log_dir = None, log_path.parent
+    if _is_master:
+        try:
+            needs = [("log_dir", log_dir, log_bytes)] + ([("checkpoint_dir", checkpoint_dir, checkpoint_size)] if checkpoint_dir else [])
+            for flag, folder, _ in needs:
+                check_output_folder(folder, flag)
+            if log_path.exists():
+                raise UserError(f"{log_path} already exists; choose another --run_id (logs are never overwritten)")
+            check_room(needs)
+            if checkpoint_dir is not None:
+                claim_checkpoint_dir(checkpoint_dir)
+            for folder in [log_dir, *sorted(path for path in log_dir.iterdir() if path.is_dir())]:
+                for path in remove_dead_temporaries(folder, started):
+                    print(f"removed {path}, the temporary file of a killed writer", flush=True)
+        except UserError as failure:
+            error = str(failure)
+    raise_if_any_rank_failed(error)
+
+
 # ------------------------------------------------------------------------------------------------
 # Checkpoints and resume
 
-CHECKPOINT_FORMAT = "train_gpt_shampoo/3"  # /2: the settings moved to manifest.json; /3: the clock in ms
+CHECKPOINT_FORMAT = "train_gpt_shampoo/4"  # /2: the settings moved to manifest.json; /3: the clock in ms; /4: file hashes
 # Settings that may differ between a checkpointed run and its resumption without changing the trajectory
 # (the root streams and their memory fraction change only how fast the same eigendecompositions run).
 RUNTIME_ONLY_FIELDS = frozenset(
@@ -1017,18 +1320,27 @@ RUNTIME_ONLY_FIELDS = frozenset(
 
 # ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
 # A resumable checkpoint is a folder: rank<r>.pt from every rank (its optimizer state, RNG), shared.pt from rank 0
-# (model, loader position, progress) and manifest.json (format, run id, world size, progress, settings), staged
-# in a hidden .<name>.partial-<run id> folder that rank 0 renames into place: a save is all or nothing, and an
-# existing checkpoint is never replaced.
+# (model, loader position, progress) and manifest.json (format, run id, world size, progress, settings, and each
+# file's size and SHA-256, computed while writing and checked before anything is loaded), staged in a hidden
+# .<name>.partial-<run id> folder that rank 0 renames into place: a save is all or nothing, and an existing
+# checkpoint is never replaced.
 PARTIAL_MARKER = ".partial-"
+_last_checkpoint: Path | None = None  # this run's newest complete checkpoint, or the one it resumed from
 
 
-def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> None:
-    """Rank 0 removes the staging folders of saves that never finished (their run was killed), older than this
-    run, and logs one line naming them."""
+def last_checkpoint_note() -> str:
+    """Where a stopped run can continue from, for its last line."""
+    if _last_checkpoint is None:
+        return ""
+    return f"; the last complete checkpoint is {_last_checkpoint} (--resume={_last_checkpoint} continues from it)"
+
+
+def remove_stale_partial_checkpoints(directory: Path) -> None:
+    """Rank 0 removes the staging folders of saves that never finished, and logs one line naming them. This run
+    holds the folder (claim_checkpoint_dir) and has not saved yet: every such folder is a dead run's."""
     if not _is_master or not directory.is_dir():
         return
-    stale = sorted(p for p in directory.glob(f".*{PARTIAL_MARKER}*") if p.is_dir() and p.stat().st_mtime < run_started)
+    stale = sorted(p for p in directory.glob(f".*{PARTIAL_MARKER}*") if p.is_dir())
     for path in stale:
         shutil.rmtree(path)
     if stale:
@@ -1036,8 +1348,45 @@ def remove_stale_partial_checkpoints(directory: Path, run_started: float) -> Non
                f"{', '.join(path.name for path in stale)}", console=True)
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    write_atomically(path, lambda f: torch.save(obj, f))
+class HashingWriter:
+    """A binary file that counts and hashes (SHA-256) the bytes written through it, and keeps the file system's
+    error (ENOSPC, EFBIG), which torch.save reports only as a RuntimeError of its own."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.size, self.sha256 = f, 0, hashlib.sha256()
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            written = self.f.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+        self.sha256.update(data)
+        self.size += memoryview(data).nbytes
+        return written
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def atomic_torch_save(obj: Any, path: Path, replace: bool = True) -> dict[str, Any]:
+    """torch.save through write_atomically; returns the file's manifest entry (size, SHA-256). A failed write raises
+    its OSError."""
+    entry: dict[str, Any] = {}
+
+    def save(f: BinaryIO) -> None:
+        hashing = HashingWriter(f)
+        try:
+            torch.save(obj, hashing)
+        except RuntimeError:
+            if hashing.error is None:
+                raise
+            raise hashing.error from None
+        entry.update(bytes=hashing.size, sha256=hashing.sha256.hexdigest())
+
+    write_atomically(path, save, replace)
+    return entry
 
 
 def fsync_directory(path: Path) -> None:
@@ -1068,27 +1417,54 @@ def comparable_settings(hp: Hyperparameters) -> dict[str, Any]:
 
 def write_checkpoint(target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], progress: dict[str, Any],
                      rank_state: dict[str, Any], shared_state: dict[str, Any]) -> bool:
-    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists."""
+    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists. A write
+    that fails on any rank (a full disk) removes the staging folder and stops every rank with one line that names
+    the last complete checkpoint."""
+    global _last_checkpoint
     exists = [target.exists()]
     dist.broadcast_object_list(exists, 0)  # every rank takes the same branch
     if exists[0]:
         return False
     staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
-    if rt.rank == 0:
-        staging.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    atomic_torch_save(dict(rank_state, rng=rng_state(rt.device)), staging / f"rank{rt.rank}.pt")
-    if rt.rank == 0:
-        atomic_torch_save(dict(shared_state, progress=progress), staging / "shared.pt")
-    dist.barrier()
-    if rt.rank == 0:
-        manifest = dict(format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, **progress, hyperparameters=settings)
-        text = json.dumps(manifest, indent=1) + "\n"
-        write_atomically(staging / "manifest.json", lambda f: f.write(text.encode()))
-        fsync_directory(staging)
-        os.rename(staging, target)  # target was checked above; a rename never merges into an existing folder
-        fsync_directory(target.parent)
-    dist.barrier()
+
+    def agree(error: OSError | None, files: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Collective: every rank's files' manifest entries, or a stop on every rank when a rank's write failed."""
+        outcomes: list[Any] = [None] * rt.world_size
+        dist.all_gather_object(outcomes, (error.strerror if error else None, files or {}))
+        failed = next((strerror for strerror, _ in outcomes if strerror is not None), None)
+        if failed is not None:
+            if rt.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)  # frees the space of the partial save
+            raise UserError(f"step {progress['step']}: cannot write checkpoint {target} ({failed}){last_checkpoint_note()}")
+        return {name: entry for _, entries in outcomes for name, entry in entries.items()}
+
+    error, files = None, {}
+    try:
+        if rt.rank == 0:
+            staging.mkdir(parents=True, exist_ok=True)
+    except OSError as failure:
+        error = failure
+    agree(error)
+    try:
+        files[f"rank{rt.rank}.pt"] = atomic_torch_save(dict(rank_state, rng=rng_state(rt.device)), staging / f"rank{rt.rank}.pt")
+        if rt.rank == 0:
+            files["shared.pt"] = atomic_torch_save(dict(shared_state, progress=progress), staging / "shared.pt")
+    except OSError as failure:
+        error = failure
+    files = agree(error, files)
+    try:
+        if rt.rank == 0:
+            manifest = dict(format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, **progress,
+                            hyperparameters=settings, files=dict(sorted(files.items())))
+            text = json.dumps(manifest, indent=1) + "\n"
+            write_atomically(staging / "manifest.json", lambda f: f.write(text.encode()))
+            fsync_directory(staging)
+            os.rename(staging, target)  # target was checked above; a rename never merges into an existing folder
+            fsync_directory(target.parent)
+    except OSError as failure:
+        error = failure
+    agree(error)
+    _last_checkpoint = target
     return True
 
 
@@ -1105,8 +1481,58 @@ class ResumePoint(NamedTuple):
         return int(self.manifest.get("trial", 0))  # a launch of train_gpt_shampoo.py may run several trials
 
 
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """A checkpoint folder's manifest.json, when it is one of this script's version."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == CHECKPOINT_FORMAT else None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_problem(path: Path, manifest: dict[str, Any], world_size: int) -> str | None:
+    """What is wrong with a checkpoint's files, against the sizes and SHA-256 hashes its manifest records (None:
+    nothing): the first missing, truncated or corrupt file, named."""
+    recorded = manifest.get("files") or {}
+    for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)]:
+        entry, file = recorded.get(name), path / name
+        if not isinstance(entry, dict):
+            return f"manifest.json records no size and hash of {name}"
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != entry.get("bytes"):
+            return f"{name} is {size} bytes, manifest.json records {entry.get('bytes')} (the file is truncated or was replaced)"
+        if file_sha256(file) != entry.get("sha256"):
+            return f"{name} does not match the SHA-256 manifest.json records (the file is corrupt)"
+    return None
+
+
+def previous_complete_checkpoint(path: Path, manifest: dict[str, Any], world_size: int) -> Path | None:
+    """The newest checkpoint of path's folder before path whose files match their manifest."""
+    position = lambda m: (int(m.get("trial", 0)), int(m.get("step", 0)))
+    earlier = []
+    for folder in path.parent.iterdir():
+        other = read_manifest(folder) if folder.is_dir() and not folder.name.startswith(".") and folder != path else None
+        if other is not None and other.get("world_size") == world_size and position(other) < position(manifest):
+            earlier.append((position(other), folder, other))
+    for _, folder, other in sorted(earlier, key=lambda item: item[0], reverse=True):
+        if checkpoint_problem(folder, other, world_size) is None:
+            return folder
+    return None
+
+
 def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -> ResumePoint:
-    """Checks, before the run starts, that the checkpoint is complete and continues these settings."""
+    """Checks, before the run starts, that the checkpoint is complete, that its files are the ones its manifest
+    records (sizes and SHA-256), and that it continues these settings."""
     path = Path(path_text)
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
@@ -1123,9 +1549,15 @@ def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -
     if manifest["world_size"] != world_size:
         raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; resume with the same "
                         f"number (this run has {world_size})")
-    missing = [name for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)] if not (path / name).is_file()]
-    if missing:
-        raise UserError(f"--resume={path_text}: incomplete checkpoint, missing {missing}")
+    try:
+        problem = checkpoint_problem(path, manifest, world_size)
+    except OSError as error:
+        problem = f"cannot read {error.filename} ({error.strerror})"
+    if problem is not None:
+        previous = previous_complete_checkpoint(path, manifest, world_size)
+        advice = (f"resume from {previous}, the previous complete checkpoint there" if previous is not None
+                  else f"{path.parent} holds no earlier complete checkpoint")
+        raise UserError(f"--resume={path_text}: {problem}; {advice}")
     saved = manifest["hyperparameters"]
     differing = [f"{name}={saved.get(name)!r} there, {value!r} here" for name, value in settings.items()
                  if name not in RUNTIME_ONLY_FIELDS and saved.get(name) != value]
@@ -1148,23 +1580,27 @@ def checkpoint_name(trial: int, step: int, num_trials: int) -> str:
     return f"step{step:06d}" if num_trials == 1 else f"trial{trial}_step{step:06d}"
 
 
-def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, resume: "ResumePoint | None") -> None:
-    """The periodic checkpoints this run would write must not exist; earlier ones may (a resumed run keeps
-    writing into the folder of the run it continues)."""
+def checkpoint_steps(hp: Hyperparameters, start_step: int) -> list[int]:
+    """The steps after start_step at which --checkpoint_every saves: its multiples, and the last step."""
     every = hp.checkpoint_every
+    return [*range((start_step // every + 1) * every, hp.train_steps, every), hp.train_steps] if start_step < hp.train_steps else []
+
+
+def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, resume: "ResumePoint | None") -> None:
+    """The checkpoints this run would write must not exist; earlier ones may (a resumed run keeps writing into the
+    folder of the run it continues)."""
     for trial in range(resume.trial if resume else 0, hp.num_trials):
-        first = (resume.step // every + 1) * every if resume and trial == resume.trial else every
-        for step in range(first, hp.train_steps, every):
+        for step in checkpoint_steps(hp, resume.step if resume and trial == resume.trial else 0):
             path = directory / checkpoint_name(trial, step, hp.num_trials)
             if path.exists():
                 raise UserError(f"checkpoint {path} already exists and this run would write it; pick another "
                                 f"--checkpoint_dir (checkpoints are never overwritten)")
 
 
-def prepare_resume(hp: Hyperparameters, world_size: int) -> ResumePoint | None:
+def prepare_resume(hp: Hyperparameters, settings: dict[str, Any], world_size: int) -> ResumePoint | None:
     """Before the run: the checkpoint --resume names, checked, and the periodic checkpoints this run would
     write must be new (the default folder is new: named by the run id)."""
-    resume = open_checkpoint(hp.resume, comparable_settings(hp), world_size) if hp.resume else None
+    resume = open_checkpoint(hp.resume, settings, world_size) if hp.resume else None
     if resume is not None and resume.trial >= hp.num_trials:
         raise UserError(f"--resume={hp.resume}: checkpoint of trial {resume.trial}, but --num_trials={hp.num_trials}")
     if hp.checkpoint_every and hp.checkpoint_dir:
@@ -1172,11 +1608,11 @@ def prepare_resume(hp: Hyperparameters, world_size: int) -> ResumePoint | None:
     return resume
 
 
-def save_resumable(target: Path, run_id: str, rt: Runtime, hp: Hyperparameters, model: GPT,
+def save_resumable(target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], model: GPT,
                    optimizers: list[torch.optim.Optimizer], loader: TokenLoader, progress: Progress) -> bool:
     rank_state = dict(matrix_optimizer=optimizers[1].state_dict())  # each rank's Shampoo blocks
     shared_state = dict(model=model.state_dict(), adamw=optimizers[0].state_dict(), loader=loader.state_dict())
-    return write_checkpoint(target, run_id, rt, comparable_settings(hp), dataclasses.asdict(progress), rank_state, shared_state)
+    return write_checkpoint(target, run_id, rt, settings, dataclasses.asdict(progress), rank_state, shared_state)
 
 
 def load_resumable(point: ResumePoint, rt: Runtime, model: GPT, optimizers: list[torch.optim.Optimizer],
@@ -1264,6 +1700,7 @@ class Launch:
     """What every trial of one launch shares."""
 
     hp: Hyperparameters
+    settings: dict[str, Any]  # what a checkpoint records (before the smoke preset's paths)
     rt: Runtime
     run_id: str
     checkpoint_dir: Path
@@ -1282,7 +1719,8 @@ class TrialResult:
 def run_trial(launch: Launch, trial: int, resume: ResumePoint | None) -> TrialResult:
     """Fresh init, optimizers and loader (or a checkpoint's), then train with the clock stopped for
     validation and checkpoints. Stops early, raising RunStopped, on a non-finite loss (or Shampoo's finding of
-    one) or at the step boundary after SIGINT/SIGTERM (checkpointing first when enabled)."""
+    one), or at the step boundary after SIGINT/SIGTERM/SIGHUP or a failed write of the log (checkpointing first
+    when enabled)."""
     global _step_reached
     hp, rt, model = launch.hp, launch.rt, launch.model
     init_parameters(model)
@@ -1297,7 +1735,7 @@ def run_trial(launch: Launch, trial: int, resume: ResumePoint | None) -> TrialRe
 
     val_losses: dict[int, float] = {}
     start_step = _step_reached = progress.step
-    requested = torch.tensor(float(_stop_signal is not None), device=rt.device)
+    requested = torch.tensor(float(stop_requested()), device=rt.device)
     dist.all_reduce(requested)  # a signal during the previous trial's last validation: agree before starting
     if requested.item() > 0:
         raise interrupted()
@@ -1307,7 +1745,7 @@ def run_trial(launch: Launch, trial: int, resume: ResumePoint | None) -> TrialRe
 
     def checkpoint_at(step: int) -> None:
         target = launch.checkpoint_dir / checkpoint_name(trial, step, hp.num_trials)
-        saved = save_resumable(target, launch.run_id, rt, hp, model, optimizers, loader, progress)
+        saved = save_resumable(target, launch.run_id, rt, launch.settings, model, optimizers, loader, progress)
         print0(f"checkpoint: {target}" + ("" if saved else " already exists; not replaced"), console=True)
 
     def stop_clock() -> None:
@@ -1325,7 +1763,7 @@ def run_trial(launch: Launch, trial: int, resume: ResumePoint | None) -> TrialRe
                 checkpoint_at(step)
             raise interrupted()
         validate = is_validation_step(step, hp)
-        checkpoint = hp.checkpoint_every > 0 and step % hp.checkpoint_every == 0 and step != start_step and not last_step
+        checkpoint = hp.checkpoint_every > 0 and step != start_step and (last_step or step % hp.checkpoint_every == 0)
         if validate or checkpoint:
             stop_clock()
             if validate:
@@ -1350,10 +1788,12 @@ def run_trial(launch: Launch, trial: int, resume: ResumePoint | None) -> TrialRe
                                    lr_multiplier(step, hp), hp.micro_batch_seqs, rt.world_size)
         except NON_FINITE_PRECONDITIONER_ERRORS as error:
             raise preconditioner_failure(error, step + 1, matrix_names) from None
-        health.push(step, step_loss, _stop_signal is not None)
+        health.push(step, step_loss, stop_requested())
         approx_ms = progress.training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
         if _is_master:  # the console only, as in the record
             print(f"step:{step + 1}/{hp.train_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms", flush=True)
+    if _log_error is not None:  # the last step's lines did not reach the log
+        raise interrupted()
     return TrialResult(val_losses)
 
 
@@ -1371,20 +1811,24 @@ class RunResult:
 def run(argv: Sequence[str]) -> RunResult:
     """The whole run: checks, setup, log header, warmup, trials. Returns what tests inspect. Every check that
     can fail runs before the log file is created: a refused run leaves no log."""
-    global _log_path, _shared_log_path
+    global _log_path, _shared_log_path, _is_master, _last_checkpoint, _log_error
+    run_started, _log_error = time.time(), None
     hp, overrides = parse_args(argv)
+    settings = comparable_settings(hp)  # what a checkpoint of this run records (before the smoke preset's paths)
     world_size = read_world_size()
     check_batch_geometry(hp, world_size)
-    if overrides.get("preset") == "smoke" and "train_files" not in overrides and "val_files" not in overrides:
-        hp.train_files, hp.val_files = generate_smoke_shards(hp.vocab_size)
-    train_files, val_files = resolve_files(hp.train_files, "train"), resolve_files(hp.val_files, "val")
-    token_counts = check_train_data(train_files, hp.vocab_size), sum(read_shard_header(path) for path in val_files)
     if hp.matrix_optimizer == "shampoo":
         require_shampoo()
-    resume = prepare_resume(hp, world_size)
+    resume = prepare_resume(hp, settings, world_size)
+    _last_checkpoint = resume.path if resume is not None else None
     rt = setup_distributed()
+    _is_master = rt.rank == 0
     try:
-        return train_trials(hp, overrides, rt, train_files, val_files, token_counts, resume)
+        if overrides.get("preset") == "smoke" and "train_files" not in overrides and "val_files" not in overrides:
+            hp.train_files, hp.val_files = smoke_shards(hp, rt, run_started)
+        train_files, val_files = resolve_files(hp.train_files, "train"), resolve_files(hp.val_files, "val")
+        token_counts = check_train_data(train_files, hp.vocab_size), sum(read_shard_header(path) for path in val_files)
+        return train_trials(hp, settings, overrides, rt, train_files, val_files, token_counts, resume, run_started)
     except UserError as error:  # e.g. out of data mid-run: the log says why it ends
         print0(f"error: {error}")
         raise
@@ -1396,38 +1840,50 @@ def run(argv: Sequence[str]) -> RunResult:
         raise
     finally:
         _log_path = _shared_log_path = None
+        release_checkpoint_dir()
         dist.destroy_process_group()
 
 
-def train_trials(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime, train_files: list[str],
-                 val_files: list[str], token_counts: tuple[int, int], resume: ResumePoint | None) -> RunResult:
-    global _log_path, _is_master, _shared_log_path, _defer_stop
-    run_started = time.time()
+def train_trials(hp: Hyperparameters, settings: dict[str, Any], overrides: dict[str, Any], rt: Runtime,
+                 train_files: list[str], val_files: list[str], token_counts: tuple[int, int], resume: ResumePoint | None,
+                 run_started: float) -> RunResult:
+    global _log_path, _shared_log_path, _defer_stop
     if hp.seed >= 0:
         torch.manual_seed(hp.seed)
     model = GPT(hp.vocab_size, hp.num_layers, hp.model_dim, hp.head_dim).to(rt.device)
     forward = cast(nn.Module, torch.compile(model, dynamic=False)) if hp.compile else model
     val_inputs, val_targets = load_validation_data(val_files, hp, rt)
 
-    _is_master = rt.rank == 0
-    run_id = [""]
+    run_id = new_run_id("")
+    checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id}")
+    source = program_source()
+    # with checkpoints, their size: the optimizers' state as a trial builds it (Shampoo's at once, AdamW's at its
+    # first step), measured on a set built for it alone
+    checkpoint_size = checkpoint_bytes(model, build_optimizers(model, hp, rt.world_size, rt.device), rt.world_size) if hp.checkpoint_every else 0
+    prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_bytes(source, 2 * (hp.train_steps + 1) * hp.num_trials),
+                    checkpoint_dir if hp.checkpoint_every else None, checkpoint_size, run_started)
+    error = None
     if _is_master:
-        _log_path, run_id[0] = open_log(hp.log_dir, "")
+        try:
+            _log_path = open_log(hp.log_dir, run_id)
+        except UserError as failure:
+            error = str(failure)
+    raise_if_any_rank_failed(error)
+    if _is_master:
         print(f"log: {_log_path}", flush=True)
-        with open(_log_path, "a", encoding="utf-8") as f:
-            f.write(program_source())
+        write_log(source)
         print0(SEPARATOR)
-        environment = environment_lines(rt, hp, overrides, [], train_files, token_counts[0], val_files, token_counts[1])
+        track_lines = [f"shampoo_start_preconditioning_step: {start_preconditioning_step(hp)}"] if hp.matrix_optimizer == "shampoo" else []
+        environment = environment_lines(rt, hp, overrides, track_lines, train_files, token_counts[0], val_files, token_counts[1])
         for line in environment + parameter_split_lines(model, hp):
             print0(line)
-    dist.broadcast_object_list(run_id, 0)
-    _shared_log_path = Path(hp.log_dir) / f"{run_id[0]}.txt"
-    checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id[0]}")
+    _shared_log_path = Path(hp.log_dir) / f"{run_id}.txt"
     if resume is not None:
         print0(f"resumed_from: {resume.path} (run {resume.manifest['run_id']}) at trial {resume.trial} step {resume.step}")
     if hp.checkpoint_every:
-        remove_stale_partial_checkpoints(checkpoint_dir, run_started)
+        remove_stale_partial_checkpoints(checkpoint_dir)
     print0(SEPARATOR)
+    raise_if_any_rank_failed(_log_error)
 
     synchronize(rt.device)
     t_warmup = time.perf_counter()
@@ -1435,26 +1891,26 @@ def train_trials(hp: Hyperparameters, overrides: dict[str, Any], rt: Runtime, tr
     synchronize(rt.device)
     print0(f"warmup_time: {time.perf_counter() - t_warmup:.1f}s", console=True)
 
-    launch = Launch(hp, rt, run_id[0], checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
+    launch = Launch(hp, settings, rt, run_id, checkpoint_dir, model, forward, val_inputs, val_targets, train_files)
     first_trial = resume.trial if resume is not None else 0
-    _defer_stop = True
-    try:
-        trials = [run_trial(launch, trial, resume if resume is not None and trial == resume.trial else None)
-                  for trial in range(first_trial, hp.num_trials)]
-    finally:
-        _defer_stop = False
+    _defer_stop = True  # left set when a trial stops: a signal arriving while the stop is reported waits
+    trials = [run_trial(launch, trial, resume if resume is not None and trial == resume.trial else None)
+              for trial in range(first_trial, hp.num_trials)]
+    _defer_stop = False
 
     on_cuda = rt.device.type == "cuda"
     allocated = torch.cuda.max_memory_allocated(rt.device) // 2**20 if on_cuda else 0  # no statistics on CPU
     reserved = torch.cuda.max_memory_reserved(rt.device) // 2**20 if on_cuda else 0
     print0(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB", console=True)
+    if _log_error is not None:
+        raise UserError(_log_error + last_checkpoint_note())
     return RunResult(_log_path, model, trials)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    global _stop_signal
-    _stop_signal = None
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    global _stop_signal, _defer_stop, _log_error
+    _stop_signal, _defer_stop, _log_error = None, False, None
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     install_stop_handlers()
     try:
         run(sys.argv[1:] if argv is None else argv)
@@ -1464,6 +1920,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except RunStopped as stop:
         report_stop(str(stop), stop.every_rank)
         raise SystemExit(stop.exit_status) from None
+    except RuntimeError as error:  # only the collectives' errors for a lost process; any other is raised
+        line = lost_process_line(error)
+        if line is None:
+            raise
+        report_stop(line, every_rank=True)
+        raise SystemExit(LOST_PROCESS_EXIT_STATUS) from None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

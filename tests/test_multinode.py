@@ -2,6 +2,8 @@
 1 process each on localhost, against the same run in one process (the e2e test's comparison)."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import uuid
@@ -91,3 +93,40 @@ def test_two_nodes_of_one_process_on_localhost(one_process, tmp_path):
     for node, (_, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stderr[-3000:]
     assert_matches_one_process(log_dir, one_process)
+
+
+# ----- issue 38 item 2: several machines, one clone each: every machine writes the smoke shards its ranks read -----
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, args, shards", [
+    ("train_gpt.py", ["--preset=smoke", "--train_steps=2"], "logs/smoke_shards_*/*.bin"),
+    ("train_gpt_shampoo.py", ["--preset=smoke", "--train_steps=4"], "data/smoke/v512/*.bin"),
+])
+def test_two_machines_with_a_clone_each_run_the_smoke_preset(tmp_path, script, args, shards):
+    """Two torchrun launchers on localhost, each in its own copy of the scripts (two machines with a clone each),
+    meeting through a c10d rendezvous."""
+    clones = [tmp_path / "machine0", tmp_path / "machine1"]
+    for clone in clones:
+        clone.mkdir()
+        for name in ("train_gpt.py", "train_gpt_shampoo.py"):
+            shutil.copy(ROOT / name, clone / name)
+        shutil.copytree(ROOT / "distributed_shampoo", clone / "distributed_shampoo", ignore=shutil.ignore_patterns("tests", "__pycache__"))
+    rendezvous = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+                  f"--rdzv_id={uuid.uuid4().hex}"]
+    machines = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *rendezvous, script, *args], cwd=clone,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
+                for clone in clones]
+    try:
+        outputs = [machine.communicate(timeout=TIMEOUT_S) for machine in machines]
+    finally:
+        for machine in machines:
+            if machine.poll() is None:
+                machine.kill()
+                machine.wait()
+    for machine, (_, stderr) in zip(machines, outputs):
+        assert machine.returncode == 0, stderr[-3000:]
+    (log,) = [log for clone in clones for log in clone.glob("logs/*.txt")]  # global rank 0's machine writes the log
+    assert "world_size: 2" in log.read_text().splitlines() and re.search(r"^step:\d+/\d+ val_loss:", log.read_text(), re.M)
+    written = [{path.name: path.read_bytes() for path in clone.glob(shards)} for clone in clones]
+    assert len(written[0]) == 3 and written[0] == written[1]  # each machine its own shards, the same bytes

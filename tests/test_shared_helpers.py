@@ -26,19 +26,29 @@ SCRIPTS = (ROOT / "train_gpt.py", ROOT / "train_gpt_shampoo.py")
 
 SHARED = (
     # errors and the command line
-    "UserError", "RunStopped", "need", "_ArgumentParser", "_parse_bool", "HELP_GROUPS", "setting", "FLAG_GROUPS", "FLAG_HELP",
+    "UserError", "RunStopped", "need", "_ArgumentParser", "_parse_bool", "_parse_float", "HELP_GROUPS", "setting",
+    "FLAG_GROUPS", "FLAG_HELP", "SEED_LIMIT", "NAME_LIMIT", "PATH_FLAGS", "check_path_names",
     # shards
     "SHARD_MAGIC", "SHARD_VERSION", "SHARD_HEADER_INTS", "GPT2_VOCAB_SIZE", "HUB_SHARD_SCRIPTS",
     "resolve_files", "shard_fix", "read_shard_header", "read_shard", "check_train_data", "shard_bytes",
-    "write_atomically", "write_shard",
+    "TEMPORARY_NAME", "write_atomically", "remove_dead_temporaries", "write_shard",
+    # smoke shards: one writer; each track its own sizes, tokens and folder (smoke_shards)
+    "write_smoke_shards",
     # processes, log and stopping
-    "Runtime", "_free_port", "read_world_size", "cpu_threads", "setup_distributed", "synchronize", "_log_path",
-    "_is_master", "print0", "open_log", "_command_output", "git_commit", "_stop_signal", "_defer_stop", "_step_reached",
-    "NON_FINITE_EXIT_STATUS", "HEALTH_LAG_CUDA", "interrupted", "_on_stop_signal", "install_stop_handlers",
+    "Runtime", "_free_port", "read_world_size", "cpu_threads", "setup_distributed", "synchronize",
+    "raise_if_any_rank_failed", "new_run_id", "_log_path", "_log_error", "_is_master", "append_to_log", "write_log",
+    "print0", "open_log", "_command_output", "git_commit", "_stop_signal", "_defer_stop", "_step_reached",
+    "NON_FINITE_EXIT_STATUS", "LOST_PROCESS_EXIT_STATUS", "HEALTH_LAG_CUDA", "STOP_SIGNALS", "stop_requested",
+    "interrupted", "_on_stop_signal", "install_stop_handlers", "LOST_PROCESS_SIGNS", "lost_process_line",
     "StepHealth", "report_stop", "environment_lines",
+    # what a run writes, checked before its log exists
+    "FREE_SPACE_MARGIN", "LOG_HEADER_BYTES", "log_bytes", "CHECKPOINT_DIR_LOCK", "_checkpoint_dir_lock", "tensor_bytes", "checkpoint_bytes",
+    "check_output_folder", "check_room", "claim_checkpoint_dir", "release_checkpoint_dir", "prepare_outputs",
     # checkpoint files
-    "PARTIAL_MARKER", "remove_stale_partial_checkpoints", "atomic_torch_save", "fsync_directory", "rng_state",
-    "set_rng_state", "comparable_settings", "write_checkpoint", "ResumePoint", "open_checkpoint",
+    "PARTIAL_MARKER", "_last_checkpoint", "last_checkpoint_note", "remove_stale_partial_checkpoints", "HashingWriter",
+    "atomic_torch_save", "fsync_directory", "rng_state", "set_rng_state", "comparable_settings", "write_checkpoint",
+    "ResumePoint", "read_manifest", "file_sha256", "checkpoint_problem", "previous_complete_checkpoint",
+    "open_checkpoint", "checkpoint_steps",
 )
 
 DIFFERENT = {
@@ -64,6 +74,7 @@ DIFFERENT = {
     "save_resumable": "each script's optimizers and loader",
     "load_resumable": "each script's optimizers and loader",
     "check_checkpoints_are_new": "Track 3 checkpoint names include the trial",
+    "smoke_shards": "each track's smoke shard sizes, tokens and folder (the writer, write_smoke_shards, is shared)",
 }
 
 

@@ -140,11 +140,11 @@ def test_rotary_is_bitwise_the_record_cat_form(table_dtype, x_dtype):
 
 
 def test_open_log_never_overwrites(tmp_path):
-    path, run_id = tg.open_log(str(tmp_path), "")
-    assert path.exists() and path.name == f"{run_id}.txt"
+    path = tg.open_log(str(tmp_path), "run")
+    assert path.exists() and path.name == "run.txt"
     path.write_text("precious")
     with pytest.raises(tg.UserError, match="already exists"):
-        tg.open_log(str(tmp_path), run_id)
+        tg.open_log(str(tmp_path), "run")
     assert path.read_text() == "precious"
 
 

@@ -2,9 +2,11 @@
 reported case (named after it), plus the non-finite check's lag and Track 3's validation check."""
 
 import base64
+import dataclasses
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,7 +182,8 @@ def test_every_shard_fineweb_py_writes_is_read_by_both_scripts(tmp_path):
     assert len(served) == 2  # one from each full train shard, none from the short last one
 
 
-# ----- row 5: SIGKILL while train_gpt.py writes its smoke shards; two smoke runs at once -----
+# ----- row 5: SIGKILL while train_gpt.py writes its smoke shards; two smoke runs at once (and issue 38 item 7) -----
+ONE_CPU_PROCESS = tg.Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def smoke_hp(log_dir: Path) -> tg.Hyperparameters:
@@ -190,13 +193,25 @@ def smoke_hp(log_dir: Path) -> tg.Hyperparameters:
 
 def test_smoke_shards_survive_a_killed_writer_and_a_concurrent_run(tmp_path, one_process_group, monkeypatch, capsys):
     hp = smoke_hp(tmp_path / "logs")
-    train_pattern, _ = tg.smoke_shards(hp, rank=0)
+    train_pattern, _ = tg.smoke_shards(hp, ONE_CPU_PROCESS, time.time())
     folder = Path(train_pattern).parent
     (folder / "smoke_train_000002.bin").write_bytes(b"")  # what a writer killed by SIGKILL used to leave
-    train_pattern, val_pattern = tg.smoke_shards(hp, rank=0)
+    dead = folder / ".smoke_val_000000.bin.4242.0123abcd.tmp"  # what a writer killed by SIGKILL leaves now
+    live = folder / ".smoke_val_000000.bin.4343.4567cdef.tmp"  # a live writer's: it holds the lock
+    dead.write_bytes(b"half")
+    live.write_bytes(b"half")
+    for path in (dead, live):
+        os.utime(path, (time.time() - 60, time.time() - 60))
+    with open(live, "rb") as held:
+        tg.fcntl.flock(held, tg.fcntl.LOCK_EX)
+        train_pattern, val_pattern = tg.smoke_shards(hp, ONE_CPU_PROCESS, time.time())
     files = tg.resolve_files(train_pattern, "train")
     assert all(tg.read_shard(path, hp.vocab_size).size > 0 for path in files)
-    assert "rewriting" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    assert f"smoke shards: rewriting {folder / 'smoke_train_000002.bin'}, whose bytes are not this smoke run's" in out
+    assert f"smoke shards: removed {dead}, the temporary file of a killed writer" in out
+    assert not dead.exists() and live.exists()
+    live.unlink()
 
     # a second run writes the same shard between this run's check and its write
     other = smoke_hp(tmp_path / "race")
@@ -205,11 +220,11 @@ def test_smoke_shards_survive_a_killed_writer_and_a_concurrent_run(tmp_path, one
     def racing_tokens(*args, **kwargs):
         if not interleaved:
             interleaved.append(1)
-            tg.smoke_shards(other, rank=0)
+            tg.smoke_shards(other, ONE_CPU_PROCESS, time.time())
         return original(*args, **kwargs)
 
     monkeypatch.setattr(tg, "synthetic_tokens", racing_tokens)
-    train_pattern, val_pattern = tg.smoke_shards(other, rank=0)
+    train_pattern, val_pattern = tg.smoke_shards(other, ONE_CPU_PROCESS, time.time())
     assert interleaved and len(tg.resolve_files(train_pattern, "train")) == 2
     for path in tg.resolve_files(train_pattern, "train") + tg.resolve_files(val_pattern, "val"):
         tg.read_shard(path, hp.vocab_size)
@@ -231,8 +246,11 @@ def test_track1_bad_training_shard_is_refused_before_the_log_exists(tmp_path):
 
 
 def test_track3_bad_training_shard_is_refused_before_the_log_exists(workdir, capsys):
-    tgs.generate_smoke_shards(vocab_size=512)
-    bad = workdir / "data" / "smoke" / "smoke_train_000002.bin"
+    folder = workdir / "data" / "smoke"
+    folder.mkdir(parents=True)
+    for name, tokens in tgs.smoke_tokens(512).items():
+        tgs.write_shard(folder / name, tokens)
+    bad = folder / "smoke_train_000002.bin"
     bad.write_bytes(bad.read_bytes()[:-100])
     status, lines = track3_main(capsys, "--preset=smoke", "--matrix_optimizer=adamw",
                                 "--train_files=data/smoke/smoke_train_*.bin", "--val_files=data/smoke/smoke_val_*.bin")
@@ -282,14 +300,13 @@ def test_track3_resume_may_keep_writing_into_the_checkpoint_folder(workdir):
     straight = tgs.run(["--preset=smoke", *common]).trials[0].val_losses
     step4 = workdir / "ckpt" / "step000004"
     expected = {name: torch.load(step4 / name, weights_only=False) for name in ("shared.pt", "rank0.pt")}
-    for path in step4.iterdir():  # as if the run had been killed before step 4
-        path.unlink()
-    step4.rmdir()
+    for later in (step4, workdir / "ckpt" / "step000006"):  # as if the run had been killed before step 4
+        shutil.rmtree(later)
     resumed = tgs.run(["--preset=smoke", *common, f"--resume={workdir / 'ckpt' / 'step000002'}"]).trials[0].val_losses
     assert resumed[6] == straight[6]
     rewritten = torch.load(step4 / "shared.pt", weights_only=False)["model"]
     assert all(torch.equal(rewritten[name], value) for name, value in expected["shared.pt"]["model"].items())
-    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == ["step000002", "step000004"]
+    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == [".lock", "step000002", "step000004", "step000006"]
 
 
 def test_track3_runtime_only_settings_may_change_on_resume(workdir):
@@ -306,7 +323,7 @@ def test_track3_stale_partial_checkpoints_are_removed_with_one_line(workdir, cap
     result = tgs.run(["--preset=smoke", "--matrix_optimizer=adamw", "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
     line = "removed 1 unfinished checkpoint folder(s) of interrupted saves from ckpt: .step000002.partial-0123"
     assert line in capsys.readouterr().out.splitlines() and line in result.log_path.read_text().splitlines()
-    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == ["step000002"]
+    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == [".lock", "step000002", "step000004"]
 
 
 # ----- row 11: train_gpt.py's end-of-run checkpoint was written straight to its final name (resume: test_train_gpt_resume.py) -----
@@ -322,7 +339,8 @@ def test_track1_end_of_run_checkpoint_is_written_atomically(tmp_path, monkeypatc
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(tg, "_last_checkpoint", None)  # this process saved no resumable checkpoint
+    with pytest.raises(tg.UserError, match=r"^cannot write .*state_step000010\.pt \(No space left on device\)$"):
         tg.save_checkpoint(log_path, "run", 10, model, adam, muon)
     assert list((tmp_path / "run").iterdir()) == []  # neither the final name nor a temporary file
     monkeypatch.undo()
@@ -360,3 +378,156 @@ def test_broken_shard_messages_name_the_real_fix(tmp_path):
             read(tmp_path / "fineweb_train_000007.bin")
         with pytest.raises((tg.UserError, tgs.UserError), match=r"run `python data/cached_fineweb10B.py 7` again"):
             read(hub / "fineweb_train_000007.bin")
+
+
+# ----- issue 39 N27: SIGHUP (a dropped SSH session) is handled like SIGTERM -----
+
+
+@pytest.mark.slow
+def test_track3_sighup_stops_at_a_step_boundary_after_a_checkpoint(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "train_gpt_shampoo.py"), "--preset=smoke", "--matrix_optimizer=adamw", "--train_steps=400",
+         "--val_every=100", "--cycle_train_files=true", "--checkpoint_every=1000", "--checkpoint_dir=ckpt"],
+        cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    stderr = signal_when(process, "step:3/400 ", signal.SIGHUP, timeout=120)
+    assert process.returncode == 129, stderr[-2000:]
+    (line,) = stderr.splitlines()
+    step = int(re.fullmatch(r"step (\d+): interrupted by SIGHUP", line).group(1))
+    (log,) = (tmp_path / "logs").glob("*.txt")
+    assert log.read_text().splitlines()[-2:] == [f"checkpoint: ckpt/step{step:06d}", line]
+    assert (tmp_path / "ckpt" / f"step{step:06d}" / "manifest.json").is_file()
+
+
+# ----- issue 39 N32: a rank killed under torchrun; the survivor says so in one line -----
+
+
+def test_a_lost_process_is_told_from_other_errors(monkeypatch):
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:20390. This is typically caused by a remote worker crashing.")
+    nccl = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1234, remote process exited or there was a network error")
+    for module in (tg, tgs):
+        monkeypatch.setattr(module, "_step_reached", 0)
+        assert module.lost_process_line(gloo) == (
+            "rank 0: step 0: another process of this run is gone (Connection closed by peer); stopping (its own output says why)")
+        assert "(remote process exited)" in module.lost_process_line(nccl)
+        assert module.lost_process_line(RuntimeError("Connection closed by peer")) is None  # not from a collective
+        assert module.lost_process_line(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+
+
+def torchrun_children(launcher: subprocess.Popen) -> dict[int, int]:
+    """LOCAL_RANK -> pid of the workers torchrun started (Linux /proc)."""
+    workers = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher.pid and "LOCAL_RANK" in environ:
+            workers[int(environ["LOCAL_RANK"])] = int(entry.name)
+    return workers
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds torchrun's workers in Linux's /proc")
+def test_the_survivor_of_a_killed_rank_prints_one_line(tmp_path):
+    logs = tmp_path / "torchrun"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", f"--log-dir={logs}",
+         "--redirects=3", str(ROOT / "train_gpt_shampoo.py"), "--preset=smoke", "--matrix_optimizer=adamw",
+         "--train_steps=400", "--val_every=1000", "--cycle_train_files=true"],
+        cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not any("step:3/400" in p.read_text() for p in logs.glob("*/attempt_0/0/stdout.log")):
+            time.sleep(0.2)
+        os.kill(torchrun_children(launcher)[1], signal.SIGKILL)
+        launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    (survivor,) = logs.glob("*/attempt_0/0/stderr.log")
+    lines = survivor.read_text().splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"rank 0: step \d+: another process of this run is gone \((Connection closed by peer|"
+                                            r"Connection reset by peer|Broken pipe)\); stopping \(its own output says why\)", lines[0]), lines
+
+
+# ----- issue 39 N15, N17: every float flag refuses nan and ±inf, every int flag its out-of-range values -----
+
+# one out-of-range value of every int setting (each must be refused in one line naming it)
+BAD_INTS = {
+    tg: dict(val_tokens=0, train_batch_size=-1024, train_max_seq_len=0, val_batch_size=0, vocab_size=0, bos_token=-1,
+             model_dim=-64, num_heads=0, block_size=8, muon_momentum_warmup_steps=-1, num_iterations=0, iteration_extension=-1,
+             ws_validate=1, ws_long_validate=0, val_loss_every=-1, seed=-2, warmup_steps=-1, checkpoint_every=-1),
+    tgs: dict(val_tokens=0, seq_len=0, micro_batch_seqs=0, vocab_size=0, num_layers=0, model_dim=0, head_dim=0,
+              shampoo_max_preconditioner_dim=0, shampoo_precondition_frequency=0, shampoo_start_preconditioning_step=2,
+              train_steps=0, val_every=0, val_every_late=0, num_trials=0, seed=2**64, shampoo_root_streams=0,
+              checkpoint_every=-1),
+}
+FIELDS_OF = {module: {f.name: f.type for f in dataclasses.fields(module.Hyperparameters)} for module in (tg, tgs)}
+
+
+@pytest.mark.parametrize("module", [tg, tgs], ids=["track1", "track3"])
+def test_every_int_setting_has_its_out_of_range_case(module):
+    assert sorted(BAD_INTS[module]) == sorted(name for name, kind in FIELDS_OF[module].items() if kind is int)
+
+
+@pytest.mark.parametrize("module, name, value", [(module, name, value) for module in (tg, tgs) for name, value in BAD_INTS[module].items()],
+                         ids=lambda item: getattr(item, "__name__", str(item)))
+def test_out_of_range_int_flags_are_one_line_errors(module, name, value):
+    with pytest.raises(module.UserError) as info:
+        module.parse_args([f"--{name}={value}"])
+    assert f"--{name}" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("module, name", [(module, name) for module in (tg, tgs) for name, kind in FIELDS_OF[module].items() if kind is float],
+                         ids=lambda item: getattr(item, "__name__", str(item)))
+def test_float_flags_refuse_nan_and_infinities(module, name):
+    bound = name in getattr(module, "BOUND_FLAGS", ())  # a bound that inf lifts
+    for text in ("nan", "-inf") if bound else ("nan", "inf", "-inf"):
+        with pytest.raises(module.UserError, match=f"^argument --{name}: must be a finite number, got '{text}' \\(see --help\\)$"):
+            module.parse_args([f"--{name}={text}"])
+    if bound:
+        assert getattr(module.parse_args([f"--{name}=inf"])[0], name) == math.inf
+
+
+@pytest.mark.parametrize("run_id", ["../x", "/tmp/elsewhere", "a/b", "..", "y" * 300])
+def test_track1_run_id_cannot_leave_the_log_dir(run_id):
+    with pytest.raises(tg.UserError, match=r"^--run_id=.* must be a plain file name of at most 200 bytes"):
+        tg.parse_args([f"--run_id={run_id}"])
+
+
+# ----- issue 39 N41: run with a Python that lacks a requirement -----
+
+WITHOUT_MODULE = """
+import runpy, sys
+sys.modules[sys.argv[1]] = None  # import fails as for a missing package
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script", ["train_gpt.py", "train_gpt_shampoo.py"])
+@pytest.mark.parametrize("missing", ["numpy", "torch"])
+def test_a_missing_package_is_one_line_with_the_install_command(script, missing):
+    result = subprocess.run([sys.executable, "-c", WITHOUT_MODULE, missing, str(ROOT / script), "--preset=smoke"],
+                            capture_output=True, text=True, timeout=120, env=script_env(), cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"{script}: error: cannot import {missing} in {sys.executable}; install the requirements "
+                                          f"(pip install -r requirements.txt, README.md#install) or run the Python that has them"]
+
+
+# ----- issue 38 item 6: Shampoo's start step is the script's, told once in the log -----
+
+
+def test_shampoo_start_step_is_resolved_without_the_packages_notice(workdir, caplog):
+    caplog.set_level("WARNING")
+    result = tgs.run(["--preset=smoke", "--train_steps=1"])
+    assert not [record for record in caplog.records if "start_preconditioning_step" in record.getMessage()]
+    header = result.log_path.read_text().split(tgs.SEPARATOR)[1].splitlines()
+    assert header.count("shampoo_start_preconditioning_step: 5") == 1

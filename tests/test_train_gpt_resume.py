@@ -81,10 +81,10 @@ def shards(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, shards) -> Path:
-    """The uninterrupted one-process run, checkpointing at steps 4 and 8."""
+    """The uninterrupted one-process run, checkpointing at steps 4 and 8 and at the last step, 10."""
     out = tmp_path_factory.mktemp("straight")
     train(1, shards, out, checkpoint_every=4, checkpoint_dir=out / "ckpt")
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step000004", "step000008"]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [".lock", "step000004", "step000008", "step000010"]
     return out
 
 

@@ -69,7 +69,7 @@ def test_overrides_preset_and_explicit_values_win() -> None:
         (["--adam_eps=0"], "--adam_eps=0.0: must be > 0"),
         (["--shampoo_root_streams=0"], "--shampoo_root_streams=0: must be >= 1"),
         (["--shampoo_root_memory_fraction=-1"], "--shampoo_root_memory_fraction=-1.0: must be >= 0"),
-        (["--shampoo_root_memory_fraction=nan"], "--shampoo_root_memory_fraction=nan: must be >= 0"),
+        (["--shampoo_root_memory_fraction=nan"], "argument --shampoo_root_memory_fraction: must be a finite number, got 'nan'"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv: list[str], message: str) -> None:
@@ -389,8 +389,8 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(workdir: Path, matrix_o
         assert resumed_losses[step] == straight_losses[step]  # exact
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
-    # the resumed run's own checkpoints go elsewhere and the original stays as it was
-    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == ["step000003"]
+    # the resumed run's own checkpoints go elsewhere and the original stays as it was (with its final step's)
+    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == [".lock", "step000003", "step000006"]
 
 
 def test_checkpointing_does_not_change_the_run(workdir: Path) -> None:
@@ -442,7 +442,7 @@ def test_existing_checkpoints_are_never_overwritten(workdir: Path) -> None:
         (["--train_files=nothing/*.bin"], {}, "no files match 'nothing/*.bin'"),
         (["--train_steps=x"], {}, "--train_steps: invalid int value"),
         (["--preset=smoke", "--val_tokens=1000"], {}, "--val_tokens = 1000 tokens must split into"),
-        (["--preset=smoke", "--val_tokens=8192"], {}, "validation data (data/smoke/smoke_val_*.bin): "),
+        (["--preset=smoke", "--val_tokens=8192"], {}, "/data/smoke/v512/smoke_val_*.bin): "),
     ],
 )
 def test_main_reports_user_errors_in_one_line(workdir: Path, monkeypatch: pytest.MonkeyPatch,
@@ -499,15 +499,22 @@ def test_two_process_shampoo_resume_is_exact(tmp_path: Path) -> None:
     assert resumed_last.split(" train_time")[0] == last.split(" train_time")[0]
 
 
-def test_smoke_shards_are_reused_and_foreign_files_kept(workdir: Path) -> None:
-    patterns = tgs.generate_smoke_shards(vocab_size=512)
-    shard = workdir / "data" / "smoke" / "smoke_val_000000.bin"
+def test_smoke_shards_are_keyed_by_vocabulary_and_a_damaged_one_is_rewritten(workdir: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 39 O5/N42: after a 0-byte shard, or another vocabulary's shards, a smoke run rewrites or adds its own."""
+    small = smoke_run("--matrix_optimizer=adamw", "--train_steps=1")
+    folder = workdir / "data" / "smoke" / "v512"
+    shard = folder / "smoke_val_000000.bin"
     stamp = shard.stat().st_mtime_ns
-    assert tgs.generate_smoke_shards(vocab_size=512) == patterns and shard.stat().st_mtime_ns == stamp
-    shard.write_bytes(b"someone else's file")
-    with pytest.raises(tgs.UserError, match="smoke_val_000000.bin exists with other content"):
-        tgs.generate_smoke_shards(vocab_size=512)
-    assert shard.read_bytes() == b"someone else's file"
+    assert smoke_run("--matrix_optimizer=adamw", "--train_steps=1").trials[0].val_losses == small.trials[0].val_losses
+    assert shard.stat().st_mtime_ns == stamp  # identical bytes: kept as they were
+    shard.write_bytes(b"")
+    capsys.readouterr()
+    assert smoke_run("--matrix_optimizer=adamw", "--train_steps=1").trials[0].val_losses == small.trials[0].val_losses
+    rewritten = f"smoke shards: rewriting {shard.relative_to(workdir)}, whose bytes are not this smoke run's"
+    assert rewritten in capsys.readouterr().out.splitlines()
+    larger = smoke_run("--matrix_optimizer=adamw", "--train_steps=1", "--vocab_size=1024")
+    assert larger.trials[0].val_losses[0] == pytest.approx(math.log(1024), abs=1e-5)
+    assert sorted(p.name for p in (workdir / "data" / "smoke").iterdir()) == ["v1024", "v512"]
 
 
 def test_trials_share_the_log_and_start_fresh(workdir: Path) -> None:
@@ -517,7 +524,7 @@ def test_trials_share_the_log_and_start_fresh(workdir: Path) -> None:
     assert first[0] == second[0]  # zero head: ln(vocab) whatever the init
     assert first[2] != second[2]  # the second trial draws a new init
     names = sorted(p.name for p in (workdir / "checkpoints").glob("*/*"))
-    assert names == ["trial0_step000001", "trial1_step000001"]
+    assert names == [".lock", "trial0_step000001", "trial0_step000002", "trial1_step000001", "trial1_step000002"]
 
 
 @pytest.mark.parametrize(("status", "expected"), [("", "abc123"), ("M train_gpt_shampoo.py", "abc123 (modified)"),

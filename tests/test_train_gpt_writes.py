@@ -1,0 +1,281 @@
+"""What the training scripts write, on a bad day (issue 39, items 1-3; issue 38, item 7): checkpoints that verify
+their files, a checkpoint folder one run at a time, every output checked before the log exists, a full disk in the
+middle of a run, and the temporary file of a killed writer. Track 3 runs in this process (fast); Track 1 shares the
+helpers (tests/test_shared_helpers.py) and is run where its own code is involved."""
+
+import errno
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train_gpt as tg
+import train_gpt_shampoo as tgs
+from conftest import ROOT, free_port, make_shards, tiny_args
+
+QUICK = ("--preset=smoke", "--matrix_optimizer=adamw")
+
+
+def script_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DATA_PATH", "TORCHELASTIC_ERROR_FILE"):
+        env.pop(key, None)
+    return env
+
+
+def track3_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, list[str]]:
+    """Exit status and stderr lines of train_gpt_shampoo.py's main, run in this process."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        tgs.main(list(args))
+    return exit_info.value.code, capsys.readouterr().err.splitlines()
+
+
+def logs(workdir: Path) -> list[Path]:
+    return sorted((workdir / "logs").glob("*.txt"))
+
+
+def flip_bytes(path: Path, count: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+    path.write_bytes(bytes(data))
+
+
+# ----- N3, N2: a corrupt or truncated checkpoint is refused, naming the file and the previous good checkpoint -----
+
+
+def test_corrupt_and_truncated_checkpoints_are_refused_before_the_log_exists(workdir, capsys):
+    tgs.run([*QUICK, "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
+    (first_log,) = logs(workdir)
+    manifest = tgs.read_manifest(workdir / "ckpt" / "step000004")
+    assert sorted(manifest["files"]) == ["rank0.pt", "shared.pt"]
+    assert manifest["files"]["shared.pt"]["sha256"] == tgs.file_sha256(workdir / "ckpt" / "step000004" / "shared.pt")
+
+    flip_bytes(workdir / "ckpt" / "step000004" / "shared.pt")  # N3: the run used to resume from it silently
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--resume=ckpt/step000004")
+    assert status == 2 and lines == [
+        "train_gpt_shampoo.py: error: --resume=ckpt/step000004: shared.pt does not match the SHA-256 manifest.json records "
+        "(the file is corrupt); resume from ckpt/step000002, the previous complete checkpoint there"
+    ]
+    rank0 = workdir / "ckpt" / "step000002" / "rank0.pt"
+    size = rank0.stat().st_size
+    os.truncate(rank0, size // 2)  # N2: a PytorchStreamReader traceback and a stub log
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--resume=ckpt/step000002")
+    assert status == 2 and lines == [
+        f"train_gpt_shampoo.py: error: --resume=ckpt/step000002: rank0.pt is {size // 2} bytes, manifest.json records "
+        f"{size} (the file is truncated or was replaced); ckpt holds no earlier complete checkpoint"
+    ]
+    assert logs(workdir) == [first_log]  # no stub log of the refused runs
+
+
+def test_track1_refuses_a_corrupt_checkpoint_before_the_log_exists(tmp_path, monkeypatch):
+    """Track 1's checks run in its own order: the checkpoint before the log (written here by the shared helper)."""
+    monkeypatch.setattr(tg, "_last_checkpoint", None)  # write_checkpoint sets it: restored afterwards
+    shards = make_shards(tmp_path / "data")
+    checkpoint = tmp_path / "ckpt" / "step000004"
+    checkpoint.parent.mkdir()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        rt = tg.Runtime(0, 1, 0, torch.device("cpu"))
+        assert tg.write_checkpoint(checkpoint, "r", rt, {}, dict(step=4), dict(adam={}), dict(model={"w": torch.ones(1000)}))
+    finally:
+        dist.destroy_process_group()
+    flip_bytes(checkpoint / "shared.pt")
+    result = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *tiny_args(*shards, tmp_path / "logs", resume=checkpoint)],
+                            capture_output=True, text=True, timeout=300, env=script_env(), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.splitlines() == [f"train_gpt.py: error: --resume={checkpoint}: shared.pt does not match the SHA-256 "
+                                          f"manifest.json records (the file is corrupt); {checkpoint.parent} holds no earlier "
+                                          f"complete checkpoint"]
+    assert not list((tmp_path / "logs").glob("*.txt"))
+
+
+# ----- N24, N25: a checkpoint folder is one run's at a time; a live save is never removed -----
+
+HOLD_FOLDER = """
+import fcntl, sys, time
+with open(sys.argv[1] + "/.lock", "a+b") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    lock.write(b"pid 4242 on elsewhere, since 2026-01-01 00:00:00")
+    lock.flush()
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_run_is_refused_a_live_runs_checkpoint_folder(workdir, capsys):
+    shared = workdir / "shared"
+    live_save = shared / ".step000002.partial-other"  # the first run's save in progress
+    live_save.mkdir(parents=True)
+    (live_save / "rank0.pt").write_bytes(b"being written")
+    os.utime(live_save, (time.time() - 3600, time.time() - 3600))  # as old as you like: its run is alive
+    first = subprocess.Popen([sys.executable, "-c", HOLD_FOLDER, str(shared)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline() == "held\n"
+        status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--checkpoint_every=3", "--checkpoint_dir=shared")
+    finally:
+        first.kill()
+        first.wait()
+    assert status == 2 and lines == [
+        "train_gpt_shampoo.py: error: --checkpoint_dir=shared: in use by another run (pid 4242 on elsewhere, since "
+        "2026-01-01 00:00:00); pick another --checkpoint_dir (two runs never save into one folder)"
+    ]
+    assert (live_save / "rank0.pt").read_bytes() == b"being written" and not logs(workdir)
+
+    # its run gone (the lock went with its process), the folder is free and the dead save is removed
+    result = tgs.run([*QUICK, "--train_steps=4", "--checkpoint_every=3", "--checkpoint_dir=shared"])
+    assert "removed 1 unfinished checkpoint folder(s) of interrupted saves from shared: .step000002.partial-other" in result.log_path.read_text()
+    assert sorted(p.name for p in shared.iterdir()) == [".lock", "step000003", "step000004"]
+
+
+# ----- N9, N10, N13 and friends: every output checked before the log exists, one line each -----
+
+
+@pytest.mark.parametrize("case", ["log_dir is a file", "checkpoint_dir under a file", "checkpoint_dir not writable",
+                                  "disk nearly full", "file-size limit", "name too long"])
+def test_outputs_are_checked_before_the_log_exists(workdir, capsys, monkeypatch, case):
+    (workdir / "a_file").write_text("mine")
+    args, expected = {
+        "log_dir is a file": (["--log_dir=a_file"], "--log_dir=a_file: is a file, not a folder; pick another --log_dir"),
+        "checkpoint_dir under a file": (["--checkpoint_dir=a_file/ckpt"],
+                                        "--checkpoint_dir=a_file/ckpt: cannot write there (Not a directory); pick a writable --checkpoint_dir"),
+        "checkpoint_dir not writable": (["--checkpoint_dir=ckpt"],
+                                        "--checkpoint_dir=ckpt: cannot write there (Permission denied); pick a writable --checkpoint_dir"),
+        "disk nearly full": (["--checkpoint_dir=ckpt"], r"--checkpoint_dir=ckpt: 10 MiB free, this run needs about \d+ MiB there "
+                             r"\(its log and one checkpoint, with a margin\); free some space or pick another --checkpoint_dir"),
+        "file-size limit": (["--checkpoint_dir=ckpt"], r"--checkpoint_dir=ckpt: this run writes files of up to about \d\.\d MiB "
+                            r"there, above the file-size limit of 1\.0 MiB \(ulimit -f\); raise the limit"),
+        "name too long": (["--checkpoint_dir=" + "x" * 300], r"--checkpoint_dir: the name x{20}\.\.\. is 300 bytes, longer than "
+                          r"a file name may be \(255\); pick a shorter --checkpoint_dir"),
+    }[case]
+    if case == "checkpoint_dir not writable":  # root writes anywhere: the probe file is refused instead
+        real = tgs.tempfile.TemporaryFile
+
+        def refused(*args, dir=None, **kwargs):
+            if Path(dir).name == "ckpt":
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tgs.tempfile, "TemporaryFile", refused)
+    if case == "disk nearly full":
+        real_usage = tgs.shutil.disk_usage
+        monkeypatch.setattr(tgs.shutil, "disk_usage",
+                            lambda path: real_usage(path)._replace(free=10 * 2**20) if Path(path).name == "ckpt" else real_usage(path))
+    if case == "file-size limit":
+        monkeypatch.setattr(tgs.resource, "getrlimit", lambda which: (2**20, tgs.resource.RLIM_INFINITY))
+    status, lines = track3_main(capsys, "--preset=smoke", "--train_steps=4", "--checkpoint_every=2", *args)
+    assert status == 2 and len(lines) == 1, lines
+    assert re.fullmatch("train_gpt_shampoo.py: error: " + (expected if case in ("disk nearly full", "file-size limit", "name too long")
+                                                            else re.escape(expected)), lines[0]), lines[0]
+    assert not logs(workdir) and (workdir / "a_file").read_text() == "mine"
+
+
+# ----- N8, N6/N7: a full disk in the middle of a run -----
+
+
+class FillingDisk:
+    """A file whose disk is full after `room` more bytes."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        if len(data) > self.room:
+            self.f.write(data[: self.room])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def test_a_disk_that_fills_during_a_save_stops_the_run_in_one_line(workdir, capsys, monkeypatch):
+    original = tgs.HashingWriter.__init__
+
+    def on_filling_disk(self, f):
+        original(self, FillingDisk(f, room=1000) if "step000004" in f.name else f)
+
+    monkeypatch.setattr(tgs.HashingWriter, "__init__", on_filling_disk)
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=6", "--checkpoint_every=2", "--checkpoint_dir=ckpt")
+    expected = ("step 4: cannot write checkpoint ckpt/step000004 (No space left on device); the last complete checkpoint is "
+                "ckpt/step000002 (--resume=ckpt/step000002 continues from it)")
+    assert status == 2 and lines == [f"train_gpt_shampoo.py: error: {expected}"]
+    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == [".lock", "step000002"]  # the partial save is gone
+    (log,) = logs(workdir)
+    assert log.read_text().endswith(f"\nerror: {expected}\n")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="tells the log's writes apart by Linux's /proc/self/fd")
+def test_a_log_that_cannot_be_written_keeps_whole_lines_and_stops_the_run(workdir, capsys, monkeypatch):
+    real_write = os.write
+
+    def full_at_step_4(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".txt") and b"step:4/" in bytes(data):
+            real_write(fd, bytes(data)[:10])  # the disk takes part of the line, then is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(tgs.os, "write", full_at_step_4)
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=8", "--val_every=2", "--checkpoint_every=3", "--checkpoint_dir=ckpt")
+    monkeypatch.undo()
+    (log,) = logs(workdir)
+    assert status == 2 and lines == [f"step 5: cannot write the log {log.relative_to(workdir)} (No space left on device); stopping; "
+                                     f"the last complete checkpoint is ckpt/step000005 (--resume=ckpt/step000005 continues from it)"]
+    text = log.read_text()
+    assert text.endswith("\ncheckpoint: ckpt/step000003\n") and "step:4/" not in text  # whole lines only
+    assert (workdir / "ckpt" / "step000005" / "manifest.json").is_file()  # the stop's checkpoint
+
+
+# ----- N44 and issue 38 item 7: the temporary file of a writer killed by SIGKILL is removed at the next start -----
+
+SLOW_WRITER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import train_gpt_shampoo as tgs
+def write(f):
+    f.write(b"x" * 1000)
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(600)
+tgs.write_atomically(Path(sys.argv[2]), write, replace=False)
+"""
+
+
+def test_a_killed_writers_temporary_file_is_removed_at_the_next_start(workdir, capsys):
+    state = workdir / "logs" / "earlier-run" / "state_step000006.pt"  # train_gpt.py's end-of-run state
+    state.parent.mkdir(parents=True)
+    writer = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(ROOT), str(state)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline() == "writing\n"
+    writer.kill()
+    writer.wait()
+    (temporary,) = state.parent.iterdir()
+    assert tgs.TEMPORARY_NAME.fullmatch(temporary.name)
+    os.utime(temporary, (time.time() - 1, time.time() - 1))  # written before the next run starts
+    tgs.run([*QUICK, "--train_steps=1"])
+    assert f"removed {temporary.relative_to(workdir)}, the temporary file of a killed writer" in capsys.readouterr().out.splitlines()
+    assert list(state.parent.iterdir()) == []
+
+
+# ----- issue 38 item 7: --checkpoint_every also saves the last step -----
+
+
+@pytest.mark.parametrize("module", [tg, tgs], ids=["track1", "track3"])
+def test_checkpoints_are_written_at_the_multiples_and_the_last_step(module):
+    hp, _ = module.parse_args(["--preset=smoke", "--train_steps=7", "--checkpoint_every=3"])
+    assert module.checkpoint_steps(hp, 0) == [3, 6, 7]
+    assert module.checkpoint_steps(hp, 6) == [7] and module.checkpoint_steps(hp, 7) == []
+
+
+def test_track3_saves_the_last_step(workdir):
+    tgs.run([*QUICK, "--train_steps=5", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
+    assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == [".lock", "step000002", "step000004", "step000005"]
