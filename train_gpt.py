@@ -1812,6 +1812,17 @@ def raise_if_any_rank_failed(error: str | None) -> None:
         raise UserError(first)
 
 
+def announce_log(path: Path, rt: Runtime) -> None:
+    """The log's path, printed by the first process of every machine (collective): rank 0 writes the log, on its own
+    machine, which the others name (run.sh repeats the line last)."""
+    host = [socket.gethostname()]
+    dist.broadcast_object_list(host, 0)
+    if rt.rank == 0:
+        print(f"log: {path}", flush=True)
+    elif rt.local_rank == 0:
+        print(f"log: {path} (on {host[0]}, the machine of rank 0, which writes it)", flush=True)
+
+
 def new_run_id(requested: str) -> str:
     """The run's id on every rank: the requested one, or rank 0's fresh uuid4 (collective)."""
     run_id = [requested or str(uuid.uuid4())]
@@ -2674,7 +2685,7 @@ def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GP
     return raw_model
 
 
-def open_run_log(hp: Hyperparameters, run_id: str) -> None:
+def open_run_log(hp: Hyperparameters, run_id: str, rt: Runtime) -> None:
     """Rank 0 creates the log and writes this script's source into it (collective: a failure stops every rank)."""
     global _log_path
     error = None
@@ -2683,10 +2694,9 @@ def open_run_log(hp: Hyperparameters, run_id: str) -> None:
             _log_path = open_log(hp.log_dir, run_id)
         except UserError as failure:
             error = str(failure)
-        else:
-            print(f"log: {_log_path}", flush=True)
-            print0(Path(__file__).read_text())
     raise_if_any_rank_failed(error)
+    announce_log(Path(hp.log_dir) / f"{run_id}.txt", rt)
+    print0(Path(__file__).read_text())
 
 
 def run(argv: list[str]) -> float:
@@ -2727,7 +2737,7 @@ def run(argv: list[str]) -> float:
         log_size += checkpoint_bytes(raw_model, [adam, muon], world_size=1)
     checkpoint_size = checkpoint_bytes(raw_model, [adam, muon], rt.world_size) if hp.checkpoint_every else 0
     prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_size, checkpoint_dir if hp.checkpoint_every else None, checkpoint_size, run_started)
-    open_run_log(hp, run_id)
+    open_run_log(hp, run_id, rt)
     print0("=" * 100)
     track_lines = [f"attention_backend: {backend}", f"fp8_head: {'on' if fp8 else 'off'}"]
     for line in environment_lines(rt, hp, overrides, track_lines, train_files, train_token_count, val_files, val_token_count):

@@ -897,6 +897,17 @@ def raise_if_any_rank_failed(error: str | None) -> None:
         raise UserError(first)
 
 
+def announce_log(path: Path, rt: Runtime) -> None:
+    """The log's path, printed by the first process of every machine (collective): rank 0 writes the log, on its own
+    machine, which the others name (run.sh repeats the line last)."""
+    host = [socket.gethostname()]
+    dist.broadcast_object_list(host, 0)
+    if rt.rank == 0:
+        print(f"log: {path}", flush=True)
+    elif rt.local_rank == 0:
+        print(f"log: {path} (on {host[0]}, the machine of rank 0, which writes it)", flush=True)
+
+
 def new_run_id(requested: str) -> str:
     """The run's id on every rank: the requested one, or rank 0's fresh uuid4 (collective)."""
     run_id = [requested or str(uuid.uuid4())]
@@ -1869,8 +1880,8 @@ def train_trials(hp: Hyperparameters, settings: dict[str, Any], overrides: dict[
         except UserError as failure:
             error = str(failure)
     raise_if_any_rank_failed(error)
+    announce_log(Path(hp.log_dir) / f"{run_id}.txt", rt)
     if _is_master:
-        print(f"log: {_log_path}", flush=True)
         write_log(source)
         print0(SEPARATOR)
         track_lines = [f"shampoo_start_preconditioning_step: {start_preconditioning_step(hp)}"] if hp.matrix_optimizer == "shampoo" else []

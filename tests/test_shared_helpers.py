@@ -36,7 +36,7 @@ SHARED = (
     "write_smoke_shards",
     # processes, log and stopping
     "Runtime", "_free_port", "read_world_size", "cpu_threads", "setup_distributed", "synchronize",
-    "raise_if_any_rank_failed", "new_run_id", "_log_path", "_log_error", "_is_master", "append_to_log", "write_log",
+    "raise_if_any_rank_failed", "announce_log", "new_run_id", "_log_path", "_log_error", "_is_master", "append_to_log", "write_log",
     "print0", "open_log", "_command_output", "git_commit", "_stop_signal", "_defer_stop", "_step_reached",
     "NON_FINITE_EXIT_STATUS", "LOST_PROCESS_EXIT_STATUS", "HEALTH_LAG_CUDA", "STOP_SIGNALS", "stop_requested",
     "interrupted", "_on_stop_signal", "install_stop_handlers", "LOST_PROCESS_SIGNS", "lost_process_line",

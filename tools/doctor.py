@@ -737,12 +737,12 @@ def _writable(folder: Path) -> Path | None:
 
 def check_smoke_shards(plan: Plan) -> Check:
     """The smoke presets write their shards where the script runs: train_gpt.py into --log_dir, train_gpt_shampoo.py
-    into DATA_PATH/data/smoke. With several machines each machine writes its own copy (deterministic, so the same
+    into DATA_PATH/data/smoke/v<vocab_size>. With several machines each machine writes its own copy (deterministic, so the same
     bytes everywhere); nothing needs copying between them."""
     if plan.track.number == 1:
         folder, where = Path(plan.hp.log_dir), f"{plan.hp.log_dir}/smoke_shards_*/"
     else:
-        folder = Path(os.environ.get("DATA_PATH", ""), "data/smoke")
+        folder = Path(os.environ.get("DATA_PATH", ""), "data", "smoke", f"v{plan.hp.vocab_size}")
         where = f"{folder}/"
     blocked = _writable(folder)
     if blocked is not None:
@@ -857,7 +857,7 @@ def check_expected_speed(machine: Machine, plan: Plan) -> Check:
 # ---- report ----
 SMOKE_COMMANDS = """CPU mode: no CUDA GPU is visible, so this checked the CPU smoke run. Smoke commands:
   python train_gpt.py --preset=smoke                # Track 1's whole pipeline, tiny model (shards in logs/smoke_shards_*/)
-  python train_gpt_shampoo.py --preset=smoke        # Track 3's (shards in data/smoke/)
+  python train_gpt_shampoo.py --preset=smoke        # Track 3's (shards in data/smoke/v512/)
   torchrun --standalone --nproc_per_node=2 train_gpt.py --preset=smoke   # 2 gloo processes
   python -m pytest -q                               # the tests"""
 

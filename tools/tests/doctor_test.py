@@ -181,7 +181,7 @@ def test_several_machines_get_a_fingerprint_of_the_shards_to_compare(tmp_path):
 def test_smoke_shards_are_written_on_every_machine_where_the_script_runs(tmp_path, monkeypatch, track):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("DATA_PATH", raising=False)
-    where = "logs/smoke_shards_*/" if track == 1 else "data/smoke/"
+    where = "logs/smoke_shards_*/" if track == 1 else "data/smoke/v512/"
     two = dr.check_shards(plan("--preset=smoke", track=track, nnodes=2, gpu_mode=False))
     assert two.status == "ok" and two.detail == f"the smoke preset writes its own synthetic shards ({where}), on each of the 2 machines (the same bytes on each)"
     read_only = tmp_path / "ro"
