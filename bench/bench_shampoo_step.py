@@ -152,6 +152,9 @@ def parse_args() -> argparse.Namespace:
     if not all(value in choices for value in args.batched.split(",")):
         parser.error(f"--batched must be comma-separated off/on, got {args.batched!r}")
     args.batched = [choices[value] for value in args.batched.split(",")]
+    if True in args.batched and args.symmetric_packing == "on":
+        parser.error("--batched on needs square factors (ShampooRuntimeConfig.batch_same_shape_blocks refuses packed "
+                     "ones): pass --symmetric-packing off or default")
     if args.upstream not in ("auto", "off") and not (Path(args.upstream) / "distributed_shampoo" / "__init__.py").is_file():
         parser.error(f"--upstream={args.upstream}: no distributed_shampoo/__init__.py in that folder; pass the folder "
                      "that holds the published package (or auto, or off)")

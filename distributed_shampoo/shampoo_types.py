@@ -520,12 +520,17 @@ class ShampooRuntimeConfig:
     same-shape matrix blocks of `RootInvShampooPreconditionerConfig(use_symmetric_packing=False)` in shared
     stacks and updates and applies them with batched matmuls (a few blocks at a time, within 2% of the state),
     instead of one matmul per block: fewer, larger kernels. Bitwise equal to the per-block path on the CPU
-    (tested); on CUDA batched and single matmuls may round differently, which `gpu_tests/` checks.
+    (tested); on CUDA batched and single matmuls may round differently, which `gpu_tests/` checks. Packed storage
+    and the other variants raise a ValueError.
     `defer_amortized_computation=True` (a package extension) CHANGES THE MATH, hence off: a root step computes
     its roots from that step's factors after the step, on a host thread and CUDA stream of its own, while the
     caller goes on (with the next forward and backward), and the roots are first used at the next step, whose
     `step()` waits for them; the step itself still uses the previous roots. So every root is one step older than
-    in the published optimizer. Results equal computing the same roots at the end of the step without overlap.
+    in the published optimizer, and nothing else changes (the factors and roots stay bitwise the same). Results
+    equal computing the same roots at the end of the step without overlap. RootInv and RootInvKL configs only:
+    eigenvalue-corrected Shampoo would update its eigenvalues in the old basis and then use them in the new one, so
+    the other variants raise a ValueError, as do configs that flip a process-wide flag
+    (`CoupledHigherOrderConfig(disable_tf32=True)`).
     """
 
     eager_nan_check: bool = False

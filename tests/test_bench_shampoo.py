@@ -65,3 +65,9 @@ def test_bench_shampoo_step_says_in_one_line_that_the_published_optimizer_is_not
 def test_bench_shampoo_step_refuses_a_folder_without_the_package(tmp_path):
     result = run_bench("bench_shampoo_step.py", "--tiny", "--device", "cpu", "--upstream", str(tmp_path))
     assert result.returncode == 2 and "no distributed_shampoo/__init__.py in that folder" in result.stderr
+
+
+def test_bench_shampoo_step_refuses_batching_packed_factors():
+    result = run_bench("bench_shampoo_step.py", "--tiny", "--device", "cpu", "--batched", "off,on", "--symmetric-packing", "on")
+    assert result.returncode == 2 and "--batched on needs square factors" in result.stderr
+    assert "Traceback" not in result.stderr

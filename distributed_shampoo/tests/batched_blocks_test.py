@@ -14,6 +14,7 @@ import distributed_shampoo.preconditioner.shampoo_preconditioner_list as shampoo
 from distributed_shampoo import (
     AdamPreconditionerConfig,
     DistributedShampoo,
+    EigenvalueCorrectedShampooPreconditionerConfig,
     RootInvKLShampooPreconditionerConfig,
     RootInvShampooPreconditionerConfig,
     WeightDecayType,
@@ -149,13 +150,23 @@ def test_batched_checkpoints_load_into_either_path() -> None:
 
 
 @pytest.mark.parametrize(
-    "preconditioner_config",
+    ("preconditioner_config", "message"),
     [
-        RootInvShampooPreconditionerConfig(),  # packed storage
-        RootInvKLShampooPreconditionerConfig(use_symmetric_packing=False),
+        (
+            RootInvShampooPreconditionerConfig(),  # packed storage, the package default
+            r"batch_same_shape_blocks=True\) needs square factors: pass RootInvShampooPreconditionerConfig\(use_symmetric_packing=False\)",
+        ),
+        (
+            RootInvKLShampooPreconditionerConfig(use_symmetric_packing=False),
+            r"batch_same_shape_blocks=True\) does not support RootInvKLShampooPreconditionerConfig, only RootInv",
+        ),
+        (
+            EigenvalueCorrectedShampooPreconditionerConfig(),
+            r"batch_same_shape_blocks=True\) does not support EigenvalueCorrectedShampooPreconditionerConfig, only RootInv",
+        ),
     ],
-    ids=["packed", "KL"],
+    ids=["packed", "KL", "eigenvalue-corrected"],
 )
-def test_other_variants_stay_per_block(preconditioner_config: Any) -> None:
-    _, optimizer = train(torch.float64, batched=True, steps=range(1, 2), preconditioner_config=preconditioner_config)
-    assert all(block.batch is None for block in optimizer._group_runtimes[0].shampoo._local_blocks)  # type: ignore[attr-defined]
+def test_configs_that_cannot_batch_refuse_it(preconditioner_config: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        train(torch.float64, batched=True, steps=range(1, 2), preconditioner_config=preconditioner_config)

@@ -722,9 +722,7 @@ class ReferenceEigenvalueCorrectedBlock:
         self.corrected_eigenvalues = torch.zeros(shape, dtype=torch.float64)
         self.first_moment = torch.zeros(shape, dtype=torch.float64)
 
-    def step(self, weight: Tensor, grad: Tensor, t: int, c: dict[str, Any], deferred: bool = False) -> None:
-        """One step; `deferred`: a root step's new inverse roots are computed after its update, so they are first
-        used at the next step (`ShampooRuntimeConfig(defer_amortized_computation=True)`)."""
+    def step(self, weight: Tensor, grad: Tensor, t: int, c: dict[str, Any]) -> None:
         beta1, beta2 = c["betas"]
         self.factors[0] = beta2 * self.factors[0] + (1 - beta2) * grad @ grad.T
         self.factors[1] = beta2 * self.factors[1] + (1 - beta2) * grad.T @ grad
