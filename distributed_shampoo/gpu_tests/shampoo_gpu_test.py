@@ -29,6 +29,7 @@ from distributed_shampoo import (
 import distributed_shampoo.preconditioner.shampoo_preconditioner_list as shampoo_list_module
 from distributed_shampoo.shampoo_types import ConcurrencyConfig, ShampooRuntimeConfig
 from distributed_shampoo.tests.distributed_shampoo_test import record_config
+from distributed_shampoo.tests.helpers import AtTheEndOfTheStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -106,11 +107,9 @@ def test_batched_blocks_equal_the_per_block_path_bitwise(shapes: list[tuple[int,
 def test_deferred_roots_in_the_background_equal_roots_at_the_end_of_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """defer_amortized_computation: the roots computed on the background stream and thread (8 side streams under
     it) equal the same roots computed on the caller's stream at the end of each root step, one after another."""
-    from distributed_shampoo.tests.deferred_roots_test import _AtTheEndOfTheStep
-
     shapes = SHAPES * 3
     overlapped = run("cuda", streams=8, shapes=shapes, deferred=True)
-    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", _AtTheEndOfTheStep)
+    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", AtTheEndOfTheStep)
     sequential = run("cuda", streams=1, shapes=shapes, deferred=True)
     for got, want in zip(overlapped, sequential, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)

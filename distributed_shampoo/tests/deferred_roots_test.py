@@ -21,20 +21,10 @@ from distributed_shampoo import (
     RootInvShampooPreconditionerConfig,
 )
 from distributed_shampoo.shampoo_types import PreconditionerValueError, ShampooRuntimeConfig
-from distributed_shampoo.tests.distributed_shampoo_test import _compare_with_reference
+from distributed_shampoo.tests.helpers import AtTheEndOfTheStep, compare_with_reference
 
 SHAPES = [(12, 10), (10, 12), (7,), (12, 10)]
 NUM_STEPS = 9
-
-
-class _AtTheEndOfTheStep:
-    """Stands in for `_BackgroundComputation`: the same function, run at once on the caller's thread and stream."""
-
-    def __init__(self, function: Any, device: torch.device) -> None:
-        function()
-
-    def wait(self) -> None:
-        pass
 
 
 def make_optimizer(params: list[torch.nn.Parameter], deferred: bool, **extra: Any) -> DistributedShampoo:
@@ -75,7 +65,7 @@ def busy_caller(step: int, optimizer: DistributedShampoo) -> None:
 
 
 def test_deferred_roots_match_the_float64_reference_with_roots_one_step_later() -> None:
-    _compare_with_reference(7, torch.float64, deferred=True, shampoo_runtime_config=ShampooRuntimeConfig(defer_amortized_computation=True))
+    compare_with_reference(7, torch.float64, deferred=True, shampoo_runtime_config=ShampooRuntimeConfig(defer_amortized_computation=True))
 
 
 def test_deferred_roots_change_the_math() -> None:
@@ -95,7 +85,7 @@ def test_overlapped_roots_equal_roots_computed_at_the_end_of_the_step(monkeypatc
     monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", counting)
     overlapped, _ = train(deferred=True, between_steps=busy_caller)
     assert len(calls) == 4  # root steps 2, 4, 6, 8
-    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", _AtTheEndOfTheStep)
+    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", AtTheEndOfTheStep)
     sequential, _ = train(deferred=True, between_steps=busy_caller)
     for a, b in zip(overlapped, sequential, strict=True):
         assert torch.equal(a, b)
@@ -113,7 +103,7 @@ def test_a_state_dict_waits_for_the_roots_in_flight(monkeypatch: pytest.MonkeyPa
         return after_step
 
     train(deferred=True, between_steps=keep_state("overlapped"))
-    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", _AtTheEndOfTheStep)
+    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", AtTheEndOfTheStep)
     train(deferred=True, between_steps=keep_state("sequential"))
     assert len(dicts["overlapped"]) == 4
     for overlapped, sequential in zip(dicts["overlapped"], dicts["sequential"], strict=True):
