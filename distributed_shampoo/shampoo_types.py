@@ -465,22 +465,24 @@ class HybridShardDistributedConfig(FullyShardDistributedConfig, DDPDistributedCo
 # -------------------------------------------------------------------------------------------------- runtime
 
 
-def _torch_compile_fields() -> list[tuple[str, Any, Any]]:
-    """(name, annotation, default field) of every parameter of this torch's `torch.compile` except `model`."""
-    return [
-        (name, parameter.annotation, field(default=parameter.default))
-        for name, parameter in inspect.signature(torch.compile).parameters.items()
-        if name != "model"
-    ]
+def _torch_compile_keywords() -> list[tuple[str, Any, Any]]:
+    """(name, annotation, field with its default) of each keyword of this torch's `torch.compile`: every parameter
+    after the first, which is what to compile."""
+    compiled, *keywords = inspect.signature(torch.compile).parameters.values()
+    assert compiled.name == "model", f"torch.compile's first parameter is {compiled.name!r}; expected model"
+    return [(keyword.name, keyword.annotation, field(default=keyword.default)) for keyword in keywords]
 
 
-# Keyword-only; its fields are `torch.compile`'s parameters but `model`, with their defaults, read from the torch in
-# use (so they change with the torch version, as in the published optimizer), and `dataclasses.asdict` of it is
+# The fields follow the torch in use (as the published optimizer's do), and `dataclasses.asdict` of an instance is
 # splatted into `torch.compile` for the per-group step body.
-ShampooPT2CompileConfig = make_dataclass("ShampooPT2CompileConfig", _torch_compile_fields(), kw_only=True)
-ShampooPT2CompileConfig.__module__ = __name__
-ShampooPT2CompileConfig.__doc__ = (
-    "Arguments of `torch.compile` (all but `model`, with its defaults) for the compiled part of each step."
+ShampooPT2CompileConfig = make_dataclass(
+    "ShampooPT2CompileConfig",
+    _torch_compile_keywords(),
+    kw_only=True,
+    namespace={
+        "__module__": __name__,
+        "__doc__": "Keyword arguments of `torch.compile`, with its defaults, for the compiled part of each step.",
+    },
 )
 
 

@@ -1,6 +1,7 @@
 """DistributedShampoo on one process: equality with plain float64 references, trajectories printed by the
 published optimizer, torch-optimizer equivalences, argument validation and checkpoint round trips."""
 
+import dataclasses
 import io
 import logging
 import math
@@ -25,29 +26,20 @@ from distributed_shampoo import (
     RootInvShampooPreconditionerConfig,
     ScheduleFreeConfig,
     SGDPreconditionerConfig,
+    ShampooPT2CompileConfig,
     SingleDeviceDistributedConfig,
     WeightDecayType,
 )
 from distributed_shampoo.preconditioner.matrix_functions_types import EigenConfig
-from distributed_shampoo.tests.helpers import ReferenceBlock, compare_with_reference, random_problem
+from distributed_shampoo.tests.helpers import (
+    ReferenceBlock,
+    compare_with_reference,
+    random_problem,
+    record_config,
+    train_with_a_gradient_missing_at_step_2,
+)
 
 RECORD_GRADS = [[[1, 2], [3, 4]], [[0, 1], [-1, 2]], [[2, -1], [1, 1]], [[1, 1], [0, -2]]]
-
-
-def record_config(**overrides: Any) -> dict[str, Any]:
-    """The Track 3 record's DistributedShampoo arguments (train_gpt_shampoo.py, build_shampoo), with overrides."""
-    config = dict(
-        lr=0.0015,
-        betas=(0.9, 0.95),
-        weight_decay=0.2,
-        weight_decay_type=WeightDecayType.DECOUPLED,
-        max_preconditioner_dim=8192,
-        precondition_frequency=5,
-        start_preconditioning_step=-1,
-        grafting_config=AdamPreconditionerConfig(beta2=0.95, epsilon=1e-10),
-    )
-    config.update(overrides)
-    return config
 
 
 def run_2x2(initial: float, num_steps: int = 4, **config: Any) -> list[list[list[float]]]:
@@ -70,20 +62,53 @@ def test_matches_plain_float64_reference(num_steps: int, dtype: torch.dtype) -> 
     compare_with_reference(num_steps, dtype)
 
 
-def test_compile_config_mirrors_torch_compile_and_compiled_steps_match_the_float64_reference() -> None:
-    """The published ShampooPT2CompileConfig: keyword-only, one field per torch.compile parameter but `model`, with
-    torch.compile's defaults (backend None included); its fields are splatted into torch.compile."""
-    import dataclasses
-    import inspect
+# torch.compile's keywords and defaults in torch 2.13, written out: ShampooPT2CompileConfig's fields there.
+TORCH_2_13_COMPILE_KEYWORDS = {
+    "fullgraph": False,
+    "dynamic": None,
+    "backend": None,
+    "mode": None,
+    "options": None,
+    "name": None,
+    "disable": False,
+    "recompile_limit": None,
+    "isolate_recompiles": False,
+    "shapes_spec": None,
+}
 
-    from distributed_shampoo import ShampooPT2CompileConfig
 
-    parameters = {n: p.default for n, p in inspect.signature(torch.compile).parameters.items() if n != "model"}
-    config = ShampooPT2CompileConfig()
-    assert dataclasses.asdict(config) == parameters and config.backend is None
-    with pytest.raises(TypeError):
-        ShampooPT2CompileConfig(False)  # type: ignore[misc]  # keyword-only
-    compare_with_reference(7, torch.float64, shampoo_pt2_compile_config=ShampooPT2CompileConfig(backend="eager"))
+@pytest.mark.skipif(
+    torch.__version__.split("+")[0].split(".")[:2] != ["2", "13"],
+    reason=f"the fields written out are torch 2.13's torch.compile keywords; this is torch {torch.__version__}",
+)
+def test_compile_config_has_the_keywords_and_defaults_of_torch_compile() -> None:
+    """As published: one keyword-only field per torch.compile parameter but `model`, with its default."""
+    fields = dataclasses.fields(ShampooPT2CompileConfig)
+    assert {f.name: f.default for f in fields} == TORCH_2_13_COMPILE_KEYWORDS
+    assert [f.name for f in fields] == list(TORCH_2_13_COMPILE_KEYWORDS)
+    with pytest.raises(TypeError, match="positional"):
+        ShampooPT2CompileConfig(True)  # type: ignore[misc]  # keyword-only
+
+
+def compile_nothing(calls: list[dict[str, Any]]) -> Callable[..., Any]:
+    """Stands in for torch.compile in CPU tests (which do not compile; gpu_tests/ compiles on CUDA): records its
+    keywords and returns the function as it is."""
+
+    def compile_(function: Callable[..., Any], **keywords: Any) -> Callable[..., Any]:
+        calls.append(keywords)
+        return function
+
+    return compile_
+
+
+def test_compile_config_reaches_torch_compile_and_the_compiled_path_matches_the_float64_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch, "compile", compile_nothing(calls))
+    config = ShampooPT2CompileConfig(fullgraph=True, mode="max-autotune-no-cudagraphs")
+    compare_with_reference(7, torch.float64, shampoo_pt2_compile_config=config)
+    assert calls == [dataclasses.asdict(config)] and calls[0]["fullgraph"] is True
 
 
 # ------------------------------------------------ trajectories printed by the published optimizer (May 2026 copy)
@@ -460,26 +485,18 @@ def test_eigenvalue_corrected_shampoo_before_start_is_adamw() -> None:
     _compare_with_torch_optimizer(config, adamw, num_steps=5, atol=1e-5)
 
 
-def test_compiled_step_matches_eager_and_warns_when_the_gradient_selection_changes(caplog: pytest.LogCaptureFixture) -> None:
-    from distributed_shampoo import ShampooPT2CompileConfig
-
-    def run(compile_config: Any) -> list[Tensor]:
-        params = [torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(5))]
-        optimizer = DistributedShampoo(params, **record_config(lr=0.1, max_preconditioner_dim=4, precondition_frequency=2), shampoo_pt2_compile_config=compile_config)
-        for step in range(4):
-            generator = torch.Generator().manual_seed(step)
-            params[0].grad = torch.randn(4, 3, generator=generator)
-            params[1].grad = None if step == 1 else torch.randn(5, generator=generator)
-            optimizer.step()
-        return [p.detach().clone() for p in params]
-
-    eager = run(None)
+def test_the_compiled_path_warns_when_the_gradient_selection_changes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With torch.compile stubbed: the (5,) parameter's two blocks leave the selection at step 2 and come back at
+    step 3, and each change warns that PT2 will recompile; the compiled path (whole lists) gives the eager numbers."""
+    eager = train_with_a_gradient_missing_at_step_2()
+    monkeypatch.setattr(torch, "compile", compile_nothing([]))
     with caplog.at_level(logging.WARNING, logger="distributed_shampoo.distributed_shampoo"):
-        compiled = run(ShampooPT2CompileConfig(backend="eager"))
+        compiled = train_with_a_gradient_missing_at_step_2(shampoo_pt2_compile_config=ShampooPT2CompileConfig())
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b)
     warnings = [r.getMessage() for r in caplog.records if "PT2 will recompile" in r.getMessage()]
-    # The (4, 3) weight is one block (12 > 4 elements: not merged, and no dim exceeds 4); the (5,) param is two.
     assert len(warnings) == 2 and warnings[0].endswith("[1, 2]")
 
 

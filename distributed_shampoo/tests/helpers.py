@@ -1,12 +1,35 @@
-"""Helpers shared by several test files: the plain float64 Shampoo reference and a run of DistributedShampoo
-against it, and a stand-in for the background computation of deferred roots."""
+"""Helpers shared by several test files: the record's arguments, the plain float64 Shampoo reference and a run of
+DistributedShampoo against it, a run whose gradient selection changes, and a stand-in for the background
+computation of deferred roots."""
 
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from distributed_shampoo import AdamPreconditionerConfig, DistributedShampoo, RootInvShampooPreconditionerConfig
+from distributed_shampoo import (
+    AdamPreconditionerConfig,
+    DistributedShampoo,
+    RootInvShampooPreconditionerConfig,
+    WeightDecayType,
+)
+
+
+def record_config(**overrides: Any) -> dict[str, Any]:
+    """The Track 3 record's DistributedShampoo arguments (train_gpt_shampoo.py, build_shampoo), with overrides."""
+    config = dict(
+        lr=0.0015,
+        betas=(0.9, 0.95),
+        weight_decay=0.2,
+        weight_decay_type=WeightDecayType.DECOUPLED,
+        max_preconditioner_dim=8192,
+        precondition_frequency=5,
+        start_preconditioning_step=-1,
+        grafting_config=AdamPreconditionerConfig(beta2=0.95, epsilon=1e-10),
+    )
+    config.update(overrides)
+    return config
+
 
 # ------------------------------------------------------------------------------- float64 reference of the math
 
@@ -122,6 +145,21 @@ def compare_with_reference(
     tolerance = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     for param, weight in zip(params, weights, strict=True):
         torch.testing.assert_close(param.detach().cpu().to(torch.float64), weight, **tolerance)
+
+
+def train_with_a_gradient_missing_at_step_2(device: str = "cpu", **optimizer_extra: Any) -> list[Tensor]:
+    """The parameters after 4 record-like steps of a (4, 3) parameter (one block with max_preconditioner_dim 4:
+    12 > 4 elements are not merged, and no dim exceeds 4) and a (5,) one (two blocks), the latter without a gradient
+    at step 2 (0-based 1), so that the gradient selection changes twice."""
+    params = [torch.nn.Parameter(torch.ones(4, 3, device=device)), torch.nn.Parameter(torch.ones(5, device=device))]
+    config = record_config(lr=0.1, max_preconditioner_dim=4, precondition_frequency=2)
+    optimizer = DistributedShampoo(params, **config, **optimizer_extra)
+    for step in range(4):
+        generator = torch.Generator().manual_seed(step)
+        params[0].grad = torch.randn(4, 3, generator=generator).to(device)
+        params[1].grad = None if step == 1 else torch.randn(5, generator=generator).to(device)
+        optimizer.step()
+    return [p.detach().cpu() for p in params]
 
 
 # -------------------------------------------------------------------------------------------- deferred roots
