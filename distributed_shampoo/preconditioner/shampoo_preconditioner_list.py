@@ -26,6 +26,7 @@ A numerical failure (`matrix_functions.NUMERICAL_FAILURES`) keeps the previous r
 a result raise `PreconditionerValueError`; any other exception propagates.
 """
 
+import copy
 import itertools
 import logging
 import math
@@ -218,7 +219,8 @@ class _BlockStacks:
         self.stacks: list[Tensor] = []
 
     def allocating(self, block_info: BlockInfo, index: int) -> BlockInfo:
-        """`block_info` whose zeros and identity allocations hand out block `index`'s slices of the stacks."""
+        """A copy of `block_info` whose zeros and identity allocations hand out block `index`'s slices of the stacks
+        (the stacks themselves come from `block_info`'s zeros allocation); its other functions stay the caller's."""
         slots = itertools.count()
 
         def zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -229,8 +231,8 @@ class _BlockStacks:
             identity.diagonal().fill_(1.0)
             return identity
 
-        allocating = BlockInfo(block_info.param, block_info.composable_block_ids, allocate_zeros_tensor=zeros)
-        allocating.allocate_eye_tensor = eye
+        allocating = copy.copy(block_info)
+        allocating.allocate_zeros_tensor, allocating.allocate_eye_tensor = zeros, eye
         return allocating
 
     def _slice(
