@@ -38,7 +38,7 @@ so one invocation can also compare two flag sets of one version, e.g. Shampoo ag
 
 Its resident workers run the script's own trials: each round is one run_trial() (fresh initialisation with the
 round's seed, fresh optimizers and loader, as a trial of the script is), timed over steps skip..T of its
-train_step() calls with the validations inside the segment left out.
+train_step() calls with the validations inside the segment left out. Hence --resume is refused.
 
 A version whose script lacks either structure (e.g. an older record's own script) is timed whole-run: each round is a fresh process with the compile caches of its first (untimed) run,
 timed from its own step lines. Results: a table on stdout and a JSON file (--json, default beside the
@@ -81,6 +81,8 @@ STEP_LINE = re.compile(r"^step:(\d+)/(\d+) ")
 TRAIN_TIME = re.compile(r"train_time:([0-9.]+)(ms|s)\b")
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.naife]+)")
 PEAK_LINE = re.compile(r"peak memory allocated: (\d+) MiB")
+# Track 3: every round trains a trial from a fresh initialisation, so a checkpoint to continue from cannot apply
+RESUME_REFUSED = "the Track 3 A/B trains every round from a fresh initialisation; drop --resume (continue a run with the script itself)"
 POLL_S = 0.02
 STACK_DUMP_WAIT_S = 3.0
 HUNG_EXIT_STATUS = 3
@@ -223,9 +225,9 @@ def _check_script_main(script: Path, overrides: list[str]) -> None:
         except module.UserError as error:
             raise SystemExit(f"{script}: {error}")
         steps = hp.train_steps if hasattr(hp, "train_steps") else hp.num_iterations + getattr(hp, "iteration_extension", 0)
-        print(json.dumps({"train_steps": int(steps)}))
+        print(json.dumps({"train_steps": int(steps), "resume": getattr(hp, "resume", "")}))
     else:
-        print(json.dumps({"train_steps": None}))
+        print(json.dumps({"train_steps": None, "resume": ""}))
 
 
 def _import_path_for(script: Path) -> None:
@@ -629,6 +631,8 @@ def trials_worker(module: Any, args: argparse.Namespace, overrides: list[str], c
         return result
 
     def rounds_of_trials(launch: Any, trial: int, resume: Any) -> Any:
+        if resume is not None:  # the coordinator refuses --resume; this worker is not to be started with one either
+            raise ABError(f"--resume={resume.path}: {RESUME_REFUSED}")
         signal_ready(control, rank)
 
         def start_round(seed: int) -> None:
@@ -1066,7 +1070,11 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         resolve_version("baseline", args.baseline, folder, args.train_script, shlex.split(args.baseline_flags)),
         resolve_version("candidate", args.candidate, folder, args.train_script, shlex.split(args.candidate_flags)),
     ]
-    steps = {v.label: check_version(v, overrides)["train_steps"] for v in versions}
+    checks = {v.label: check_version(v, overrides) for v in versions}
+    for v in versions:
+        if v.mode == "trials" and checks[v.label]["resume"]:
+            raise ABError(f"{v.label}: --resume={checks[v.label]['resume']}: {RESUME_REFUSED}")
+    steps = {label: check["train_steps"] for label, check in checks.items()}
     for v in versions:
         print(f"{v.label}: {v.origin}{describe_flags(v)} -> {v.script} [{v.mode}], {steps[v.label] or 'unknown'} training steps")
     known = {s for s in steps.values() if s is not None}
