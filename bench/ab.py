@@ -38,7 +38,7 @@ so one invocation can also compare two flag sets of one version, e.g. Shampoo ag
 
 Its resident workers run the script's own trials: each round is one run_trial() (fresh initialisation with the
 round's seed, fresh optimizers and loader, as a trial of the script is), timed over steps skip..T of its
-train_step() calls with the validations inside the segment left out.
+train_step() calls with the validations inside the segment left out. Hence --resume is refused.
 
 A version whose script lacks either structure (e.g. an older record's own script) is timed whole-run: each round is a fresh process with the compile caches of its first (untimed) run,
 timed from its own step lines. Results: a table on stdout and a JSON file (--json, default beside the
@@ -81,6 +81,8 @@ STEP_LINE = re.compile(r"^step:(\d+)/(\d+) ")
 TRAIN_TIME = re.compile(r"train_time:([0-9.]+)(ms|s)\b")
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.naife]+)")
 PEAK_LINE = re.compile(r"peak memory allocated: (\d+) MiB")
+# Track 3: every round trains a trial from a fresh initialisation, so a checkpoint to continue from cannot apply
+RESUME_REFUSED = "the Track 3 A/B trains every round from a fresh initialisation; drop --resume (continue a run with the script itself)"
 POLL_S = 0.02
 STACK_DUMP_WAIT_S = 3.0
 HUNG_EXIT_STATUS = 3
@@ -223,9 +225,9 @@ def _check_script_main(script: Path, overrides: list[str]) -> None:
         except module.UserError as error:
             raise SystemExit(f"{script}: {error}")
         steps = hp.train_steps if hasattr(hp, "train_steps") else hp.num_iterations + getattr(hp, "iteration_extension", 0)
-        print(json.dumps({"train_steps": int(steps)}))
+        print(json.dumps({"train_steps": int(steps), "resume": getattr(hp, "resume", "")}))
     else:
-        print(json.dumps({"train_steps": None}))
+        print(json.dumps({"train_steps": None, "resume": ""}))
 
 
 def _import_path_for(script: Path) -> None:
@@ -336,6 +338,10 @@ class RoundTimer:
     profile: Any = None
     profile_steps: int = 0
 
+    def reset(self) -> None:
+        """Before a round: no marks, no evaluation time, the segment closed."""
+        self.marks, self.eval_inside_s, self.segment_open = {}, 0.0, False
+
 
 KERNEL_KINDS = [  # first match wins; kernel names as they appear on Hopper with torch 2.11
     # (inductor's fused kernels next to it carry the op's name too, hence the anchor)
@@ -439,6 +445,91 @@ def _idle_gaps(prof: Any, steps: int, largest: int = 6) -> list[dict]:
     return rows
 
 
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_evaluate(original_evaluate: Callable[..., Any], timer: RoundTimer) -> Callable[..., Any]:
+    """The script's evaluate, synchronized at both ends, its time inside the timed segment added to the timer's
+    (the segment leaves validation out)."""
+
+    def evaluate(*a: Any, **k: Any) -> Any:
+        synchronize()
+        start = time.perf_counter()
+        result = original_evaluate(*a, **k)
+        synchronize()
+        if timer.segment_open:
+            timer.eval_inside_s += time.perf_counter() - start
+        return result
+
+    return evaluate
+
+
+def signal_ready(control: Control, rank: int) -> None:
+    import torch
+
+    if rank == 0:
+        control.signal("ready", dict(pid=os.getpid(), device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"))
+
+
+def timed_rounds(
+    args: argparse.Namespace, control: Control, rank: int, timer: RoundTimer,
+    start_round: Callable[[int], None], train: Callable[[], tuple[Any, int, float]], before_any: Any,
+) -> Any:
+    """Each round the coordinator starts: start_round(seed) resets what a round starts from, then train() trains it
+    and returns (its result, the segment's last step, the final val loss); ms per step over steps
+    timer.first_step..last (validation left out), the val loss and the round's peak memory go to the coordinator.
+    Returns the last round's result (before_any if the coordinator's time limit stopped the worker first)."""
+    import torch
+
+    result = before_any
+    for index, seed in enumerate(args.seeds):
+        if control.wait_first((f"go{index}", "stop")) == "stop":  # the coordinator's time limit
+            break
+        start_round(seed)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        timer.reset()
+        result, last, val_loss = train()
+        segment_s = timer.marks[last] - timer.marks[timer.first_step] - timer.eval_inside_s
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        if rank == 0:
+            control.signal(
+                f"result{index}",
+                dict(seed=seed, ms_per_step=1000 * segment_s / (last - timer.first_step), steps=[timer.first_step, last],
+                     val_loss=val_loss, peak_allocated_mib=peak / 2**20),
+            )
+    return result
+
+
+def profiled_round(
+    args: argparse.Namespace, control: Control, rank: int, timer: RoundTimer, start_round: Callable[[int], None], train: Callable[[], Any]
+) -> None:
+    """With --profile-steps, when the coordinator asks: the first round's start again, then train() under
+    torch.profiler until the step hook ends it (_EndRound) after the profiled steps; the kernel table (and with
+    --trace the timeline) goes to the coordinator."""
+    import torch
+
+    if not args.profile_steps or control.wait_first(("go_profile", "stop")) != "go_profile":
+        return
+    start_round(args.seeds[0])
+    timer.reset()
+    timer.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+    timer.profile_steps = args.profile_steps
+    try:
+        train()
+    except _EndRound:
+        pass
+    if rank == 0:
+        if args.trace is not None:  # the timeline itself, for chrome://tracing or Perfetto
+            args.trace.mkdir(parents=True, exist_ok=True)
+            timer.profile.export_chrome_trace(str(args.trace / f"{args.label}.trace.json.gz"))
+        control.signal("profile", dict(kernels=_kernel_table(timer.profile, args.profile_steps) if torch.cuda.is_available() else []))
+
+
 def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
     control = Control(args.control, args.label)
     rank = int(os.environ.get("RANK", "0"))
@@ -452,12 +543,8 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
     if classify(args.script) == "trials":
         trials_worker(module, args, overrides, control, rank)
         return
-    original_train, original_print0, original_evaluate = module.train, module.print0, module.evaluate
+    original_train, original_print0 = module.train, module.print0
     timer = RoundTimer(args.skip)
-
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
     def print0(s: str, console: bool = False) -> None:
         original_print0(s, console)
@@ -466,25 +553,16 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
             return
         step, total = int(match[1]), int(match[2])
         if step == timer.first_step or step == total:
-            sync()
+            synchronize()
             timer.marks[step] = time.perf_counter()
             timer.segment_open = step == timer.first_step
         if timer.profile is not None:
             if step == timer.first_step:
                 timer.profile.start()
             elif step == timer.first_step + timer.profile_steps:
-                sync()
+                synchronize()
                 timer.profile.stop()
                 raise _EndRound()
-
-    def evaluate(*a: Any, **k: Any) -> Any:
-        sync()
-        start = time.perf_counter()
-        result = original_evaluate(*a, **k)
-        sync()
-        if timer.segment_open:
-            timer.eval_inside_s += time.perf_counter() - start
-        return result
 
     def reinitialise(raw_model: Any, seed: int) -> None:
         torch.manual_seed(seed)
@@ -501,8 +579,7 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
         stateful = {n: v for n, v in bound.arguments.items() if hasattr(v, "load_state_dict") and v is not raw_model}
         start_states = {n: copy.deepcopy(v.state_dict()) for n, v in stateful.items()}
         records = {n: v for n, v in bound.arguments.items() if dataclasses.is_dataclass(v) and not isinstance(v, type)}
-        if rank == 0:
-            control.signal("ready", dict(pid=os.getpid(), device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"))
+        signal_ready(control, rank)
 
         def start_round(seed: int) -> None:
             reinitialise(raw_model, seed)
@@ -512,41 +589,15 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
                 bound.arguments[name] = copy.deepcopy(value)
             raw_model.rotary.reset()
 
-        final = math.nan
-        for index, seed in enumerate(args.seeds):
-            if control.wait_first((f"go{index}", "stop")) == "stop":  # the coordinator's time limit
-                return final
-            start_round(seed)
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            timer.marks, timer.eval_inside_s = {}, 0.0
+        def train() -> tuple[float, int, float]:
             final = original_train(*bound.args, **bound.kwargs)
-            total = max(timer.marks)
-            segment_s = timer.marks[total] - timer.marks[timer.first_step] - timer.eval_inside_s
-            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-            if rank == 0:
-                control.signal(
-                    f"result{index}",
-                    dict(seed=seed, ms_per_step=1000 * segment_s / (total - timer.first_step), steps=[timer.first_step, total],
-                         val_loss=float(final), peak_allocated_mib=peak / 2**20),
-                )
-        if args.profile_steps and control.wait_first(("go_profile", "stop")) == "go_profile":
-            start_round(args.seeds[0])
-            timer.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-            timer.profile_steps = args.profile_steps
-            timer.marks = {}
-            try:
-                original_train(*bound.args, **bound.kwargs)
-            except _EndRound:
-                pass
-            if rank == 0:
-                if args.trace is not None:  # the timeline itself, for chrome://tracing or Perfetto
-                    args.trace.mkdir(parents=True, exist_ok=True)
-                    timer.profile.export_chrome_trace(str(args.trace / f"{args.label}.trace.json.gz"))
-                control.signal("profile", dict(kernels=_kernel_table(timer.profile, args.profile_steps) if torch.cuda.is_available() else []))
+            return final, max(timer.marks), float(final)
+
+        final = timed_rounds(args, control, rank, timer, start_round, train, math.nan)
+        profiled_round(args, control, rank, timer, start_round, train)
         return final
 
-    module.train, module.print0, module.evaluate = rounds_of_train, print0, evaluate
+    module.train, module.print0, module.evaluate = rounds_of_train, print0, timed_evaluate(module.evaluate, timer)
     module.run(overrides)
 
 
@@ -556,17 +607,13 @@ def trials_worker(module: Any, args: argparse.Namespace, overrides: list[str], c
     start from the same initialisation) and times it through train_step and evaluate."""
     import torch
 
-    original_run_trial, original_train_step, original_evaluate = module.run_trial, module.train_step, module.evaluate
+    original_run_trial, original_train_step = module.run_trial, module.train_step
     timer = RoundTimer(args.skip)
     progress = dict(steps=0, total=0)
 
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
     def train_step(*a: Any, **k: Any) -> Any:
         if progress["steps"] == timer.first_step:
-            sync()
+            synchronize()
             timer.marks[timer.first_step] = time.perf_counter()
             timer.segment_open = True
             if timer.profile is not None:
@@ -574,65 +621,33 @@ def trials_worker(module: Any, args: argparse.Namespace, overrides: list[str], c
         result = original_train_step(*a, **k)
         progress["steps"] += 1
         if timer.profile is not None and progress["steps"] == timer.first_step + timer.profile_steps:
-            sync()
+            synchronize()
             timer.profile.stop()
             raise _EndRound()
         if progress["steps"] == progress["total"]:
-            sync()
+            synchronize()
             timer.marks[progress["total"]] = time.perf_counter()
             timer.segment_open = False
         return result
 
-    def evaluate(*a: Any, **k: Any) -> Any:
-        sync()
-        start = time.perf_counter()
-        result = original_evaluate(*a, **k)
-        sync()
-        if timer.segment_open:
-            timer.eval_inside_s += time.perf_counter() - start
-        return result
-
-    def start_round(launch: Any, seed: int) -> None:
-        torch.manual_seed(seed)
-        progress.update(steps=0, total=launch.hp.train_steps)
-        timer.marks, timer.eval_inside_s, timer.segment_open = {}, 0.0, False
-
     def rounds_of_trials(launch: Any, trial: int, resume: Any) -> Any:
-        if rank == 0:
-            control.signal("ready", dict(pid=os.getpid(), device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"))
-        result = module.TrialResult({})
-        for index, seed in enumerate(args.seeds):
-            if control.wait_first((f"go{index}", "stop")) == "stop":  # the coordinator's time limit
-                return result
-            start_round(launch, seed)
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
+        if resume is not None:  # the coordinator refuses --resume; this worker is not to be started with one either
+            raise ABError(f"--resume={resume.path}: {RESUME_REFUSED}")
+        signal_ready(control, rank)
+
+        def start_round(seed: int) -> None:
+            torch.manual_seed(seed)
+            progress.update(steps=0, total=launch.hp.train_steps)
+
+        def train() -> tuple[Any, int, float]:
             result = original_run_trial(launch, trial, None)
-            total = progress["total"]
-            segment_s = timer.marks[total] - timer.marks[timer.first_step] - timer.eval_inside_s
-            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-            if rank == 0:
-                control.signal(
-                    f"result{index}",
-                    dict(seed=seed, ms_per_step=1000 * segment_s / (total - timer.first_step), steps=[timer.first_step, total],
-                         val_loss=float(result.val_losses[max(result.val_losses)]), peak_allocated_mib=peak / 2**20),
-                )
-        if args.profile_steps and control.wait_first(("go_profile", "stop")) == "go_profile":
-            start_round(launch, args.seeds[0])
-            timer.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-            timer.profile_steps = args.profile_steps
-            try:
-                original_run_trial(launch, trial, None)
-            except _EndRound:
-                pass
-            if rank == 0:
-                if args.trace is not None:
-                    args.trace.mkdir(parents=True, exist_ok=True)
-                    timer.profile.export_chrome_trace(str(args.trace / f"{args.label}.trace.json.gz"))
-                control.signal("profile", dict(kernels=_kernel_table(timer.profile, args.profile_steps) if torch.cuda.is_available() else []))
+            return result, progress["total"], float(result.val_losses[max(result.val_losses)])
+
+        result = timed_rounds(args, control, rank, timer, start_round, train, module.TrialResult({}))
+        profiled_round(args, control, rank, timer, start_round, train)
         return result
 
-    module.run_trial, module.train_step, module.evaluate = rounds_of_trials, train_step, evaluate
+    module.run_trial, module.train_step, module.evaluate = rounds_of_trials, train_step, timed_evaluate(module.evaluate, timer)
     module.main([*overrides, "--num_trials=1"])  # one trial of the script's: this worker's rounds
 
 
@@ -1055,7 +1070,11 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         resolve_version("baseline", args.baseline, folder, args.train_script, shlex.split(args.baseline_flags)),
         resolve_version("candidate", args.candidate, folder, args.train_script, shlex.split(args.candidate_flags)),
     ]
-    steps = {v.label: check_version(v, overrides)["train_steps"] for v in versions}
+    checks = {v.label: check_version(v, overrides) for v in versions}
+    for v in versions:
+        if v.mode == "trials" and checks[v.label]["resume"]:
+            raise ABError(f"{v.label}: --resume={checks[v.label]['resume']}: {RESUME_REFUSED}")
+    steps = {label: check["train_steps"] for label, check in checks.items()}
     for v in versions:
         print(f"{v.label}: {v.origin}{describe_flags(v)} -> {v.script} [{v.mode}], {steps[v.label] or 'unknown'} training steps")
     known = {s for s in steps.values() if s is not None}

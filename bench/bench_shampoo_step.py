@@ -71,7 +71,7 @@ import train_gpt_shampoo as tgs  # noqa: E402
 from distributed_shampoo import DistributedShampoo  # noqa: E402
 
 RECORD = tgs.Hyperparameters()
-DEFAULT_CONCURRENT_MEMORY_FRACTION = RECORD.shampoo_root_memory_fraction
+RECORD_MEMORY_FRACTION = RECORD.shampoo_root_memory_fraction
 
 
 def parse_args() -> argparse.Namespace:
@@ -152,6 +152,9 @@ def parse_args() -> argparse.Namespace:
     if not all(value in choices for value in args.batched.split(",")):
         parser.error(f"--batched must be comma-separated off/on, got {args.batched!r}")
     args.batched = [choices[value] for value in args.batched.split(",")]
+    if True in args.batched and args.symmetric_packing == "on":
+        parser.error("--batched on needs square factors (ShampooRuntimeConfig.batch_same_shape_blocks refuses packed "
+                     "ones): pass --symmetric-packing off or default")
     if args.upstream not in ("auto", "off") and not (Path(args.upstream) / "distributed_shampoo" / "__init__.py").is_file():
         parser.error(f"--upstream={args.upstream}: no distributed_shampoo/__init__.py in that folder; pass the folder "
                      "that holds the published package (or auto, or off)")
@@ -178,7 +181,7 @@ class Variant:
     """One Shampoo row's settings besides the record's."""
 
     root_streams: int = 1
-    memory_fraction: float = DEFAULT_CONCURRENT_MEMORY_FRACTION
+    memory_fraction: float = RECORD_MEMORY_FRACTION
     batched: bool = False
     upstream: bool = False  # the published optimizer (in a child process)
 
@@ -411,7 +414,7 @@ def row_label(variant: Variant, args: argparse.Namespace) -> str:
     if variant.upstream:
         return "published optimizer"
     label = f"Shampoo, {variant.root_streams} stream{'s' if variant.root_streams > 1 else ''}"
-    if variant.root_streams > 1 and args.memory_fractions != [DEFAULT_CONCURRENT_MEMORY_FRACTION]:
+    if variant.root_streams > 1 and args.memory_fractions != [RECORD_MEMORY_FRACTION]:
         label += f", mem {variant.memory_fraction:g}"
     if variant.batched:
         label += ", batched"

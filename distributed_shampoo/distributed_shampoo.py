@@ -646,7 +646,6 @@ class DistributedShampoo(torch.optim.Optimizer):
         averaging = group[ITERATE_AVERAGING_CONFIG]
         averaging_buffers = runtime.masked_averaging_buffers[first_block:end]
         weight_decay_coefficient = _decoupled_weight_decay_coefficient(group)
-        lr = _float32(group[LR])
         if isinstance(averaging, (GeneralizedPrimalAveragingConfig, ScheduleFreeConfig)):
             assert runtime.eval_interp_coeff is not None and runtime.train_interp_coeff is not None
             assert runtime.lr is not None
@@ -659,6 +658,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                 directions,
                 weight_decay_coefficient,
             )
+        lr = _float32(group[LR])
         # The direction may alias the state (identity preconditioners), so the first write is out of place.
         if weight_decay_coefficient != 0.0:
             directions = tuple(torch._foreach_add(directions, params, alpha=weight_decay_coefficient))

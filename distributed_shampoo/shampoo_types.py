@@ -465,22 +465,24 @@ class HybridShardDistributedConfig(FullyShardDistributedConfig, DDPDistributedCo
 # -------------------------------------------------------------------------------------------------- runtime
 
 
-def _torch_compile_fields() -> list[tuple[str, Any, Any]]:
-    """(name, annotation, default field) of every parameter of this torch's `torch.compile` except `model`."""
-    return [
-        (name, parameter.annotation, field(default=parameter.default))
-        for name, parameter in inspect.signature(torch.compile).parameters.items()
-        if name != "model"
-    ]
+def _torch_compile_keywords() -> list[tuple[str, Any, Any]]:
+    """(name, annotation, field with its default) of each keyword of this torch's `torch.compile`: every parameter
+    after the first, which is what to compile."""
+    compiled, *keywords = inspect.signature(torch.compile).parameters.values()
+    assert compiled.name == "model", f"torch.compile's first parameter is {compiled.name!r}; expected model"
+    return [(keyword.name, keyword.annotation, field(default=keyword.default)) for keyword in keywords]
 
 
-# Keyword-only; its fields are `torch.compile`'s parameters but `model`, with their defaults, read from the torch in
-# use (so they change with the torch version, as in the published optimizer), and `dataclasses.asdict` of it is
+# The fields follow the torch in use (as the published optimizer's do), and `dataclasses.asdict` of an instance is
 # splatted into `torch.compile` for the per-group step body.
-ShampooPT2CompileConfig = make_dataclass("ShampooPT2CompileConfig", _torch_compile_fields(), kw_only=True)
-ShampooPT2CompileConfig.__module__ = __name__
-ShampooPT2CompileConfig.__doc__ = (
-    "Arguments of `torch.compile` (all but `model`, with its defaults) for the compiled part of each step."
+ShampooPT2CompileConfig = make_dataclass(
+    "ShampooPT2CompileConfig",
+    _torch_compile_keywords(),
+    kw_only=True,
+    namespace={
+        "__module__": __name__,
+        "__doc__": "Keyword arguments of `torch.compile`, with its defaults, for the compiled part of each step.",
+    },
 )
 
 
@@ -520,12 +522,17 @@ class ShampooRuntimeConfig:
     same-shape matrix blocks of `RootInvShampooPreconditionerConfig(use_symmetric_packing=False)` in shared
     stacks and updates and applies them with batched matmuls (a few blocks at a time, within 2% of the state),
     instead of one matmul per block: fewer, larger kernels. Bitwise equal to the per-block path on the CPU
-    (tested); on CUDA batched and single matmuls may round differently, which `gpu_tests/` checks.
+    (tested); on CUDA batched and single matmuls may round differently, which `gpu_tests/` checks. Packed storage
+    and the other variants raise a ValueError.
     `defer_amortized_computation=True` (a package extension) CHANGES THE MATH, hence off: a root step computes
     its roots from that step's factors after the step, on a host thread and CUDA stream of its own, while the
     caller goes on (with the next forward and backward), and the roots are first used at the next step, whose
     `step()` waits for them; the step itself still uses the previous roots. So every root is one step older than
-    in the published optimizer. Results equal computing the same roots at the end of the step without overlap.
+    in the published optimizer, and nothing else changes (the factors and roots stay bitwise the same). Results
+    equal computing the same roots at the end of the step without overlap. RootInv and RootInvKL configs only:
+    eigenvalue-corrected Shampoo would update its eigenvalues in the old basis and then use them in the new one, so
+    the other variants raise a ValueError, as do configs that flip a process-wide flag
+    (`CoupledHigherOrderConfig(disable_tf32=True)`).
     """
 
     eager_nan_check: bool = False

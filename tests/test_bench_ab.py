@@ -404,6 +404,22 @@ def test_track3_a_flag_one_version_refuses_is_one_line(tmp_path):
     assert "--matrix_optimizer='sgd': use shampoo or adamw" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("where", ["common", "candidate"])
+def test_track3_refuses_resume_in_one_line(tmp_path, where):
+    """Every round trains from a fresh initialisation: a --resume the rounds would ignore is refused by name."""
+    resume = f"--resume={tmp_path / 'checkpoint'}"
+    flags, overrides = ([], [resume]) if where == "common" else ([f"--candidate-flags={resume}"], [])
+    result = run_ab(
+        "--dry-run", *TRACK3, "--baseline", "WORKTREE", *flags, "--skip", "2", "--out", str(tmp_path / "out"), "--", *TINY_TRACK3_RUN, *overrides,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    label = "baseline" if where == "common" else "candidate"
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: {label}: {resume}: the Track 3 A/B trains every round from a fresh initialisation; drop "
+        "--resume (continue a run with the script itself)"
+    )
+
+
 def test_step_lines_in_seconds_or_milliseconds(ab):
     seconds = ab.TRAIN_TIME.search("step:12/60 train_time:1.250s step_avg:104.17ms")
     milliseconds = ab.TRAIN_TIME.search("step:12/60 train_time:1250ms step_avg:104.17ms")

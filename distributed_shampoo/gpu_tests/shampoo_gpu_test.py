@@ -3,11 +3,13 @@ concurrently on several streams equal the sequential ones bitwise (also in a fre
 linear-algebra library on first use) and leave no allocation behind, forming the step's directions a part of the
 blocks at a time equals whole lists bitwise, batched same-shape blocks equal the per-block path bitwise, deferred
 roots computed in the background equal the same roots computed at the end of the step, per-group streams change
-nothing, and the DDP distributor over NCCL equals one process bitwise. Without CUDA every test is skipped.
+nothing, steps compiled by torch.compile (ShampooPT2CompileConfig's defaults) match the float64 reference and the
+eager steps, and the DDP distributor over NCCL equals one process bitwise. Without CUDA every test is skipped.
 
     python -m pytest -q distributed_shampoo/gpu_tests            # needs 1 GPU (2 for the NCCL test)
 """
 
+import logging
 import os
 import subprocess
 import sys
@@ -24,11 +26,17 @@ from distributed_shampoo import (
     DDPDistributedConfig,
     DistributedShampoo,
     RootInvShampooPreconditionerConfig,
+    ShampooPT2CompileConfig,
     SingleDeviceDistributedConfig,
 )
 import distributed_shampoo.preconditioner.shampoo_preconditioner_list as shampoo_list_module
 from distributed_shampoo.shampoo_types import ConcurrencyConfig, ShampooRuntimeConfig
-from distributed_shampoo.tests.distributed_shampoo_test import record_config
+from distributed_shampoo.tests.helpers import (
+    AtTheEndOfTheStep,
+    compare_with_reference,
+    record_config,
+    train_with_a_gradient_missing_at_step_2,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -106,11 +114,9 @@ def test_batched_blocks_equal_the_per_block_path_bitwise(shapes: list[tuple[int,
 def test_deferred_roots_in_the_background_equal_roots_at_the_end_of_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """defer_amortized_computation: the roots computed on the background stream and thread (8 side streams under
     it) equal the same roots computed on the caller's stream at the end of each root step, one after another."""
-    from distributed_shampoo.tests.deferred_roots_test import _AtTheEndOfTheStep
-
     shapes = SHAPES * 3
     overlapped = run("cuda", streams=8, shapes=shapes, deferred=True)
-    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", _AtTheEndOfTheStep)
+    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", AtTheEndOfTheStep)
     sequential = run("cuda", streams=1, shapes=shapes, deferred=True)
     for got, want in zip(overlapped, sequential, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -229,6 +235,20 @@ def test_per_group_cuda_streams_change_nothing() -> None:
 
     for got, want in zip(run_groups(True), run_groups(False), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_compiled_steps_match_the_float64_reference() -> None:
+    compare_with_reference(7, torch.float64, device="cuda", shampoo_pt2_compile_config=ShampooPT2CompileConfig())
+
+
+def test_compiled_steps_equal_eager_steps_and_warn_when_the_gradient_selection_changes(caplog: pytest.LogCaptureFixture) -> None:
+    eager = train_with_a_gradient_missing_at_step_2("cuda")
+    with caplog.at_level(logging.WARNING, logger="distributed_shampoo.distributed_shampoo"):
+        compiled = train_with_a_gradient_missing_at_step_2("cuda", shampoo_pt2_compile_config=ShampooPT2CompileConfig())
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # inductor may fuse and round differently
+    warnings = [r.getMessage() for r in caplog.records if "PT2 will recompile" in r.getMessage()]
+    assert len(warnings) == 2 and warnings[0].endswith("[1, 2]")
 
 
 def _nccl_worker(rank: int, init_file: str, communicate_params: bool, results: Any) -> None:

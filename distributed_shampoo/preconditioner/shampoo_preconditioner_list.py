@@ -26,6 +26,7 @@ A numerical failure (`matrix_functions.NUMERICAL_FAILURES`) keeps the previous r
 a result raise `PreconditionerValueError`; any other exception propagates.
 """
 
+import copy
 import itertools
 import logging
 import math
@@ -218,7 +219,8 @@ class _BlockStacks:
         self.stacks: list[Tensor] = []
 
     def allocating(self, block_info: BlockInfo, index: int) -> BlockInfo:
-        """`block_info` whose zeros and identity allocations hand out block `index`'s slices of the stacks."""
+        """A copy of `block_info` whose zeros and identity allocations hand out block `index`'s slices of the stacks
+        (the stacks themselves come from `block_info`'s zeros allocation); its other functions stay the caller's."""
         slots = itertools.count()
 
         def zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -229,8 +231,8 @@ class _BlockStacks:
             identity.diagonal().fill_(1.0)
             return identity
 
-        allocating = BlockInfo(block_info.param, block_info.composable_block_ids, allocate_zeros_tensor=zeros)
-        allocating.allocate_eye_tensor = eye
+        allocating = copy.copy(block_info)
+        allocating.allocate_zeros_tensor, allocating.allocate_eye_tensor = zeros, eye
         return allocating
 
     def _slice(
@@ -318,6 +320,11 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
     # Whether `batch_same_shape_blocks` applies: the variant keeps only square matrices per factor and
     # implements `_precondition_batch`.
     _batches_blocks: ClassVar[bool] = False
+    # Whether `defer_amortized_computation` applies: the variant uses its amortized results only to precondition
+    # (and, KL, to feed the next factor updates), so computing them after the step makes each one a step older and
+    # changes nothing else. Eigenvalue correction would instead update its eigenvalues in the old basis and use them
+    # in the new one.
+    _defers_amortized_computation: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -336,13 +343,14 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         defer_amortized_computation: bool = False,
     ) -> None:
         super().__init__(block_list, beta2, weighting_factor, epsilon, use_bias_correction)
-        # Flipping a process-wide flag from a background thread would change the caller's matmuls too.
-        self.defers_amortized_computation = defer_amortized_computation and not changes_global_state(
-            preconditioner_config.amortized_computation_config
-        )
-        self._in_background: _BackgroundComputation | None = None
         self._preconditioner_config = preconditioner_config
         self._packed = preconditioner_config.use_symmetric_packing
+        if defer_amortized_computation:
+            self._check_deferrable(preconditioner_config)
+        if batch_same_shape_blocks:
+            self._check_batchable(preconditioner_config)
+        self.defers_amortized_computation = defer_amortized_computation
+        self._in_background: _BackgroundComputation | None = None
         if num_amortized_computation_streams < 1:
             raise ValueError(f"{num_amortized_computation_streams=} must be at least 1.")
         self._num_amortized_computation_streams = num_amortized_computation_streams
@@ -391,12 +399,39 @@ class BaseShampooPreconditionerList(SecondMomentPreconditionerList):
         )
         self._batch_bytes = max(_BATCH_STATE_FRACTION * self._state_bytes, _MIN_BATCH_BYTES)
 
+    def _check_deferrable(self, config: BaseShampooPreconditionerConfig) -> None:
+        name = type(config).__name__
+        if not self._defers_amortized_computation:
+            raise ValueError(
+                f"ShampooRuntimeConfig(defer_amortized_computation=True) does not support {name}, only "
+                "RootInvShampooPreconditionerConfig and RootInvKLShampooPreconditionerConfig: set "
+                "defer_amortized_computation=False."
+            )
+        amortized = config.amortized_computation_config
+        if changes_global_state(amortized):  # from a background thread it would change the caller's matmuls too
+            raise ValueError(
+                f"ShampooRuntimeConfig(defer_amortized_computation=True) cannot run {type(amortized).__name__}"
+                "(disable_tf32=True) in the background: it flips torch's process-wide TF32 flag; set disable_tf32=False "
+                "or defer_amortized_computation=False."
+            )
+
+    def _check_batchable(self, config: BaseShampooPreconditionerConfig) -> None:
+        name = type(config).__name__
+        if not self._batches_blocks:
+            raise ValueError(
+                f"ShampooRuntimeConfig(batch_same_shape_blocks=True) does not support {name}, only "
+                "RootInvShampooPreconditionerConfig: set batch_same_shape_blocks=False."
+            )
+        if self._packed:
+            raise ValueError(
+                f"ShampooRuntimeConfig(batch_same_shape_blocks=True) needs square factors: pass {name}("
+                "use_symmetric_packing=False) or set batch_same_shape_blocks=False."
+            )
+
     def _plan_batches(self, block_list: tuple[Tensor, ...]) -> dict[int, tuple[_BlockStacks, int]]:
         """(stacks, index in them) of each block that shares stacks with the other blocks of its shape: matrix
-        blocks with both dims preconditioned, square storage, sides of at least `_MIN_BATCHED_DIM`, two or more of a
-        shape (dtype and device included)."""
-        if self._packed or not self._batches_blocks:
-            return {}
+        blocks with both dims preconditioned, sides of at least `_MIN_BATCHED_DIM`, two or more of a shape (dtype
+        and device included)."""
         shapes: dict[tuple[Any, ...], list[int]] = {}
         for position, block in enumerate(block_list):
             selector, _ = self._roots_of_block(block.dim())
@@ -847,6 +882,7 @@ class RootInvShampooPreconditionerList(ClassicShampooPreconditionerList):
 
     _preconditioner_config: RootInvShampooPreconditionerConfig
     _batches_blocks: ClassVar[bool] = True
+    _defers_amortized_computation: ClassVar[bool] = True
 
     def _create_block_state(
         self,

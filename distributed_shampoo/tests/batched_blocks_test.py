@@ -14,10 +14,12 @@ import distributed_shampoo.preconditioner.shampoo_preconditioner_list as shampoo
 from distributed_shampoo import (
     AdamPreconditionerConfig,
     DistributedShampoo,
+    EigenvalueCorrectedShampooPreconditionerConfig,
     RootInvKLShampooPreconditionerConfig,
     RootInvShampooPreconditionerConfig,
     WeightDecayType,
 )
+from distributed_shampoo.distributor.shampoo_block_info import BlockInfo
 from distributed_shampoo.shampoo_types import ShampooRuntimeConfig
 
 # With max_preconditioner_dim 20: (16, 16) stays one block; (24, 16) is cut into (20, 16) and (4, 16), whose side 4
@@ -149,13 +151,55 @@ def test_batched_checkpoints_load_into_either_path() -> None:
 
 
 @pytest.mark.parametrize(
-    "preconditioner_config",
+    ("preconditioner_config", "message"),
     [
-        RootInvShampooPreconditionerConfig(),  # packed storage
-        RootInvKLShampooPreconditionerConfig(use_symmetric_packing=False),
+        (
+            RootInvShampooPreconditionerConfig(),  # packed storage, the package default
+            r"batch_same_shape_blocks=True\) needs square factors: pass RootInvShampooPreconditionerConfig\(use_symmetric_packing=False\)",
+        ),
+        (
+            RootInvKLShampooPreconditionerConfig(use_symmetric_packing=False),
+            r"batch_same_shape_blocks=True\) does not support RootInvKLShampooPreconditionerConfig, only RootInv",
+        ),
+        (
+            EigenvalueCorrectedShampooPreconditionerConfig(),
+            r"batch_same_shape_blocks=True\) does not support EigenvalueCorrectedShampooPreconditionerConfig, only RootInv",
+        ),
     ],
-    ids=["packed", "KL"],
+    ids=["packed", "KL", "eigenvalue-corrected"],
 )
-def test_other_variants_stay_per_block(preconditioner_config: Any) -> None:
-    _, optimizer = train(torch.float64, batched=True, steps=range(1, 2), preconditioner_config=preconditioner_config)
-    assert all(block.batch is None for block in optimizer._group_runtimes[0].shampoo._local_blocks)  # type: ignore[attr-defined]
+def test_configs_that_cannot_batch_refuse_it(preconditioner_config: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        train(torch.float64, batched=True, steps=range(1, 2), preconditioner_config=preconditioner_config)
+
+
+def test_batched_allocation_keeps_the_distributors_other_functions() -> None:
+    """Only the zeros and identity allocations hand out slices of the stacks (allocated through the distributor's
+    zeros allocation); the distributor's ones allocation and get_tensor stay its own."""
+    allocated: list[tuple[int, ...]] = []
+
+    def zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        allocated.append(tuple(size))
+        return torch.zeros(size, dtype=dtype, device=device)
+
+    def ones(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.ones(size, dtype=dtype, device=device)
+
+    def local(tensor: Tensor) -> Tensor:
+        return tensor
+
+    info = BlockInfo(torch.zeros(3, 3), (0, "block_0"), allocate_zeros_tensor=zeros)
+    info.allocate_ones_tensor, info.get_tensor = ones, local
+    stacks = shampoo_list_module._BlockStacks(2)
+    cpu = torch.device("cpu")
+    slices = []
+    for index in range(2):  # every block allocates its state in the same order: a factor, then an inverse root
+        allocating = stacks.allocating(info, index)
+        assert allocating.get_tensor is local and allocating.allocate_ones_tensor is ones
+        slices.append((allocating.allocate_zeros_tensor(size=(3, 3), dtype=torch.float64, device=cpu),
+                       allocating.allocate_eye_tensor(3, dtype=torch.float64, device=cpu)))
+    assert allocated == [(2, 3, 3), (2, 3, 3)]  # one stack per slot, allocated for the first block
+    for index, (factor, root) in enumerate(slices):
+        assert factor.data_ptr() == stacks.stacks[0][index].data_ptr() and root.data_ptr() == stacks.stacks[1][index].data_ptr()
+        assert not factor.any() and torch.equal(root, torch.eye(3, dtype=torch.float64))
+    assert info.allocate_zeros_tensor is zeros  # the caller's block info is unchanged

@@ -14,23 +14,17 @@ from distributed_shampoo import (
     AdamPreconditionerConfig,
     CoupledHigherOrderConfig,
     DistributedShampoo,
+    EigendecomposedKLShampooPreconditionerConfig,
+    EigendecomposedShampooPreconditionerConfig,
+    EigenvalueCorrectedShampooPreconditionerConfig,
+    RootInvKLShampooPreconditionerConfig,
     RootInvShampooPreconditionerConfig,
 )
 from distributed_shampoo.shampoo_types import PreconditionerValueError, ShampooRuntimeConfig
-from distributed_shampoo.tests.distributed_shampoo_test import _compare_with_reference
+from distributed_shampoo.tests.helpers import AtTheEndOfTheStep, compare_with_reference
 
 SHAPES = [(12, 10), (10, 12), (7,), (12, 10)]
 NUM_STEPS = 9
-
-
-class _AtTheEndOfTheStep:
-    """Stands in for `_BackgroundComputation`: the same function, run at once on the caller's thread and stream."""
-
-    def __init__(self, function: Any, device: torch.device) -> None:
-        function()
-
-    def wait(self) -> None:
-        pass
 
 
 def make_optimizer(params: list[torch.nn.Parameter], deferred: bool, **extra: Any) -> DistributedShampoo:
@@ -71,7 +65,7 @@ def busy_caller(step: int, optimizer: DistributedShampoo) -> None:
 
 
 def test_deferred_roots_match_the_float64_reference_with_roots_one_step_later() -> None:
-    _compare_with_reference(7, torch.float64, deferred=True, shampoo_runtime_config=ShampooRuntimeConfig(defer_amortized_computation=True))
+    compare_with_reference(7, torch.float64, deferred=True, shampoo_runtime_config=ShampooRuntimeConfig(defer_amortized_computation=True))
 
 
 def test_deferred_roots_change_the_math() -> None:
@@ -91,7 +85,7 @@ def test_overlapped_roots_equal_roots_computed_at_the_end_of_the_step(monkeypatc
     monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", counting)
     overlapped, _ = train(deferred=True, between_steps=busy_caller)
     assert len(calls) == 4  # root steps 2, 4, 6, 8
-    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", _AtTheEndOfTheStep)
+    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", AtTheEndOfTheStep)
     sequential, _ = train(deferred=True, between_steps=busy_caller)
     for a, b in zip(overlapped, sequential, strict=True):
         assert torch.equal(a, b)
@@ -109,7 +103,7 @@ def test_a_state_dict_waits_for_the_roots_in_flight(monkeypatch: pytest.MonkeyPa
         return after_step
 
     train(deferred=True, between_steps=keep_state("overlapped"))
-    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", _AtTheEndOfTheStep)
+    monkeypatch.setattr(shampoo_list_module, "_BackgroundComputation", AtTheEndOfTheStep)
     train(deferred=True, between_steps=keep_state("sequential"))
     assert len(dicts["overlapped"]) == 4
     for overlapped, sequential in zip(dicts["overlapped"], dicts["sequential"], strict=True):
@@ -129,9 +123,53 @@ def test_a_failure_in_the_background_is_raised_by_the_next_step() -> None:
         optimizer.step()
 
 
-def test_configs_that_flip_a_global_flag_are_not_deferred() -> None:
+def shampoo_state(optimizer: DistributedShampoo) -> list[Tensor]:
+    """Every factor and inverse root of every block, in a fixed order."""
+    state = optimizer.state_dict()["state"]
+    return [
+        tensor
+        for param in sorted(state)
+        for block in sorted(key for key in state[param] if key.startswith("block_"))
+        for name in ("factor_matrices", "inv_factor_matrices")
+        for _, tensor in sorted(state[param][block]["shampoo"][name].items())
+    ]
+
+
+@pytest.mark.parametrize(
+    "preconditioner_config",
+    [RootInvShampooPreconditionerConfig(), RootInvKLShampooPreconditionerConfig()],
+    ids=["RootInv", "RootInvKL"],
+)
+def test_deferral_changes_only_when_the_roots_are_used(preconditioner_config: Any) -> None:
+    """The factors and roots are bitwise those of the default schedule, KL's factors too (they are fed the roots of
+    the previous root step either way); only the parameters, preconditioned with older roots, differ."""
+    deferred_params, deferred = train(deferred=True, preconditioner_config=preconditioner_config)
+    default_params, default = train(deferred=False, preconditioner_config=preconditioner_config)
+    deferred_state, default_state = shampoo_state(deferred), shampoo_state(default)
+    assert len(deferred_state) == len(default_state) == 2 * (3 * 2 + 1)  # factors and roots: 3 matrices, 1 vector
+    for a, b in zip(deferred_state, default_state, strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(deferred_params, default_params, strict=True))
+
+
+@pytest.mark.parametrize(
+    "preconditioner_config",
+    [
+        EigendecomposedShampooPreconditionerConfig(),
+        EigendecomposedKLShampooPreconditionerConfig(),
+        EigenvalueCorrectedShampooPreconditionerConfig(),
+    ],
+    ids=lambda config: type(config).__name__,
+)
+def test_other_variants_refuse_deferral(preconditioner_config: Any) -> None:
+    name = type(preconditioner_config).__name__
+    with pytest.raises(ValueError, match=rf"defer_amortized_computation=True\) does not support {name}, only RootInv"):
+        train(deferred=True, preconditioner_config=preconditioner_config)
+
+
+def test_configs_that_flip_a_global_flag_refuse_deferral() -> None:
     config = RootInvShampooPreconditionerConfig(
         amortized_computation_config=CoupledHigherOrderConfig(rel_epsilon=0.0, abs_epsilon=1e-8, disable_tf32=True)
     )
-    _, optimizer = train(deferred=True, preconditioner_config=config)
-    assert not optimizer._group_runtimes[0].shampoo.defers_amortized_computation
+    with pytest.raises(ValueError, match=r"cannot run CoupledHigherOrderConfig\(disable_tf32=True\) in the background"):
+        train(deferred=True, preconditioner_config=config)

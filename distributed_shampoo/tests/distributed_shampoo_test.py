@@ -1,6 +1,7 @@
 """DistributedShampoo on one process: equality with plain float64 references, trajectories printed by the
 published optimizer, torch-optimizer equivalences, argument validation and checkpoint round trips."""
 
+import dataclasses
 import io
 import logging
 import math
@@ -25,28 +26,20 @@ from distributed_shampoo import (
     RootInvShampooPreconditionerConfig,
     ScheduleFreeConfig,
     SGDPreconditionerConfig,
+    ShampooPT2CompileConfig,
     SingleDeviceDistributedConfig,
     WeightDecayType,
 )
 from distributed_shampoo.preconditioner.matrix_functions_types import EigenConfig
+from distributed_shampoo.tests.helpers import (
+    ReferenceBlock,
+    compare_with_reference,
+    random_problem,
+    record_config,
+    train_with_a_gradient_missing_at_step_2,
+)
 
 RECORD_GRADS = [[[1, 2], [3, 4]], [[0, 1], [-1, 2]], [[2, -1], [1, 1]], [[1, 1], [0, -2]]]
-
-
-def record_config(**overrides: Any) -> dict[str, Any]:
-    """The Track 3 record's DistributedShampoo arguments (train_gpt_shampoo.py, build_shampoo), with overrides."""
-    config = dict(
-        lr=0.0015,
-        betas=(0.9, 0.95),
-        weight_decay=0.2,
-        weight_decay_type=WeightDecayType.DECOUPLED,
-        max_preconditioner_dim=8192,
-        precondition_frequency=5,
-        start_preconditioning_step=-1,
-        grafting_config=AdamPreconditionerConfig(beta2=0.95, epsilon=1e-10),
-    )
-    config.update(overrides)
-    return config
 
 
 def run_2x2(initial: float, num_steps: int = 4, **config: Any) -> list[list[list[float]]]:
@@ -60,136 +53,62 @@ def run_2x2(initial: float, num_steps: int = 4, **config: Any) -> list[list[list
     return trajectory
 
 
-# ------------------------------------------------------------------------------- float64 reference of the math
-
-
-def inverse_root(matrix: Tensor, root: int, epsilon: float) -> Tensor:
-    """(A + eps·I)^(-1/root) via eigh, lifting the spectrum when round-off leaves λ_min < eps."""
-    eigenvalues, eigenvectors = torch.linalg.eigh(matrix + epsilon * torch.eye(matrix.shape[0], dtype=matrix.dtype))
-    if eigenvalues.min() < epsilon:
-        eigenvalues = eigenvalues - eigenvalues.min() + epsilon
-    return eigenvectors @ torch.diag(eigenvalues ** (-1.0 / root)) @ eigenvectors.T
-
-
-class ReferenceBlock:
-    """Plain Shampoo + Adam grafting + decoupled weight decay for one 1-D or 2-D block, in float64."""
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.factors = [torch.zeros(size, size, dtype=torch.float64) for size in shape]
-        self.inverse_roots = [torch.eye(size, dtype=torch.float64) for size in shape]
-        self.second_moment = torch.zeros(shape, dtype=torch.float64)
-        self.first_moment = torch.zeros(shape, dtype=torch.float64)
-
-    def step(self, weight: Tensor, grad: Tensor, t: int, c: dict[str, Any], deferred: bool = False) -> None:
-        """One step; `deferred`: a root step's new inverse roots are computed after its update, so they are first
-        used at the next step (`ShampooRuntimeConfig(defer_amortized_computation=True)`)."""
-        beta1, beta2 = c["betas"]
-        graft_beta2, graft_eps = c["graft_beta2"], c["graft_eps"]
-        if grad.dim() == 2:
-            self.factors[0] = beta2 * self.factors[0] + (1 - beta2) * grad @ grad.T
-            self.factors[1] = beta2 * self.factors[1] + (1 - beta2) * grad.T @ grad
-            root = 4
-        else:
-            self.factors[0] = beta2 * self.factors[0] + (1 - beta2) * torch.outer(grad, grad)
-            root = 2
-        self.second_moment = graft_beta2 * self.second_moment + (1 - graft_beta2) * grad**2
-        root_step = t == c["start"] or (t % c["frequency"] == 0 and t > c["start"])
-        if root_step and not deferred:
-            self.inverse_roots = [inverse_root(f / (1 - beta2**t), root, c["epsilon"]) for f in self.factors]
-        self.first_moment = beta1 * self.first_moment + (1 - beta1) * grad
-        m_hat = self.first_moment / (1 - beta1**t)
-        adam = m_hat / ((self.second_moment / (1 - graft_beta2**t)).sqrt() + graft_eps)
-        if t < c["start"]:
-            direction = adam
-        else:
-            shampoo = self.inverse_roots[0] @ m_hat @ self.inverse_roots[1] if grad.dim() == 2 else self.inverse_roots[0] @ m_hat
-            direction = shampoo * adam.norm() / (shampoo.norm() + 1e-16)
-        weight -= c["lr"] * (direction + c["weight_decay"] * weight)
-        if root_step and deferred:
-            self.inverse_roots = [inverse_root(f / (1 - beta2**t), root, c["epsilon"]) for f in self.factors]
-
-
-# Param shapes and how the reference blocks them with max_preconditioner_dim = 4:
-# (5, 3) → blocks rows 0-3 and row 4 (2-D); (7,) → (4,), (3,); (2, 2) → merged to (4,) (1-D); (3, 4) has 12 > 4
-# elements, stays 2-D and is cut into columns 0-3 → one (3, 4) block.
-REFERENCE_SHAPES = [(5, 3), (7,), (2, 2), (3, 4)]
-
-
-def reference_blocks(tensor: Tensor) -> list[Tensor]:
-    if tensor.shape == (5, 3):
-        return [tensor[:4], tensor[4:]]
-    if tensor.shape == (7,):
-        return [tensor[:4], tensor[4:]]
-    if tensor.shape == (2, 2):
-        return [tensor.view(4)]
-    return [tensor]
-
-
-def random_problem(num_steps: int, dtype: torch.dtype) -> tuple[list[Tensor], list[list[Tensor]]]:
-    generator = torch.Generator().manual_seed(0)
-    initial = [torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for shape in REFERENCE_SHAPES]
-    grads = [
-        [torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for shape in REFERENCE_SHAPES]
-        for _ in range(num_steps)
-    ]
-    return initial, grads
+# ------------------------------------------------------------------------ against the float64 reference
 
 
 @pytest.mark.parametrize("num_steps", [1, 7])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_matches_plain_float64_reference(num_steps: int, dtype: torch.dtype) -> None:
-    _compare_with_reference(num_steps, dtype)
+    compare_with_reference(num_steps, dtype)
 
 
-def test_compile_config_mirrors_torch_compile_and_compiled_steps_match_the_float64_reference() -> None:
-    """The published ShampooPT2CompileConfig: keyword-only, one field per torch.compile parameter but `model`, with
-    torch.compile's defaults (backend None included); its fields are splatted into torch.compile."""
-    import dataclasses
-    import inspect
+# torch.compile's keywords and defaults in torch 2.13, written out: ShampooPT2CompileConfig's fields there.
+TORCH_2_13_COMPILE_KEYWORDS = {
+    "fullgraph": False,
+    "dynamic": None,
+    "backend": None,
+    "mode": None,
+    "options": None,
+    "name": None,
+    "disable": False,
+    "recompile_limit": None,
+    "isolate_recompiles": False,
+    "shapes_spec": None,
+}
 
-    from distributed_shampoo import ShampooPT2CompileConfig
 
-    parameters = {n: p.default for n, p in inspect.signature(torch.compile).parameters.items() if n != "model"}
-    config = ShampooPT2CompileConfig()
-    assert dataclasses.asdict(config) == parameters and config.backend is None
-    with pytest.raises(TypeError):
-        ShampooPT2CompileConfig(False)  # type: ignore[misc]  # keyword-only
-    _compare_with_reference(7, torch.float64, shampoo_pt2_compile_config=ShampooPT2CompileConfig(backend="eager"))
+@pytest.mark.skipif(
+    torch.__version__.split("+")[0].split(".")[:2] != ["2", "13"],
+    reason=f"the fields written out are torch 2.13's torch.compile keywords; this is torch {torch.__version__}",
+)
+def test_compile_config_has_the_keywords_and_defaults_of_torch_compile() -> None:
+    """As published: one keyword-only field per torch.compile parameter but `model`, with its default."""
+    fields = dataclasses.fields(ShampooPT2CompileConfig)
+    assert {f.name: f.default for f in fields} == TORCH_2_13_COMPILE_KEYWORDS
+    assert [f.name for f in fields] == list(TORCH_2_13_COMPILE_KEYWORDS)
+    with pytest.raises(TypeError, match="positional"):
+        ShampooPT2CompileConfig(True)  # type: ignore[misc]  # keyword-only
 
 
-def _compare_with_reference(num_steps: int, dtype: torch.dtype, deferred: bool = False, **optimizer_extra: Any) -> None:
-    c = dict(lr=0.05, betas=(0.9, 0.95), epsilon=1e-6, weight_decay=0.2, frequency=2, start=3, graft_beta2=0.95, graft_eps=1e-8)
-    initial, grads = random_problem(num_steps, dtype)
+def compile_nothing(calls: list[dict[str, Any]]) -> Callable[..., Any]:
+    """Stands in for torch.compile in CPU tests (which do not compile; gpu_tests/ compiles on CUDA): records its
+    keywords and returns the function as it is."""
 
-    params = [torch.nn.Parameter(value.clone()) for value in initial]
-    optimizer = DistributedShampoo(
-        params,
-        lr=c["lr"],
-        betas=c["betas"],
-        epsilon=c["epsilon"],
-        weight_decay=c["weight_decay"],
-        max_preconditioner_dim=4,
-        precondition_frequency=c["frequency"],
-        start_preconditioning_step=c["start"],
-        grafting_config=AdamPreconditionerConfig(beta2=c["graft_beta2"], epsilon=c["graft_eps"]),
-        preconditioner_config=RootInvShampooPreconditionerConfig(factor_matrix_dtype=dtype, inv_factor_matrix_dtype=dtype),
-        **optimizer_extra,
-    )
-    weights = [value.to(torch.float64).clone() for value in initial]
-    blocks = [ReferenceBlock(tuple(b.shape)) for w in weights for b in reference_blocks(w)]
-    for t, step_grads in enumerate(grads, start=1):
-        for param, grad in zip(params, step_grads, strict=True):
-            param.grad = grad.clone()
-        optimizer.step()
-        weight_blocks = [b for w in weights for b in reference_blocks(w)]
-        grad_blocks = [b for g in step_grads for b in reference_blocks(g.to(torch.float64))]
-        for block, weight, grad in zip(blocks, weight_blocks, grad_blocks, strict=True):
-            block.step(weight, grad, t, c, deferred)
+    def compile_(function: Callable[..., Any], **keywords: Any) -> Callable[..., Any]:
+        calls.append(keywords)
+        return function
 
-    # Bias corrections are float32 scalars (as in the reference implementation), hence ~1e-7 even in float64.
-    tolerance = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
-    for param, weight in zip(params, weights, strict=True):
-        torch.testing.assert_close(param.detach().to(torch.float64), weight, **tolerance)
+    return compile_
+
+
+def test_compile_config_reaches_torch_compile_and_the_compiled_path_matches_the_float64_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch, "compile", compile_nothing(calls))
+    config = ShampooPT2CompileConfig(fullgraph=True, mode="max-autotune-no-cudagraphs")
+    compare_with_reference(7, torch.float64, shampoo_pt2_compile_config=config)
+    assert calls == [dataclasses.asdict(config)] and calls[0]["fullgraph"] is True
 
 
 # ------------------------------------------------ trajectories printed by the published optimizer (May 2026 copy)
@@ -566,26 +485,18 @@ def test_eigenvalue_corrected_shampoo_before_start_is_adamw() -> None:
     _compare_with_torch_optimizer(config, adamw, num_steps=5, atol=1e-5)
 
 
-def test_compiled_step_matches_eager_and_warns_when_the_gradient_selection_changes(caplog: pytest.LogCaptureFixture) -> None:
-    from distributed_shampoo import ShampooPT2CompileConfig
-
-    def run(compile_config: Any) -> list[Tensor]:
-        params = [torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(5))]
-        optimizer = DistributedShampoo(params, **record_config(lr=0.1, max_preconditioner_dim=4, precondition_frequency=2), shampoo_pt2_compile_config=compile_config)
-        for step in range(4):
-            generator = torch.Generator().manual_seed(step)
-            params[0].grad = torch.randn(4, 3, generator=generator)
-            params[1].grad = None if step == 1 else torch.randn(5, generator=generator)
-            optimizer.step()
-        return [p.detach().clone() for p in params]
-
-    eager = run(None)
+def test_the_compiled_path_warns_when_the_gradient_selection_changes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With torch.compile stubbed: the (5,) parameter's two blocks leave the selection at step 2 and come back at
+    step 3, and each change warns that PT2 will recompile; the compiled path (whole lists) gives the eager numbers."""
+    eager = train_with_a_gradient_missing_at_step_2()
+    monkeypatch.setattr(torch, "compile", compile_nothing([]))
     with caplog.at_level(logging.WARNING, logger="distributed_shampoo.distributed_shampoo"):
-        compiled = run(ShampooPT2CompileConfig(backend="eager"))
+        compiled = train_with_a_gradient_missing_at_step_2(shampoo_pt2_compile_config=ShampooPT2CompileConfig())
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b)
     warnings = [r.getMessage() for r in caplog.records if "PT2 will recompile" in r.getMessage()]
-    # The (4, 3) weight is one block (12 > 4 elements: not merged, and no dim exceeds 4); the (5,) param is two.
     assert len(warnings) == 2 and warnings[0].endswith("[1, 2]")
 
 
@@ -722,9 +633,7 @@ class ReferenceEigenvalueCorrectedBlock:
         self.corrected_eigenvalues = torch.zeros(shape, dtype=torch.float64)
         self.first_moment = torch.zeros(shape, dtype=torch.float64)
 
-    def step(self, weight: Tensor, grad: Tensor, t: int, c: dict[str, Any], deferred: bool = False) -> None:
-        """One step; `deferred`: a root step's new inverse roots are computed after its update, so they are first
-        used at the next step (`ShampooRuntimeConfig(defer_amortized_computation=True)`)."""
+    def step(self, weight: Tensor, grad: Tensor, t: int, c: dict[str, Any]) -> None:
         beta1, beta2 = c["betas"]
         self.factors[0] = beta2 * self.factors[0] + (1 - beta2) * grad @ grad.T
         self.factors[1] = beta2 * self.factors[1] + (1 - beta2) * grad.T @ grad
