@@ -530,6 +530,18 @@ def profiled_round(
         control.signal("profile", dict(kernels=_kernel_table(timer.profile, args.profile_steps) if torch.cuda.is_available() else []))
 
 
+def round_start_arguments(arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a round of train() must start from again, by argument name: the objects whose state is restored (optimizers,
+    the loader: anything with load_state_dict but a module, since the model is re-initialised from the round's seed,
+    and an older script's compiled wrapper of it must not bring the first round's weights back), and the plain records
+    of progress (dataclass instances), copied afresh."""
+    import torch
+
+    stateful = {n: v for n, v in arguments.items() if hasattr(v, "load_state_dict") and not isinstance(v, torch.nn.Module)}
+    records = {n: v for n, v in arguments.items() if dataclasses.is_dataclass(v) and not isinstance(v, type)}
+    return stateful, records
+
+
 def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
     control = Control(args.control, args.label)
     rank = int(os.environ.get("RANK", "0"))
@@ -574,11 +586,8 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
     def rounds_of_train(*a: Any, **k: Any) -> float:
         bound = inspect.signature(original_train).bind(*a, **k)
         raw_model = bound.arguments["raw_model"]
-        # what a round must start from again: optimizer and loader states (anything with load_state_dict but
-        # the model, which is re-initialised), and plain records of progress (dataclass instances)
-        stateful = {n: v for n, v in bound.arguments.items() if hasattr(v, "load_state_dict") and v is not raw_model}
+        stateful, records = round_start_arguments(bound.arguments)
         start_states = {n: copy.deepcopy(v.state_dict()) for n, v in stateful.items()}
-        records = {n: v for n, v in bound.arguments.items() if dataclasses.is_dataclass(v) and not isinstance(v, type)}
         signal_ready(control, rank)
 
         def start_round(seed: int) -> None:

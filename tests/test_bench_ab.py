@@ -449,3 +449,23 @@ def test_a_tiny_track3_run_pairs_the_script_trials_by_seed(tmp_path):
     overrides = {label: re.search(r"^overrides: (.*)$", log, re.MULTILINE)[1] for label, log in logs.items()}
     assert "'shampoo_root_streams': 2" in overrides["candidate"] and "shampoo_root_streams" not in overrides["baseline"]
     assert logs["baseline"].count("step:6/6 val_loss:") == 2  # one trial per round
+
+
+def test_a_round_restores_optimizers_and_loaders_but_never_a_module(ab):
+    """train(model, raw_model, adam, ...) of scripts before 82bc944 passes the compiled wrapper too: restoring its state
+    would bring the first round's weights back over the round's seed (a review found baseline rounds that all ended
+    alike). Modules are re-initialised, not restored; dataclass records are copied afresh."""
+    import dataclasses
+
+    import torch
+
+    @dataclasses.dataclass
+    class Progress:
+        step: int = 0
+
+    raw_model = torch.nn.Linear(2, 2)
+    wrapper = torch.nn.Sequential(raw_model)  # stands in for torch.compile's OptimizedModule
+    optimizer = torch.optim.SGD(raw_model.parameters(), lr=0.1)
+    arguments = dict(model=wrapper, raw_model=raw_model, adam=optimizer, progress=Progress(), hp=object())
+    stateful, records = ab.round_start_arguments(arguments)
+    assert set(stateful) == {"adam"} and set(records) == {"progress"}
