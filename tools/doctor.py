@@ -97,14 +97,14 @@ TRACKS = {
 # Expected ms/step at the record configuration, as measured. Conditions: NVIDIA H200 (lent machines),
 # torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention (no FA3), on the docs_proxy shards
 # (Debian documentation in the FineWeb format: the same tokens per step, but other document lengths, which
-# change attention's block sparsity a little), 2026-11-30.
+# change attention's block sparsity a little). Each entry says when and at which commit (README Performance).
 # Key: (GPU model as torch names it, track, GPUs) -> (low, high, how it was measured).
-MEASURED_ON = "measured 2026-11-30 on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention"
+MEASURED_ON = "measured on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention"
 MEASURED_MS_PER_STEP: dict[tuple[str, int, int], tuple[float, float, str]] = {
-    ("NVIDIA H200", 1, 1): (627.0, 672.0, "1 GPU, 8 micro-steps"),
-    ("NVIDIA H200", 1, 2): (0.49 * 627.0, 0.49 * 672.0, "2 GPUs: 0.49x the 1-GPU time, a ratio measured before the e5m2 kernel"),
-    ("NVIDIA H200", 3, 1): (1422.9, 1422.9, "1 GPU, Shampoo roots on 8 streams, steps 11-150"),
-    ("NVIDIA H200", 3, 2): (714.8, 714.8, "2 GPUs, 30 steps"),
+    ("NVIDIA H200", 1, 1): (576.0, 579.1, "1 GPU, 8 micro-steps; d9a82ee, 2026-12-04"),
+    ("NVIDIA H200", 1, 2): (0.49 * 576.0, 0.49 * 579.1, "2 GPUs: 0.49x the 1-GPU time, a ratio measured on 2026-11-30, before the speed work"),
+    ("NVIDIA H200", 3, 1): (1422.9, 1422.9, "1 GPU, Shampoo roots on 8 streams, steps 11-150; 2026-11-30"),
+    ("NVIDIA H200", 3, 2): (714.8, 714.8, "2 GPUs, 30 steps; 2026-11-30"),
 }
 # Overrides that leave the work of a step unchanged (paths, logging, how long, checkpoints).
 STEP_NEUTRAL_FLAGS = frozenset({
