@@ -124,7 +124,8 @@ trap 'rm -rf "$launcher_dir"' EXIT
 # The filters below outlive a closed terminal (no SIGPIPE, write errors ignored), so that the workers never
 # write into a dead pipe, and leave signals to run.sh.
 
-# stdout passes through; the script's `log: PATH` line (global rank 0's machine) is noted for the last line.
+# stdout passes through; the script's `log: PATH` line (every machine's first process prints it; on the machines
+# other than global rank 0's it names that machine) is noted for the last line.
 watch_stdout() {
   trap '' INT TERM HUP PIPE
   local line
@@ -207,7 +208,8 @@ signal_status() { # a signal's number or name -> 128 + its number
   echo $((128 + number))
 }
 
-# The log's path, last, on every machine: global rank 0's machine printed it; the others say where it is.
+# The log's path, last, on every machine (the scripts print it on each); a script that printed none (it stopped
+# before its log) leaves the folder's name.
 finish() { # exit status
   if [[ -s "$launcher_dir/log_path.txt" ]]; then
     say "log: $(tail -n 1 "$launcher_dir/log_path.txt")"
