@@ -18,6 +18,7 @@ above read as (and what runs on CPU).
 import argparse
 import copy
 import dataclasses
+import errno
 import fcntl
 import gc
 import glob
@@ -309,6 +310,7 @@ def need(condition: bool, message: str) -> None:
 SEED_LIMIT = 2**64 - 1  # torch.manual_seed's largest
 NAME_LIMIT = 255  # bytes of one file name (NAME_MAX of Linux's file systems): a longer one fails every file operation
 PATH_FLAGS = ("train_files", "val_files", "log_dir", "checkpoint_dir", "resume")
+RUN_ID_LIMIT = 200  # bytes of --run_id: <run_id>.txt and the end-of-run state's folder fit a file name
 
 
 def check_path_names(hp: Hyperparameters) -> None:
@@ -318,6 +320,11 @@ def check_path_names(hp: Hyperparameters) -> None:
             size = len(os.fsencode(name))
             need(size <= NAME_LIMIT, f"--{flag}: the name {name[:20]}... is {size} bytes, longer than a file name may be "
                                      f"({NAME_LIMIT}); pick a shorter --{flag}")
+
+
+def is_plain_file_name(name: str, limit: int) -> bool:
+    """name names a file in the folder it is joined to: no folder part, not . or .., at most `limit` bytes."""
+    return name == Path(name).name and name not in (".", "..") and len(os.fsencode(name)) <= limit
 
 
 def validate_hyperparameters(hp: Hyperparameters) -> None:
@@ -362,8 +369,8 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
         need(0 <= getattr(hp, name) < 1, f"--{name}={getattr(hp, name)} must lie in [0, 1)")
     need(hp.adam_eps > 0, f"--adam_eps={hp.adam_eps} must be > 0")
     need(
-        hp.run_id == "" or (hp.run_id == Path(hp.run_id).name and hp.run_id not in (".", "..") and len(os.fsencode(hp.run_id)) <= 200),
-        f"--run_id={hp.run_id[:40]!r}{'...' if len(hp.run_id) > 40 else ''} must be a plain file name of at most 200 bytes "
+        hp.run_id == "" or is_plain_file_name(hp.run_id, RUN_ID_LIMIT),
+        f"--run_id={hp.run_id[:40]!r}{'...' if len(hp.run_id) > 40 else ''} must be a plain file name of at most {RUN_ID_LIMIT} bytes "
         f"(no '/'): the log is <log_dir>/<run_id>.txt",
     )
 
@@ -1353,17 +1360,30 @@ def shard_bytes(tokens: np.ndarray) -> bytes:
 
 
 TEMPORARY_NAME = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")  # write_atomically's: .<name>.<pid>.<random>.tmp
+NO_LOCK_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS})  # flock's, where a file system has no locks
+
+
+def flock_if_supported(f: BinaryIO, operation: int) -> bool:
+    """fcntl.flock(f, operation); False, and no lock taken, where the file system has no locks."""
+    try:
+        fcntl.flock(f, operation)
+    except OSError as error:
+        if error.errno not in NO_LOCK_ERRNOS:
+            raise
+        return False
+    return True
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object], replace: bool = True) -> None:
     """write(f) fills a temporary file in the same folder, which is then published under path: a crash never
     leaves a partial file under the final name. replace=False never replaces an existing path (FileExistsError).
     The writer holds an OS lock on its temporary file until it is published: remove_dead_temporaries tells the
-    file of a killed writer from a live one's by it."""
+    file of a killed writer from a live one's by it. Where the file system has no locks the file is written all the
+    same, unlocked."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(temporary, "xb") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+            flock_if_supported(f, fcntl.LOCK_EX)
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -1375,12 +1395,13 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object], replace: b
         temporary.unlink(missing_ok=True)
 
 
-def remove_dead_temporaries(folder: Path, started: float) -> list[Path]:
+def remove_dead_temporaries(folder: Path, started: float) -> list[str]:
     """Removes the temporary files of writers that were killed (write_atomically's, in folder): older than this run
     (started, a time.time()) and locked by no process. A live writer locks its file just after creating it and holds
-    the lock until the file is published; the age leaves alone a file created a moment ago, not yet locked. Returns
-    the removed paths."""
-    removed = []
+    the lock until the file is published; the age leaves alone a file created a moment ago, not yet locked. A file
+    that cannot be locked (no locks on its file system: its writer may be alive) or that this process may not remove
+    (another user's) stays where it is. Returns one line per file removed or left."""
+    lines = []
     for path in sorted(folder.glob(".*.tmp")):
         if not TEMPORARY_NAME.fullmatch(path.name):
             continue
@@ -1388,12 +1409,18 @@ def remove_dead_temporaries(folder: Path, started: float) -> list[Path]:
             with open(path, "rb") as f:
                 if os.fstat(f.fileno()).st_mtime >= started:
                     continue
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if not flock_if_supported(f, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                    lines.append(f"left {path}, a writer's temporary file: its file system has no locks to tell whether the "
+                                 f"writer is alive; remove it if no run is writing it")
+                    continue
                 path.unlink()
         except (BlockingIOError, FileNotFoundError):  # a live writer's, or published or removed meanwhile
             continue
-        removed.append(path)
-    return removed
+        except OSError as error:  # another user's file or folder, a read-only mount
+            lines.append(f"left {path}, a writer's temporary file: cannot remove it ({error.strerror})")
+            continue
+        lines.append(f"removed {path}, the temporary file of a killed writer")
+    return lines
 
 
 def write_shard(path: str | Path, tokens: np.ndarray) -> None:
@@ -1693,32 +1720,34 @@ def synthetic_tokens(num_tokens: int, vocab_size: int, bos_token: int, seed: int
 # ---- smoke shards (the same writer in train_gpt.py and train_gpt_shampoo.py; each track its own sizes and tokens) ----
 def write_smoke_shards(folder: Path, make_shards: Callable[[], dict[str, np.ndarray]], local_rank: int, started: float) -> tuple[str, str]:
     """Makes folder hold exactly the shards make_shards() returns (file name -> tokens), on every machine: each
-    machine's first process keeps a file whose bytes are already these, writes any other afresh (atomically; a
-    missing, damaged or stale file: the folder is the smoke preset's own, one line announces a rewrite) and removes
-    the temporary files of killed writers; then every process waits for all machines (collective). The bytes follow
-    from the settings alone, so every rank reads identical shards, and machines sharing a file system write
-    identical files. Returns the train and val patterns, absolute (resolve_files's DATA_PATH prefix leaves them)."""
-    error = None
-    if local_rank == 0:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            for path in remove_dead_temporaries(folder, started):
-                print(f"smoke shards: removed {path}, the temporary file of a killed writer", flush=True)
-            for name, tokens in make_shards().items():
-                path, data = folder / name, shard_bytes(tokens)
-                if path.is_dir():
-                    raise UserError(f"{path}: is a directory, not a token shard; move it away")
-                if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
-                    continue
-                if path.exists():
-                    print(f"smoke shards: rewriting {path}, whose bytes are not this smoke run's", flush=True)
-                write_atomically(path, lambda f: f.write(data))
-        except UserError as failure:
-            error = str(failure)
-        except OSError as failure:
-            error = f"smoke shards: cannot write {failure.filename or folder} ({failure.strerror}); free space there or pass --train_files and --val_files"
-    raise_if_any_rank_failed(error)
+    machine's first process refreshes them (refresh_smoke_shards), then every process waits for all machines
+    (collective; a failure stops every rank). The bytes follow from the settings alone, so every rank reads identical
+    shards, and machines sharing a file system write identical files. Returns the train and val patterns, absolute
+    (resolve_files's DATA_PATH prefix leaves them)."""
+    run_on(local_rank == 0, lambda: refresh_smoke_shards(folder, make_shards, started))
     return str(folder.absolute() / "smoke_train_*.bin"), str(folder.absolute() / "smoke_val_*.bin")
+
+
+def refresh_smoke_shards(folder: Path, make_shards: Callable[[], dict[str, np.ndarray]], started: float) -> None:
+    """Keeps a file of folder whose bytes are already make_shards()'s, writes any other afresh (atomically; a
+    missing, damaged or stale file: the folder is the smoke preset's own, one line announces a rewrite) and removes
+    the temporary files of killed writers. A failed write is a one-line UserError."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for line in remove_dead_temporaries(folder, started):
+            print(f"smoke shards: {line}", flush=True)
+        for name, tokens in make_shards().items():
+            path, data = folder / name, shard_bytes(tokens)
+            if path.is_dir():
+                raise UserError(f"{path}: is a directory, not a token shard; move it away")
+            if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
+                continue
+            if path.exists():
+                print(f"smoke shards: rewriting {path}, whose bytes are not this smoke run's", flush=True)
+            write_atomically(path, lambda f: f.write(data))
+    except OSError as failure:
+        raise UserError(f"smoke shards: cannot write {failure.filename or folder} ({failure.strerror}); free space there "
+                        f"or pass --train_files and --val_files") from None
 
 
 def smoke_shards(hp: Hyperparameters, rt: "Runtime", started: float) -> tuple[str, str]:
@@ -1812,6 +1841,19 @@ def raise_if_any_rank_failed(error: str | None) -> None:
         raise UserError(first)
 
 
+def run_on(here: bool, action: Callable[[], Any]) -> Any:
+    """Collective: action runs where `here` is true (rank 0, or each machine's first process) and its result is
+    returned there (None elsewhere); a UserError it raises stops every rank at this point with its line."""
+    result, error = None, None
+    if here:
+        try:
+            result = action()
+        except UserError as failure:
+            error = str(failure)
+    raise_if_any_rank_failed(error)
+    return result
+
+
 def announce_log(path: Path, rt: Runtime) -> None:
     """The log's path, printed by the first process of every machine (collective): rank 0 writes the log, on its own
     machine, which the others name (run.sh repeats the line last)."""
@@ -1876,13 +1918,17 @@ def print0(s: str, console: bool = False) -> None:
 
 
 def open_log(log_dir: str, run_id: str) -> Path:
-    """Creates <log_dir>/<run_id>.txt, never overwriting a file."""
+    """Creates <log_dir>/<run_id>.txt, and its folder when missing (prepare_outputs checked that it may), never
+    overwriting a file."""
     path = Path(log_dir) / f"{run_id}.txt"
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "x", encoding="utf-8"):
             return path
     except FileExistsError:
         raise UserError(f"{path} already exists; choose another --run_id (logs are never overwritten)") from None
+    except OSError as error:
+        raise UserError(f"cannot create the log {path} ({error.strerror}); pick a writable --log_dir") from None
 
 
 def _command_output(args: list[str]) -> str | None:
@@ -1917,14 +1963,22 @@ def stop_requested() -> bool:
     return _stop_signal is not None or _log_error is not None
 
 
-def interrupted(signum: int | None = None) -> RunStopped:
-    """The stop at a step boundary: for an unwritable log, or for a signal, by default the one this process received
-    (SIGTERM when another rank received it)."""
-    if signum is None and _log_error is not None:
-        return RunStopped(f"step {_step_reached}: {_log_error}; stopping{last_checkpoint_note()}", 2)
-    if signum is None:
-        signum = _stop_signal if _stop_signal is not None else signal.SIGTERM
+def interrupted(signum: int) -> RunStopped:
     return RunStopped(f"step {_step_reached}: interrupted by {signal.Signals(signum).name}", 128 + signum)
+
+
+def stop_if_asked(signals: bool = True) -> None:
+    """Collective, where every rank looks (a step boundary, the end of training, a trial's start): when a rank asked to
+    stop (stop_requested), every rank raises the same RunStopped, so that all report one cause with one exit status:
+    rank 0's unwritable log, else, with signals, the signal of the first rank that received one."""
+    requests: list[tuple[str | None, int | None]] = [(None, None)] * dist.get_world_size()
+    dist.all_gather_object(requests, (_log_error, _stop_signal if signals else None))
+    log_error = next((error for error, _ in requests if error is not None), None)
+    if log_error is not None:
+        raise RunStopped(f"step {_step_reached}: {log_error}; stopping{last_checkpoint_note()}", 2)
+    signum = next((signum for _, signum in requests if signum is not None), None)
+    if signum is not None:
+        raise interrupted(signum)
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:
@@ -2073,14 +2127,13 @@ def tensor_bytes(state: Any) -> int:
     return 0
 
 
-def checkpoint_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], world_size: int) -> int:
-    """About the size of one resumable checkpoint: the model and every rank's optimizer state (as large as this rank's;
-    an optimizer whose state appears at its first step, like Adam's moments, counts two values per parameter)."""
-    total = tensor_bytes(model.state_dict())
+def optimizer_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """About the bytes of the optimizers' state on this rank, as a checkpoint saves it: an optimizer whose state
+    appears at its first step, like Adam's moments, counts two values per parameter."""
+    total = 0
     for optimizer in optimizers:
         state = tensor_bytes(optimizer.state_dict()["state"])
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        total += world_size * state if state else 2 * sum(p.nbytes for p in params)
+        total += state or 2 * sum(p.nbytes for group in optimizer.param_groups for p in group["params"])
     return total
 
 
@@ -2089,53 +2142,78 @@ def log_bytes(source: str, lines: int) -> int:
     return len(source.encode()) + LOG_HEADER_BYTES + 200 * lines
 
 
-def check_output_folder(folder: Path, flag: str) -> None:
-    """The folder --flag names exists (created when missing) and takes a new file; a one-line UserError otherwise."""
-    where = f"--{flag}={folder}"
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"{where}: is a file, not a folder; pick another --{flag}")
+def nearest_existing(path: Path) -> Path:
+    """path, or its nearest ancestor that exists: where creating path would begin."""
+    while not os.path.exists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_output_folder(folder: Path, flag: str, needs_locks: bool = False) -> None:
+    """The folder --flag names takes a new file, and an OS lock where needs_locks (claim_checkpoint_dir's): tried in
+    the folder, or in its nearest existing ancestor when it does not exist yet, creating nothing. A one-line
+    UserError otherwise."""
+    where, existing = f"--{flag}={folder}", nearest_existing(folder)
+    if not existing.is_dir():
+        raise UserError(f"{where}: {'' if existing == folder else f'{existing} '}is a file, not a folder; pick another --{flag}")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        probe = tempfile.TemporaryFile(dir=existing)
     except OSError as error:
-        raise UserError(f"{where}: cannot write there ({error.strerror}); pick a writable --{flag}") from None
+        place = "there" if existing == folder else f"in {existing}, where it would be created"
+        raise UserError(f"{where}: cannot write {place} ({error.strerror}); pick a writable --{flag}") from None
+    with probe:
+        if needs_locks and not flock_if_supported(probe, fcntl.LOCK_EX | fcntl.LOCK_NB):
+            raise UserError(f"{where}: its file system has no file locks, which keep a second run out of a checkpoint "
+                            f"folder; pick a --{flag} on one that has them (a local disk)")
 
 
-def check_room(needs: Sequence[tuple[str, Path, int]]) -> None:
-    """Each (flag, folder, bytes the run writes there): the file system holds all that its folders need, plus
-    FREE_SPACE_MARGIN, and no file would pass the file-size limit (ulimit -f; the bytes bound a file's size)."""
+def check_room(needs: Sequence[tuple[str, Path, Sequence[int]]]) -> None:
+    """Each (flag, folder, the sizes of the files the run writes there): the file system holds all that its folders
+    need, plus FREE_SPACE_MARGIN, and no file would pass the file-size limit (ulimit -f). A folder not created yet
+    is measured where it would be (nearest_existing)."""
     size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    measured = [(flag, folder, files, nearest_existing(folder)) for flag, folder, files in needs]
+    device = {flag: existing.stat().st_dev for flag, _, _, existing in measured}
     per_device: dict[int, int] = {}
-    for _, folder, size in needs:
-        per_device[folder.stat().st_dev] = per_device.get(folder.stat().st_dev, 0) + size
-    for flag, folder, size in needs:
-        needed, free = per_device[folder.stat().st_dev] + FREE_SPACE_MARGIN, shutil.disk_usage(folder).free
+    for flag, _, files, _ in measured:
+        per_device[device[flag]] = per_device.get(device[flag], 0) + sum(files)
+    for flag, folder, files, existing in measured:
+        needed, free = per_device[device[flag]] + FREE_SPACE_MARGIN, shutil.disk_usage(existing).free
         if free < needed:
             raise UserError(f"--{flag}={folder}: {free / 2**20:.0f} MiB free, this run needs about {needed / 2**20:.0f} MiB "
                             f"there (its log and one checkpoint, with a margin); free some space or pick another --{flag}")
-        if size_limit != resource.RLIM_INFINITY and size > size_limit:
-            raise UserError(f"--{flag}={folder}: this run writes files of up to about {size / 2**20:.1f} MiB there, above "
-                            f"the file-size limit of {size_limit / 2**20:.1f} MiB (ulimit -f); raise the limit")
+        largest = max(files, default=0)
+        if size_limit != resource.RLIM_INFINITY and largest > size_limit:
+            raise UserError(f"--{flag}={folder}: this run writes files of up to about {largest / 2**20:.1f} MiB there, "
+                            f"above the file-size limit of {size_limit / 2**20:.1f} MiB (ulimit -f); raise the limit")
 
 
 def claim_checkpoint_dir(directory: Path) -> None:
-    """Holds an OS lock on <directory>/.lock for the rest of the process (release_checkpoint_dir ends it sooner): one
-    run at a time saves into a folder, and staging folders found there are of saves that died with their run. A
-    folder another live run holds is a one-line UserError naming that run."""
+    """Creates the folder when missing and holds an OS lock on <directory>/.lock for the rest of the process
+    (release_checkpoint_dir ends it sooner): one run at a time saves into a folder, and staging folders found there
+    are of saves that died with their run. A folder another live run holds is a one-line UserError naming that run;
+    a lock file that cannot be opened or locked, one naming it."""
     global _checkpoint_dir_lock
-    lock = open(directory / CHECKPOINT_DIR_LOCK, "a+b")
+    where, lock_path = f"--checkpoint_dir={directory}", directory / CHECKPOINT_DIR_LOCK
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_path, "a+b")
+    except OSError as error:
+        raise UserError(f"{where}: cannot open {lock_path} ({error.strerror}); pick another --checkpoint_dir") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        lock.flush()
     except BlockingIOError:
         lock.seek(0)
         owner = lock.read().decode(errors="replace").strip() or "another process"
         lock.close()
-        raise UserError(f"--checkpoint_dir={directory}: in use by another run ({owner}); pick another --checkpoint_dir "
-                        f"(two runs never save into one folder)") from None
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
-    lock.flush()
+        raise UserError(f"{where}: in use by another run ({owner}); pick another --checkpoint_dir (two runs never save "
+                        f"into one folder)") from None
+    except OSError as error:  # no locks there (check_output_folder tried one on another file), a full disk
+        lock.close()
+        raise UserError(f"{where}: cannot lock {lock_path} ({error.strerror}); pick another --checkpoint_dir") from None
     _checkpoint_dir_lock = lock
 
 
@@ -2146,29 +2224,33 @@ def release_checkpoint_dir() -> None:
         _checkpoint_dir_lock = None
 
 
-def prepare_outputs(log_path: Path, log_bytes: int, checkpoint_dir: Path | None, checkpoint_size: int, started: float) -> None:
-    """Before the log exists (collective; rank 0 checks): the log is new, its folder and the checkpoint folder (None:
-    no checkpoints) are writable and hold the run's log and one checkpoint with a margin (check_output_folder,
-    check_room); the checkpoint folder is claimed for this run (claim_checkpoint_dir); the temporary files of killed
-    writers in the log's folder and its folders (end-of-run states, smoke shards) are removed. Each failure: one line,
-    on every rank."""
-    error, log_dir = None, log_path.parent
-    if _is_master:
-        try:
-            needs = [("log_dir", log_dir, log_bytes)] + ([("checkpoint_dir", checkpoint_dir, checkpoint_size)] if checkpoint_dir else [])
-            for flag, folder, _ in needs:
-                check_output_folder(folder, flag)
-            if log_path.exists():
-                raise UserError(f"{log_path} already exists; choose another --run_id (logs are never overwritten)")
-            check_room(needs)
-            if checkpoint_dir is not None:
-                claim_checkpoint_dir(checkpoint_dir)
-            for folder in [log_dir, *sorted(path for path in log_dir.iterdir() if path.is_dir())]:
-                for path in remove_dead_temporaries(folder, started):
-                    print(f"removed {path}, the temporary file of a killed writer", flush=True)
-        except UserError as failure:
-            error = str(failure)
-    raise_if_any_rank_failed(error)
+def prepare_outputs(log_path: Path, log_dir_file_sizes: Sequence[int], checkpoint_dir: Path | None, checkpoint_file_sizes: Sequence[int],
+                    started: float) -> None:
+    """Rank 0, before the log exists (run_on stops every rank at a failure): checks that the log is new and that its
+    folder and the checkpoint folder (None: no checkpoints) take new files (check_output_folder) and hold the files
+    the run writes there (their sizes: log_dir_file_sizes, checkpoint_file_sizes) with a margin (check_room); removes the
+    temporary files of killed writers in the log's folder and its folders (end-of-run states, smoke shards); then,
+    every check passed, creates and claims the checkpoint folder (claim_checkpoint_dir). Until then nothing is
+    created: a refused run leaves the folders as they were. Each failure, an OSError's too, is a one-line UserError."""
+    log_dir = log_path.parent
+    needs = [("log_dir", log_dir, log_dir_file_sizes)]
+    if checkpoint_dir is not None:
+        needs.append(("checkpoint_dir", checkpoint_dir, checkpoint_file_sizes))
+    try:
+        for flag, folder, _ in needs:
+            check_output_folder(folder, flag, needs_locks=flag == "checkpoint_dir")
+        if log_path.exists():
+            raise UserError(f"{log_path} already exists; choose another --run_id (logs are never overwritten)")
+        check_room(needs)
+        folders = [log_dir, *sorted(path for path in log_dir.iterdir() if path.is_dir())] if log_dir.is_dir() else []
+        for folder in folders:
+            for line in remove_dead_temporaries(folder, started):
+                print(line, flush=True)
+    except OSError as error:  # a folder this process may not read, say another user's
+        raise UserError(f"{error.filename or log_dir}: cannot use it ({error.strerror}); fix its permissions or pick another "
+                        f"--log_dir or --checkpoint_dir") from None
+    if checkpoint_dir is not None:
+        claim_checkpoint_dir(checkpoint_dir)
 
 
 # ---- checkpoints and resume ----
@@ -2276,55 +2358,76 @@ def comparable_settings(hp: Hyperparameters) -> dict[str, Any]:
 
 def write_checkpoint(target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], progress: dict[str, Any],
                      rank_state: dict[str, Any], shared_state: dict[str, Any]) -> bool:
-    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists. A write
-    that fails on any rank (a full disk) removes the staging folder and stops every rank with one line that names
-    the last complete checkpoint."""
+    """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists. The
+    files are staged in a hidden folder (stage_checkpoint_files), which rank 0 publishes as target with their
+    manifest (publish_checkpoint). A write that fails on any rank (a full disk) removes the staging folder and stops
+    every rank with one line that names the last complete checkpoint."""
     global _last_checkpoint
     exists = [target.exists()]
     dist.broadcast_object_list(exists, 0)  # every rank takes the same branch
     if exists[0]:
         return False
     staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
+    files = stage_checkpoint_files(staging, target, rt, progress, rank_state, shared_state)
+    manifest = dict(format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, **progress,
+                    hyperparameters=settings, files=dict(sorted(files.items())))
+    publish_checkpoint(staging, target, manifest)
+    _last_checkpoint = target
+    return True
 
-    def agree(error: OSError | None, files: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Collective: every rank's files' manifest entries, or a stop on every rank when a rank's write failed."""
-        outcomes: list[Any] = [None] * rt.world_size
-        dist.all_gather_object(outcomes, (error.strerror if error else None, files or {}))
-        failed = next((strerror for strerror, _ in outcomes if strerror is not None), None)
-        if failed is not None:
-            if rt.rank == 0:
-                shutil.rmtree(staging, ignore_errors=True)  # frees the space of the partial save
-            raise UserError(f"step {progress['step']}: cannot write checkpoint {target} ({failed}){last_checkpoint_note()}")
-        return {name: entry for _, entries in outcomes for name, entry in entries.items()}
 
+def agree_on_checkpoint_write(error: OSError | None, files: dict[str, Any], staging: Path, target: Path, step: int) -> dict[str, Any]:
+    """Collective: every rank's files' manifest entries (name -> size and SHA-256); when a rank's write failed (error),
+    rank 0 removes the staging folder (the space of the partial save) and every rank stops with one line."""
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (None if error is None else error.strerror or str(error), files))
+    failed = next((reason for reason, _ in outcomes if reason is not None), None)
+    if failed is not None:
+        if _is_master:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"step {step}: cannot write checkpoint {target} ({failed}){last_checkpoint_note()}")
+    return {name: entry for _, entries in outcomes for name, entry in entries.items()}
+
+
+def stage_checkpoint_files(staging: Path, target: Path, rt: Runtime, progress: dict[str, Any], rank_state: dict[str, Any],
+                           shared_state: dict[str, Any]) -> dict[str, Any]:
+    """Collective: rank 0 creates the staging folder; then each rank writes its rank<r>.pt into it (its state and RNG),
+    and rank 0 shared.pt (the shared state and the progress). Returns every file's manifest entry."""
     error, files = None, {}
-    try:
-        if rt.rank == 0:
+    if rt.rank == 0:
+        try:
             staging.mkdir(parents=True, exist_ok=True)
-    except OSError as failure:
-        error = failure
-    agree(error)
+        except OSError as failure:
+            error = failure
+    agree_on_checkpoint_write(error, {}, staging, target, progress["step"])
     try:
         files[f"rank{rt.rank}.pt"] = atomic_torch_save(dict(rank_state, rng=rng_state(rt.device)), staging / f"rank{rt.rank}.pt")
         if rt.rank == 0:
             files["shared.pt"] = atomic_torch_save(dict(shared_state, progress=progress), staging / "shared.pt")
     except OSError as failure:
         error = failure
-    files = agree(error, files)
-    try:
-        if rt.rank == 0:
-            manifest = dict(format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, **progress,
-                            hyperparameters=settings, files=dict(sorted(files.items())))
+    return agree_on_checkpoint_write(error, files, staging, target, progress["step"])
+
+
+def publish_checkpoint(staging: Path, target: Path, manifest: dict[str, Any]) -> None:
+    """Collective: rank 0 writes manifest.json into the staging folder and renames the folder to target, after which
+    the checkpoint is complete: a failed sync of target's folder then is a warning, not a failed save."""
+    error = None
+    if _is_master:
+        try:
             text = json.dumps(manifest, indent=1) + "\n"
             write_atomically(staging / "manifest.json", lambda f: f.write(text.encode()))
             fsync_directory(staging)
             os.rename(staging, target)  # target was checked above; a rename never merges into an existing folder
+        except OSError as failure:
+            error = failure
+    agree_on_checkpoint_write(error, {}, staging, target, manifest["step"])
+    if _is_master:
+        try:
             fsync_directory(target.parent)
-    except OSError as failure:
-        error = failure
-    agree(error)
-    _last_checkpoint = target
-    return True
+        except OSError as failure:
+            print0(f"warning: checkpoint {target} is complete, but syncing its folder failed ({failure.strerror}): a "
+                   f"crash of this machine may still lose it", console=True)
 
 
 class ResumePoint(NamedTuple):
@@ -2357,22 +2460,29 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def checkpoint_problem(path: Path, manifest: dict[str, Any], world_size: int) -> str | None:
-    """What is wrong with a checkpoint's files, against the sizes and SHA-256 hashes its manifest records (None:
-    nothing): the first missing, truncated or corrupt file, named."""
+def checkpoint_problem(path: Path, manifest: dict[str, Any], names: Sequence[str]) -> str | None:
+    """What is wrong with the named files of a checkpoint, against the sizes and SHA-256 hashes its manifest records
+    (None: nothing): the first missing, truncated, corrupt or unreadable file, named."""
     recorded = manifest.get("files") or {}
-    for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)]:
+    for name in names:
         entry, file = recorded.get(name), path / name
         if not isinstance(entry, dict):
             return f"manifest.json records no size and hash of {name}"
-        if not file.is_file():
-            return f"{name} is missing"
-        size = file.stat().st_size
-        if size != entry.get("bytes"):
-            return f"{name} is {size} bytes, manifest.json records {entry.get('bytes')} (the file is truncated or was replaced)"
-        if file_sha256(file) != entry.get("sha256"):
-            return f"{name} does not match the SHA-256 manifest.json records (the file is corrupt)"
+        try:
+            if not file.is_file():
+                return f"{name} is missing"
+            size = file.stat().st_size
+            if size != entry.get("bytes"):
+                return f"{name} is {size} bytes, manifest.json records {entry.get('bytes')} (the file is truncated or was replaced)"
+            if file_sha256(file) != entry.get("sha256"):
+                return f"{name} does not match the SHA-256 manifest.json records (the file is corrupt)"
+        except OSError as error:
+            return f"cannot read {error.filename} ({error.strerror})"
     return None
+
+
+def checkpoint_file_names(world_size: int) -> list[str]:
+    return ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)]
 
 
 def previous_complete_checkpoint(path: Path, manifest: dict[str, Any], world_size: int) -> Path | None:
@@ -2384,16 +2494,15 @@ def previous_complete_checkpoint(path: Path, manifest: dict[str, Any], world_siz
         if other is not None and other.get("world_size") == world_size and position(other) < position(manifest):
             earlier.append((position(other), folder, other))
     for _, folder, other in sorted(earlier, key=lambda item: item[0], reverse=True):
-        if checkpoint_problem(folder, other, world_size) is None:
+        if checkpoint_problem(folder, other, checkpoint_file_names(world_size)) is None:
             return folder
     return None
 
 
-def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -> ResumePoint:
-    """Checks, before the run starts, that the checkpoint is complete, that its files are the ones its manifest
-    records (sizes and SHA-256), and that it continues these settings."""
-    path = Path(path_text)
-    manifest_path = path / "manifest.json"
+def checkpoint_manifest(path_text: str, world_size: int) -> dict[str, Any]:
+    """The manifest of the checkpoint --resume names, when the checkpoint is complete and of this script's version and
+    world size; a one-line UserError otherwise."""
+    manifest_path = Path(path_text) / "manifest.json"
     if not manifest_path.is_file():
         raise UserError(f"--resume={path_text}: no complete checkpoint there (missing {manifest_path}); pass a folder "
                         f"written by --checkpoint_every")
@@ -2408,20 +2517,35 @@ def open_checkpoint(path_text: str, settings: dict[str, Any], world_size: int) -
     if manifest["world_size"] != world_size:
         raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; resume with the same "
                         f"number (this run has {world_size})")
-    try:
-        problem = checkpoint_problem(path, manifest, world_size)
-    except OSError as error:
-        problem = f"cannot read {error.filename} ({error.strerror})"
-    if problem is not None:
-        previous = previous_complete_checkpoint(path, manifest, world_size)
-        advice = (f"resume from {previous}, the previous complete checkpoint there" if previous is not None
-                  else f"{path.parent} holds no earlier complete checkpoint")
-        raise UserError(f"--resume={path_text}: {problem}; {advice}")
+    return manifest
+
+
+def check_same_settings(path_text: str, manifest: dict[str, Any], settings: dict[str, Any]) -> None:
+    """The checkpoint continues a run of these settings (those in RUNTIME_ONLY_FIELDS may differ)."""
     saved = manifest["hyperparameters"]
     differing = [f"{name}={saved.get(name)!r} there, {value!r} here" for name, value in settings.items()
                  if name not in RUNTIME_ONLY_FIELDS and saved.get(name) != value]
     if differing:
         raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
+
+
+def open_checkpoint(path_text: str, settings: dict[str, Any], rt: Runtime) -> ResumePoint:
+    """Checks, before the run starts (collective), the checkpoint's manifest (checkpoint_manifest), that the files are
+    the ones it records (sizes and SHA-256; each rank checks those it loads, shared.pt and its own rank<r>.pt), and
+    that it continues these settings. At the first problem a rank finds, every rank stops with one line; a damaged
+    file's names the previous complete checkpoint (rank 0 looks for it)."""
+    path = Path(path_text)
+    manifest = run_on(True, lambda: checkpoint_manifest(path_text, rt.world_size))
+    problems: list[str | None] = [None] * rt.world_size
+    dist.all_gather_object(problems, checkpoint_problem(path, manifest, ["shared.pt", f"rank{rt.rank}.pt"]))
+    problem = next((problem for problem in problems if problem is not None), None)
+    if problem is not None:
+        previous = [previous_complete_checkpoint(path, manifest, rt.world_size) if rt.rank == 0 else None]
+        dist.broadcast_object_list(previous, 0)
+        advice = (f"resume from {previous[0]}, the previous complete checkpoint there" if previous[0] is not None
+                  else f"{path.parent} holds no earlier complete checkpoint")
+        raise UserError(f"--resume={path_text}: {problem}; {advice}")
+    run_on(True, lambda: check_same_settings(path_text, manifest, settings))
     return ResumePoint(path, manifest)
 
 
@@ -2575,10 +2699,12 @@ def train(
 
     Starts at progress.step (0, or a checkpoint's). Stops early, raising RunStopped, on a non-finite training
     or validation loss, or at the step boundary after SIGINT/SIGTERM/SIGHUP or a failed write of the log
-    (checkpointing first when enabled). A stopped run leaves _defer_stop set: a signal that arrives while it
-    reports (torchrun's SIGTERM to the other ranks) cannot cut the report short."""
+    (checkpointing first when enabled; every rank with the same line, stop_if_asked). A stopped run leaves
+    _defer_stop set: a signal that arrives while it reports (torchrun's SIGTERM to the other ranks) cannot cut the
+    report short."""
     global _defer_stop, _step_reached
     train_steps, start = hp.train_steps, progress.step
+    saves = frozenset(checkpoint_steps(hp, start)) if save_resumable_at is not None else frozenset()
     raw_model.rotary.reset()
     for past in range(start):  # a resumed run: the rotary tables as training left them, by the same updates
         raw_model.rotary.set_window(window_blocks(past, hp)[1])
@@ -2595,15 +2721,15 @@ def train(
     for step in range(start, train_steps + 1):
         progress.step = _step_reached = step
         last_step = step == train_steps
-        if health.poll(keep=0 if last_step else health.lag):
+        if health.poll(keep=0 if last_step else health.lag):  # a rank asked to stop
             if save_resumable_at is not None and step != start:
                 stop_clock()
                 save_resumable_at(progress)
-            raise interrupted()
+            stop_if_asked()
         ws_short, ws_long = window_blocks(step, hp)
         raw_model.rotary.set_window(ws_long)
         validate = last_step or (hp.val_loss_every > 0 and step % hp.val_loss_every == 0)
-        checkpoint = save_resumable_at is not None and step != start and (last_step or step % hp.checkpoint_every == 0)
+        checkpoint = step in saves
         if validate or checkpoint:
             stop_clock()
             if validate:
@@ -2621,7 +2747,7 @@ def train(
                 stop = health.poll(keep=0)  # never checkpoint a diverged model
                 save_resumable_at(progress)
                 if stop:
-                    raise interrupted()
+                    stop_if_asked()
             synchronize(rt.device)
             t0 = time.perf_counter()
         if last_step:
@@ -2642,8 +2768,7 @@ def train(
         health.push(step, step_loss, stop_requested())
         approx_ms = progress.training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
         print0(f"step:{step + 1}/{train_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms", console=True)
-    if _log_error is not None:  # the last step's lines did not reach the log
-        raise interrupted()
+    stop_if_asked(signals=False)  # the last step's lines did not reach the log; a signal now lets the run end as usual
     _defer_stop = False
     return final_loss
 
@@ -2688,13 +2813,7 @@ def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GP
 def open_run_log(hp: Hyperparameters, run_id: str, rt: Runtime) -> None:
     """Rank 0 creates the log and writes this script's source into it (collective: a failure stops every rank)."""
     global _log_path
-    error = None
-    if _is_master:
-        try:
-            _log_path = open_log(hp.log_dir, run_id)
-        except UserError as failure:
-            error = str(failure)
-    raise_if_any_rank_failed(error)
+    _log_path = run_on(_is_master, lambda: open_log(hp.log_dir, run_id))
     announce_log(Path(hp.log_dir) / f"{run_id}.txt", rt)
     print0(Path(__file__).read_text())
 
@@ -2720,7 +2839,7 @@ def run(argv: list[str]) -> float:
     val_token_count = check_val_data(
         val_files, val_tokens=hp.val_tokens, val_batch_size=hp.val_batch_size, grad_accum_steps=rt.grad_accum_steps, vocab_size=hp.vocab_size
     )
-    resume = open_checkpoint(hp.resume, settings, rt.world_size) if hp.resume else None
+    resume = open_checkpoint(hp.resume, settings, rt) if hp.resume else None
     if hp.checkpoint_every and hp.checkpoint_dir:  # the default folder is new: named by the run id
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume.step if resume else 0)
     _last_checkpoint = resume.path if resume is not None else None
@@ -2732,11 +2851,14 @@ def run(argv: list[str]) -> float:
 
     run_id = new_run_id(hp.run_id)
     checkpoint_dir = Path(hp.checkpoint_dir or f"checkpoints/{run_id}")
-    log_size = log_bytes(Path(__file__).read_text(), 2 * (hp.train_steps + 1))  # a train and a val line per step, at most
-    if hp.save_checkpoint:  # the end-of-run state, <log_dir>/<run_id>/state_step<N>.pt
-        log_size += checkpoint_bytes(raw_model, [adam, muon], world_size=1)
-    checkpoint_size = checkpoint_bytes(raw_model, [adam, muon], rt.world_size) if hp.checkpoint_every else 0
-    prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_size, checkpoint_dir if hp.checkpoint_every else None, checkpoint_size, run_started)
+    source = Path(__file__).read_text()
+    model_bytes, optimizer_state_bytes = tensor_bytes(raw_model.state_dict()), optimizer_bytes([adam, muon])
+    log_dir_file_sizes = [log_bytes(source, 2 * (hp.train_steps + 1))]  # the log: a train and a val line per step, at most
+    if hp.save_checkpoint:  # the end-of-run state, <log_dir>/<run_id>/state_step<N>.pt: the source, model and optimizers
+        log_dir_file_sizes.append(len(source.encode()) + model_bytes + optimizer_state_bytes)
+    checkpoint_file_sizes = [model_bytes] + [optimizer_state_bytes] * rt.world_size  # shared.pt, each rank's rank<r>.pt
+    run_on(_is_master, lambda: prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_dir_file_sizes,
+                                               checkpoint_dir if hp.checkpoint_every else None, checkpoint_file_sizes, run_started))
     open_run_log(hp, run_id, rt)
     print0("=" * 100)
     track_lines = [f"attention_backend: {backend}", f"fp8_head: {'on' if fp8 else 'off'}"]
@@ -2783,14 +2905,14 @@ def run(argv: list[str]) -> float:
             print0(f"checkpoint: {target} already exists; not replaced", console=True)
 
     final_loss = train(raw_model, adam, muon, hp, rt, loader, make_val_loader, progress, save_resumable_at if hp.checkpoint_every else None)
-    if hp.save_checkpoint and _is_master:
-        print0(f"checkpoint: {save_checkpoint(_log_path, run_id, hp.train_steps, raw_model, adam, muon)}", console=True)
+    if hp.save_checkpoint:  # rank 0 writes it; a failed write stops every rank
+        state_path = run_on(_is_master, lambda: save_checkpoint(_log_path, run_id, hp.train_steps, raw_model, adam, muon))
+        print0(f"checkpoint: {state_path}", console=True)
     on_cuda = rt.device.type == "cuda"
     allocated = torch.cuda.max_memory_allocated(rt.device) // 2**20 if on_cuda else 0
     reserved = torch.cuda.max_memory_reserved(rt.device) // 2**20 if on_cuda else 0
     print0(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB", console=True)
-    if _log_error is not None:
-        raise UserError(_log_error + last_checkpoint_note())
+    raise_if_any_rank_failed(None if _log_error is None else _log_error + last_checkpoint_note())  # rank 0's, told to all
     release_checkpoint_dir()
     dist.destroy_process_group()
     return final_loss

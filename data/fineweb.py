@@ -36,8 +36,11 @@ try:
     import numpy as np
     import tiktoken
     from tqdm import tqdm
-except ModuleNotFoundError as missing:  # run outside the environment requirements.txt went into
-    sys.exit(f"data/fineweb.py: the {missing.name} package is missing; install the requirements: pip install -r requirements.txt")
+except ImportError as missing:  # a Python without the requirements, e.g. outside the virtual environment
+    if __name__ != "__main__":
+        raise  # an importer (the tests, train_gpt's tests) reports it in its own way
+    sys.exit(f"data/fineweb.py: error: cannot import {missing.name or missing} in {sys.executable}; install the requirements "
+             f"(pip install -r requirements.txt, README.md#install) or run the Python that has them")
 
 from shards import MAX_TOKEN, read_header, write_shard
 
@@ -346,14 +349,31 @@ def tokenize_corpus(
     workers: int | None = None,
 ) -> list[Path]:
     """Tokenize `documents` in `workers` processes and write the shards; returns their paths. Empty documents are
-    skipped; an input without text writes nothing and raises InputError."""
+    skipped; an input without text writes nothing and raises InputError. A refused run (InputError) removes the lock
+    file and the folders it created, when they hold nothing else."""
     if shard_size <= 0:
         raise InputError(f"--shard-size must be positive, got {shard_size}")
     gpt2_encoding(bpe_file)  # fail here, once, rather than in every worker
+    new_folders = [folder for folder in [out_dir, *out_dir.parents] if not folder.exists()]  # innermost first
+    new_lock = not (out_dir / LOCK_NAME).exists()
     with lock_out_dir(out_dir):
-        check_out_dir(out_dir, name)
-        paths = _write_shards(documents, out_dir, name, shard_size, bpe_file, workers)
-    return paths
+        try:
+            check_out_dir(out_dir, name)
+            return _write_shards(documents, out_dir, name, shard_size, bpe_file, workers)
+        except InputError:
+            remove_what_a_refused_run_created(out_dir / LOCK_NAME if new_lock else None, new_folders)
+            raise
+
+
+def remove_what_a_refused_run_created(lock: Path | None, new_folders: list[Path]) -> None:
+    """The lock file a refused run created (None: it was there before), then the folders it created (innermost first)
+    as long as they are empty."""
+    if lock is not None:
+        lock.unlink(missing_ok=True)
+    for folder in new_folders:
+        if any(folder.iterdir()):
+            break
+        folder.rmdir()
 
 
 def _write_shards(

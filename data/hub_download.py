@@ -15,13 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-try:
-    import numpy  # noqa: F401  (shards.py reads with it)
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-    from tqdm import tqdm
-except ModuleNotFoundError as missing:  # run outside the environment requirements.txt went into
-    sys.exit(f"data/{Path(sys.argv[0]).name}: the {missing.name} package is missing; install the requirements: pip install -r requirements.txt")
+# A missing package raises ImportError here, to the entry scripts (which say so in one line) and to the tests.
+from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+from tqdm import tqdm
 
 from shards import ShardError, read_header
 

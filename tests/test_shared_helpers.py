@@ -31,24 +31,25 @@ SHARED = (
     # shards
     "SHARD_MAGIC", "SHARD_VERSION", "SHARD_HEADER_INTS", "GPT2_VOCAB_SIZE", "HUB_SHARD_SCRIPTS",
     "resolve_files", "shard_fix", "read_shard_header", "read_shard", "check_train_data", "shard_bytes",
-    "TEMPORARY_NAME", "write_atomically", "remove_dead_temporaries", "write_shard",
+    "TEMPORARY_NAME", "NO_LOCK_ERRNOS", "flock_if_supported", "write_atomically", "remove_dead_temporaries", "write_shard",
     # smoke shards: one writer; each track its own sizes, tokens and folder (smoke_shards)
-    "write_smoke_shards",
+    "write_smoke_shards", "refresh_smoke_shards",
     # processes, log and stopping
     "Runtime", "_free_port", "read_world_size", "cpu_threads", "setup_distributed", "synchronize",
-    "raise_if_any_rank_failed", "announce_log", "new_run_id", "_log_path", "_log_error", "_is_master", "append_to_log", "write_log",
+    "raise_if_any_rank_failed", "run_on", "announce_log", "new_run_id", "_log_path", "_log_error", "_is_master", "append_to_log", "write_log",
     "print0", "open_log", "_command_output", "git_commit", "_stop_signal", "_defer_stop", "_step_reached",
     "NON_FINITE_EXIT_STATUS", "LOST_PROCESS_EXIT_STATUS", "HEALTH_LAG_CUDA", "STOP_SIGNALS", "stop_requested",
-    "interrupted", "_on_stop_signal", "install_stop_handlers", "LOST_PROCESS_SIGNS", "lost_process_line",
+    "interrupted", "stop_if_asked", "_on_stop_signal", "install_stop_handlers", "LOST_PROCESS_SIGNS", "lost_process_line",
     "StepHealth", "report_stop", "environment_lines",
     # what a run writes, checked before its log exists
-    "FREE_SPACE_MARGIN", "LOG_HEADER_BYTES", "log_bytes", "CHECKPOINT_DIR_LOCK", "_checkpoint_dir_lock", "tensor_bytes", "checkpoint_bytes",
-    "check_output_folder", "check_room", "claim_checkpoint_dir", "release_checkpoint_dir", "prepare_outputs",
+    "FREE_SPACE_MARGIN", "LOG_HEADER_BYTES", "log_bytes", "CHECKPOINT_DIR_LOCK", "_checkpoint_dir_lock", "tensor_bytes", "optimizer_bytes",
+    "nearest_existing", "check_output_folder", "check_room", "claim_checkpoint_dir", "release_checkpoint_dir", "prepare_outputs",
     # checkpoint files
     "PARTIAL_MARKER", "_last_checkpoint", "last_checkpoint_note", "remove_stale_partial_checkpoints", "HashingWriter",
     "atomic_torch_save", "fsync_directory", "rng_state", "set_rng_state", "comparable_settings", "write_checkpoint",
-    "ResumePoint", "read_manifest", "file_sha256", "checkpoint_problem", "previous_complete_checkpoint",
-    "open_checkpoint", "checkpoint_steps",
+    "agree_on_checkpoint_write", "stage_checkpoint_files", "publish_checkpoint", "ResumePoint", "read_manifest",
+    "file_sha256", "checkpoint_problem", "checkpoint_file_names", "previous_complete_checkpoint", "checkpoint_manifest",
+    "check_same_settings", "open_checkpoint", "checkpoint_steps",
 )
 
 DIFFERENT = {

@@ -457,6 +457,41 @@ def test_the_survivor_of_a_killed_rank_prints_one_line(tmp_path):
                                             r"Connection reset by peer|Broken pipe)\); stopping \(its own output says why\)", lines[0]), lines
 
 
+# ----- a log that cannot be written, on two ranks: every rank stops with the same line and status -----
+
+LOG_FULL_AT = """
+import os, runpy, sys
+marker, real_write = sys.argv[1].encode(), os.write
+def full_at_marker(fd, data):  # rank 0's log: the disk is full from the line holding marker on
+    if os.environ["RANK"] == "0" and os.readlink(f"/proc/self/fd/{fd}").endswith(".txt") and marker in bytes(data):
+        raise OSError(28, os.strerror(28))
+    return real_write(fd, data)
+os.write = full_at_marker
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="tells the log's writes apart by Linux's /proc/self/fd")
+@pytest.mark.parametrize("marker", ["step:4/10 train", "step:10/10 val_loss"], ids=["mid-run", "last step"])
+def test_track1_ranks_agree_to_stop_when_the_log_cannot_be_written(tiny_shards, tmp_path, marker):
+    """Only rank 0 writes the log, so only it sees the failure: the other rank used to stop with status 143
+    ("interrupted by SIGTERM") mid-run, or end with status 0 after the last step."""
+    port = free_port()
+    processes = [subprocess.Popen(
+        [sys.executable, "-c", LOG_FULL_AT, marker, str(SCRIPT), *tiny_args(*tiny_shards, tmp_path / "logs")],
+        env=dict(script_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    stderrs = [process.communicate(timeout=300)[1] for process in processes]
+    assert [process.returncode for process in processes] == [2, 2], stderrs
+    log = only_log(tmp_path / "logs")
+    (line,) = stderrs[0].splitlines()
+    assert re.fullmatch(rf"step \d+: cannot write the log {re.escape(str(log))} \(No space left on device\); stopping", line), line
+    assert stderrs[1] == ""  # rank 0 tells it
+    assert marker not in log.read_text()
+
+
 # ----- issue 39 N15, N17: every float flag refuses nan and ±inf, every int flag its out-of-range values -----
 
 # one out-of-range value of every int setting (each must be refused in one line naming it)

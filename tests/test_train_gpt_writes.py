@@ -4,8 +4,10 @@ middle of a run, and the temporary file of a killed writer. Track 3 runs in this
 helpers (tests/test_shared_helpers.py) and is run where its own code is involved."""
 
 import errno
+import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -97,6 +99,48 @@ def test_track1_refuses_a_corrupt_checkpoint_before_the_log_exists(tmp_path, mon
     assert not list((tmp_path / "logs").glob("*.txt"))
 
 
+OPEN_ON_TWO_RANKS = """
+import json, sys, torch, torch.distributed as dist
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+module, rank, target = __import__(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[5])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[4]}", rank=rank, world_size=2)
+module._is_master, rt = rank == 0, module.Runtime(rank, 2, rank, torch.device("cpu"))
+module.write_checkpoint(target, "r", rt, {}, dict(step=4), dict(state=torch.full((1000,), float(rank))), dict(model=torch.ones(1000)))
+if rank == 0:  # one byte of rank 1's file flipped
+    data = bytearray((target / "rank1.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (target / "rank1.pt").write_bytes(bytes(data))
+dist.barrier()
+hashed, real = [], module.file_sha256
+module.file_sha256 = lambda path: hashed.append(path.name) or real(path)
+try:
+    module.open_checkpoint(str(target), {}, rt)
+    outcome = "opened"
+except module.UserError as error:
+    outcome = str(error)
+print(json.dumps(dict(hashed=hashed, outcome=outcome)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("script", ["train_gpt", "train_gpt_shampoo"])
+def test_each_rank_verifies_the_files_it_loads_and_all_agree(script, tmp_path):
+    """Each rank hashes shared.pt and its own rank<r>.pt, not the whole checkpoint; a damaged rank1.pt stops rank 0 as
+    well, with the same line."""
+    target, port = tmp_path / "ckpt" / "step000004", free_port()
+    target.parent.mkdir()
+    processes = [subprocess.Popen([sys.executable, "-c", OPEN_ON_TWO_RANKS, str(ROOT), script, str(rank), str(port), str(target)],
+                                  env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    results = [process.communicate(timeout=120) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], [stderr[-2000:] for _, stderr in results]
+    reports = [json.loads(stdout.splitlines()[-1]) for stdout, _ in results]
+    assert [report["hashed"] for report in reports] == [["shared.pt", "rank0.pt"], ["shared.pt", "rank1.pt"]]
+    expected = (f"--resume={target}: rank1.pt does not match the SHA-256 manifest.json records (the file is corrupt); "
+                f"{target.parent} holds no earlier complete checkpoint")
+    assert [report["outcome"] for report in reports] == [expected, expected]
+
+
 # ----- N24, N25: a checkpoint folder is one run's at a time; a live save is never removed -----
 
 HOLD_FOLDER = """
@@ -138,43 +182,148 @@ def test_a_second_run_is_refused_a_live_runs_checkpoint_folder(workdir, capsys):
 # ----- N9, N10, N13 and friends: every output checked before the log exists, one line each -----
 
 
-@pytest.mark.parametrize("case", ["log_dir is a file", "checkpoint_dir under a file", "checkpoint_dir not writable",
-                                  "disk nearly full", "file-size limit", "name too long"])
-def test_outputs_are_checked_before_the_log_exists(workdir, capsys, monkeypatch, case):
-    (workdir / "a_file").write_text("mine")
-    args, expected = {
-        "log_dir is a file": (["--log_dir=a_file"], "--log_dir=a_file: is a file, not a folder; pick another --log_dir"),
-        "checkpoint_dir under a file": (["--checkpoint_dir=a_file/ckpt"],
-                                        "--checkpoint_dir=a_file/ckpt: cannot write there (Not a directory); pick a writable --checkpoint_dir"),
-        "checkpoint_dir not writable": (["--checkpoint_dir=ckpt"],
-                                        "--checkpoint_dir=ckpt: cannot write there (Permission denied); pick a writable --checkpoint_dir"),
-        "disk nearly full": (["--checkpoint_dir=ckpt"], r"--checkpoint_dir=ckpt: 10 MiB free, this run needs about \d+ MiB there "
+def tree(folder: Path) -> list[tuple[str, bool, int]]:
+    """Every path under folder, whether it is a folder, and its size."""
+    return sorted((str(path.relative_to(folder)), path.is_dir(), path.stat().st_size if path.is_file() else 0)
+                  for path in folder.rglob("*"))
+
+
+def refuse_for(monkeypatch, module, function, refused_here, error: int, filename: str | None = None):
+    """module.function raises OSError(error) for the paths refused_here accepts, and works as usual elsewhere."""
+    real = getattr(module, function)
+
+    def refusing(*args, **kwargs):
+        if refused_here(*args, **kwargs):
+            raise OSError(error, os.strerror(error), filename)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, function, refusing)
+
+
+REFUSALS = {
+    "log_dir is a file": (["--log_dir=a_file"], "--log_dir=a_file: is a file, not a folder; pick another --log_dir"),
+    "checkpoint_dir under a file": (["--checkpoint_dir=a_file/ckpt"],
+                                    "--checkpoint_dir=a_file/ckpt: a_file is a file, not a folder; pick another --checkpoint_dir"),
+    "checkpoint_dir not writable": (["--checkpoint_dir=ckpt"],
+                                    "--checkpoint_dir=ckpt: cannot write there (Permission denied); pick a writable --checkpoint_dir"),
+    "checkpoint_dir under a folder not writable": (
+        ["--checkpoint_dir=ckpt/new"],
+        "--checkpoint_dir=ckpt/new: cannot write in ckpt, where it would be created (Permission denied); pick a writable --checkpoint_dir"),
+    "checkpoint_dir without file locks": (
+        ["--checkpoint_dir=new"], "--checkpoint_dir=new: its file system has no file locks, which keep a second run out of a "
+                                  "checkpoint folder; pick a --checkpoint_dir on one that has them (a local disk)"),
+    "another user's lock file": (["--checkpoint_dir=ckpt"],
+                                 "--checkpoint_dir=ckpt: cannot open ckpt/.lock (Permission denied); pick another --checkpoint_dir"),
+    "log_dir not readable": ([], "logs: cannot use it (Permission denied); fix its permissions or pick another --log_dir or --checkpoint_dir"),
+    "disk nearly full": ([], r"--checkpoint_dir=checkpoints/[0-9a-f-]{36}: 10 MiB free, this run needs about \d+ MiB there "
                              r"\(its log and one checkpoint, with a margin\); free some space or pick another --checkpoint_dir"),
-        "file-size limit": (["--checkpoint_dir=ckpt"], r"--checkpoint_dir=ckpt: this run writes files of up to about \d\.\d MiB "
-                            r"there, above the file-size limit of 1\.0 MiB \(ulimit -f\); raise the limit"),
-        "name too long": (["--checkpoint_dir=" + "x" * 300], r"--checkpoint_dir: the name x{20}\.\.\. is 300 bytes, longer than "
-                          r"a file name may be \(255\); pick a shorter --checkpoint_dir"),
-    }[case]
-    if case == "checkpoint_dir not writable":  # root writes anywhere: the probe file is refused instead
-        real = tgs.tempfile.TemporaryFile
+    "file-size limit": (["--checkpoint_dir=ckpt"], r"--checkpoint_dir=ckpt: this run writes files of up to about \d\.\d MiB "
+                                                   r"there, above the file-size limit of 1\.0 MiB \(ulimit -f\); raise the limit"),
+    "name too long": (["--checkpoint_dir=" + "x" * 300], r"--checkpoint_dir: the name x{20}\.\.\. is 300 bytes, longer than "
+                                                         r"a file name may be \(255\); pick a shorter --checkpoint_dir"),
+}
+PATTERNS = ("disk nearly full", "file-size limit", "name too long")
 
-        def refused(*args, dir=None, **kwargs):
-            if Path(dir).name == "ckpt":
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-            return real(*args, dir=dir, **kwargs)
 
-        monkeypatch.setattr(tgs.tempfile, "TemporaryFile", refused)
+@pytest.mark.parametrize("case", REFUSALS)
+def test_outputs_are_checked_before_the_log_exists(workdir, tmp_path_factory, capsys, monkeypatch, case):
+    """Each refusal is one line, and the working folder is left as it was: no log, no log or checkpoint folder, no
+    lock file (the smoke shards, the run's input, go elsewhere here: DATA_PATH)."""
+    monkeypatch.setenv("DATA_PATH", str(tmp_path_factory.mktemp("data")))
+    (workdir / "a_file").write_text("mine")
+    (workdir / "ckpt").mkdir()
+    (workdir / "checkpoints").mkdir()  # earlier runs' default folder
+    args, expected = REFUSALS[case]
+    if case == "another user's lock file":
+        (workdir / "ckpt" / ".lock").write_text("pid 4242 on elsewhere, since 2026-01-01 00:00:00\n")
+    if case == "log_dir not readable":
+        (workdir / "logs").mkdir()
+    before = tree(workdir)
+    # root writes anywhere: the refusals of other users' files are stood in for
+    if case in ("checkpoint_dir not writable", "checkpoint_dir under a folder not writable"):
+        refuse_for(monkeypatch, tgs.tempfile, "TemporaryFile", lambda *a, dir=None, **k: Path(dir).name == "ckpt", errno.EACCES)
+    if case == "checkpoint_dir without file locks":
+        refuse_for(monkeypatch, tgs.fcntl, "flock", lambda *a: True, errno.ENOLCK)
+    if case == "another user's lock file":
+        monkeypatch.setattr(tgs, "open", open, raising=False)  # the script's own name for it, refused below for .lock
+        refuse_for(monkeypatch, tgs, "open", lambda path, *a, **k: Path(path).name == ".lock", errno.EACCES)
+    if case == "log_dir not readable":
+        refuse_for(monkeypatch, Path, "iterdir", lambda path: path.name == "logs", errno.EACCES, "logs")
     if case == "disk nearly full":
         real_usage = tgs.shutil.disk_usage
-        monkeypatch.setattr(tgs.shutil, "disk_usage",
-                            lambda path: real_usage(path)._replace(free=10 * 2**20) if Path(path).name == "ckpt" else real_usage(path))
+        monkeypatch.setattr(tgs.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=10 * 2**20)
+                            if "checkpoints" in Path(path).parts else real_usage(path))
     if case == "file-size limit":
         monkeypatch.setattr(tgs.resource, "getrlimit", lambda which: (2**20, tgs.resource.RLIM_INFINITY))
     status, lines = track3_main(capsys, "--preset=smoke", "--train_steps=4", "--checkpoint_every=2", *args)
     assert status == 2 and len(lines) == 1, lines
-    assert re.fullmatch("train_gpt_shampoo.py: error: " + (expected if case in ("disk nearly full", "file-size limit", "name too long")
-                                                            else re.escape(expected)), lines[0]), lines[0]
-    assert not logs(workdir) and (workdir / "a_file").read_text() == "mine"
+    assert re.fullmatch("train_gpt_shampoo.py: error: " + (expected if case in PATTERNS else re.escape(expected)), lines[0]), lines[0]
+    assert tree(workdir) == before
+
+
+# ----- a file system without locks, and other users' files in a shared log folder -----
+
+
+@pytest.mark.parametrize("script", [tg, tgs], ids=["track1", "track3"])
+def test_a_file_system_without_locks_still_takes_atomic_writes(script, tmp_path, monkeypatch):
+    """NFS or Lustre mounted without locks: flock fails with ENOLCK. A file is written as before, unlocked; a
+    temporary file left there is kept, since nothing tells a killed writer's from a live one's."""
+    dead = tmp_path / ".shard.bin.4242.0123abcd.tmp"
+    dead.write_bytes(b"half")
+    os.utime(dead, (time.time() - 60, time.time() - 60))
+    refuse_for(monkeypatch, script.fcntl, "flock", lambda *args: True, errno.ENOLCK)
+    script.write_atomically(tmp_path / "state.pt", lambda f: f.write(b"saved"))
+    assert (tmp_path / "state.pt").read_bytes() == b"saved"
+    assert script.remove_dead_temporaries(tmp_path, time.time()) == [
+        f"left {dead}, a writer's temporary file: its file system has no locks to tell whether the writer is alive; remove "
+        f"it if no run is writing it"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [dead.name, "state.pt"]
+
+
+def test_a_smoke_run_needs_no_file_locks(workdir, monkeypatch):
+    refuse_for(monkeypatch, tgs.fcntl, "flock", lambda *args: True, errno.ENOLCK)
+    result = tgs.run([*QUICK, "--train_steps=1"])
+    assert "step:1/1 val_loss:" in result.log_path.read_text()
+
+
+def test_another_users_dead_temporary_file_is_left_with_one_line(workdir, capsys, monkeypatch):
+    """A shared logs/: the temporary file of another user's killed writer, in that user's folder, which this process
+    may not change."""
+    dead = workdir / "logs" / "their-run" / ".state_step000006.pt.4242.0123abcd.tmp"
+    dead.parent.mkdir(parents=True)
+    dead.write_bytes(b"half")
+    os.utime(dead, (time.time() - 60, time.time() - 60))
+    refuse_for(monkeypatch, Path, "unlink", lambda path, *args, **kwargs: path == dead.relative_to(workdir), errno.EACCES)
+    tgs.run([*QUICK, "--train_steps=1"])
+    assert (f"left {dead.relative_to(workdir)}, a writer's temporary file: cannot remove it (Permission denied)"
+            in capsys.readouterr().out.splitlines())
+    assert dead.exists()
+
+
+# ----- issue 39 item 3: the file-size limit bounds each file, not their sum -----
+
+
+def test_the_file_size_limit_is_checked_against_the_largest_file(tmp_path):
+    """--save_checkpoint writes the end-of-run state beside the log: a limit above each file's estimated size but
+    below their sum lets the run start, and the run writes both files."""
+    shards = make_shards(tmp_path / "data")
+    hp, _ = tg.parse_args(tiny_args(*shards, tmp_path / "logs"))
+    source = (ROOT / "train_gpt.py").read_text()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:  # the model and optimizers as the script builds them, for the script's estimates
+        model = tg.build_model(hp, tg.Runtime(0, 1, 0, torch.device("cpu")), "reference", False)
+        log_estimate = tg.log_bytes(source, 2 * (hp.train_steps + 1))
+        state_estimate = len(source.encode()) + tg.tensor_bytes(model.state_dict()) + tg.optimizer_bytes(tg.build_optimizers(model, hp, 0, 1))
+    finally:
+        dist.destroy_process_group()
+    limit = max(log_estimate, state_estimate) + 4096
+    assert limit < log_estimate + state_estimate  # the sum of the two was compared with the limit, and refused
+    result = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *tiny_args(*shards, tmp_path / "logs", save_checkpoint="true")],
+                            capture_output=True, text=True, timeout=300, env=script_env(), cwd=tmp_path,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    (state,) = (tmp_path / "logs").glob("*/state_step000010.pt")
+    assert state.stat().st_size <= limit and torch.load(state, weights_only=True)["step"] == 10
 
 
 # ----- N8, N6/N7: a full disk in the middle of a run -----
@@ -233,6 +382,20 @@ def test_a_log_that_cannot_be_written_keeps_whole_lines_and_stops_the_run(workdi
     text = log.read_text()
     assert text.endswith("\ncheckpoint: ckpt/step000003\n") and "step:4/" not in text  # whole lines only
     assert (workdir / "ckpt" / "step000005" / "manifest.json").is_file()  # the stop's checkpoint
+
+
+def test_a_failed_folder_sync_after_the_rename_is_a_warning_not_a_failed_save(workdir, capsys, monkeypatch):
+    """Once renamed into place a checkpoint is complete: syncing its folder then failing (EIO) is said in one line, the
+    run goes on and names it as the last complete checkpoint."""
+    refuse_for(monkeypatch, tgs, "fsync_directory", lambda path: Path(path) == Path("ckpt"), errno.EIO)
+    result = tgs.run([*QUICK, "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
+    warning = ("warning: checkpoint ckpt/step000002 is complete, but syncing its folder failed (Input/output error): a crash "
+               "of this machine may still lose it")
+    assert warning in capsys.readouterr().out.splitlines() and warning in result.log_path.read_text().splitlines()
+    for step in (2, 4):
+        checkpoint = workdir / "ckpt" / f"step{step:06d}"
+        assert tgs.checkpoint_problem(checkpoint, tgs.read_manifest(checkpoint), tgs.checkpoint_file_names(1)) is None
+    assert tgs._last_checkpoint == Path("ckpt/step000004")
 
 
 # ----- N44 and issue 38 item 7: the temporary file of a writer killed by SIGKILL is removed at the next start -----

@@ -255,7 +255,12 @@ def test_a_corpus_without_text_writes_nothing(tmp_path: Path, bpe_file: Path, ca
     what = "its 2 documents are all empty" if documents else "it holds no documents"
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: the input has no text ({what}), so no shards were written to {out}; check the --input files")
-    assert not list(out.glob("*.bin"))
+    assert not out.exists()  # nor its lock file, nor the folder the refused run created
+
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["--input", str(source), "--bpe-file", str(bpe_file), "--out-dir", str(out), "--workers", "1"]) == 1
+    assert [path.name for path in out.iterdir()] == ["notes.txt"]  # a folder that was there stays, as it was
 
 
 def test_a_second_writer_into_the_same_folder_is_refused(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -308,7 +313,27 @@ def test_a_corpus_smaller_than_one_shard_says_which_shard_size_to_use(
 
 def test_run_outside_the_environment_names_the_missing_package(tmp_path: Path) -> None:
     """python -S: no site-packages, as with a python that is not the one requirements.txt went into."""
-    for script in ("fineweb.py", "cached_fineweb10B.py"):
+    for script, missing in (("fineweb.py", "numpy"), ("cached_fineweb10B.py", "huggingface_hub")):
         result = subprocess.run([sys.executable, "-S", str(DATA_DIR / script), "--help"], capture_output=True, text=True, timeout=60)
         assert result.returncode == 1 and result.stdout == ""
-        assert result.stderr == f"data/{script}: the numpy package is missing; install the requirements: pip install -r requirements.txt\n"
+        assert result.stderr == (f"data/{script}: error: cannot import {missing} in {sys.executable}; install the requirements "
+                                 f"(pip install -r requirements.txt, README.md#install) or run the Python that has them\n")
+
+
+IMPORT_WITHOUT = """
+import importlib, sys
+sys.modules[sys.argv[1]] = None  # its import fails, as for a missing package
+sys.path.insert(0, sys.argv[3])
+try:
+    importlib.import_module(sys.argv[2])
+except ImportError as error:
+    print("ImportError", error.name)
+"""
+
+
+@pytest.mark.parametrize(("module", "missing"), [("fineweb", "tiktoken"), ("hub_download", "huggingface_hub"),
+                                                 ("cached_fineweb10B", "huggingface_hub")])
+def test_an_importer_gets_the_import_error(module: str, missing: str) -> None:
+    """Imported (by a test, a tool), the data scripts raise the ImportError rather than exit."""
+    result = subprocess.run([sys.executable, "-c", IMPORT_WITHOUT, missing, module, str(DATA_DIR)], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"ImportError {missing}\n", "")
