@@ -1746,7 +1746,8 @@ def refresh_smoke_shards(folder: Path, make_shards: Callable[[], dict[str, np.nd
                 print(f"smoke shards: rewriting {path}, whose bytes are not this smoke run's", flush=True)
             write_atomically(path, lambda f: f.write(data))
     except OSError as failure:
-        raise UserError(f"smoke shards: cannot write {failure.filename or folder} ({failure.strerror}); free space there "
+        remedy = "free space there" if failure.errno in (errno.ENOSPC, errno.EDQUOT) else "make that folder writable"
+        raise UserError(f"smoke shards: cannot write {failure.filename or folder} ({failure.strerror}); {remedy} "
                         f"or pass --train_files and --val_files") from None
 
 
@@ -1758,6 +1759,7 @@ def smoke_shards(hp: Hyperparameters, rt: "Runtime", started: float) -> tuple[st
         f"smoke_shards_v{hp.vocab_size}_bos{hp.bos_token}_b{hp.train_batch_size}_n{hp.train_steps}_w{hp.warmup_steps}_val{hp.val_tokens}"
     )
     train_tokens = 2 * hp.train_batch_size * (hp.train_steps + hp.warmup_steps + 1)
+    run_on(rt.local_rank == 0, lambda: check_output_folder(Path(hp.log_dir), "log_dir"))  # before a folder inside it
     return write_smoke_shards(folder, lambda: {
         "smoke_train_000001.bin": synthetic_tokens(train_tokens, hp.vocab_size, hp.bos_token, seed=1),
         "smoke_train_000002.bin": synthetic_tokens(train_tokens, hp.vocab_size, hp.bos_token, seed=2),

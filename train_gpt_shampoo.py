@@ -584,7 +584,8 @@ def refresh_smoke_shards(folder: Path, make_shards: Callable[[], dict[str, np.nd
                 print(f"smoke shards: rewriting {path}, whose bytes are not this smoke run's", flush=True)
             write_atomically(path, lambda f: f.write(data))
     except OSError as failure:
-        raise UserError(f"smoke shards: cannot write {failure.filename or folder} ({failure.strerror}); free space there "
+        remedy = "free space there" if failure.errno in (errno.ENOSPC, errno.EDQUOT) else "make that folder writable"
+        raise UserError(f"smoke shards: cannot write {failure.filename or folder} ({failure.strerror}); {remedy} "
                         f"or pass --train_files and --val_files") from None
 
 

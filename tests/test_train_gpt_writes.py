@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -298,6 +299,25 @@ def test_another_users_dead_temporary_file_is_left_with_one_line(workdir, capsys
     assert (f"left {dead.relative_to(workdir)}, a writer's temporary file: cannot remove it (Permission denied)"
             in capsys.readouterr().out.splitlines())
     assert dead.exists()
+
+
+def test_track1_smoke_checks_its_log_dir_before_the_shards_inside_it(workdir):
+    """Track 1's smoke shards live in a folder of --log_dir: a --log_dir that is a file is named as such, and nothing
+    is created."""
+    (workdir / "a_file").write_text("mine")
+    with pytest.raises(tg.UserError, match=r"^--log_dir=a_file: is a file, not a folder; pick another --log_dir$"):
+        tg.run(["--preset=smoke", "--log_dir=a_file"])
+    assert sorted(path.name for path in workdir.iterdir()) == ["a_file"]
+
+
+@pytest.mark.parametrize("error, remedy", [(errno.ENOSPC, "free space there"), (errno.EACCES, "make that folder writable")])
+@pytest.mark.parametrize("script", [tg, tgs], ids=["track1", "track3"])
+def test_a_failed_smoke_shard_write_names_the_remedy_of_its_error(script, tmp_path, monkeypatch, error, remedy):
+    refuse_for(monkeypatch, script, "write_atomically", lambda path, *args, **kwargs: True, error, "shards/a.bin")
+    with pytest.raises(script.UserError) as refusal:
+        script.refresh_smoke_shards(tmp_path / "shards", lambda: {"a.bin": np.arange(64, dtype=np.uint16)}, time.time())
+    assert str(refusal.value) == (f"smoke shards: cannot write shards/a.bin ({os.strerror(error)}); {remedy} or pass "
+                                  f"--train_files and --val_files")
 
 
 # ----- issue 39 item 3: the file-size limit bounds each file, not their sum -----
