@@ -301,12 +301,16 @@ def test_another_users_dead_temporary_file_is_left_with_one_line(workdir, capsys
     assert dead.exists()
 
 
-def test_track1_smoke_checks_its_log_dir_before_the_shards_inside_it(workdir):
+def test_track1_smoke_checks_its_log_dir_before_the_shards_inside_it(workdir, capsys, monkeypatch):
     """Track 1's smoke shards live in a folder of --log_dir: a --log_dir that is a file is named as such, and nothing
     is created."""
     (workdir / "a_file").write_text("mine")
-    with pytest.raises(tg.UserError, match=r"^--log_dir=a_file: is a file, not a folder; pick another --log_dir$"):
-        tg.run(["--preset=smoke", "--log_dir=a_file"])
+    monkeypatch.setattr(sys, "argv", ["train_gpt.py", "--preset=smoke", "--log_dir=a_file"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        tg.main()  # main, not run: it also ends the process group, which later tests start afresh
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == ["train_gpt.py: error: --log_dir=a_file: is a file, not a folder; pick another --log_dir"]
     assert sorted(path.name for path in workdir.iterdir()) == ["a_file"]
 
 
