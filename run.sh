@@ -7,7 +7,8 @@
 #   MASTER_ADDR, MASTER_PORT   the same NNODES and the rendezvous address (the first machine's, port 29500 by default),
 #   RDZV_ENDPOINT          or host:port in one; NODE_RANK=0 marks the machine that hosts the rendezvous (others 1, 2, ...)
 #   RDZV_ID                the run's name at the rendezvous (default: SLURM_JOB_ID, else nanogpt)
-#   RDZV_TIMEOUT           seconds to wait at the rendezvous for the other machines (default 600)
+#   RDZV_TIMEOUT           seconds to wait at the rendezvous for the other machines (default 600); a machine with
+#                          NODE_RANK 1, 2, ... first waits as long for NODE_RANK=0's to open the rendezvous
 # --check runs tools/doctor.py on exactly this run, after run.sh's own checks: it exits 0 exactly when run.sh
 # would start. Ctrl-C, SIGTERM and SIGHUP reach the workers through torchrun; run.sh exits with their status.
 set -euo pipefail
@@ -76,12 +77,26 @@ if [[ -n "${NNODES:-}" ]]; then
       ((NNODES == 1)) || fail "NNODES=$NNODES: set MASTER_ADDR to the first machine's address (reachable from every machine), or RDZV_ENDPOINT=host:port"
       MASTER_ADDR=127.0.0.1
     fi
+    [[ "${MASTER_PORT:-29500}" =~ ^[1-9][0-9]{0,4}$ ]] && ((${MASTER_PORT:-29500} <= 65535)) ||
+      fail "MASTER_PORT must be a port number, 1 .. 65535 (the same on every machine), got '$MASTER_PORT'"
     endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+    address_setting="MASTER_ADDR=$MASTER_ADDR" both_settings="MASTER_ADDR=$MASTER_ADDR and MASTER_PORT=${MASTER_PORT:-29500}"
+    port_setting=MASTER_PORT
+  else
+    address_setting="RDZV_ENDPOINT=$endpoint" both_settings="RDZV_ENDPOINT=$endpoint" port_setting="port in RDZV_ENDPOINT"
+  fi
+  # The address and port, as torch's c10d backend splits the endpoint ([v6 address]:port, host:port, or host alone
+  # for its port 29400).
+  if [[ "$endpoint" =~ ^\[(.*)\]:([0-9]+)$ || "$endpoint" =~ ^([^:]*):([0-9]+)$ ]]; then
+    rdzv_host=${BASH_REMATCH[1]} rdzv_port=${BASH_REMATCH[2]}
+  else
+    rdzv_host=${endpoint#[} rdzv_host=${rdzv_host%]} rdzv_port=29400
   fi
   rdzv_timeout=${RDZV_TIMEOUT:-600}
   [[ "$rdzv_timeout" =~ ^[1-9][0-9]*$ ]] || fail "RDZV_TIMEOUT must be a positive number of seconds, got '$rdzv_timeout'"
   rdzv_id=${RDZV_ID:-${SLURM_JOB_ID:-nanogpt}}
-  rdzv_conf="join_timeout=$rdzv_timeout"
+  # read_timeout bounds torchrun's connect to the rendezvous store (and the store's reads; torch's default is 60 s)
+  rdzv_conf="join_timeout=$rdzv_timeout,read_timeout=$rdzv_timeout"
   if [[ -n "${NODE_RANK:-}" ]]; then
     [[ "$NODE_RANK" =~ ^[0-9]+$ ]] && ((NODE_RANK < NNODES)) ||
       fail "NODE_RANK must be 0 .. $((NNODES - 1)) (NNODES=$NNODES), got '$NODE_RANK'"
@@ -138,11 +153,20 @@ watch_stdout() {
 # A worker that stops on an error it reports (one line on stderr) also writes that line to torchrun's
 # per-rank error file (TORCHELASTIC_ERROR_FILE, under --log-dir). torchrun adds its own log lines, traceback and
 # failure table: those go to report.txt, from which the end of this script makes one line when no worker said why.
-# Everything else on stderr (the workers' own lines) passes through.
+# So does all of stderr before the workers start (c10d's C++ errors and backtraces, a failed rendezvous's
+# tracebacks); report.txt goes with the temporary folder. Everything else (the workers' own lines) passes through.
 split_launcher_report() {
   trap '' INT TERM HUP PIPE
-  local line held="" in_report=0
+  local line held="" in_report=0 workers=0
   while IFS= read -r line || [[ -n "$line" ]]; do
+    if ((!workers)); then # until torchrun starts the workers (it makes their log folder, <run>/attempt_N), all of stderr is torchrun's
+      if compgen -G "$launcher_dir/torchrun/*/*" >/dev/null; then
+        workers=1
+      else
+        emit_stderr_line "$line" 1
+        continue
+      fi
+    fi
     if [[ -n "$held" ]]; then # a traceback: torchrun's own when its first frame is torchrun's
       if [[ "$line" =~ /torchrun\",\ line|torch/distributed/run\.py ]]; then
         in_report=1
@@ -175,9 +199,56 @@ emit_stderr_line() { # line, into_report
   fi
 }
 
+# Until it accepts a connection, or until seconds have passed: the rendezvous's port. Prints "open", or why not:
+# "refused", "silent" (no answer), "unreachable <reason>", "unresolved <reason>".
+wait_for_rendezvous() { # host port seconds
+  python3 - "$@" <<'EOF'
+import os, signal, socket, sys, time
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: no traceback
+host, port, deadline, parent = sys.argv[1], int(sys.argv[2]), time.monotonic() + float(sys.argv[3]), os.getppid()
+why = "silent"
+while time.monotonic() < deadline and os.getppid() == parent:
+    try:
+        socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+        print("open")
+        sys.exit(0)
+    except socket.gaierror as error:
+        why = f"unresolved {error.strerror}"
+        if error.errno == socket.EAI_NONAME:
+            break  # a name that does not resolve does not start to
+    except ConnectionRefusedError:
+        why = "refused"
+    except TimeoutError:
+        why = "silent"
+    except OSError as error:
+        why = f"unreachable {error.strerror}"
+    time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
+print(why)
+EOF
+}
+
+unreached() { # wait_for_rendezvous's reason -> the line that says it, and what to do
+  case "$1" in
+    refused) echo "nothing listens at $endpoint (connection refused for $rdzv_timeout s): start ./run.sh with NODE_RANK=0 first on the machine at $rdzv_host (it hosts the rendezvous), or check $both_settings (RDZV_TIMEOUT waits longer)" ;;
+    unresolved*) echo "$address_setting: this machine cannot resolve $rdzv_host (${1#unresolved }); give the NODE_RANK=0 machine's IP address, or a name this machine resolves" ;;
+    unreachable*) echo "$endpoint is unreachable from this machine (${1#unreachable }, for $rdzv_timeout s): check $address_setting (the NODE_RANK=0 machine's address, as this machine reaches it) and the network between the machines" ;;
+    *) echo "$endpoint did not answer for $rdzv_timeout s (no machine at that address, or a firewall drops the port): check $address_setting (the NODE_RANK=0 machine's address, as this machine reaches it) and that port $rdzv_port is open between the machines" ;;
+  esac
+}
+
 if ((nnodes > 1)); then
   others=$((nnodes - 1))
-  say "waiting at the rendezvous $endpoint (id $rdzv_id) for $others more machine$( ((others > 1)) && echo s) to start ./run.sh with NNODES=$nnodes and this address; torchrun gives up after $rdzv_timeout s"
+  machines="$others more machine"
+  ((others == 1)) || machines+=s
+  if [[ -n "${NODE_RANK:-}" ]] && ((NODE_RANK > 0)); then
+    # torchrun's own connect would give up after read_timeout plus a retry delay it draws at random (about as long
+    # again), in tracebacks: this machine first waits for the port itself, up to RDZV_TIMEOUT, and says why it gave up.
+    say "waiting for the machine with NODE_RANK=0 to open the rendezvous at $endpoint (id $rdzv_id), then there for $machines to start ./run.sh with NNODES=$nnodes and this address; each wait gives up after $rdzv_timeout s"
+    reached=$(wait_for_rendezvous "$rdzv_host" "$rdzv_port" "$rdzv_timeout")
+    [[ "$reached" == open ]] || fail "$(unreached "$reached")"
+  else
+    say "waiting at the rendezvous $endpoint (id $rdzv_id) for $machines to start ./run.sh with NNODES=$nnodes and this address; torchrun gives up after $rdzv_timeout s"
+  fi
 fi
 
 exec {watched_stdout}> >(watch_stdout)
@@ -213,8 +284,10 @@ signal_status() { # a signal's number or name -> 128 + its number
 finish() { # exit status
   if [[ -s "$launcher_dir/log_path.txt" ]]; then
     say "log: $(tail -n 1 "$launcher_dir/log_path.txt")"
-  elif ((nnodes > 1 && $1 == 0)); then
-    say "the log is $log_dir/<run id>.txt on the machine that ran global rank 0 (its ./run.sh printed the path), not on this one"
+  elif ((nnodes > 1 && $1 == 0)); then # rank 0's folder may be another clone than this one: a relative --log_dir is under its run.sh
+    local where="$log_dir/<run id>.txt"
+    [[ "$log_dir" == /* ]] || where+=" under the folder of ./run.sh"
+    say "the log is $where on the machine that ran global rank 0 (its ./run.sh printed the full path), not on this one"
   fi
   exit "$1"
 }
@@ -248,6 +321,19 @@ elif grep -q '^Root Cause' <<<"$report"; then # torchrun's failure table: its fi
   say "${rank:-a worker} on ${host:-this machine} $how; torchrun stopped the others"
 elif grep -q 'RendezvousTimeoutError' <<<"$report"; then
   say "no rendezvous at $endpoint (id $rdzv_id) within $rdzv_timeout s: start ./run.sh with NNODES=$nnodes, the same address and RDZV_ID on every machine (RDZV_TIMEOUT waits longer)"
+elif [[ -n "${endpoint:-}" ]] && grep -q 'EADDRINUSE' <<<"$report"; then # this machine hosts the store, and its port is taken
+  say "cannot host the rendezvous at $endpoint: port $rdzv_port is already in use on this machine; pick another $port_setting (the same on every machine), or stop what holds it"
+elif [[ -n "${endpoint:-}" ]] && grep -q 'RendezvousConnectionError' <<<"$report"; then # torchrun could not reach the store: ask the port why
+  if grep -q '^torch\.distributed\.DistNetworkError: Ping failed' <<<"$report"; then
+    say "$endpoint answers, but not as a rendezvous (another program holds port $rdzv_port there?): check $both_settings against the NODE_RANK=0 machine's, or pick another $port_setting on every machine"
+  else
+    reached=$(wait_for_rendezvous "$rdzv_host" "$rdzv_port" 3)
+    if [[ "$reached" == open ]]; then
+      say "torchrun could not connect to the rendezvous at $endpoint within $rdzv_timeout s, which answers now: start ./run.sh again"
+    else
+      say "$(unreached "$reached")"
+    fi
+  fi
 elif grep -q '^Traceback' <<<"$report"; then # torchrun itself failed: its exception's last line
   say "torchrun stopped: $(grep -v '^ ' <<<"$report" | grep -v '^[IWE][0-9]\{4\} ' | tail -n 1)"
 elif [[ -n "$report" ]]; then

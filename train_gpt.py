@@ -1858,13 +1858,14 @@ def run_on(here: bool, action: Callable[[], Any]) -> Any:
 
 def announce_log(path: Path, rt: Runtime) -> None:
     """The log's path, printed by the first process of every machine (collective): rank 0 writes the log, on its own
-    machine, which the others name (run.sh repeats the line last)."""
-    host = [socket.gethostname()]
-    dist.broadcast_object_list(host, 0)
+    machine, which the others name with rank 0's absolute path (their working folder may be another clone; run.sh
+    repeats the line last)."""
+    where = [socket.gethostname(), os.path.abspath(path)]
+    dist.broadcast_object_list(where, 0)
     if rt.rank == 0:
         print(f"log: {path}", flush=True)
     elif rt.local_rank == 0:
-        print(f"log: {path} (on {host[0]}, the machine of rank 0, which writes it)", flush=True)
+        print(f"log: {where[1]} (on {where[0]}, the machine of rank 0, which writes it)", flush=True)
 
 
 def new_run_id(requested: str) -> str:

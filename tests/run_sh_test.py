@@ -7,9 +7,11 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +25,15 @@ SHARDS = ["data/fineweb10B/fineweb_train_000001.bin", "data/fineweb10B/fineweb_v
 def make_executable(path: Path, body: str) -> None:
     path.write_text(f"#!/usr/bin/env bash\n{body}\n")
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+@pytest.fixture
+def listening_port():
+    """A port on 127.0.0.1 that accepts connections (where a rendezvous would be)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        yield server.getsockname()[1]
 
 
 @pytest.fixture
@@ -139,14 +150,18 @@ def launcher_report(exitcode: int, rank: int) -> str:
 
 
 LAUNCHER_REPORT = launcher_report(2, 0)
+# What torchrun does before it starts the workers: their log folder under --log-dir (run.sh takes what comes on
+# stderr before it for torchrun's own report).
+STARTS_WORKERS = '''log_dir=$(sed -n 's/.*--log-dir=\\([^ ]*\\).*/\\1/p' <<<"$*")
+mkdir -p "$log_dir/run_x/attempt_0/0"
+'''
 
 
 def failing_torchrun(checkout: Path, worker_reports: bool) -> None:
     """A torchrun whose rank 0 stops on a reported error (stderr line and error file, as train_gpt.py does) or crashes."""
-    body = '''log_dir=$(sed -n 's/.*--log-dir=\\([^ ]*\\).*/\\1/p' <<<"$*")''' + "\n"
+    body = STARTS_WORKERS
     if worker_reports:
-        body += '''mkdir -p "$log_dir/run_x/attempt_0/0"
-echo '{"message": "train_gpt.py: error: --model_dim=100 must be a multiple of --num_heads=6", "timestamp": "1"}' > "$log_dir/run_x/attempt_0/0/error.json"
+        body += '''echo '{"message": "train_gpt.py: error: --model_dim=100 must be a multiple of --num_heads=6", "timestamp": "1"}' > "$log_dir/run_x/attempt_0/0/error.json"
 echo "train_gpt.py: error: --model_dim=100 must be a multiple of --num_heads=6" >&2
 '''
     else:
@@ -181,18 +196,19 @@ def test_a_killed_rank_is_one_line_and_128_plus_the_signal(checkout: Path) -> No
 
 
 def test_torchruns_own_failure_is_its_last_line(checkout: Path) -> None:
-    lines = ["Traceback (most recent call last):", '  File "/opt/venv/bin/torchrun", line 8, in <module>', "    sys.exit(main())",
-             "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has failed."]
+    lines = ["[W1205 00:38:20.607047048 TCPStore.cpp:340] [c10d] a C++ warning before the workers start",
+             "Traceback (most recent call last):", '  File "/opt/venv/bin/torchrun", line 8, in <module>', "    sys.exit(main())",
+             "torch.distributed.elastic.rendezvous.api.RendezvousError: The node x attempted to join the next round."]
     make_executable(checkout / "bin" / "torchrun", "\n".join(f"echo '{line}' >&2" for line in lines) + "\nexit 1")
     result = run(checkout, NNODES="2", MASTER_ADDR="node0")
     assert result.returncode == 1
     assert result.stderr.splitlines()[1:] == [
-        "run.sh: torchrun stopped: torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has failed."]
+        "run.sh: torchrun stopped: torch.distributed.elastic.rendezvous.api.RendezvousError: The node x attempted to join the next round."]
 
 
 def test_a_workers_traceback_passes_through(checkout: Path) -> None:
     lines = ["Traceback (most recent call last):", '  File "/repo/train_gpt.py", line 3, in <module>', "ZeroDivisionError: division by zero"]
-    make_executable(checkout / "bin" / "torchrun", "\n".join(f"echo '{line}' >&2" for line in lines) + "\n" + launcher_report(1, 0))
+    make_executable(checkout / "bin" / "torchrun", STARTS_WORKERS + "\n".join(f"echo '{line}' >&2" for line in lines) + "\n" + launcher_report(1, 0))
     result = run(checkout)
     assert result.stderr.splitlines()[:3] == lines and len(result.stderr.splitlines()) == 4 and result.returncode == 1
 
@@ -208,13 +224,13 @@ def test_the_log_path_is_the_last_line(checkout: Path, args: tuple[str, ...], en
     assert result.stderr.splitlines()[-1] == expected
 
 
-def test_the_other_machines_say_where_the_log_is(checkout: Path) -> None:
+def test_the_other_machines_say_where_the_log_is(checkout: Path, listening_port: int) -> None:
     make_executable(checkout / "bin" / "torchrun", 'echo "step:1/1 val_loss:1.0"')
-    result = run(checkout, "--log_dir=runs", NNODES="2", MASTER_ADDR="node0", NODE_RANK="1")
+    result = run(checkout, "--log_dir=runs", NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(listening_port), NODE_RANK="1")
     assert result.returncode == 0
     assert result.stderr.splitlines() == [
-        "run.sh: waiting at the rendezvous node0:29500 (id nanogpt) for 1 more machine to start ./run.sh with NNODES=2 and this address; torchrun gives up after 600 s",
-        "run.sh: the log is runs/<run id>.txt on the machine that ran global rank 0 (its ./run.sh printed the path), not on this one",
+        f"run.sh: waiting for the machine with NODE_RANK=0 to open the rendezvous at 127.0.0.1:{listening_port} (id nanogpt), then there for 1 more machine to start ./run.sh with NNODES=2 and this address; each wait gives up after 600 s",
+        "run.sh: the log is runs/<run id>.txt under the folder of ./run.sh on the machine that ran global rank 0 (its ./run.sh printed the full path), not on this one",
     ]
 
 
@@ -232,7 +248,7 @@ def test_real_torchrun_worker_error_is_one_line() -> None:
 
 # ----- several machines through torchrun's c10d rendezvous; TRACK=3; --check (issue 15) -----
 
-RENDEZVOUS = r"torchrun --nnodes={nnodes} --rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id={rdzv_id} --rdzv-conf=join_timeout={timeout}{host} --nproc_per_node={nproc} --log-dir=\S+ {script}"
+RENDEZVOUS = r"torchrun --nnodes={nnodes} --rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id={rdzv_id} --rdzv-conf=join_timeout={timeout},read_timeout={timeout}{host} --nproc_per_node={nproc} --log-dir=\S+ {script}"
 
 
 def launch_line(nnodes: int, endpoint: str, nproc: int, rdzv_id: str = "nanogpt", host: str = "", script: str = "train_gpt.py",
@@ -245,14 +261,17 @@ def launch_line(nnodes: int, endpoint: str, nproc: int, rdzv_id: str = "nanogpt"
     ("env", "expected"),
     [
         ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "node0", "MASTER_PORT": "29400"}, launch_line(2, "node0:29400", 4, host=",is_host=1")),
-        ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0", "RDZV_TIMEOUT": "30"}, launch_line(2, "node0:29500", 4, host=",is_host=0", timeout=30)),
+        ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}", "RDZV_TIMEOUT": "30"},
+         launch_line(2, "127.0.0.1:{port}", 4, host=",is_host=0", timeout=30)),  # {port}: a port that accepts
         ({"NNODES": "2", "MASTER_ADDR": "node0", "RDZV_ENDPOINT": "head:1234", "RDZV_ID": "job7"}, launch_line(2, "head:1234", 4, "job7")),
         ({"NNODES": "2", "NPROC": "1", "MASTER_ADDR": "node0", "SLURM_JOB_ID": "991"}, launch_line(2, "node0:29500", 1, "991")),
         ({"NNODES": "1"}, launch_line(1, "127.0.0.1:29500", 4)),
         ({"NNODES": "2", "MASTER_ADDR": "node0", "TRACK": "3"}, launch_line(2, "node0:29500", 4, script="train_gpt_shampoo.py")),
     ],
 )
-def test_nnodes_launches_through_the_c10d_rendezvous(checkout: Path, env: dict[str, str], expected: str) -> None:
+def test_nnodes_launches_through_the_c10d_rendezvous(checkout: Path, listening_port: int, env: dict[str, str], expected: str) -> None:
+    env = {name: value.replace("{port}", str(listening_port)) for name, value in env.items()}
+    expected = expected.replace("\\{port\\}", str(listening_port))
     result = run(checkout, "--seed=1", **env)
     assert result.returncode == 0, result.stderr
     assert re.fullmatch(expected + " --seed=1", result.stdout.strip()), result.stdout
@@ -266,6 +285,7 @@ def test_nnodes_launches_through_the_c10d_rendezvous(checkout: Path, env: dict[s
         ({"NNODES": "3", "MASTER_ADDR": "node0"}, "NNODES=3 x 4 processes = 12"),
         ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "node0"}, "NODE_RANK must be 0 .. 1"),
         ({"NNODES": "2", "MASTER_ADDR": "node0", "RDZV_TIMEOUT": "soon"}, "RDZV_TIMEOUT must be a positive number of seconds"),
+        ({"NNODES": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "70000"}, "MASTER_PORT must be a port number, 1 .. 65535"),
         ({"TRACK": "2"}, "TRACK must be 1"),
     ],
 )
@@ -433,3 +453,147 @@ def test_a_launcher_whose_peer_never_comes_says_whom_it_waits_for_and_gives_up_i
         f"run.sh: waiting at the rendezvous 127.0.0.1:{port} (id {rdzv_id}) for 1 more machine to start ./run.sh with NNODES=2 and this address; torchrun gives up after 3 s",
         f"run.sh: no rendezvous at 127.0.0.1:{port} (id {rdzv_id}) within 3 s: start ./run.sh with NNODES=2, the same address and RDZV_ID on every machine (RDZV_TIMEOUT waits longer)",
     ]
+
+
+# ----- the rendezvous's address (issue 38): a machine that starts before the host, a port in use, the log's path -----
+
+
+def waiting_for_the_host(port: int, timeout: int) -> str:
+    return (f"run.sh: waiting for the machine with NODE_RANK=0 to open the rendezvous at 127.0.0.1:{port} (id nanogpt), then there for "
+            f"1 more machine to start ./run.sh with NNODES=2 and this address; each wait gives up after {timeout} s")
+
+
+def test_a_machine_started_before_the_host_gives_up_after_rdzv_timeout_in_one_line(checkout: Path) -> None:
+    """At main it waited 60 s plus a random retry delay whatever RDZV_TIMEOUT said, then printed 47 lines of C++ and
+    Python tracebacks and a line that named no fix. torchrun is not started (the fake one would print its arguments)."""
+    from conftest import free_port
+
+    port = free_port()
+    start = time.monotonic()
+    result = run(checkout, "--preset=smoke", NNODES="2", NPROC="1", NODE_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 RDZV_TIMEOUT="2")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        waiting_for_the_host(port, 2),
+        f"run.sh: nothing listens at 127.0.0.1:{port} (connection refused for 2 s): start ./run.sh with NODE_RANK=0 first on the machine at 127.0.0.1 (it hosts the rendezvous), or check MASTER_ADDR=127.0.0.1 and MASTER_PORT={port} (RDZV_TIMEOUT waits longer)",
+    ]
+    assert 2 <= elapsed < 5, elapsed
+
+
+def test_a_machine_started_before_the_host_goes_on_once_the_host_listens(checkout: Path) -> None:
+    from conftest import free_port
+
+    port = free_port()
+    host = socket.socket()
+    opened = threading.Timer(1.5, lambda: (host.bind(("127.0.0.1", port)), host.listen(8)))
+    opened.start()
+    try:
+        start = time.monotonic()
+        result = run(checkout, "--preset=smoke", NNODES="2", NPROC="1", NODE_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                     RDZV_TIMEOUT="20")
+        elapsed = time.monotonic() - start
+    finally:
+        opened.join()
+        host.close()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:{port} ")
+    assert result.stderr.splitlines()[0] == waiting_for_the_host(port, 20)
+    assert 1.5 <= elapsed < 10, elapsed
+
+
+def test_the_hosts_port_in_use_is_one_line_with_the_real_torchrun(tmp_path: Path) -> None:
+    """At main: an 8-line EADDRINUSE traceback and `torchrun stopped: ...RendezvousConnectionError: The connection to
+    the C10d store has failed. See inner exception for details.`"""
+    folder = stand_in_checkout(tmp_path)
+    with socket.create_server(("", 0)) as holder:  # another program listening on the port
+        port = holder.getsockname()[1]
+        env = cpu_environment(NNODES="2", NPROC="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="5",
+                              MARKS=str(folder / "marks"))
+        result = subprocess.run(["bash", str(folder / "run.sh"), "--preset=smoke"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"run.sh: waiting at the rendezvous 127.0.0.1:{port} (id nanogpt) for 1 more machine to start ./run.sh with NNODES=2 and this address; torchrun gives up after 5 s",
+        f"run.sh: cannot host the rendezvous at 127.0.0.1:{port}: port {port} is already in use on this machine; pick another MASTER_PORT (the same on every machine), or stop what holds it",
+    ]
+    assert not list((folder / "marks").iterdir())  # no worker started
+
+
+ANNOUNCER = """import importlib.util, os
+from pathlib import Path
+# Stands in for train_gpt.py: the real script's process group and announce_log, and a log that rank 0 writes
+spec = importlib.util.spec_from_file_location("real_train_gpt", os.environ["REAL_SCRIPT"])
+real = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(real)
+rt = real.setup_distributed()
+path = Path("logs") / "stand_in.txt"
+if rt.rank == 0:
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("the log\\n")
+real.announce_log(path, rt)
+real.dist.destroy_process_group()
+"""
+
+
+def test_two_clones_on_one_host_the_other_names_rank_0s_absolute_log_path(tmp_path: Path) -> None:
+    """Two launchers on this host, each in a clone of its own, the joining one started first: the one without rank 0
+    names the log by rank 0's absolute path (at main, `logs/<id>.txt`, which does not exist in its own clone)."""
+    from conftest import free_port
+
+    clones = [tmp_path / "clone0", tmp_path / "clone1"]
+    for clone in clones:
+        clone.mkdir()
+        shutil.copy(REPO / "run.sh", clone / "run.sh")
+        (clone / "train_gpt.py").write_text(ANNOUNCER)
+    port = free_port()
+    common = dict(NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="60", REAL_SCRIPT=str(REPO / "train_gpt.py"))
+    launchers = []
+    try:
+        for node_rank in (1, 0):  # the joining machine first: it waits for the host
+            launchers.append(subprocess.Popen(["bash", str(clones[node_rank] / "run.sh"), "--preset=smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                              env=cpu_environment(NODE_RANK=str(node_rank), **common)))
+            time.sleep(1)
+        outputs = [launcher.communicate(timeout=120) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+    for launcher, (_, stderr) in zip(launchers, outputs):
+        assert launcher.returncode == 0, stderr
+    (log,) = [clone / "logs" / "stand_in.txt" for clone in clones if (clone / "logs").exists()]  # rank 0's clone, either one
+    relative, absolute = sorted(outputs, key=lambda output: "(on " in output[0])
+    assert relative[0] == "log: logs/stand_in.txt\n" and relative[1].splitlines()[-1] == "run.sh: log: logs/stand_in.txt"
+    line = f"log: {log} (on {socket.gethostname()}, the machine of rank 0, which writes it)"
+    assert absolute[0] == line + "\n" and absolute[1].splitlines()[-1] == f"run.sh: {line}"
+    assert Path(absolute[0].split()[1]).read_text() == "the log\n"
+
+
+def connection_failure(inner: str) -> str:
+    """torchrun's output when it cannot connect to the rendezvous store (C++ lines, then the chained tracebacks), as a
+    fake torchrun's body."""
+    lines = [f"[E1205 00:38:20.606582616 socket.cpp:1028] [c10d] {inner}", "frame #0: c10::Error::Error(...) + 0x9d (0x7f06f1379b8d in libc10.so)",
+             "", "Traceback (most recent call last):",
+             '  File "/venv/lib/python3.11/site-packages/torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", line 156, in _create_tcp_store',
+             f"torch.distributed.DistNetworkError: {inner}", "", "The above exception was the direct cause of the following exception:", "",
+             "Traceback (most recent call last):", '  File "/venv/bin/torchrun", line 8, in <module>',
+             "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has failed. See inner exception for details."]
+    return "\n".join(f"echo '{line}' >&2" for line in lines) + "\nexit 1"
+
+
+@pytest.mark.parametrize(("inner", "expected"), [
+    ("The client socket has timed out after 2000ms while trying to connect to (127.0.0.1, {port}).",
+     "run.sh: nothing listens at 127.0.0.1:{port} (connection refused for 2 s): start ./run.sh with NODE_RANK=0 first on the machine at 127.0.0.1 (it hosts the rendezvous), or check MASTER_ADDR=127.0.0.1 and MASTER_PORT={port} (RDZV_TIMEOUT waits longer)"),
+    ("Ping failed, invalid value returned from server. Expected: 26335, Got: 1347703880",
+     "run.sh: 127.0.0.1:{port} answers, but not as a rendezvous (another program holds port {port} there?): check MASTER_ADDR=127.0.0.1 and MASTER_PORT={port} against the NODE_RANK=0 machine's, or pick another MASTER_PORT on every machine"),
+])
+def test_torchruns_failed_connect_is_one_line_that_says_why(checkout: Path, inner: str, expected: str) -> None:
+    """Without NODE_RANK, torchrun itself connects (or hosts): its tracebacks become one line; a port that refuses is
+    asked again to tell "nothing listens" from "unreachable"."""
+    from conftest import free_port
+
+    port = free_port()
+    make_executable(checkout / "bin" / "torchrun", connection_failure(inner.format(port=port)))
+    result = run(checkout, NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="2")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines()[1:] == [expected.format(port=port)]
