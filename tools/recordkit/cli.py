@@ -399,6 +399,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
     track = _group_track(new.runset, args.track)
     source = diff.Source(args.cache_dir or published.default_cache_dir(), published.source_url(args.source_url))
     prior = diff.choose_prior(_records_root(args), track, args.against, new, source, args.allow_incomplete, args.allow_mixed)
+    other = prior.side.runset.track
+    if other is not None and other != track:
+        raise RecordsError(f"--against {args.against}: Track {other} runs, and the new logs are Track {track}; a diff compares "
+                           f"runs of one track: pass a Track {track} record (e.g. --against {track}:N, or a folder of Track {track} logs)")
     print(f"against {prior.where}: {prior.why}")
     print(diff.render_diff(prior.side, new, track, full_code=args.code))
     if args.plot is not None:

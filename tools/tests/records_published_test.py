@@ -315,3 +315,15 @@ def test_diff_of_a_track2_log_takes_the_track2_record(world: World, tmp_path: Pa
     code, out, _ = run_cli(world.argv("diff", str(log)), capsys)
     assert code == 0 and out.startswith("against Track 2 #18 (2025-12-31_SyntheticMedium")
     assert "track 2 (time to 2.92 val loss" in out and "time to 2.92: new 1030.000 s" in out
+
+
+@pytest.mark.parametrize("against", ["2:18", "3:45", "track2-folder"])
+def test_diff_against_a_record_of_another_track_is_refused(world: World, tmp_path: Path, against: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    logs = [F.write(tmp_path / "t1" / f"run{i}.txt", F.track1_2025(final_loss=3.2780 - i / 1e4, steps=1380, seed=i)) for i in range(2)]
+    if against == "track2-folder":
+        against = str(world.tree / T2_RECORD)
+    code, out, err = run_cli(world.argv("diff", *map(str, logs), "--against", against), capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert f"--against {against}: Track " in err and "and the new logs are Track 1" in err and "--against 1:N" in err
+    assert "Welch" not in err
