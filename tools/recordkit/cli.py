@@ -404,7 +404,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         raise RecordsError(f"--against {args.against}: Track {other} runs, and the new logs are Track {track}; a diff compares "
                            f"runs of one track: pass a Track {track} record (e.g. --against {track}:N, or a folder of Track {track} logs)")
     print(f"against {prior.where}: {prior.why}")
-    print(diff.render_diff(prior.side, new, track, full_code=args.code))
+    print(diff.render_diff(prior.side, new, track, full_code=args.code, verbose=args.verbose))
     if args.plot is not None:
         if args.plot.exists():
             raise RecordsError(f"{args.plot}: already exists; pass another --plot path")

@@ -308,8 +308,9 @@ def _steps(side: Side) -> str:
     return text if finals == totals or not finals else f"{text} (runs end at {'/'.join(map(str, finals))})"
 
 
-def hyperparameter_summary(old: Run | None, new: Run | None, width: int = 100) -> list[str]:
-    """Every changed hyperparameter, one line each; names on one side only, wrapped."""
+def hyperparameter_summary(old: Run | None, new: Run | None, width: int = 100, verbose: bool = False) -> list[str]:
+    """Every changed hyperparameter, one line each; how many names are on one side only, on one line (the names, wrapped,
+    with `verbose`)."""
     before, after = hyperparameters(old), hyperparameters(new)
     if before is None or after is None:
         missing = "prior record" if before is None else "new run"
@@ -320,10 +321,14 @@ def hyperparameter_summary(old: Run | None, new: Run | None, width: int = 100) -
     aside = f"; {', '.join(per_run)} aside (they name or place a run)" if per_run else ""
     lines = [f"hyperparameters: {len(changed)} changed (record values from its {before[1]}, new values from its {after[1]}{aside})"]
     lines += [f"  {key}: {_short(before[0][key])} -> {_short(after[0][key])}" for key in changed]
-    for label, names in (("only in the new run", sorted(set(after[0]) - set(before[0]))),
-                         ("only in the record", sorted(set(before[0]) - set(after[0])))):
-        if names:
-            lines += _wrapped(f"  {label} ({len(names)}): ", names, width)
+    sides = (("only in the new run", sorted(set(after[0]) - set(before[0]))), ("only in the record", sorted(set(before[0]) - set(after[0]))))
+    if verbose:
+        for label, names in sides:
+            if names:
+                lines += _wrapped(f"  {label} ({len(names)}): ", names, width)
+    elif any(names for _, names in sides):
+        counts = "; ".join(f"{len(names)} {label}" for label, names in sides if names)
+        lines.append(f"  names on one side only: {counts} (-v lists them)")
     return lines
 
 
@@ -383,16 +388,17 @@ def _steps_to_target(old: Side, new: Side) -> list[str]:
     return lines
 
 
-def decision(old: Side, new: Side, track: int) -> list[str]:
+def decision(old: Side, new: Side, track: int, verbose: bool = False) -> list[str]:
+    """The answer first (the rule and the claim), then what it rests on: runs, steps, losses, hyperparameters."""
     rule = ("fewest steps to 3.28 val loss: (3.28 − mean)·√n ≥ 0.004" if track == 3 else
             f"time to {stats.TARGETS[track]} val loss on 8 GPUs; mean loss below {stats.TARGETS[track]} at p < 0.01")
     lines = [f"track {track} ({rule})",
              f"runs: new {len(new.runset.runs)} on {_hardware(new)}; record {len(old.runset.runs)} on {_hardware(old)}",
              f"steps: new {_steps(new)}; record {_steps(old)}"]
-    lines += hyperparameter_summary(old.example, new.example)
+    lines[1:1] = claim_lines(old, new, track)
     lines.append("val loss at the steps both share (mean over runs):")
     lines += ["  " + line for line in loss_table(old.runset.runs, new.runset.runs, LOSS_ROWS)]
-    lines += claim_lines(old, new, track)
+    lines += hyperparameter_summary(old.example, new.example, verbose=verbose)
     return lines
 
 
@@ -461,11 +467,11 @@ def _changed_lines(before: str, after: str) -> tuple[Counter[str], Counter[str]]
     return added, removed
 
 
-def render_diff(old: Side, new: Side, track: int, full_code: bool = False) -> str:
+def render_diff(old: Side, new: Side, track: int, full_code: bool = False, verbose: bool = False) -> str:
     published = ", published figures" if old.example is None else ""
     sections: list[tuple[str, list[str]]] = [
         (f"new: {len(new.runset.runs)} run(s) [{_labels(new.runset.runs)}]  vs record: {old.name} ({len(old.runset.runs)} run(s){published})", []),
-        ("== decision", decision(old, new, track)),
+        ("== decision", decision(old, new, track, verbose)),
         ("== code (changed lines per top-level definition; --code prints the full diff)", code_summary(old.example, new.example)),
         ("== environment", environment_diff(old, new)),
         ("== timing detail (means over runs)", timing_lines(old.runset.runs, new.runset.runs)),
