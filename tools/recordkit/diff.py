@@ -21,7 +21,7 @@ from . import published, stats
 from .compare import loss_at_matched_steps
 from .errors import RecordsError
 from .folders import is_record_folder, list_folders, listed_logs, load_folder_runset, read_results
-from .report import format_p, track_report
+from .report import format_p, rule_text, track_report
 from .runs import Environment, Run
 from .runsets import PER_RUN_SETTINGS, RESULT_NEUTRAL_SETTINGS, RunFacts, RunSet, load_logs, load_runset
 from .tables import load_history
@@ -344,6 +344,20 @@ def _wrapped(head: str, names: list[str], width: int) -> list[str]:
     return lines + [line]
 
 
+def validation_set(side: Side) -> str:
+    """The validation set of a side's losses: FineWeb's (or not logged, as in published logs), or why not."""
+    problems = list(dict.fromkeys(fact.validation_problem for fact in side.runset.runs if fact.validation_problem))
+    return "; ".join(problems) or "FineWeb's (or not logged)"
+
+
+def not_comparable(old: Side, new: Side) -> str | None:
+    """Why the two sides' losses cannot be compared (different validation sets), or None."""
+    before, after = validation_set(old), validation_set(new)
+    if before == after:
+        return None
+    return f"the losses are not comparable: new runs: {after}; record: {before}"
+
+
 def claim_lines(old: Side, new: Side, track: int) -> list[str]:
     """Time to the target (Tracks 1, 2) or steps to 3.28 (Track 3), with the statistic, and the new runs' own rule."""
     if track == 3:
@@ -352,7 +366,10 @@ def claim_lines(old: Side, new: Side, track: int) -> list[str]:
     lines = []
     times_old = [f.train_time_s for f in old.runset.runs]
     times_new = [f.train_time_s for f in new.runset.runs]
-    if None in times_old or None in times_new:
+    apart = not_comparable(old, new)
+    if apart is not None:
+        lines.append(f"time to {target}: not compared: {apart}")
+    elif None in times_old or None in times_new:
         lines.append("time to target: not in every run's log (llm.c logs carry no time)")
     else:
         b, a = stats.mean(times_old), stats.mean(times_new)  # type: ignore[arg-type]
@@ -364,7 +381,7 @@ def claim_lines(old: Side, new: Side, track: int) -> list[str]:
             lines.append("  different hardware: this time difference says nothing about the change; time the record on your machine "
                          "and use `compare`")
     own = track_report(new.runset, track)
-    lines.append(f"loss rule of the new runs (mean < {target}, p < 0.01): {'passes' if own['passes'] else 'does not pass'} ({own['verdict']})")
+    lines.append(f"loss rule of the new runs (mean < {target}, p < 0.01): {rule_text(own)} ({own['verdict']})")
     return lines
 
 
@@ -378,8 +395,13 @@ def _steps_to_target(old: Side, new: Side) -> list[str]:
     lines = []
     for label, report in reports:
         claim = "first passing step" if report["first_passing_step"] == report["step"] else "no step passes; last shared step"
+        verdict = "rule not applied: another validation set" if report["passes"] is None else \
+            f"{'passes' if report['passes'] else 'fails'} ≥ 0.004"
         lines.append(f"steps to 3.28 ({label}): {report['step']} ({claim}), n={report['n']}, mean {report['val_loss']['mean']:.5f}, "
-                     f"(3.28 − mean)·√n = {report['margin']:.5f} ({'passes' if report['passes'] else 'fails'} ≥ 0.004)")
+                     f"(3.28 − mean)·√n = {report['margin']:.5f} ({verdict})")
+    apart = not_comparable(old, new)
+    if apart is not None:
+        return lines + [f"pairwise: not computed: {apart}"]
     (_, old_report), (_, new_report) = reports
     pair = stats.track3_pairwise(old_report["val_loss"]["mean"], old_report["n"], old_report["step"],
                                  new_report["val_loss"]["mean"], new_report["n"], new_report["step"])

@@ -28,7 +28,7 @@ TRACK_NAME = {track: re.compile(rf"^({DATE_PATTERN[track]})_({NAME_PATTERN[track
 NAME_RULES = {1: "CamelCase letters and digits, e.g. MuonCustomSizing", 2: "CamelCase letters and digits",
               3: "lower-case snake_case, e.g. shampoo_1_4_power"}
 SUMMARY_KEYS = ("n", "step", "val_loss", "train_time_s", "test", "t_statistic", "df", "p_value", "passes",
-                "margin", "z_p_value", "required_n", "first_passing_step")
+                "margin", "z_p_value", "required_n", "first_passing_step", "rule_not_applied")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class RunFacts:
     gpu_count: int | None = None
     era: str | None = None
     run: Run | None = None
+    validation_problem: str | None = None  # why its loss is not on the records' validation set (runs.Environment)
 
     def loss_at(self, step: int | None) -> float | None:
         return self.val_loss if step is None else self.val_losses.get(step)
@@ -117,6 +118,7 @@ def facts_from_run(run: Run, metric: str = "val_loss") -> RunFacts:
         gpu_count=run.env.gpu_count,
         era=run.era,
         run=run,
+        validation_problem=run.env.validation_set_problem,
     )
 
 

@@ -202,3 +202,72 @@ def test_extract_gives_back_each_embedded_file_byte_for_byte(tmp_path: Path, cap
     assert (tmp_path / "b" / "train_gpt.py").read_bytes() == script.encode().replace(b"A stand-in training script.", b"A stand-in \xff\xfe script\r.")
     assert err == (f"warning: {tmp_path / 'bad.txt'}: the embedded code holds 2 byte(s) that are not valid UTF-8, written back "
                    "unchanged; Python will refuse the file until they are fixed\n")
+
+
+# ----- the validation set: the targets are losses on FineWeb's first 10,485,760 validation tokens -----
+
+PROXY = {"val_files": ".proxy/docs_val_*.bin", "val_tokens": 1572864}
+PROXY_LINE = "the validation set is not FineWeb's (val_files '.proxy/docs_val_*.bin', val_tokens 1572864)"
+
+
+def proxy_track3(directory: Path, losses: tuple[float, ...] = (3.2342, 3.1956), settings: dict[str, object] = PROXY) -> list[Path]:
+    return [F.write(directory / f"p{i}.txt", F.harness(final_loss=loss, shampoo=True, seconds=True, settings={**settings, "seed": i}))
+            for i, loss in enumerate(losses)]
+
+
+def test_a_proxy_validation_set_is_not_judged_by_the_record_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logs = proxy_track3(tmp_path / "proxy")
+    code, out, _ = run_cli(["stats", *map(str, logs)], capsys)
+    assert code == 0 and f"rule not applied: {PROXY_LINE}; the 3.28 target is a loss on FineWeb's first 10,485,760" in out
+    assert "passes:" not in out
+    code, out, _ = run_cli(["stats", *map(str, logs), "--json"], capsys)
+    (report,) = json.loads(out)["configurations"]
+    assert report["passes"] is None and report["rule_not_applied"] == PROXY_LINE
+    fineweb = proxy_track3(tmp_path / "fineweb", settings={"val_files": "data/fineweb10B/fineweb_val_*.bin", "val_tokens": 10485760})
+    code, out, _ = run_cli(["stats", *map(str, fineweb)], capsys)
+    assert "passes: yes" in out and "rule not applied" not in out
+    fewer = proxy_track3(tmp_path / "fewer", settings={"val_files": "data/fineweb10B/fineweb_val_*.bin", "val_tokens": 4096})
+    assert "rule not applied: the validation set is not FineWeb's (val_files 'data/fineweb10B/fineweb_val_*.bin', val_tokens 4096)" \
+        in run_cli(["stats", *map(str, fewer)], capsys)[1]
+
+
+def test_the_repository_proxy_folder_is_not_judged_by_the_record_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    folder = F.REPO / "records/track_3_optimization/results/20261130_h200_docs_proxy_shampoo_150"
+    code, out, _ = run_cli(["stats", str(folder)], capsys)
+    assert code == 0 and f"rule not applied: {PROXY_LINE}" in out and "passes: yes" not in out
+
+
+def test_logs_that_name_no_validation_setting_keep_the_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for i, loss in enumerate([3.2770, 3.2775, 3.2780, 3.2772]):  # published-era logs print no val_files / val_tokens
+        F.write(tmp_path / "runs" / f"{i}.txt", F.track1_2025(final_loss=loss, seed=i))
+    code, out, _ = run_cli(["stats", str(tmp_path / "runs")], capsys)
+    assert code == 0 and "passes: yes (p = " in out and "rule not applied" not in out
+
+
+def test_diff_of_proxy_logs_against_a_fineweb_record_says_the_losses_are_not_comparable(tmp_path: Path,
+                                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    proxy = proxy_track3(tmp_path / "proxy", losses=(3.2600, 3.2610))
+    record = [F.write(tmp_path / "record" / f"r{i}.txt", F.harness(final_loss=3.2775 + i / 1e4, shampoo=True, seconds=True,
+                                                                    settings={"seed": i})) for i in range(2)]
+    code, out, _ = run_cli(["diff", *map(str, proxy), "--against", str(record[0].parent)], capsys)
+    assert code == 0 and "significantly better" not in out
+    assert f"pairwise: not computed: the losses are not comparable: new runs: {PROXY_LINE}; record: FineWeb's (or not logged)" in out
+    assert "(rule not applied: another validation set)" in out
+    t1 = [F.write(tmp_path / "t1" / f"{i}.txt", F.harness(final_loss=3.2600 + i / 1e4, settings={**PROXY, "seed": i})) for i in range(2)]
+    t1_record = [F.write(tmp_path / "t1r" / f"{i}.txt", F.harness(final_loss=3.2780 + i / 1e4, settings={"seed": i})) for i in range(2)]
+    code, out, _ = run_cli(["diff", *map(str, t1), "--against", str(t1_record[0].parent)], capsys)
+    assert code == 0 and "Welch" not in out
+    assert f"time to 3.28: not compared: the losses are not comparable: new runs: {PROXY_LINE}" in out
+    assert "loss rule of the new runs (mean < 3.28, p < 0.01): rule not applied (" in out
+
+
+def test_new_refuses_proxy_logs_as_a_record(root: Path, tmp_path: Path) -> None:
+    logs = proxy_track3(tmp_path / "proxy")
+    with pytest.raises(RecordsError, match=r"p0\.txt: the validation set is not FineWeb's .* \(and 1 more\): not a Track 3 record; "
+                                           r"pass --not-a-record"):
+        create_record(root / "records", 3, "proxy_run", logs, date=DATE)
+    folder = create_record(root / "records", 3, "proxy_run", logs, date=DATE, not_a_record=True)
+    results = json.loads((folder / "results.json").read_text())
+    assert results["summary"]["passes"] is None and results["summary"]["rule_not_applied"] == PROXY_LINE
+    assert f"- rule not applied ({PROXY_LINE};" in (folder / "README.md").read_text()
+    assert "**rule not applied**" in (folder / "statistics.md").read_text()
