@@ -238,23 +238,25 @@ def written_by_tool(text: str) -> bool:
     return match is not None and match.group(1) == _checksum(body + "\n")
 
 
-def write_generated(path: Path, text: str, force: bool = False) -> str:
+def write_generated(path: Path, text: str, force: bool = False, flag: str = "--md FILE") -> str:
     """Write a signed file; an existing file is replaced only if the tool wrote it and nobody edited it, or with force.
 
-    Returns what happened: "wrote", "replaced" or "unchanged".
+    Returns what happened: "wrote", "replaced" or "unchanged". A path that cannot be written is one line naming `flag`.
     """
     signed = sign(text)
-    if path.exists():
-        old = path.read_text(encoding="utf-8", errors="replace")
-        if old == signed:
-            return "unchanged"
-        if not force and not written_by_tool(old):
-            raise RecordsError(f"{path}: exists, and was not written by this tool or was edited since; pass --force to replace it, or another FILE")
-        path.write_text(signed, encoding="utf-8")
-        return "replaced"
     try:
+        if path.exists():
+            old = path.read_text(encoding="utf-8", errors="replace")
+            if old == signed:
+                return "unchanged"
+            if not force and not written_by_tool(old):
+                raise RecordsError(f"{path}: exists, and was not written by this tool or was edited since; pass --force to replace it, or another FILE")
+            path.write_text(signed, encoding="utf-8")
+            return "replaced"
         with path.open("x", encoding="utf-8") as handle:
             handle.write(signed)
     except FileNotFoundError:
-        raise RecordsError(f"{path}: its folder does not exist; create it or pick another path") from None
+        raise RecordsError(f"{path}: its folder does not exist; create it, or pass another {flag}") from None
+    except OSError as exc:
+        raise RecordsError(f"{path}: cannot write it ({exc.strerror}); pass another {flag}") from None
     return "wrote"

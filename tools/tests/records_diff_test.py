@@ -155,3 +155,18 @@ def test_diff_puts_the_verdict_first_even_with_a_hundred_names_on_one_side(tmp_p
     assert main(["diff", *map(str, new), "--against", str(old[0].parent), "-v"]) == 0
     verbose = capsys.readouterr().out
     assert "  only in the new run (110): new_setting_000, new_setting_001" in verbose and "  only in the record (41): old_setting_00" in verbose
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_extract_and_stats_md_to_an_unusable_path_are_one_line(tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]) -> None:
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    log = F.write(tmp_path / "runs" / "log.txt", F.track1_2025())
+    afile = F.write(tmp_path / "afile", "x\n")
+    base = afile if where == "under-a-file" else Path("/proc")
+    assert main(["extract", str(log), "-o", str(base / "x" / "train.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{base / 'x'}: cannot write train.py there (" in err and "pass -o FILE" in err
+    assert main(["stats", str(tmp_path / "runs"), "--md", str(base / "x.md")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{base / 'x.md'}: " in err and "pass another --md FILE" in err
