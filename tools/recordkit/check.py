@@ -140,9 +140,10 @@ def _check_run_values(folder: RecordFolder, log: Path, entry: dict[str, Any], re
                         f"`records new --track {run.track}`")
     if run.inconsistencies:
         problems.append(f"{log}: {run.status}; a record folder holds logs as their runs wrote them: restore the original")
-    why = (run.env.validation_set_problem or hardware_problem(run.env, folder.track)) if record else None
+    other_set = run.env.validation_set_problem
+    why = (f"logs its loss on another set: {other_set}" if other_set else hardware_problem(run.env, folder.track)) if record else None
     if why is not None:
-        problems.append(f"{folder.results_path}: marked as a record, but {run.label}: {why}; set \"record\": false (our own results)")
+        problems.append(f"{folder.results_path}: marked as a record, but {run.label} {why}; set \"record\": false (our own results)")
     return problems
 
 

@@ -194,3 +194,17 @@ def test_check_reports_a_record_folder_whose_runs_cannot_make_a_record(root: Pat
     results_path.write_text(json.dumps(results))
     problems = check_all(root, root / "records")
     assert problems == [f"{results_path}: marked as a record, but cpu.txt ran on the CPU; set \"record\": false (our own results)"]
+
+
+def test_check_reports_a_record_folder_whose_losses_are_on_another_validation_set(root: Path, tmp_path: Path) -> None:
+    proxy = {"val_files": ".proxy/docs_val_*.bin", "val_tokens": 1572864}
+    logs = [F.write(tmp_path / f"p{i}.txt", F.harness(final_loss=3.2600 + i / 1e4, settings={**proxy, "seed": i})) for i in range(2)]
+    folder = create_record(root / "records", 1, "ProxyRun", logs, date=F_DATE, not_a_record=True)
+    write_tables(root, root / "records")
+    assert check_all(root, root / "records") == []
+    results = json.loads((folder / "results.json").read_text())
+    results["record"] = True  # as if someone relabelled it by hand
+    (folder / "results.json").write_text(json.dumps(results))
+    problems = check_all(root, root / "records")
+    assert f"{folder / 'results.json'}: marked as a record, but p0.txt logs its loss on another set: the validation set is not " \
+           "FineWeb's (val_files '.proxy/docs_val_*.bin', val_tokens 1572864); set \"record\": false (our own results)" in problems
