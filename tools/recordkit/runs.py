@@ -136,6 +136,7 @@ class Run:
     inconsistencies: list[str] = field(default_factory=list)  # "line N: why": lines the run cannot have written
     lost_val_lines: list[str] = field(default_factory=list)  # "line N: why", without the path
     fixed_stop: tuple[int, str] | None = None  # (step, where): a stop the script fixed in advance (Track 3)
+    stopped_by: str | None = None  # the `error: ...` line a script wrote last when it stopped on a named problem
 
     @property
     def label(self) -> str:
@@ -198,6 +199,8 @@ class Run:
         if not self.complete:
             if self.lost_val_lines:
                 return f"damaged: last val {final.step}/{self.total_steps}, {self.lost_val_lines[-1]}"
+            if self.stopped_by is not None:
+                return f"stopped: {self.stopped_by} (last val {final.step}/{self.total_steps})"
             return f"truncated: last val {final.step}/{self.total_steps}"
         if self.fixed_stop is not None:
             return f"complete: stops at step {self.fixed_stop[0]} of {self.total_steps}, fixed by {self.fixed_stop[1]}"

@@ -271,3 +271,44 @@ def test_new_refuses_proxy_logs_as_a_record(root: Path, tmp_path: Path) -> None:
     assert results["summary"]["passes"] is None and results["summary"]["rule_not_applied"] == PROXY_LINE
     assert f"- rule not applied ({PROXY_LINE};" in (folder / "README.md").read_text()
     assert "**rule not applied**" in (folder / "statistics.md").read_text()
+
+
+# ----- a run that stopped on an error, and what makes a copy -----
+
+EXHAUSTED = ("error: training data exhausted after 34 batches (1 files from the --train_files pattern); add shards or pass "
+             "--cycle_train_files=true for small proxy datasets")
+
+
+def failed_smoke(final_ms: int = 6000) -> str:
+    """A smoke run of train_gpt.py that stopped at step 3 of 6: its step-0 val line, a train line, the script's error line."""
+    complete = F.harness(final_loss=3.9, steps=6, final_ms=final_ms)
+    kept = [line for line in complete.splitlines() if not line.startswith(("step:3/", "step:6/", "peak memory"))]
+    return "\n".join(kept + [EXHAUSTED]) + "\n"
+
+
+def test_a_run_that_stopped_on_an_error_says_so_and_is_not_a_copy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    F.write(tmp_path / "smoke" / "ok.txt", F.harness(final_loss=3.9, steps=6, final_ms=6000))
+    F.write(tmp_path / "smoke" / "failed.txt", failed_smoke())
+    code, out, _ = run_cli(["stats", str(tmp_path / "smoke")], capsys)
+    assert code == 0 and "n=1" in out
+    assert f"note: failed.txt: stopped: {EXHAUSTED} (last val 0/6); excluded (pass --allow-incomplete to include it)" in out
+    assert "a copy of part of that run" not in out
+    (run,) = parse_log(tmp_path / "smoke" / "failed.txt")
+    assert run.stopped_by == EXHAUSTED and not run.complete
+    code, _, err = run_cli(["stats", str(tmp_path / "smoke" / "failed.txt")], capsys)
+    assert code == 2 and f"no complete run left (failed.txt: stopped: {EXHAUSTED}" in err
+
+
+def test_shared_val_lines_make_a_copy_only_within_one_configuration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    full = F.harness(final_loss=3.2795, lr=0.05)
+    F.write(tmp_path / "a" / "full.txt", full)
+    head = full[: full.rindex("step:1680/1680 val_loss")]  # the same run cut before its last val line
+    F.write(tmp_path / "a" / "cut.txt", head)
+    loaded = load_logs([tmp_path / "a"])
+    assert any("cut.txt: its 2 val line(s) all appear in full.txt" in note for note in loaded.notes)
+    other = F.harness(final_loss=3.2795, lr=0.07)  # another learning rate whose val lines (made up) happen to agree
+    F.write(tmp_path / "b" / "full.txt", full)
+    F.write(tmp_path / "b" / "other_cut.txt", other[: other.rindex("step:1680/1680 val_loss")])
+    loaded = load_logs([tmp_path / "b"])
+    assert not any("a copy of part of that run" in note for note in loaded.notes)
+    assert len(loaded.groups) == 2
