@@ -293,6 +293,14 @@ def timing_lines(old: list[RunFacts], new: list[RunFacts]) -> list[str]:
     return lines
 
 
+def hardware_warning(old: Side, new: Side) -> list[str]:
+    """The warning that wall-time deltas across machines say nothing about a change (every track's timing detail)."""
+    if _hardware(old) == _hardware(new):
+        return []
+    return [f"different hardware (record: {_hardware(old)}; new: {_hardware(new)}): these time differences say nothing about the "
+            "change; time the record on your machine and use `compare`"]
+
+
 # ----- the first screen: the decision -----
 
 
@@ -496,7 +504,7 @@ def render_diff(old: Side, new: Side, track: int, full_code: bool = False, verbo
         ("== decision", decision(old, new, track, verbose)),
         ("== code (changed lines per top-level definition; --code prints the full diff)", code_summary(old.example, new.example)),
         ("== environment", environment_diff(old, new)),
-        ("== timing detail (means over runs)", timing_lines(old.runset.runs, new.runset.runs)),
+        ("== timing detail (means over runs)", timing_lines(old.runset.runs, new.runset.runs) + hardware_warning(old, new)),
     ]
     if full_code:
         sections.append(("== source diff", source_diff(old.example, new.example)))

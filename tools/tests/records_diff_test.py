@@ -170,3 +170,14 @@ def test_extract_and_stats_md_to_an_unusable_path_are_one_line(tmp_path: Path, w
     assert main(["stats", str(tmp_path / "runs"), "--md", str(base / "x.md")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{base / 'x.md'}: " in err and "pass another --md FILE" in err
+
+
+def test_track3_timing_detail_warns_about_different_hardware(tmp_path: Path) -> None:
+    old = diff.load_against(F.write(tmp_path / "gpu.txt", F.harness(shampoo=True, seconds=True)), False, False)
+    new = diff.side_from_logs("new", [F.write(tmp_path / "cpu.txt", F.harness(shampoo=True, seconds=True, device="cpu", smi=False))],
+                              False, False)
+    text = diff.render_diff(old, new, track=3)
+    timing = text[text.index("== timing detail"):]
+    assert "different hardware (record: 8× NVIDIA H200; new: cpu): these time differences say nothing about the change" in timing
+    same = diff.render_diff(old, old, track=3)
+    assert "different hardware" not in same
