@@ -57,7 +57,7 @@ def load_history(records_root: Path, track: int) -> list[HistoryRow]:
             return [HistoryRow(r["result"], r["steps"], r["evidence"], r["date"], r["description"], r["folder"], r["logs_at"])
                     for r in reader]
         except KeyError as exc:
-            raise RecordsError(f"{path}: missing column {exc}; restore the header line") from None
+            raise RecordsError(f"{path}: missing column {exc}; restore the header line (git checkout -- {path})") from None
 
 
 def _cell(text: str) -> str:

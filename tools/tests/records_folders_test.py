@@ -208,3 +208,23 @@ def test_check_reports_a_record_folder_whose_losses_are_on_another_validation_se
     problems = check_all(root, root / "records")
     assert f"{folder / 'results.json'}: marked as a record, but p0.txt logs its loss on another set: the validation set is not " \
            "FineWeb's (val_files '.proxy/docs_val_*.bin', val_tokens 1572864); set \"record\": false (our own results)" in problems
+
+
+def test_a_root_without_records_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["check"], ["tables"], ["fetch", "1:89"]):
+        assert main(["--root", str(tmp_path / "nonexistent"), *command]) == 2
+        err = capsys.readouterr().err
+        assert err == f"records: error: {tmp_path / 'nonexistent' / 'records'}: no records folder there; pass --root REPO, the checkout that holds records/\n"
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbled"])
+def test_check_names_a_missing_or_garbled_history_first(root: Path, damage: str, capsys: pytest.CaptureFixture[str]) -> None:
+    history = root / "records" / "track_3_optimization" / "history.csv"
+    if damage == "missing":
+        history.unlink()
+    else:
+        history.write_text("rslt;steps\n" + history.read_text().split("\n", 1)[1])
+    assert main(["--root", str(root), "check"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    expected = "missing; restore it from git" if damage == "missing" else "missing column 'result'; restore the header line"
+    assert lines[0].startswith(f"{history}: {expected}") and len(lines) == 2
