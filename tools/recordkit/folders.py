@@ -169,7 +169,8 @@ def summary_of(report: dict[str, Any]) -> dict[str, Any]:
 
 def results_from_logs(track: int, date: dt.date, name: str, runset: RunSet, report: dict[str, Any], hardware: str | None,
                       note: str | None, flags: dict[str, bool], record: bool) -> dict[str, Any]:
-    """results.json of a folder of our logs; `record` False marks our own results (`new --not-a-record`)."""
+    """results.json of a folder filed with its logs (kind "ours", whoever's scripts wrote them: the README says which);
+    `record` False marks our own results (`new --not-a-record`)."""
     runs: list[dict[str, Any]] = []
     for fact in runset.runs:
         run = fact.run

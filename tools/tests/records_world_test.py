@@ -312,3 +312,10 @@ def test_shared_val_lines_make_a_copy_only_within_one_configuration(tmp_path: Pa
     loaded = load_logs([tmp_path / "b"])
     assert not any("a copy of part of that run" in note for note in loaded.notes)
     assert len(loaded.groups) == 2
+
+
+def test_the_folder_table_does_not_call_imported_logs_ours(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    create_record(root / "records", 2, "Imported", [track2_folder(tmp_path / "m")], date=DATE)
+    code, out, _ = run_cli(["--root", str(root), "tables", "--block", "folders"], capsys)
+    row = next(line for line in out.splitlines() if "2026-11-30_Imported" in line)
+    assert code == 0 and "| logs in this folder |" in row and "our logs" not in out
