@@ -425,7 +425,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_new(args: argparse.Namespace) -> int:
-    records_root = _existing_records_root(args)
+    records_root = _records_root(args)  # `new` may start a records/ folder in a fresh --root
     folder = newrecord.create_record(records_root, args.track, args.name, args.logs, date=args.date, hardware=args.hardware,
                                      note=args.note, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed,
                                      not_a_record=args.not_a_record)
