@@ -18,20 +18,37 @@ from .newrecord import hardware_problem
 from .parse import LOG_SUFFIXES, parse_log
 from .published import load_manifest, manifest_path
 from .report import render_statistics_md, track_report
-from .tables import find_marked_readmes, load_history, replace_blocks
+from .tables import find_marked_readmes, history_path, load_history, replace_blocks
 
 PUBLISHED_README_PHRASE = "not included"
 
 
 def check_all(repo_root: Path, records_root: Path) -> list[str]:
-    problems: list[str] = []
+    problems = check_history_files(records_root)  # first: the other checks read them
+    history_usable = not problems
     for track in TRACK_DIRS:
         problems += check_track_dir(records_root, track)
         for folder in list_folders(records_root, track):
             problems += check_folder(folder)
-    problems += check_history(records_root)
-    problems += check_published_logs(records_root)
-    problems += check_readmes(repo_root, records_root)
+    if history_usable:  # otherwise every table and row check would only repeat the line above
+        problems += check_history(records_root)
+        problems += check_published_logs(records_root)
+        problems += check_readmes(repo_root, records_root)
+    return problems
+
+
+def check_history_files(records_root: Path) -> list[str]:
+    """Each track's history.csv is there and has the columns the tables and `diff` read."""
+    problems = []
+    for track in (1, 2, 3):
+        path = history_path(records_root, track)
+        if not path.is_file():
+            problems.append(f"{path}: missing; restore it from git (git checkout -- {path})")
+            continue
+        try:
+            load_history(records_root, track)
+        except RecordsError as exc:
+            problems.append(str(exc))
     return problems
 
 
@@ -140,7 +157,8 @@ def _check_run_values(folder: RecordFolder, log: Path, entry: dict[str, Any], re
                         f"`records new --track {run.track}`")
     if run.inconsistencies:
         problems.append(f"{log}: {run.status}; a record folder holds logs as their runs wrote them: restore the original")
-    why = hardware_problem(run.env, folder.track) if record else None
+    other_set = run.env.validation_set_problem
+    why = (f"logs its loss on another set: {other_set}" if other_set else hardware_problem(run.env, folder.track)) if record else None
     if why is not None:
         problems.append(f"{folder.results_path}: marked as a record, but {run.label} {why}; set \"record\": false (our own results)")
     return problems

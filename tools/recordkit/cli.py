@@ -231,6 +231,14 @@ def _records_root(args: argparse.Namespace) -> Path:
     return Path(args.root) / "records"
 
 
+def _existing_records_root(args: argparse.Namespace) -> Path:
+    """records/ under --root, for the commands that read or write the record folders; refused when it is not there."""
+    records_root = _records_root(args)
+    if not records_root.is_dir():
+        raise RecordsError(f"{records_root}: no records folder there; pass --root REPO, the checkout that holds records/")
+    return records_root
+
+
 def cmd_parse(args: argparse.Namespace) -> int:
     runs = []
     unreadable: list[str] = []
@@ -399,8 +407,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     track = _group_track(new.runset, args.track)
     source = diff.Source(args.cache_dir or published.default_cache_dir(), published.source_url(args.source_url))
     prior = diff.choose_prior(_records_root(args), track, args.against, new, source, args.allow_incomplete, args.allow_mixed)
+    other = prior.side.runset.track
+    if other is not None and other != track:
+        raise RecordsError(f"--against {args.against}: Track {other} runs, and the new logs are Track {track}; a diff compares "
+                           f"runs of one track: pass a Track {track} record (e.g. --against {track}:N, or a folder of Track {track} logs)")
     print(f"against {prior.where}: {prior.why}")
-    print(diff.render_diff(prior.side, new, track, full_code=args.code))
+    print(diff.render_diff(prior.side, new, track, full_code=args.code, verbose=args.verbose))
     if args.plot is not None:
         if args.plot.exists():
             raise RecordsError(f"{args.plot}: already exists; pass another --plot path")
@@ -413,7 +425,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_new(args: argparse.Namespace) -> int:
-    records_root = _records_root(args)
+    records_root = _records_root(args)  # `new` may start a records/ folder in a fresh --root
     folder = newrecord.create_record(records_root, args.track, args.name, args.logs, date=args.date, hardware=args.hardware,
                                      note=args.note, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed,
                                      not_a_record=args.not_a_record)
@@ -442,7 +454,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    record = published.resolve_record(_records_root(args), args.record, args.track)
+    record = published.resolve_record(_existing_records_root(args), args.record, args.track)
     fetched = published.fetch_record(record, args.cache_dir or published.default_cache_dir(), published.source_url(args.source_url))
     print(f"{record.label}: {len(fetched.files)} log(s) in {fetched.folder} "
           f"({fetched.downloaded} downloaded, {fetched.from_cache} already in the cache)")
@@ -462,7 +474,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    problems = check.check_all(args.root, _records_root(args))
+    problems = check.check_all(args.root, _existing_records_root(args))
     for problem in problems:
         print(problem)
     counted = sum(len(folders.list_folders(_records_root(args), t)) for t in folders.TRACK_DIRS)
@@ -473,7 +485,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_tables(args: argparse.Namespace) -> int:
-    records_root = _records_root(args)
+    records_root = _existing_records_root(args)
     if args.write:
         if not tables.find_marked_readmes(args.root):
             raise RecordsError(f"{args.root}: no README.md holds records:* markers; add e.g. {tables.start_marker('track1')} / {tables.end_marker('track1')}")

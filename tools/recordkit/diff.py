@@ -21,7 +21,7 @@ from . import published, stats
 from .compare import loss_at_matched_steps
 from .errors import RecordsError
 from .folders import is_record_folder, list_folders, listed_logs, load_folder_runset, read_results
-from .report import format_p, track_report
+from .report import format_p, rule_text, track_report
 from .runs import Environment, Run
 from .runsets import PER_RUN_SETTINGS, RESULT_NEUTRAL_SETTINGS, RunFacts, RunSet, load_logs, load_runset
 from .tables import load_history
@@ -293,6 +293,14 @@ def timing_lines(old: list[RunFacts], new: list[RunFacts]) -> list[str]:
     return lines
 
 
+def hardware_warning(old: Side, new: Side) -> list[str]:
+    """The warning that wall-time deltas across machines say nothing about a change (every track's timing detail)."""
+    if _hardware(old) == _hardware(new):
+        return []
+    return [f"different hardware (record: {_hardware(old)}; new: {_hardware(new)}): these time differences say nothing about the "
+            "change; time the record on your machine and use `compare`"]
+
+
 # ----- the first screen: the decision -----
 
 
@@ -308,8 +316,9 @@ def _steps(side: Side) -> str:
     return text if finals == totals or not finals else f"{text} (runs end at {'/'.join(map(str, finals))})"
 
 
-def hyperparameter_summary(old: Run | None, new: Run | None, width: int = 100) -> list[str]:
-    """Every changed hyperparameter, one line each; names on one side only, wrapped."""
+def hyperparameter_summary(old: Run | None, new: Run | None, width: int = 100, verbose: bool = False) -> list[str]:
+    """Every changed hyperparameter, one line each; how many names are on one side only, on one line (the names, wrapped,
+    with `verbose`)."""
     before, after = hyperparameters(old), hyperparameters(new)
     if before is None or after is None:
         missing = "prior record" if before is None else "new run"
@@ -320,10 +329,14 @@ def hyperparameter_summary(old: Run | None, new: Run | None, width: int = 100) -
     aside = f"; {', '.join(per_run)} aside (they name or place a run)" if per_run else ""
     lines = [f"hyperparameters: {len(changed)} changed (record values from its {before[1]}, new values from its {after[1]}{aside})"]
     lines += [f"  {key}: {_short(before[0][key])} -> {_short(after[0][key])}" for key in changed]
-    for label, names in (("only in the new run", sorted(set(after[0]) - set(before[0]))),
-                         ("only in the record", sorted(set(before[0]) - set(after[0])))):
-        if names:
-            lines += _wrapped(f"  {label} ({len(names)}): ", names, width)
+    sides = (("only in the new run", sorted(set(after[0]) - set(before[0]))), ("only in the record", sorted(set(before[0]) - set(after[0]))))
+    if verbose:
+        for label, names in sides:
+            if names:
+                lines += _wrapped(f"  {label} ({len(names)}): ", names, width)
+    elif any(names for _, names in sides):
+        counts = "; ".join(f"{len(names)} {label}" for label, names in sides if names)
+        lines.append(f"  names on one side only: {counts} (-v lists them)")
     return lines
 
 
@@ -339,6 +352,20 @@ def _wrapped(head: str, names: list[str], width: int) -> list[str]:
     return lines + [line]
 
 
+def validation_set(side: Side) -> str:
+    """The validation set of a side's losses: FineWeb's (or not logged, as in published logs), or why not."""
+    problems = list(dict.fromkeys(fact.validation_problem for fact in side.runset.runs if fact.validation_problem))
+    return "; ".join(problems) or "FineWeb's (or not logged)"
+
+
+def not_comparable(old: Side, new: Side) -> str | None:
+    """Why the two sides' losses cannot be compared (different validation sets), or None."""
+    before, after = validation_set(old), validation_set(new)
+    if before == after:
+        return None
+    return f"the losses are not comparable: new runs: {after}; record: {before}"
+
+
 def claim_lines(old: Side, new: Side, track: int) -> list[str]:
     """Time to the target (Tracks 1, 2) or steps to 3.28 (Track 3), with the statistic, and the new runs' own rule."""
     if track == 3:
@@ -347,7 +374,10 @@ def claim_lines(old: Side, new: Side, track: int) -> list[str]:
     lines = []
     times_old = [f.train_time_s for f in old.runset.runs]
     times_new = [f.train_time_s for f in new.runset.runs]
-    if None in times_old or None in times_new:
+    apart = not_comparable(old, new)
+    if apart is not None:
+        lines.append(f"time to {target}: not compared: {apart}")
+    elif None in times_old or None in times_new:
         lines.append("time to target: not in every run's log (llm.c logs carry no time)")
     else:
         b, a = stats.mean(times_old), stats.mean(times_new)  # type: ignore[arg-type]
@@ -359,7 +389,7 @@ def claim_lines(old: Side, new: Side, track: int) -> list[str]:
             lines.append("  different hardware: this time difference says nothing about the change; time the record on your machine "
                          "and use `compare`")
     own = track_report(new.runset, track)
-    lines.append(f"loss rule of the new runs (mean < {target}, p < 0.01): {'passes' if own['passes'] else 'does not pass'} ({own['verdict']})")
+    lines.append(f"loss rule of the new runs (mean < {target}, p < 0.01): {rule_text(own)} ({own['verdict']})")
     return lines
 
 
@@ -373,8 +403,13 @@ def _steps_to_target(old: Side, new: Side) -> list[str]:
     lines = []
     for label, report in reports:
         claim = "first passing step" if report["first_passing_step"] == report["step"] else "no step passes; last shared step"
+        verdict = "rule not applied: another validation set" if report["passes"] is None else \
+            f"{'passes' if report['passes'] else 'fails'} ≥ 0.004"
         lines.append(f"steps to 3.28 ({label}): {report['step']} ({claim}), n={report['n']}, mean {report['val_loss']['mean']:.5f}, "
-                     f"(3.28 − mean)·√n = {report['margin']:.5f} ({'passes' if report['passes'] else 'fails'} ≥ 0.004)")
+                     f"(3.28 − mean)·√n = {report['margin']:.5f} ({verdict})")
+    apart = not_comparable(old, new)
+    if apart is not None:
+        return lines + [f"pairwise: not computed: {apart}"]
     (_, old_report), (_, new_report) = reports
     pair = stats.track3_pairwise(old_report["val_loss"]["mean"], old_report["n"], old_report["step"],
                                  new_report["val_loss"]["mean"], new_report["n"], new_report["step"])
@@ -383,16 +418,17 @@ def _steps_to_target(old: Side, new: Side) -> list[str]:
     return lines
 
 
-def decision(old: Side, new: Side, track: int) -> list[str]:
+def decision(old: Side, new: Side, track: int, verbose: bool = False) -> list[str]:
+    """The answer first (the rule and the claim), then what it rests on: runs, steps, losses, hyperparameters."""
     rule = ("fewest steps to 3.28 val loss: (3.28 − mean)·√n ≥ 0.004" if track == 3 else
             f"time to {stats.TARGETS[track]} val loss on 8 GPUs; mean loss below {stats.TARGETS[track]} at p < 0.01")
     lines = [f"track {track} ({rule})",
              f"runs: new {len(new.runset.runs)} on {_hardware(new)}; record {len(old.runset.runs)} on {_hardware(old)}",
              f"steps: new {_steps(new)}; record {_steps(old)}"]
-    lines += hyperparameter_summary(old.example, new.example)
+    lines[1:1] = claim_lines(old, new, track)
     lines.append("val loss at the steps both share (mean over runs):")
     lines += ["  " + line for line in loss_table(old.runset.runs, new.runset.runs, LOSS_ROWS)]
-    lines += claim_lines(old, new, track)
+    lines += hyperparameter_summary(old.example, new.example, verbose=verbose)
     return lines
 
 
@@ -461,14 +497,14 @@ def _changed_lines(before: str, after: str) -> tuple[Counter[str], Counter[str]]
     return added, removed
 
 
-def render_diff(old: Side, new: Side, track: int, full_code: bool = False) -> str:
+def render_diff(old: Side, new: Side, track: int, full_code: bool = False, verbose: bool = False) -> str:
     published = ", published figures" if old.example is None else ""
     sections: list[tuple[str, list[str]]] = [
         (f"new: {len(new.runset.runs)} run(s) [{_labels(new.runset.runs)}]  vs record: {old.name} ({len(old.runset.runs)} run(s){published})", []),
-        ("== decision", decision(old, new, track)),
+        ("== decision", decision(old, new, track, verbose)),
         ("== code (changed lines per top-level definition; --code prints the full diff)", code_summary(old.example, new.example)),
         ("== environment", environment_diff(old, new)),
-        ("== timing detail (means over runs)", timing_lines(old.runset.runs, new.runset.runs)),
+        ("== timing detail (means over runs)", timing_lines(old.runset.runs, new.runset.runs) + hardware_warning(old, new)),
     ]
     if full_code:
         sections.append(("== source diff", source_diff(old.example, new.example)))

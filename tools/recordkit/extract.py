@@ -61,7 +61,13 @@ def extract_sources(log: Path, output: Path) -> Extraction:
     if existing:
         raise RecordsError(f"{existing[0]}: already exists; extract into an empty folder (nothing was written)")
     for path, content in plan.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("xb") as handle:
-            handle.write(content)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("xb") as handle:
+                handle.write(content)
+        except FileExistsError:  # created since the check above
+            raise RecordsError(f"{path}: appeared while extracting; extract into an empty folder") from None
+        except OSError as exc:
+            where = exc.filename or path
+            raise RecordsError(f"{where}: cannot write {path.name} there ({exc.strerror}); pass -o FILE in a folder you can write to") from None
     return Extraction(list(plan), sum(invalid_byte_count(content) for content in plan.values()))

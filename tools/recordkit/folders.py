@@ -28,7 +28,7 @@ TRACK_NAME = {track: re.compile(rf"^({DATE_PATTERN[track]})_({NAME_PATTERN[track
 NAME_RULES = {1: "CamelCase letters and digits, e.g. MuonCustomSizing", 2: "CamelCase letters and digits",
               3: "lower-case snake_case, e.g. shampoo_1_4_power"}
 SUMMARY_KEYS = ("n", "step", "val_loss", "train_time_s", "test", "t_statistic", "df", "p_value", "passes",
-                "margin", "z_p_value", "required_n", "first_passing_step")
+                "margin", "z_p_value", "required_n", "first_passing_step", "rule_not_applied")
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,8 @@ def summary_of(report: dict[str, Any]) -> dict[str, Any]:
 
 def results_from_logs(track: int, date: dt.date, name: str, runset: RunSet, report: dict[str, Any], hardware: str | None,
                       note: str | None, flags: dict[str, bool], record: bool) -> dict[str, Any]:
-    """results.json of a folder of our logs; `record` False marks our own results (`new --not-a-record`)."""
+    """results.json of a folder filed with its logs (kind "ours", whoever's scripts wrote them: the README says which);
+    `record` False marks our own results (`new --not-a-record`)."""
     runs: list[dict[str, Any]] = []
     for fact in runset.runs:
         run = fact.run
@@ -238,23 +239,25 @@ def written_by_tool(text: str) -> bool:
     return match is not None and match.group(1) == _checksum(body + "\n")
 
 
-def write_generated(path: Path, text: str, force: bool = False) -> str:
+def write_generated(path: Path, text: str, force: bool = False, flag: str = "--md FILE") -> str:
     """Write a signed file; an existing file is replaced only if the tool wrote it and nobody edited it, or with force.
 
-    Returns what happened: "wrote", "replaced" or "unchanged".
+    Returns what happened: "wrote", "replaced" or "unchanged". A path that cannot be written is one line naming `flag`.
     """
     signed = sign(text)
-    if path.exists():
-        old = path.read_text(encoding="utf-8", errors="replace")
-        if old == signed:
-            return "unchanged"
-        if not force and not written_by_tool(old):
-            raise RecordsError(f"{path}: exists, and was not written by this tool or was edited since; pass --force to replace it, or another FILE")
-        path.write_text(signed, encoding="utf-8")
-        return "replaced"
     try:
+        if path.exists():
+            old = path.read_text(encoding="utf-8", errors="replace")
+            if old == signed:
+                return "unchanged"
+            if not force and not written_by_tool(old):
+                raise RecordsError(f"{path}: exists, and was not written by this tool or was edited since; pass --force to replace it, or another FILE")
+            path.write_text(signed, encoding="utf-8")
+            return "replaced"
         with path.open("x", encoding="utf-8") as handle:
             handle.write(signed)
     except FileNotFoundError:
-        raise RecordsError(f"{path}: its folder does not exist; create it or pick another path") from None
+        raise RecordsError(f"{path}: its folder does not exist; create it, or pass another {flag}") from None
+    except OSError as exc:
+        raise RecordsError(f"{path}: cannot write it ({exc.strerror}); pass another {flag}") from None
     return "wrote"

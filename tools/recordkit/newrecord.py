@@ -18,7 +18,7 @@ from typing import Any
 from .errors import RecordsError
 from .folders import (RESULTS_JSON, STATISTICS_MD, folder_name, results_from_logs, sha256_of, sign, track_dir)
 from .parse import find_logs
-from .report import render_statistics_md, track_report
+from .report import render_statistics_md, rule_text, track_report
 from .runs import Environment, Run
 from .runsets import RunSet, group_runs, load_runset, parse_logs, single_configuration
 
@@ -68,6 +68,14 @@ def refuse_inconsistent(runs: list[Run]) -> None:
                            "it, or leave it out of --logs", detail=[f"{run.label}: {run.status}" for run in bad])
 
 
+def refuse_other_validation_set(runset: RunSet, track: int) -> None:
+    """A record's loss is on FineWeb's validation tokens; a proxy dataset's or the smoke preset's is not."""
+    problems = [f"{fact.label}: {fact.validation_problem}" for fact in runset.runs if fact.validation_problem]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise RecordsError(f"{problems[0]}{more}: not a Track {track} record; {NOT_A_RECORD}", detail=problems)
+
+
 def refuse_failing_rule(report: dict[str, Any], track: int) -> None:
     if not report["passes"]:
         raise RecordsError(f"does not pass the Track {track} rule ({report['verdict']}); {NOT_A_RECORD}")
@@ -86,6 +94,7 @@ def create_record(records_root: Path, track: int, name: str, logs: list[Path], d
     refuse_other_track(runs, track)
     runset = single_configuration(group_runs(runs, allow_incomplete=allow_incomplete, notes=notes), allow_mixed)
     if not not_a_record:
+        refuse_other_validation_set(runset, track)
         refuse_non_record_hardware(runset, track)
     used_logs = sorted({fact.run.path for fact in runset.runs if fact.run is not None})
     _refuse_name_clash(used_logs)
@@ -169,7 +178,8 @@ def readme_skeleton(results: dict[str, Any], report: dict[str, Any], folder: Pat
     ]
     if time:
         lines.append(f"- train time mean {time['mean']:.3f} s" + (f", sd {time['std']:.3f} s" if time["std"] is not None else ""))
-    lines.append(f"- {'passes' if summary['passes'] else 'does not pass'} the Track {track} rule: {report['verdict']}")
+    lines.append(f"- {rule_text(report)}" + (" (" if summary["passes"] is None else f" the Track {track} rule: ")
+                 + report["verdict"] + (")" if summary["passes"] is None else ""))
     if results.get("left_out"):
         lines += ["", "Logs given to `new` but left out of this folder:", ""] + [f"- {line}" for line in results["left_out"]]
     lines += [

@@ -39,6 +39,8 @@ TRAIN_LINE = re.compile(
 )
 LLMC_VAL_LINE = re.compile(rf"^s:(?P<step>\d+) tel:(?P<loss>{_NUM_OR_NAN})\s*$")
 LLMC_TRAIN_LINE = re.compile(rf"^s:(?P<step>\d+) trl:(?P<loss>{_NUM_OR_NAN})(?: lr:{_NUM} norm:{_NUM_OR_NAN})?\s*$")
+# The line this repository's scripts write last when they stop on a problem they name (`print0(f"error: {error}")`).
+STOP_ERROR_LINE = re.compile(r"^error: \S.*$")
 TRIAL_MARKER = re.compile(r"^trial:(\d+)/(\d+) seed:(\d+)\s*$")
 PEAK_MEMORY = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB\s*$")
 PEAK_MEMORY_2024 = re.compile(r"^peak memory consumption: (\d+) MiB\s*$")
@@ -112,6 +114,7 @@ def parse_text(text: str, path: Path, file_sha256: str = "") -> list[Run]:
             inconsistencies=trial.inconsistencies,
             lost_val_lines=trial.warnings,
             fixed_stop=_fixed_stop(trial, sources, env, seconds),
+            stopped_by=trial.last_line if STOP_ERROR_LINE.match(trial.last_line) else None,
         )
         for index, trial in enumerate(trials, start=1)
     ]
@@ -365,6 +368,7 @@ class TrialLines:
     last_step: int = -1
     val_lines: dict[int, tuple[int, str]] = field(default_factory=dict)  # step -> (line number, text)
     last_train: tuple[int, TrainPoint] | None = None  # (line number, point)
+    last_line: str = ""  # the trial's last line that is not blank
 
     @property
     def empty(self) -> bool:
@@ -389,6 +393,8 @@ def split_trials(lines: list[str], first_line_number: int = 1) -> list[TrialLine
     for number, raw in enumerate(lines, start=first_line_number):
         line = raw.strip()
         trial = trials[-1]
+        if line:
+            trial.last_line = line
         if TRIAL_MARKER.match(line):
             if not trial.empty:
                 _check_final_line(trial)

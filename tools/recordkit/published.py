@@ -16,7 +16,6 @@ import hashlib
 import http.client
 import os
 import re
-import shutil
 import sys
 import urllib.error
 import urllib.parse
@@ -217,14 +216,17 @@ def _download_all(missing: list[tuple[PublishedLog, Path]], source: str, progres
 
 def _download(entry: PublishedLog, target: Path, source: str, bar: tqdm) -> None:
     url = f"{source}/{urllib.parse.quote(entry.path)}"
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cache_error(exc, target.parent) from None
     with _partial_file(target) as (partial, handle):
         digest = hashlib.sha256()
         size = 0
         try:
             with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
                 while chunk := response.read(_CHUNK):
-                    handle.write(chunk)
+                    _write_chunk(handle, chunk, partial)
                     digest.update(chunk)
                     size += len(chunk)
                     bar.update(len(chunk))
@@ -247,11 +249,27 @@ def _download(entry: PublishedLog, target: Path, source: str, bar: tqdm) -> None
         _publish(partial, target, entry)
 
 
+def _cache_error(exc: OSError, path: Path) -> RecordsError:
+    """The one line for a cache folder or file that cannot be created or written."""
+    where = exc.filename or path
+    return RecordsError(f"{where}: cannot write into the cache there ({exc.strerror}); pass --cache-dir DIR, a folder you can write to")
+
+
+def _write_chunk(handle: IO[bytes], chunk: bytes, partial: Path) -> None:
+    try:
+        handle.write(chunk)
+    except OSError as exc:  # a full disk or quota: the cache's problem, not the download's
+        raise _cache_error(exc, partial) from None
+
+
 @contextmanager
 def _partial_file(target: Path) -> Iterator[tuple[Path, IO[bytes]]]:
     """A file beside the target, named after this process, removed unless it was moved into place."""
     partial = target.with_name(f".{target.name}.{os.getpid()}.part")
-    handle = partial.open("xb")
+    try:
+        handle = partial.open("xb")
+    except OSError as exc:
+        raise _cache_error(exc, partial) from None
     try:
         yield partial, handle
     finally:
@@ -267,9 +285,24 @@ def _publish(partial: Path, target: Path, entry: PublishedLog) -> None:
         _check_cached(entry, target)  # another fetch got there first: fine if it is the same file
     except OSError as exc:
         if exc.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP):
-            raise RecordsError(f"{target}: cannot write into the cache ({exc.strerror}); pass --cache-dir DIR") from None
-        with target.open("xb") as out, partial.open("rb") as src:  # a filesystem without hard links: exclusive create
-            shutil.copyfileobj(src, out)
+            raise _cache_error(exc, target) from None
+        _rename_into_place(partial, target, entry)
+
+
+def _rename_into_place(partial: Path, target: Path, entry: PublishedLog) -> None:
+    """A file system without hard links: rename the complete, checked partial file into place (atomic: the target is
+    never seen half written). A target already there is checked and kept. rename() on POSIX would replace a target that
+    appears between the check and the rename; that one could only be another fetch's checked copy of the same published
+    file, so nothing that differs is replaced. On Windows rename() refuses an existing target (FileExistsError)."""
+    if target.exists():
+        _check_cached(entry, target)
+        return
+    try:
+        os.rename(partial, target)
+    except FileExistsError:
+        _check_cached(entry, target)
+    except OSError as exc:
+        raise _cache_error(exc, target) from None
 
 
 def _remove_dead_partials(folder: Path) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from . import stats
 from .errors import RecordsError
+from .runs import RECORD_VAL_TOKENS
 from .runsets import RunFacts, RunSet
 
 
@@ -21,13 +22,27 @@ def track_report(runset: RunSet, track: int, step: int | None = None) -> dict[st
     else:
         report = _ttest_report(runs, track, step, runset.notes)
     report["configuration"] = runset.description
+    problems = list(dict.fromkeys(fact.validation_problem for fact in runs if fact.validation_problem))
+    if problems:  # the target is a loss on FineWeb's validation tokens: on another set the rule says nothing
+        report["rule_not_applied"] = problems[0] + (f" (+{len(problems) - 1} other set(s))" if len(problems) > 1 else "")
+        report["passes"] = None
     report["verdict"] = verdict_reason(report)
     return report
+
+
+def rule_text(report: dict[str, Any]) -> str:
+    """`passes`, `does not pass`, or `rule not applied` (a validation set other than the records')."""
+    if report["passes"] is None:
+        return "rule not applied"
+    return "passes" if report["passes"] else "does not pass"
 
 
 def verdict_reason(report: dict[str, Any]) -> str:
     """Why the rule passes or not, and what would change that."""
     n, mean = report["n"], report["val_loss"]["mean"]
+    if report.get("rule_not_applied"):
+        return (f"{report['rule_not_applied']}; the {report['target']} target is a loss on FineWeb's first "
+                f"{RECORD_VAL_TOKENS:,} validation tokens, so these losses cannot be judged by it")
     if report["track"] == 3:
         where = f"at step {report['step']} with n = {n}"
         if report["passes"]:
@@ -199,7 +214,7 @@ def render_statistics_md(report: dict[str, Any], title: str) -> str:
         t = _fmt(report["t_statistic"], 3)
         lines.append(
             f"One-sided p (H1: mean < {report['target']}): **{format_p(report['p_value'])}** (t = {t}, df = {_fmt(report['df'], 0)}); "
-            f"the rule needs p < 0.01: **{'passes' if report['passes'] else 'does not pass'}** ({report['verdict']})."
+            f"the rule needs p < 0.01: **{rule_text(report)}** ({report['verdict']})."
         )
     lines += ["", "Raw values:", "", "```", f"losses = {[r['val_loss'] for r in report['runs']]}"]
     if time:
@@ -220,7 +235,7 @@ def _track3_md(report: dict[str, Any]) -> list[str]:
         f"First step at which the rule passes over the steps all runs share: **{first if first is not None else 'none'}**.",
         f"At step {report['step']}: margin {report['margin']:.5f} (needs ≥ 0.004), z-test p {format_p(report['z_p_value'])}, "
         f"runs needed at this mean: {report['required_n'] if report['required_n'] is not None else 'never (mean ≥ 3.28)'}; "
-        f"t-test p {format_p(report['p_value'])}: **{'passes' if report['passes'] else 'does not pass'}** ({report['verdict']}).",
+        f"t-test p {format_p(report['p_value'])}: **{rule_text(report)}** ({report['verdict']}).",
     ]
     return lines
 
@@ -242,6 +257,9 @@ def render_stats_text(report: dict[str, Any]) -> str:
         out.append(f"claim step: {report['step']} (first passing step over shared steps: {first if first is not None else 'none'})")
     else:
         out.append(f"one-sided t-test H1 mean < {report['target']}: t = {_fmt(report['t_statistic'], 3)}  p = {format_p(report['p_value'])}")
-    out.append(f"passes: {'yes' if report['passes'] else 'no'} ({report['verdict']})")
+    if report["passes"] is None:
+        out.append(f"rule not applied: {report['verdict']}")
+    else:
+        out.append(f"passes: {'yes' if report['passes'] else 'no'} ({report['verdict']})")
     out += [f"note: {note}" for note in report["notes"]]
     return "\n".join(out)

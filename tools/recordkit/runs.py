@@ -39,6 +39,11 @@ class PeakMemory:
     reserved_mib: int | None  # None for the 2024 "peak memory consumption" line
 
 
+# The validation set every record is judged on: the first 10,485,760 tokens of FineWeb's validation shards.
+FINEWEB_VAL_PREFIX = "fineweb_val_"
+RECORD_VAL_TOKENS = 10_485_760
+
+
 @dataclass
 class Environment:
     """What the log says about the machine and the software (every field optional)."""
@@ -59,6 +64,20 @@ class Environment:
     def on_cpu(self) -> bool:
         """Our scripts log `device: cpu` when no GPU was used."""
         return (self.device or "").strip().lower() == "cpu"
+
+    @property
+    def validation_set_problem(self) -> str | None:
+        """Why the run's val loss is not on the records' validation set, from the `val_files` and `val_tokens` settings
+        this repository's scripts log (a proxy dataset, the smoke preset's shards, fewer tokens); None when the log names
+        FineWeb's set, or names no validation setting at all (published logs: their scripts read FineWeb's)."""
+        settings = self.hyperparameters or {}
+        files, tokens = settings.get("val_files"), settings.get("val_tokens")
+        if files is None and tokens is None:
+            return None
+        name = str(files).replace("\\", "/").rsplit("/", 1)[-1] if files is not None else FINEWEB_VAL_PREFIX
+        if name.startswith(FINEWEB_VAL_PREFIX) and (tokens is None or tokens == RECORD_VAL_TOKENS):
+            return None
+        return f"the validation set is not FineWeb's (val_files {files!r}, val_tokens {tokens!r})"
 
     @property
     def gpu_count(self) -> int | None:
@@ -117,6 +136,7 @@ class Run:
     inconsistencies: list[str] = field(default_factory=list)  # "line N: why": lines the run cannot have written
     lost_val_lines: list[str] = field(default_factory=list)  # "line N: why", without the path
     fixed_stop: tuple[int, str] | None = None  # (step, where): a stop the script fixed in advance (Track 3)
+    stopped_by: str | None = None  # the `error: ...` line a script wrote last when it stopped on a named problem
 
     @property
     def label(self) -> str:
@@ -179,6 +199,8 @@ class Run:
         if not self.complete:
             if self.lost_val_lines:
                 return f"damaged: last val {final.step}/{self.total_steps}, {self.lost_val_lines[-1]}"
+            if self.stopped_by is not None:
+                return f"stopped: {self.stopped_by} (last val {final.step}/{self.total_steps})"
             return f"truncated: last val {final.step}/{self.total_steps}"
         if self.fixed_stop is not None:
             return f"complete: stops at step {self.fixed_stop[0]} of {self.total_steps}, fixed by {self.fixed_stop[1]}"

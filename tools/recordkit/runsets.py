@@ -49,6 +49,7 @@ class RunFacts:
     gpu_count: int | None = None
     era: str | None = None
     run: Run | None = None
+    validation_problem: str | None = None  # why its loss is not on the records' validation set (runs.Environment)
 
     def loss_at(self, step: int | None) -> float | None:
         return self.val_loss if step is None else self.val_losses.get(step)
@@ -117,6 +118,7 @@ def facts_from_run(run: Run, metric: str = "val_loss") -> RunFacts:
         gpu_count=run.env.gpu_count,
         era=run.era,
         run=run,
+        validation_problem=run.env.validation_set_problem,
     )
 
 
@@ -379,7 +381,10 @@ def _drop_duplicates(runs: list[Run], notes: list[str]) -> list[Run]:
     order = sorted(range(len(runs)), key=lambda i: (-len(points[i]), runs[i].code_hash is None, i))
     kept: list[int] = []
     for i in order:
-        twin = next((j for j in kept if points[i] and points[i] <= points[j]), None)
+        # Step 0 is the same for every run of a configuration (same initialization, no training yet): a file whose
+        # only val lines are at step 0 repeats no run, and a run of another configuration is never a copy.
+        twin = next((j for j in kept if any(step > 0 for step, _, _ in points[i]) and points[i] <= points[j]
+                     and _same_configuration(runs[i], runs[j])), None)
         if twin is None:
             kept.append(i)
         elif points[i] == points[twin]:
@@ -389,6 +394,14 @@ def _drop_duplicates(runs: list[Run], notes: list[str]) -> list[Run]:
             notes.append(f"{_named(runs[i], runs)}: its {len(points[i])} val line(s) all appear in {_named(runs[twin], runs)} "
                          "(a copy of part of that run); not a run of its own")
     return [runs[i] for i in sorted(kept)]
+
+
+def _same_configuration(a: Run, b: Run) -> bool:
+    """Whether two logs can hold one run: the same configuration, or one of them says none (a console capture or a
+    final_val_loss.txt has neither code nor a hyperparameters: line)."""
+    if any(run.program_hash is None and run.env.hyperparameters is None for run in (a, b)):
+        return a.track is None or b.track is None or a.track == b.track
+    return configuration_key(a) == configuration_key(b)
 
 
 def _named(run: Run, runs: list[Run]) -> str:

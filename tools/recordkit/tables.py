@@ -57,7 +57,7 @@ def load_history(records_root: Path, track: int) -> list[HistoryRow]:
             return [HistoryRow(r["result"], r["steps"], r["evidence"], r["date"], r["description"], r["folder"], r["logs_at"])
                     for r in reader]
         except KeyError as exc:
-            raise RecordsError(f"{path}: missing column {exc}; restore the header line") from None
+            raise RecordsError(f"{path}: missing column {exc}; restore the header line (git checkout -- {path})") from None
 
 
 def _cell(text: str) -> str:
@@ -102,7 +102,8 @@ def render_folders(records_root: Path, readme_dir: Path) -> str:
             summary = results.get("summary") or {}
             loss = (summary.get("val_loss") or {}).get("mean")
             time = (summary.get("train_time_s") or {}).get("mean")
-            origin = "published figures (logs not included)" if results.get("kind") == "published" else "our logs"
+            # kind "ours": filed here with `new`, its logs in the folder (written by this repository's scripts or imported)
+            origin = "published figures (logs not included)" if results.get("kind") == "published" else "logs in this folder"
             step = f" at step {summary['step']}" if summary.get("step") is not None else ""
             link = _folder_link(records_root, track, folder.path.name, readme_dir)
             lines.append(

@@ -137,3 +137,47 @@ def test_cli_stats_json_and_statistics_md(tmp_path: Path, capsys: pytest.Capture
     assert main(["stats", str(tmp_path / "runs"), "--track", "1", "--md"]) == 0
     assert capsys.readouterr().out.endswith(f"wrote {tmp_path / 'runs' / 'statistics.md'}\n")
     assert (tmp_path / "runs" / "statistics.md").read_text().startswith("# Statistics: runs")
+
+
+def test_diff_puts_the_verdict_first_even_with_a_hundred_names_on_one_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    only_new = {f"new_setting_{k:03d}": k for k in range(110)}
+    only_old = {f"old_setting_{k:02d}": k for k in range(41)}
+    old = [F.write(tmp_path / "old" / f"o{i}.txt", F.harness(final_loss=3.2770 + i / 1e4, shampoo=True, seconds=True,
+                                                              settings={**only_old, "seed": i})) for i in range(2)]
+    new = [F.write(tmp_path / "new" / f"n{i}.txt", F.harness(final_loss=3.2760 + i / 1e4, shampoo=True, seconds=True, lr=0.06,
+                                                              settings={**only_new, "seed": i})) for i in range(2)]
+    assert main(["diff", *map(str, new), "--against", str(tmp_path / "old")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].startswith("track 3 (")
+    assert any(line.startswith("pairwise (loss difference") for line in lines[:8])  # the verdict, before any name list
+    assert "  names on one side only: 110 only in the new run; 41 only in the record (-v lists them)" in lines
+    assert not any("new_setting_000" in line for line in lines)
+    assert main(["diff", *map(str, new), "--against", str(old[0].parent), "-v"]) == 0
+    verbose = capsys.readouterr().out
+    assert "  only in the new run (110): new_setting_000, new_setting_001" in verbose and "  only in the record (41): old_setting_00" in verbose
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_extract_and_stats_md_to_an_unusable_path_are_one_line(tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]) -> None:
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    log = F.write(tmp_path / "runs" / "log.txt", F.track1_2025())
+    afile = F.write(tmp_path / "afile", "x\n")
+    base = afile if where == "under-a-file" else Path("/proc")
+    assert main(["extract", str(log), "-o", str(base / "x" / "train.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{base / 'x'}: cannot write train.py there (" in err and "pass -o FILE" in err
+    assert main(["stats", str(tmp_path / "runs"), "--md", str(base / "x.md")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{base / 'x.md'}: " in err and "pass another --md FILE" in err
+
+
+def test_track3_timing_detail_warns_about_different_hardware(tmp_path: Path) -> None:
+    old = diff.load_against(F.write(tmp_path / "gpu.txt", F.harness(shampoo=True, seconds=True)), False, False)
+    new = diff.side_from_logs("new", [F.write(tmp_path / "cpu.txt", F.harness(shampoo=True, seconds=True, device="cpu", smi=False))],
+                              False, False)
+    text = diff.render_diff(old, new, track=3)
+    timing = text[text.index("== timing detail"):]
+    assert "different hardware (record: 8× NVIDIA H200; new: cpu): these time differences say nothing about the change" in timing
+    same = diff.render_diff(old, old, track=3)
+    assert "different hardware" not in same

@@ -194,3 +194,37 @@ def test_check_reports_a_record_folder_whose_runs_cannot_make_a_record(root: Pat
     results_path.write_text(json.dumps(results))
     problems = check_all(root, root / "records")
     assert problems == [f"{results_path}: marked as a record, but cpu.txt ran on the CPU; set \"record\": false (our own results)"]
+
+
+def test_check_reports_a_record_folder_whose_losses_are_on_another_validation_set(root: Path, tmp_path: Path) -> None:
+    proxy = {"val_files": ".proxy/docs_val_*.bin", "val_tokens": 1572864}
+    logs = [F.write(tmp_path / f"p{i}.txt", F.harness(final_loss=3.2600 + i / 1e4, settings={**proxy, "seed": i})) for i in range(2)]
+    folder = create_record(root / "records", 1, "ProxyRun", logs, date=F_DATE, not_a_record=True)
+    write_tables(root, root / "records")
+    assert check_all(root, root / "records") == []
+    results = json.loads((folder / "results.json").read_text())
+    results["record"] = True  # as if someone relabelled it by hand
+    (folder / "results.json").write_text(json.dumps(results))
+    problems = check_all(root, root / "records")
+    assert f"{folder / 'results.json'}: marked as a record, but p0.txt logs its loss on another set: the validation set is not " \
+           "FineWeb's (val_files '.proxy/docs_val_*.bin', val_tokens 1572864); set \"record\": false (our own results)" in problems
+
+
+def test_a_root_without_records_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["check"], ["tables"], ["fetch", "1:89"]):
+        assert main(["--root", str(tmp_path / "nonexistent"), *command]) == 2
+        err = capsys.readouterr().err
+        assert err == f"records: error: {tmp_path / 'nonexistent' / 'records'}: no records folder there; pass --root REPO, the checkout that holds records/\n"
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbled"])
+def test_check_names_a_missing_or_garbled_history_first(root: Path, damage: str, capsys: pytest.CaptureFixture[str]) -> None:
+    history = root / "records" / "track_3_optimization" / "history.csv"
+    if damage == "missing":
+        history.unlink()
+    else:
+        history.write_text("rslt;steps\n" + history.read_text().split("\n", 1)[1])
+    assert main(["--root", str(root), "check"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    expected = "missing; restore it from git" if damage == "missing" else "missing column 'result'; restore the header line"
+    assert lines[0].startswith(f"{history}: {expected}") and len(lines) == 2

@@ -315,3 +315,59 @@ def test_diff_of_a_track2_log_takes_the_track2_record(world: World, tmp_path: Pa
     code, out, _ = run_cli(world.argv("diff", str(log)), capsys)
     assert code == 0 and out.startswith("against Track 2 #18 (2025-12-31_SyntheticMedium")
     assert "track 2 (time to 2.92 val loss" in out and "time to 2.92: new 1030.000 s" in out
+
+
+@pytest.mark.parametrize("against", ["2:18", "3:45", "track2-folder"])
+def test_diff_against_a_record_of_another_track_is_refused(world: World, tmp_path: Path, against: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    logs = [F.write(tmp_path / "t1" / f"run{i}.txt", F.track1_2025(final_loss=3.2780 - i / 1e4, steps=1380, seed=i)) for i in range(2)]
+    if against == "track2-folder":
+        against = str(world.tree / T2_RECORD)
+    code, out, err = run_cli(world.argv("diff", *map(str, logs), "--against", against), capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert f"--against {against}: Track " in err and "and the new logs are Track 1" in err and "--against 1:N" in err
+    assert "Welch" not in err
+
+
+# ----- a cache that cannot be written -----
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_an_unusable_cache_dir_is_one_line_naming_the_flag(world: World, tmp_path: Path, where: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    afile = F.write(tmp_path / "afile", "x\n")
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    cache = afile / "sub" if where == "under-a-file" else Path("/proc/nope")
+    argv = ["--root", str(world.repo), "fetch", "1:89", "--cache-dir", str(cache), "--source-url", world.url]
+    code, out, err = run_cli(argv, capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert "cannot write into the cache there (" in err and "pass --cache-dir DIR" in err
+    assert ("Not a directory" in err and str(afile) in err) if where == "under-a-file" else "/proc/nope" in err
+    log = F.write(tmp_path / "n.txt", F.track1_2025(steps=1380))
+    code, _, err = run_cli(["--root", str(world.repo), "diff", str(log), "--cache-dir", str(afile), "--source-url", world.url], capsys)
+    assert code == 2 and err.count("\n") == 1 and "pass --cache-dir DIR" in err
+
+
+@pytest.mark.parametrize("meanwhile", ["same", "other"])
+def test_without_hard_links_a_download_is_renamed_into_place_and_never_overwrites(world: World, monkeypatch: pytest.MonkeyPatch,
+                                                                                  meanwhile: str,
+                                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    target = world.cache / T1_RECORD / "run0.txt"
+    published_bytes = (world.tree / T1_RECORD / "run0.txt").read_bytes()
+
+    def no_links(source: object, destination: object) -> None:
+        if Path(str(destination)) == target:  # another fetch puts the file there just now
+            target.write_bytes(published_bytes if meanwhile == "same" else b"another file\n")
+        raise PermissionError(published.errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(published.os, "link", no_links)
+    code, out, err = run_cli(world.argv("fetch", "1:89"), capsys)
+    if meanwhile == "same":
+        assert (code, err) == (0, "") and "(4 downloaded, 0 already in the cache)" in out
+        for i in range(4):
+            assert (world.cache / T1_RECORD / f"run{i}.txt").read_bytes() == (world.tree / T1_RECORD / f"run{i}.txt").read_bytes()
+    else:
+        assert code == 2 and err.count("\n") == 1 and f"{target}: in the cache but not the published file" in err
+        assert target.read_bytes() == b"another file\n"  # kept, never overwritten
+    assert not list((world.cache / T1_RECORD).glob(".*.part"))

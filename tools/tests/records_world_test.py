@@ -202,3 +202,120 @@ def test_extract_gives_back_each_embedded_file_byte_for_byte(tmp_path: Path, cap
     assert (tmp_path / "b" / "train_gpt.py").read_bytes() == script.encode().replace(b"A stand-in training script.", b"A stand-in \xff\xfe script\r.")
     assert err == (f"warning: {tmp_path / 'bad.txt'}: the embedded code holds 2 byte(s) that are not valid UTF-8, written back "
                    "unchanged; Python will refuse the file until they are fixed\n")
+
+
+# ----- the validation set: the targets are losses on FineWeb's first 10,485,760 validation tokens -----
+
+PROXY = {"val_files": ".proxy/docs_val_*.bin", "val_tokens": 1572864}
+PROXY_LINE = "the validation set is not FineWeb's (val_files '.proxy/docs_val_*.bin', val_tokens 1572864)"
+
+
+def proxy_track3(directory: Path, losses: tuple[float, ...] = (3.2342, 3.1956), settings: dict[str, object] = PROXY) -> list[Path]:
+    return [F.write(directory / f"p{i}.txt", F.harness(final_loss=loss, shampoo=True, seconds=True, settings={**settings, "seed": i}))
+            for i, loss in enumerate(losses)]
+
+
+def test_a_proxy_validation_set_is_not_judged_by_the_record_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logs = proxy_track3(tmp_path / "proxy")
+    code, out, _ = run_cli(["stats", *map(str, logs)], capsys)
+    assert code == 0 and f"rule not applied: {PROXY_LINE}; the 3.28 target is a loss on FineWeb's first 10,485,760" in out
+    assert "passes:" not in out
+    code, out, _ = run_cli(["stats", *map(str, logs), "--json"], capsys)
+    (report,) = json.loads(out)["configurations"]
+    assert report["passes"] is None and report["rule_not_applied"] == PROXY_LINE
+    fineweb = proxy_track3(tmp_path / "fineweb", settings={"val_files": "data/fineweb10B/fineweb_val_*.bin", "val_tokens": 10485760})
+    code, out, _ = run_cli(["stats", *map(str, fineweb)], capsys)
+    assert "passes: yes" in out and "rule not applied" not in out
+    fewer = proxy_track3(tmp_path / "fewer", settings={"val_files": "data/fineweb10B/fineweb_val_*.bin", "val_tokens": 4096})
+    assert "rule not applied: the validation set is not FineWeb's (val_files 'data/fineweb10B/fineweb_val_*.bin', val_tokens 4096)" \
+        in run_cli(["stats", *map(str, fewer)], capsys)[1]
+
+
+def test_the_repository_proxy_folder_is_not_judged_by_the_record_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    folder = F.REPO / "records/track_3_optimization/results/20261130_h200_docs_proxy_shampoo_150"
+    code, out, _ = run_cli(["stats", str(folder)], capsys)
+    assert code == 0 and f"rule not applied: {PROXY_LINE}" in out and "passes: yes" not in out
+
+
+def test_logs_that_name_no_validation_setting_keep_the_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for i, loss in enumerate([3.2770, 3.2775, 3.2780, 3.2772]):  # published-era logs print no val_files / val_tokens
+        F.write(tmp_path / "runs" / f"{i}.txt", F.track1_2025(final_loss=loss, seed=i))
+    code, out, _ = run_cli(["stats", str(tmp_path / "runs")], capsys)
+    assert code == 0 and "passes: yes (p = " in out and "rule not applied" not in out
+
+
+def test_diff_of_proxy_logs_against_a_fineweb_record_says_the_losses_are_not_comparable(tmp_path: Path,
+                                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    proxy = proxy_track3(tmp_path / "proxy", losses=(3.2600, 3.2610))
+    record = [F.write(tmp_path / "record" / f"r{i}.txt", F.harness(final_loss=3.2775 + i / 1e4, shampoo=True, seconds=True,
+                                                                    settings={"seed": i})) for i in range(2)]
+    code, out, _ = run_cli(["diff", *map(str, proxy), "--against", str(record[0].parent)], capsys)
+    assert code == 0 and "significantly better" not in out
+    assert f"pairwise: not computed: the losses are not comparable: new runs: {PROXY_LINE}; record: FineWeb's (or not logged)" in out
+    assert "(rule not applied: another validation set)" in out
+    t1 = [F.write(tmp_path / "t1" / f"{i}.txt", F.harness(final_loss=3.2600 + i / 1e4, settings={**PROXY, "seed": i})) for i in range(2)]
+    t1_record = [F.write(tmp_path / "t1r" / f"{i}.txt", F.harness(final_loss=3.2780 + i / 1e4, settings={"seed": i})) for i in range(2)]
+    code, out, _ = run_cli(["diff", *map(str, t1), "--against", str(t1_record[0].parent)], capsys)
+    assert code == 0 and "Welch" not in out
+    assert f"time to 3.28: not compared: the losses are not comparable: new runs: {PROXY_LINE}" in out
+    assert "loss rule of the new runs (mean < 3.28, p < 0.01): rule not applied (" in out
+
+
+def test_new_refuses_proxy_logs_as_a_record(root: Path, tmp_path: Path) -> None:
+    logs = proxy_track3(tmp_path / "proxy")
+    with pytest.raises(RecordsError, match=r"p0\.txt: the validation set is not FineWeb's .* \(and 1 more\): not a Track 3 record; "
+                                           r"pass --not-a-record"):
+        create_record(root / "records", 3, "proxy_run", logs, date=DATE)
+    folder = create_record(root / "records", 3, "proxy_run", logs, date=DATE, not_a_record=True)
+    results = json.loads((folder / "results.json").read_text())
+    assert results["summary"]["passes"] is None and results["summary"]["rule_not_applied"] == PROXY_LINE
+    assert f"- rule not applied ({PROXY_LINE};" in (folder / "README.md").read_text()
+    assert "**rule not applied**" in (folder / "statistics.md").read_text()
+
+
+# ----- a run that stopped on an error, and what makes a copy -----
+
+EXHAUSTED = ("error: training data exhausted after 34 batches (1 files from the --train_files pattern); add shards or pass "
+             "--cycle_train_files=true for small proxy datasets")
+
+
+def failed_smoke(final_ms: int = 6000) -> str:
+    """A smoke run of train_gpt.py that stopped at step 3 of 6: its step-0 val line, a train line, the script's error line."""
+    complete = F.harness(final_loss=3.9, steps=6, final_ms=final_ms)
+    kept = [line for line in complete.splitlines() if not line.startswith(("step:3/", "step:6/", "peak memory"))]
+    return "\n".join(kept + [EXHAUSTED]) + "\n"
+
+
+def test_a_run_that_stopped_on_an_error_says_so_and_is_not_a_copy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    F.write(tmp_path / "smoke" / "ok.txt", F.harness(final_loss=3.9, steps=6, final_ms=6000))
+    F.write(tmp_path / "smoke" / "failed.txt", failed_smoke())
+    code, out, _ = run_cli(["stats", str(tmp_path / "smoke")], capsys)
+    assert code == 0 and "n=1" in out
+    assert f"note: failed.txt: stopped: {EXHAUSTED} (last val 0/6); excluded (pass --allow-incomplete to include it)" in out
+    assert "a copy of part of that run" not in out
+    (run,) = parse_log(tmp_path / "smoke" / "failed.txt")
+    assert run.stopped_by == EXHAUSTED and not run.complete
+    code, _, err = run_cli(["stats", str(tmp_path / "smoke" / "failed.txt")], capsys)
+    assert code == 2 and f"no complete run left (failed.txt: stopped: {EXHAUSTED}" in err
+
+
+def test_shared_val_lines_make_a_copy_only_within_one_configuration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    full = F.harness(final_loss=3.2795, lr=0.05)
+    F.write(tmp_path / "a" / "full.txt", full)
+    head = full[: full.rindex("step:1680/1680 val_loss")]  # the same run cut before its last val line
+    F.write(tmp_path / "a" / "cut.txt", head)
+    loaded = load_logs([tmp_path / "a"])
+    assert any("cut.txt: its 2 val line(s) all appear in full.txt" in note for note in loaded.notes)
+    other = F.harness(final_loss=3.2795, lr=0.07)  # another learning rate whose val lines (made up) happen to agree
+    F.write(tmp_path / "b" / "full.txt", full)
+    F.write(tmp_path / "b" / "other_cut.txt", other[: other.rindex("step:1680/1680 val_loss")])
+    loaded = load_logs([tmp_path / "b"])
+    assert not any("a copy of part of that run" in note for note in loaded.notes)
+    assert len(loaded.groups) == 2
+
+
+def test_the_folder_table_does_not_call_imported_logs_ours(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    create_record(root / "records", 2, "Imported", [track2_folder(tmp_path / "m")], date=DATE)
+    code, out, _ = run_cli(["--root", str(root), "tables", "--block", "folders"], capsys)
+    row = next(line for line in out.splitlines() if "2026-11-30_Imported" in line)
+    assert code == 0 and "| logs in this folder |" in row and "our logs" not in out
