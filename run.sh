@@ -8,7 +8,11 @@
 #   RDZV_ENDPOINT          or host:port in one; NODE_RANK=0 marks the machine that hosts the rendezvous (others 1, 2, ...)
 #   RDZV_ID                the run's name at the rendezvous (default: SLURM_JOB_ID, else nanogpt)
 #   RDZV_TIMEOUT           seconds to wait at the rendezvous for the other machines (default 600); a machine with
-#                          NODE_RANK 1, 2, ... first waits as long for NODE_RANK=0's to open the rendezvous
+#                          NODE_RANK 1, 2, ... first waits as long for NODE_RANK=0's to open the rendezvous. If the
+#                          workers have not started 2 x RDZV_TIMEOUT + 10 s after torchrun did (3 x RDZV_TIMEOUT + 10 s
+#                          without NODE_RANK, when torchrun's own connect may wait up to about 2 x RDZV_TIMEOUT for the
+#                          host), run.sh stops torchrun: a program that accepts connections at the rendezvous's port but
+#                          never answers as one holds torch's store client forever
 # --check runs tools/doctor.py on exactly this run, after run.sh's own checks: it exits 0 exactly when run.sh
 # would start. Ctrl-C, SIGTERM and SIGHUP reach the workers through torchrun; run.sh exits with their status.
 set -euo pipefail
@@ -243,13 +247,41 @@ if ((nnodes > 1)); then
   if [[ -n "${NODE_RANK:-}" ]] && ((NODE_RANK > 0)); then
     # torchrun's own connect would give up after read_timeout plus a retry delay it draws at random (about as long
     # again), in tracebacks: this machine first waits for the port itself, up to RDZV_TIMEOUT, and says why it gave up.
-    say "waiting for the machine with NODE_RANK=0 to open the rendezvous at $endpoint (id $rdzv_id), then there for $machines to start ./run.sh with NNODES=$nnodes and this address; each wait gives up after $rdzv_timeout s"
+    workers_within=$((2 * rdzv_timeout + 10))
+    say "waiting for the machine with NODE_RANK=0 to open the rendezvous at $endpoint (id $rdzv_id), then there for $machines to start ./run.sh with NNODES=$nnodes and this address; each wait gives up after $rdzv_timeout s, and run.sh stops torchrun if the workers have not started $workers_within s after it"
     reached=$(wait_for_rendezvous "$rdzv_host" "$rdzv_port" "$rdzv_timeout")
     [[ "$reached" == open ]] || fail "$(unreached "$reached")"
   else
-    say "waiting at the rendezvous $endpoint (id $rdzv_id) for $machines to start ./run.sh with NNODES=$nnodes and this address; torchrun gives up after $rdzv_timeout s"
+    # With NODE_RANK=0 this machine hosts the store; without NODE_RANK torchrun's own connect may wait for the host up to
+    # read_timeout plus a random retry delay (measured: up to about 1.7 x) before the join's own RDZV_TIMEOUT.
+    if [[ -n "${NODE_RANK:-}" ]]; then workers_within=$((2 * rdzv_timeout + 10)); else workers_within=$((3 * rdzv_timeout + 10)); fi
+    say "waiting at the rendezvous $endpoint (id $rdzv_id) for $machines to start ./run.sh with NNODES=$nnodes and this address; torchrun gives up after $rdzv_timeout s, and run.sh stops it if the workers have not started $workers_within s after it"
   fi
 fi
+
+# The watchdog of a multi-machine launch: torch's store client waits forever for a program that accepts connections at
+# the rendezvous's port but never answers as a store would (a web server, say), deaf to signals meanwhile. Until the
+# workers start (torchrun makes their log folder), it stops torchrun's process group, SIGTERM then SIGKILL: after
+# workers_within seconds (noted in watchdog_fired), or a few seconds after run.sh passed on a signal that torchrun
+# did not act on.
+watch_rendezvous() {
+  trap '' INT TERM HUP PIPE
+  local deadline=$((SECONDS + workers_within)) grace_until=""
+  while kill -0 "$launcher_pid" 2>/dev/null && ! compgen -G "$launcher_dir/torchrun/*/*" >/dev/null; do
+    if [[ -z "$grace_until" && -e "$launcher_dir/signal_passed_on" ]]; then
+      grace_until=$((SECONDS + 5))
+    fi
+    if ((SECONDS > deadline)) || { [[ -n "$grace_until" ]] && ((SECONDS > grace_until)); }; then
+      ((SECONDS <= deadline)) || : >"$launcher_dir/watchdog_fired" # (SECONDS counts whole seconds: never early)
+      kill -TERM -- "-$launcher_pid" 2>/dev/null || true
+      local tries=0
+      while kill -0 -- "-$launcher_pid" 2>/dev/null && ((tries++ < 30)); do sleep 0.1; done
+      kill -KILL -- "-$launcher_pid" 2>/dev/null || true
+      return 0
+    fi
+    sleep 0.2
+  done
+}
 
 exec {watched_stdout}> >(watch_stdout)
 stdout_filter=$!
@@ -262,16 +294,25 @@ torchrun "${rendezvous[@]}" --nproc_per_node="$nproc_per_node" --log-dir="$launc
   >&"$watched_stdout" 2>&"$filtered_stderr" &
 launcher_pid=$!
 set +m
+watchdog_pid=""
+if ((nnodes > 1)); then
+  watch_rendezvous &
+  watchdog_pid=$!
+fi
 received=""
-forward() { received=$1; kill -"$1" "$launcher_pid" 2>/dev/null || true; }
+forward() { received=$1; kill -"$1" "$launcher_pid" 2>/dev/null || true; : >"$launcher_dir/signal_passed_on"; }
 trap 'forward INT' INT
 trap 'forward TERM' TERM
 trap 'forward HUP' HUP
 while kill -0 "$launcher_pid" 2>/dev/null; do wait "$launcher_pid" || true; done
 status=0
-wait "$launcher_pid" || status=$?
+wait "$launcher_pid" 2>/dev/null || status=$? # (bash would name a killed torchrun on stderr)
 exec {watched_stdout}>&- {filtered_stderr}>&-
 wait "$stdout_filter" "$stderr_filter" || true
+if [[ -n "$watchdog_pid" ]]; then
+  kill "$watchdog_pid" 2>/dev/null || true # torchrun is gone: nothing left to watch
+  wait "$watchdog_pid" 2>/dev/null || true
+fi
 
 signal_status() { # a signal's number or name -> 128 + its number
   local number=$1
@@ -300,7 +341,10 @@ fi
 
 # Why it stopped, in one line unless a worker already said it.
 error_files=$(find "$launcher_dir/torchrun" -name error.json 2>/dev/null | sort || true)
-if [[ -n "$error_files" ]]; then # a worker explained itself: rank 0's line (printed already, unless it went elsewhere)
+if [[ -e "$launcher_dir/watchdog_fired" ]]; then # torchrun held by something at the port that is not a rendezvous
+  say "torchrun did not start the workers within $workers_within s and was stopped: something answers at $endpoint but is not the rendezvous (another program holds port $rdzv_port there?): check $both_settings against the NODE_RANK=0 machine's, or pick another $port_setting on every machine"
+  finish 1
+elif [[ -n "$error_files" ]]; then # a worker explained itself: rank 0's line (printed already, unless it went elsewhere)
   rank0_file=$(grep -m1 '/0/error.json$' <<<"$error_files" || head -n1 <<<"$error_files")
   message=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["message"])' "$rank0_file" 2>/dev/null || true)
   if [[ -n "$message" ]] && ! grep -qxF -- "$message" "$launcher_dir/passed.txt" 2>/dev/null; then

@@ -229,7 +229,7 @@ def test_the_other_machines_say_where_the_log_is(checkout: Path, listening_port:
     result = run(checkout, "--log_dir=runs", NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(listening_port), NODE_RANK="1")
     assert result.returncode == 0
     assert result.stderr.splitlines() == [
-        f"run.sh: waiting for the machine with NODE_RANK=0 to open the rendezvous at 127.0.0.1:{listening_port} (id nanogpt), then there for 1 more machine to start ./run.sh with NNODES=2 and this address; each wait gives up after 600 s",
+        f"run.sh: waiting for the machine with NODE_RANK=0 to open the rendezvous at 127.0.0.1:{listening_port} (id nanogpt), then there for 1 more machine to start ./run.sh with NNODES=2 and this address; each wait gives up after 600 s, and run.sh stops torchrun if the workers have not started 1210 s after it",
         "run.sh: the log is runs/<run id>.txt under the folder of ./run.sh on the machine that ran global rank 0 (its ./run.sh printed the full path), not on this one",
     ]
 
@@ -450,7 +450,7 @@ def test_a_launcher_whose_peer_never_comes_says_whom_it_waits_for_and_gives_up_i
     rdzv_id = env["RDZV_ID"]
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.splitlines() == [
-        f"run.sh: waiting at the rendezvous 127.0.0.1:{port} (id {rdzv_id}) for 1 more machine to start ./run.sh with NNODES=2 and this address; torchrun gives up after 3 s",
+        f"run.sh: waiting at the rendezvous 127.0.0.1:{port} (id {rdzv_id}) for 1 more machine to start ./run.sh with NNODES=2 and this address; torchrun gives up after 3 s, and run.sh stops it if the workers have not started 16 s after it",
         f"run.sh: no rendezvous at 127.0.0.1:{port} (id {rdzv_id}) within 3 s: start ./run.sh with NNODES=2, the same address and RDZV_ID on every machine (RDZV_TIMEOUT waits longer)",
     ]
 
@@ -460,7 +460,8 @@ def test_a_launcher_whose_peer_never_comes_says_whom_it_waits_for_and_gives_up_i
 
 def waiting_for_the_host(port: int, timeout: int) -> str:
     return (f"run.sh: waiting for the machine with NODE_RANK=0 to open the rendezvous at 127.0.0.1:{port} (id nanogpt), then there for "
-            f"1 more machine to start ./run.sh with NNODES=2 and this address; each wait gives up after {timeout} s")
+            f"1 more machine to start ./run.sh with NNODES=2 and this address; each wait gives up after {timeout} s, and run.sh stops "
+            f"torchrun if the workers have not started {2 * timeout + 10} s after it")
 
 
 def test_a_machine_started_before_the_host_gives_up_after_rdzv_timeout_in_one_line(checkout: Path) -> None:
@@ -513,7 +514,7 @@ def test_the_hosts_port_in_use_is_one_line_with_the_real_torchrun(tmp_path: Path
         result = subprocess.run(["bash", str(folder / "run.sh"), "--preset=smoke"], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.splitlines() == [
-        f"run.sh: waiting at the rendezvous 127.0.0.1:{port} (id nanogpt) for 1 more machine to start ./run.sh with NNODES=2 and this address; torchrun gives up after 5 s",
+        f"run.sh: waiting at the rendezvous 127.0.0.1:{port} (id nanogpt) for 1 more machine to start ./run.sh with NNODES=2 and this address; torchrun gives up after 5 s, and run.sh stops it if the workers have not started 20 s after it",
         f"run.sh: cannot host the rendezvous at 127.0.0.1:{port}: port {port} is already in use on this machine; pick another MASTER_PORT (the same on every machine), or stop what holds it",
     ]
     assert not list((folder / "marks").iterdir())  # no worker started
@@ -597,3 +598,67 @@ def test_torchruns_failed_connect_is_one_line_that_says_why(checkout: Path, inne
     result = run(checkout, NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="2")
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.splitlines()[1:] == [expected.format(port=port)]
+
+
+# ----- a port that accepts connections but never answers as a rendezvous: the watchdog -----
+
+
+def held_by_a_silent_program(listening_port: int, tmp_path: Path, **env: str) -> tuple[subprocess.Popen[str], Path, dict[str, str]]:
+    """run.sh with the real torchrun against listening_port, which accepts connections (its backlog) and never replies:
+    torch's store client waits there forever, signals or not."""
+    folder = stand_in_checkout(tmp_path)
+    settings = cpu_environment(NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(listening_port),
+                               RDZV_ID=uuid.uuid4().hex[:8], MARKS=str(folder / "marks"), **env)
+    launcher = subprocess.Popen(["bash", str(folder / "run.sh"), "--preset=smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=settings, start_new_session=True)
+    return launcher, folder, settings
+
+
+def torchruns_of(rdzv_id: str) -> str:
+    return subprocess.run(["pgrep", "-f", f"rdzv-id={rdzv_id}"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize(("node_rank", "within"), [("1", 12), ("", 13)])  # RDZV_TIMEOUT=1: 2 x 1 + 10 s, without NODE_RANK 3 x 1 + 10 s
+def test_a_port_held_by_a_program_that_never_answers_stops_torchrun_in_one_line(listening_port: int, tmp_path: Path, node_rank: str,
+                                                                                within: int) -> None:
+    """At main: run.sh waited forever (654 s until killed in the probe; SIGINT did not end it either)."""
+    extra = {"NODE_RANK": node_rank} if node_rank else {}
+    launcher, folder, env = held_by_a_silent_program(listening_port, tmp_path, RDZV_TIMEOUT="1", **extra)
+    start = time.monotonic()
+    try:
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    elapsed = time.monotonic() - start
+    endpoint = f"127.0.0.1:{listening_port}"
+    assert launcher.returncode == 1 and stdout == ""
+    assert stderr.splitlines()[1:] == [
+        f"run.sh: torchrun did not start the workers within {within} s and was stopped: something answers at {endpoint} but is not the "
+        f"rendezvous (another program holds port {listening_port} there?): check MASTER_ADDR=127.0.0.1 and MASTER_PORT={listening_port} "
+        "against the NODE_RANK=0 machine's, or pick another MASTER_PORT on every machine"]
+    assert f"run.sh stops torchrun if the workers have not started {within} s after it" in stderr.splitlines()[0] or \
+        f"run.sh stops it if the workers have not started {within} s after it" in stderr.splitlines()[0]
+    assert within <= elapsed < within + 10, elapsed
+    assert torchruns_of(env["RDZV_ID"]) == ""  # torchrun's process group is gone
+    assert not list((folder / "marks").iterdir())  # no worker started
+
+
+@pytest.mark.parametrize("whole_group", [True, False])
+def test_ctrl_c_while_torchrun_is_held_at_such_a_port_ends_the_run(listening_port: int, tmp_path: Path, whole_group: bool) -> None:
+    """torchrun does not act on the signal run.sh passes on while its store client waits: run.sh stops its process group a few
+    seconds later (at main it waited forever)."""
+    launcher, _, env = held_by_a_silent_program(listening_port, tmp_path, RDZV_TIMEOUT="30", NODE_RANK="1")
+    try:
+        wait_for(lambda: torchruns_of(env["RDZV_ID"]) != "")
+        time.sleep(1)  # torchrun in its store client
+        os.killpg(launcher.pid, signal.SIGINT) if whole_group else os.kill(launcher.pid, signal.SIGINT)
+        start = time.monotonic()
+        stdout, stderr = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130 and stdout == ""
+    assert len(stderr.splitlines()) == 1 and stderr.startswith("run.sh: waiting for the machine with NODE_RANK=0")
+    assert time.monotonic() - start < 10
+    assert torchruns_of(env["RDZV_ID"]) == ""

@@ -426,15 +426,20 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_new(args: argparse.Namespace) -> int:
     records_root = _records_root(args)  # `new` may start a records/ folder in a fresh --root
+    changed: list[tuple[Path, list[str]]] = []
+
+    def update_tables(_: Path) -> None:  # inside `new`: README tables that cannot be written leave no folder behind
+        changed.extend(tables.write_tables(args.root, records_root, newrecord.RERUN_NEW, newrecord.UNFILED))
+
     folder = newrecord.create_record(records_root, args.track, args.name, args.logs, date=args.date, hardware=args.hardware,
                                      note=args.note, allow_incomplete=args.allow_incomplete, allow_mixed=args.allow_mixed,
-                                     not_a_record=args.not_a_record)
+                                     not_a_record=args.not_a_record, when_filled=update_tables)
     print(f"created {folder}" + (" (our own results, not a record)" if args.not_a_record else ""))
     for path in sorted(folder.iterdir()):
         print(f"  {path.name}")
     for line in json.loads((folder / folders.RESULTS_JSON).read_text()).get("left_out", []):
         print(f"left out: {line}")
-    _report_tables(tables.write_tables(args.root, records_root))
+    _report_tables(changed)
     return 0
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from . import stats
 from .errors import RecordsError
 from .report import format_p, shared_steps, track_report
-from .runsets import RunFacts, RunSet
+from .runsets import RunFacts, RunSet, losses_not_comparable
 
 
 def _times(runs: list[RunFacts]) -> list[float] | None:
@@ -99,16 +99,18 @@ def _step_avg(base: list[RunFacts], cand: list[RunFacts]) -> dict[str, float] | 
 
 
 def track3_pairwise(baseline: RunSet, candidate: RunSet) -> dict[str, Any]:
-    """Each arm at its own claim step (first passing step), then the Track 3 pairwise rule."""
+    """Each arm at its own claim step (first passing step), then the Track 3 pairwise rule; no verdict (value and passes
+    None, `not_comparable` saying why) when the arms' losses are on different validation sets."""
     old, new = track_report(baseline, 3), track_report(candidate, 3)
-    pair = stats.track3_pairwise(old["val_loss"]["mean"], old["n"], old["step"], new["val_loss"]["mean"], new["n"], new["step"])
-    return {
+    result: dict[str, Any] = {
         "baseline": {"step": old["step"], "mean": old["val_loss"]["mean"], "n": old["n"], "passes": old["passes"]},
         "candidate": {"step": new["step"], "mean": new["val_loss"]["mean"], "n": new["n"], "passes": new["passes"]},
-        "value": pair.value,
-        "passes": pair.passes,
-        "z_p_value": pair.z_p,
     }
+    apart = losses_not_comparable(("candidate", candidate), ("baseline", baseline))
+    if apart is not None:
+        return {**result, "value": None, "passes": None, "z_p_value": None, "not_comparable": apart}
+    pair = stats.track3_pairwise(old["val_loss"]["mean"], old["n"], old["step"], new["val_loss"]["mean"], new["n"], new["step"])
+    return {**result, "value": pair.value, "passes": pair.passes, "z_p_value": pair.z_p}
 
 
 def render_compare_text(result: dict[str, Any]) -> str:
@@ -139,7 +141,9 @@ def render_compare_text(result: dict[str, Any]) -> str:
     if result["matched_steps"]:
         out.append("val loss at matched steps (mean): step  baseline  candidate  delta")
         out += [f"  {r['step']:>6}  {r['baseline']:.5f}  {r['candidate']:.5f}  {r['delta']:+.5f}" for r in result["matched_steps"]]
-    if "track3" in result:
+    if "track3" in result and result["track3"].get("not_comparable"):
+        out.append(f"track 3 pairwise: not computed: {result['track3']['not_comparable']}")
+    elif "track3" in result:
         t3 = result["track3"]
         out.append(
             f"track 3 pairwise: baseline {t3['baseline']['mean']:.5f} @ {t3['baseline']['step']} (n={t3['baseline']['n']}), "

@@ -23,7 +23,7 @@ from .errors import RecordsError
 from .folders import is_record_folder, list_folders, listed_logs, load_folder_runset, read_results
 from .report import format_p, rule_text, track_report
 from .runs import Environment, Run
-from .runsets import PER_RUN_SETTINGS, RESULT_NEUTRAL_SETTINGS, RunFacts, RunSet, load_logs, load_runset
+from .runsets import PER_RUN_SETTINGS, RESULT_NEUTRAL_SETTINGS, RunFacts, RunSet, load_logs, load_runset, losses_not_comparable
 from .tables import load_history
 
 ENV_FIELDS = ("python", "torch", "cuda", "triton", "driver", "hardware", "world_size", "device")
@@ -352,18 +352,9 @@ def _wrapped(head: str, names: list[str], width: int) -> list[str]:
     return lines + [line]
 
 
-def validation_set(side: Side) -> str:
-    """The validation set of a side's losses: FineWeb's (or not logged, as in published logs), or why not."""
-    problems = list(dict.fromkeys(fact.validation_problem for fact in side.runset.runs if fact.validation_problem))
-    return "; ".join(problems) or "FineWeb's (or not logged)"
-
-
 def not_comparable(old: Side, new: Side) -> str | None:
     """Why the two sides' losses cannot be compared (different validation sets), or None."""
-    before, after = validation_set(old), validation_set(new)
-    if before == after:
-        return None
-    return f"the losses are not comparable: new runs: {after}; record: {before}"
+    return losses_not_comparable(("new runs", new.runset), ("record", old.runset))
 
 
 def claim_lines(old: Side, new: Side, track: int) -> list[str]:

@@ -7,9 +7,12 @@ byte for byte, results.json (per-run figures and the summary), statistics.md and
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import errno
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,3 +264,93 @@ def write_generated(path: Path, text: str, force: bool = False, flag: str = "--m
     except OSError as exc:
         raise RecordsError(f"{path}: cannot write it ({exc.strerror}); pass another {flag}") from None
     return "wrote"
+
+
+# ----- writing the tool's own files: one line when it cannot, nothing half-written -----
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The file that stands where a folder of `path` (or `path` itself, as a folder) should be, if any."""
+    for candidate in (path, *path.parents):
+        if candidate.exists() and not candidate.is_dir():
+            return candidate
+    return None
+
+
+def write_failure(path: Path, exc: OSError, then: str, folder: bool = False) -> RecordsError:
+    """One line for a file (or, with folder, a folder) the tool could not write: the path, the reason (strerror) and
+    what to do, ending with `then` (what to rerun, and what was left as it was)."""
+    verb = "create" if folder else "write"
+    blocker = file_in_the_way(path if folder else path.parent)
+    if blocker is not None:
+        return RecordsError(f"{path}: cannot {verb} it ({os.strerror(errno.ENOTDIR)}); {blocker} is a file, not a folder: "
+                            f"move it away or pass another --root, then {then}")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space on that disk"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "make it writable" if path.exists() else f"make {next(p for p in path.parents if p.exists())} writable"
+    else:
+        fix = "fix that"
+    return RecordsError(f"{path}: cannot {verb} it ({exc.strerror or exc}); {fix}, then {then}")
+
+
+def make_folders(path: Path, then: str, wanted: Path | None = None) -> list[Path]:
+    """Create `path` and its missing parents; return the folders created, outermost first (for remove_made_folders).
+    A failure names `wanted` (what the folders are for, `path` by default)."""
+    missing = []
+    candidate = path
+    while not candidate.is_dir() and candidate != candidate.parent:
+        missing.append(candidate)
+        candidate = candidate.parent
+    made: list[Path] = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except OSError as exc:
+            remove_made_folders(made)
+            raise write_failure(wanted or path, exc, then, folder=True) from None
+        made.append(folder)
+    return made
+
+
+def remove_made_folders(made: list[Path]) -> None:
+    """Remove folders make_folders created, innermost first, as long as they are still empty."""
+    for folder in reversed(made):
+        with contextlib.suppress(OSError):  # not empty (someone else's file) or already gone: left as it is
+            folder.rmdir()
+
+
+def replace_files(texts: dict[Path, str], rerun: str, untouched: str) -> None:
+    """Replace each file with its text, all of them or none: each text goes to a temporary file beside its target (one
+    folder, so the rename is atomic), and the targets are renamed over only when every text is written. A file that
+    cannot be written is refused first (a rename would replace a read-only file). On failure the temporary files are
+    removed, and the one error line names the target and the reason, then says `rerun` and (`untouched`)."""
+    staged: list[tuple[Path, Path]] = []
+
+    def discard(temporaries: list[tuple[Path, Path]]) -> None:
+        for temporary, _ in temporaries:
+            with contextlib.suppress(OSError):  # already gone
+                temporary.unlink()
+
+    for target, text in texts.items():
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            if target.exists():
+                with target.open("r+", encoding="utf-8"):  # a writability check: r+ truncates nothing
+                    pass
+            with temporary.open("x", encoding="utf-8") as handle:
+                staged.append((temporary, target))
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            if target.exists():
+                os.chmod(temporary, target.stat().st_mode & 0o7777)
+        except OSError as exc:
+            discard(staged)
+            raise write_failure(target, exc, f"{rerun} ({untouched})") from None
+    for done, (temporary, target) in enumerate(staged):
+        try:
+            os.replace(temporary, target)
+        except OSError as exc:
+            discard(staged[done:])
+            raise write_failure(target, exc, f"{rerun} ({done} of {len(staged)} files were replaced before it)") from None

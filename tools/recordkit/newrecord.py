@@ -12,11 +12,13 @@ import datetime as dt
 import json
 import shlex
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .errors import RecordsError
-from .folders import (RESULTS_JSON, STATISTICS_MD, folder_name, results_from_logs, sha256_of, sign, track_dir)
+from .folders import (RESULTS_JSON, STATISTICS_MD, folder_name, make_folders, remove_made_folders, results_from_logs, sha256_of, sign,
+                      track_dir, write_failure)
 from .parse import find_logs
 from .report import render_statistics_md, rule_text, track_report
 from .runs import Environment, Run
@@ -24,6 +26,8 @@ from .runsets import RunSet, group_runs, load_runset, parse_logs, single_configu
 
 RECORD_GPUS = {1: 8, 2: 8}  # Tracks 1 and 2 are timed on 8 GPUs; Track 3 counts steps on any number
 NOT_A_RECORD = "pass --not-a-record to file the folder as our own results"
+RERUN_NEW, UNFILED = "rerun `records new`", "nothing was filed"
+NOTHING_FILED = f"{RERUN_NEW} ({UNFILED})"
 
 
 def hardware_problem(env: Environment, track: int) -> str | None:
@@ -83,8 +87,12 @@ def refuse_failing_rule(report: dict[str, Any], track: int) -> None:
 
 def create_record(records_root: Path, track: int, name: str, logs: list[Path], date: dt.date | None = None,
                   hardware: str | None = None, note: str | None = None, allow_incomplete: bool = False,
-                  allow_mixed: bool = False, not_a_record: bool = False) -> Path:
-    """Create a record folder from logs; refuse if the folder or any file in it already exists."""
+                  allow_mixed: bool = False, not_a_record: bool = False, when_filled: Callable[[Path], None] | None = None) -> Path:
+    """Create a record folder from logs; refuse if the folder or any file in it already exists.
+
+    `when_filled(folder)` runs once the folder is complete (the CLI updates the README tables there); if it fails, or
+    anything before it, the folder and the folders made for it are removed. A file or folder that cannot be written is
+    one RecordsError line naming it, the reason and what to do."""
     date = date or dt.datetime.now(dt.timezone.utc).date()
     target = track_dir(records_root, track) / folder_name(track, date, name)
     if target.exists():
@@ -101,17 +109,24 @@ def create_record(records_root: Path, track: int, name: str, logs: list[Path], d
     report = track_report(runset, track)  # any statistics error surfaces before the folder exists
     if not not_a_record:
         refuse_failing_rule(report, track)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    made = make_folders(target.parent, NOTHING_FILED, wanted=target)
     try:
         target.mkdir()  # fails if someone created it meanwhile: never merge into an existing folder
     except FileExistsError:
+        remove_made_folders(made)
         raise RecordsError(f"{target}: created by another process meanwhile (two `new` with one name?); nothing written, "
                            "choose another --name or --date") from None
+    except OSError as exc:
+        remove_made_folders(made)
+        raise write_failure(target, exc, NOTHING_FILED, folder=True) from None
     try:
         _fill_folder(target, records_root, track, date, name, used_logs, runset.notes, hardware, note,
                      {"allow_incomplete": allow_incomplete, "allow_mixed": allow_mixed}, not not_a_record)
+        if when_filled is not None:
+            when_filled(target)
     except BaseException:
-        shutil.rmtree(target)  # only our own half-written folder, created just above
+        shutil.rmtree(target, ignore_errors=True)  # only our own folder, created just above
+        remove_made_folders(made)
         raise
     return target
 
@@ -146,14 +161,20 @@ def _refuse_name_clash(logs: list[Path]) -> None:
 def _copy_exact(source: Path, destination: Path) -> None:
     if destination.exists():
         raise RecordsError(f"{destination}: already exists; not overwritten")
-    shutil.copyfile(source, destination)
+    try:
+        shutil.copyfile(source, destination)
+    except OSError as exc:  # the log was read a moment ago: the copy is what failed (a full disk names the source too)
+        raise write_failure(destination, exc, NOTHING_FILED) from None
     if sha256_of(source) != sha256_of(destination):
         raise RecordsError(f"{destination}: copy differs from {source}; check the disk and retry")
 
 
 def _write_new(path: Path, text: str) -> None:
-    with path.open("x", encoding="utf-8") as handle:  # "x": never replace an existing file
-        handle.write(text)
+    try:
+        with path.open("x", encoding="utf-8") as handle:  # "x": never replace an existing file
+            handle.write(text)
+    except OSError as exc:
+        raise write_failure(path, exc, NOTHING_FILED) from None
 
 
 def readme_skeleton(results: dict[str, Any], report: dict[str, Any], folder: Path, ours: bool) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 from . import stats
 from .errors import RecordsError
 from .runs import RECORD_VAL_TOKENS
-from .runsets import RunFacts, RunSet
+from .runsets import RunFacts, RunSet, validation_problems
 
 
 def track_report(runset: RunSet, track: int, step: int | None = None) -> dict[str, Any]:
@@ -22,7 +22,7 @@ def track_report(runset: RunSet, track: int, step: int | None = None) -> dict[st
     else:
         report = _ttest_report(runs, track, step, runset.notes)
     report["configuration"] = runset.description
-    problems = list(dict.fromkeys(fact.validation_problem for fact in runs if fact.validation_problem))
+    problems = validation_problems(runs)
     if problems:  # the target is a loss on FineWeb's validation tokens: on another set the rule says nothing
         report["rule_not_applied"] = problems[0] + (f" (+{len(problems) - 1} other set(s))" if len(problems) > 1 else "")
         report["passes"] = None

@@ -122,6 +122,31 @@ def facts_from_run(run: Run, metric: str = "val_loss") -> RunFacts:
     )
 
 
+# ----- the validation set: losses on different sets are not compared -----
+
+UNLOGGED_OR_FINEWEB = "FineWeb's (or not logged)"
+
+
+def validation_problems(runs: list[RunFacts]) -> list[str]:
+    """Each distinct reason, in order, why some of these runs' losses are not on the records' validation set."""
+    return list(dict.fromkeys(fact.validation_problem for fact in runs if fact.validation_problem))
+
+
+def validation_set(runset: RunSet) -> str:
+    """The validation set of a run set's losses: FineWeb's (or not logged, as in published logs), or why not."""
+    return "; ".join(validation_problems(runset.runs)) or UNLOGGED_OR_FINEWEB
+
+
+def losses_not_comparable(first: tuple[str, RunSet], second: tuple[str, RunSet]) -> str | None:
+    """Why the losses of two named run sets cannot be compared with each other (they are on different validation
+    sets), or None. `diff` and `compare` ask this before any verdict that sets one side's losses against the other's."""
+    (first_name, first_set), (second_name, second_set) = first, second
+    a, b = validation_set(first_set), validation_set(second_set)
+    if a == b:
+        return None
+    return f"the losses are not comparable: {first_name}: {a}; {second_name}: {b}"
+
+
 # ----- loading and grouping -----
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import RecordsError
-from .folders import RESULTS_JSON, list_folders, read_results, track_dir
+from .folders import RESULTS_JSON, list_folders, read_results, replace_files, track_dir
 
 HISTORY_CSV = "history.csv"
 HISTORY_DIRS = {1: Path("track_1_short"), 2: Path("track_2_medium"), 3: Path("track_3_optimization")}
@@ -157,13 +157,18 @@ def changed_blocks(old: str, new: str) -> list[str]:
     return [block for block in marked_blocks(new) if body(old, block) != body(new, block)]
 
 
-def write_tables(repo_root: Path, records_root: Path) -> list[tuple[Path, list[str]]]:
-    """Regenerate the marked blocks of every README; return each changed file with the blocks that changed."""
-    changed = []
+def write_tables(repo_root: Path, records_root: Path, rerun: str = "rerun `records tables --write`",
+                 untouched: str = "no README was changed") -> list[tuple[Path, list[str]]]:
+    """Regenerate the marked blocks of every README; return each changed file with the blocks that changed.
+
+    The READMEs are replaced all together or not at all (folders.replace_files); a README that cannot be written is a
+    RecordsError naming it and the reason, then saying `rerun` and (`untouched`)."""
+    changed, texts = [], {}
     for readme in find_marked_readmes(repo_root):
         old = readme.read_text(encoding="utf-8")
         new = replace_blocks(old, readme, records_root)
         if new != old:
-            readme.write_text(new, encoding="utf-8")
+            texts[readme] = new
             changed.append((readme, changed_blocks(old, new)))
+    replace_files(texts, rerun, untouched)
     return changed

@@ -261,6 +261,26 @@ def test_diff_of_proxy_logs_against_a_fineweb_record_says_the_losses_are_not_com
     assert "loss rule of the new runs (mean < 3.28, p < 0.01): rule not applied (" in out
 
 
+def test_compare_of_proxy_logs_with_fineweb_logs_says_not_comparable_instead_of_a_pairwise_verdict(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proxy = proxy_track3(tmp_path / "proxy", losses=(3.2600, 3.2610))
+    fineweb = [F.write(tmp_path / "fineweb" / f"r{i}.txt", F.harness(final_loss=3.2775 + i / 1e4, shampoo=True, seconds=True,
+                                                                      settings={"seed": i})) for i in range(2)]
+    code, out, _ = run_cli(["compare", "--baseline", str(fineweb[0].parent), "--candidate", str(proxy[0].parent),
+                            "--track", "3"], capsys)
+    assert code == 0 and "significant" not in out
+    (line,) = [line for line in out.splitlines() if line.startswith("track 3 pairwise")]
+    assert line == (f"track 3 pairwise: not computed: the losses are not comparable: candidate: {PROXY_LINE}; "
+                    "baseline: FineWeb's (or not logged)")
+    code, out, _ = run_cli(["compare", "--baseline", str(fineweb[0].parent), "--candidate", str(proxy[0].parent),
+                            "--track", "3", "--json"], capsys)
+    (result,) = json.loads(out)["comparisons"]
+    assert result["track3"]["passes"] is None and result["track3"]["value"] is None
+    assert result["track3"]["not_comparable"] == f"the losses are not comparable: candidate: {PROXY_LINE}; baseline: FineWeb's (or not logged)"
+    code, out, _ = run_cli(["compare", "--baseline", str(proxy[0].parent), "--candidate", str(proxy[0].parent), "--track", "3"], capsys)
+    assert code == 0 and "not comparable" not in out and "track 3 pairwise: baseline " in out  # one set on both sides
+
+
 def test_new_refuses_proxy_logs_as_a_record(root: Path, tmp_path: Path) -> None:
     logs = proxy_track3(tmp_path / "proxy")
     with pytest.raises(RecordsError, match=r"p0\.txt: the validation set is not FineWeb's .* \(and 1 more\): not a Track 3 record; "
