@@ -35,8 +35,12 @@ def compare_runsets(baseline: RunSet, candidate: RunSet, track: int, paired: boo
         "notes": baseline.notes + candidate.notes,
     }
     result["time"] = compare_times(baseline.runs, candidate.runs, paired, result["notes"])
-    result["loss"] = compare_final_losses(baseline.runs, candidate.runs, stats.TARGETS[track])
-    result["matched_steps"] = loss_at_matched_steps(baseline.runs, candidate.runs)
+    apart = losses_not_comparable(("candidate", candidate), ("baseline", baseline))
+    if apart is None:
+        result["loss"] = compare_final_losses(baseline.runs, candidate.runs, stats.TARGETS[track])
+        result["matched_steps"] = loss_at_matched_steps(baseline.runs, candidate.runs)
+    else:  # no difference, test or target across validation sets
+        result["loss"], result["matched_steps"] = {"not_comparable": apart}, []
     result["step_avg_ms"] = _step_avg(baseline.runs, candidate.runs)
     if track == 3:
         result["track3"] = track3_pairwise(baseline, candidate)
@@ -130,11 +134,14 @@ def render_compare_text(result: dict[str, Any]) -> str:
             ci = f"[{pair['ci95'][0]:.4f}, {pair['ci95'][1]:.4f}]" if pair["ci95"] else "undefined"
             out.append(f"      paired (n={pair['n']}): geometric ratio {pair['geometric_ratio']:.4f}  95% CI {ci}  one-sided p = {format_p(pair['p_value'])}")
     loss = result["loss"]
-    out.append(
-        f"loss  baseline {loss['baseline']['mean']:.5f}  candidate {loss['candidate']['mean']:.5f}  delta {loss['delta']:+.5f}  "
-        f"two-sided Welch p = {format_p(loss['welch_two_sided']['p_value'])}  "
-        f"p(mean<{loss['target']}): baseline {format_p(loss['baseline_p_below_target'])}, candidate {format_p(loss['candidate_p_below_target'])}"
-    )
+    if "not_comparable" in loss:
+        out.append(f"loss  not compared: {loss['not_comparable']}")
+    else:
+        out.append(
+            f"loss  baseline {loss['baseline']['mean']:.5f}  candidate {loss['candidate']['mean']:.5f}  delta {loss['delta']:+.5f}  "
+            f"two-sided Welch p = {format_p(loss['welch_two_sided']['p_value'])}  "
+            f"p(mean<{loss['target']}): baseline {format_p(loss['baseline_p_below_target'])}, candidate {format_p(loss['candidate_p_below_target'])}"
+        )
     if result["step_avg_ms"]:
         s = result["step_avg_ms"]
         out.append(f"step_avg  baseline {s['baseline']:.2f} ms  candidate {s['candidate']:.2f} ms  delta {s['delta']:+.2f} ms")

@@ -261,7 +261,7 @@ def test_diff_of_proxy_logs_against_a_fineweb_record_says_the_losses_are_not_com
     assert "loss rule of the new runs (mean < 3.28, p < 0.01): rule not applied (" in out
 
 
-def test_compare_of_proxy_logs_with_fineweb_logs_says_not_comparable_instead_of_a_pairwise_verdict(
+def test_compare_of_proxy_logs_with_fineweb_logs_says_not_comparable_instead_of_any_loss_verdict(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     proxy = proxy_track3(tmp_path / "proxy", losses=(3.2600, 3.2610))
     fineweb = [F.write(tmp_path / "fineweb" / f"r{i}.txt", F.harness(final_loss=3.2775 + i / 1e4, shampoo=True, seconds=True,
@@ -272,9 +272,13 @@ def test_compare_of_proxy_logs_with_fineweb_logs_says_not_comparable_instead_of_
     (line,) = [line for line in out.splitlines() if line.startswith("track 3 pairwise")]
     assert line == (f"track 3 pairwise: not computed: the losses are not comparable: candidate: {PROXY_LINE}; "
                     "baseline: FineWeb's (or not logged)")
+    (loss_line,) = [line for line in out.splitlines() if line.startswith("loss ")]
+    assert loss_line == f"loss  not compared: the losses are not comparable: candidate: {PROXY_LINE}; baseline: FineWeb's (or not logged)"
+    assert "val loss at matched steps" not in out and "Welch p" not in loss_line
     code, out, _ = run_cli(["compare", "--baseline", str(fineweb[0].parent), "--candidate", str(proxy[0].parent),
                             "--track", "3", "--json"], capsys)
     (result,) = json.loads(out)["comparisons"]
+    assert set(result["loss"]) == {"not_comparable"} and result["matched_steps"] == []
     assert result["track3"]["passes"] is None and result["track3"]["value"] is None
     assert result["track3"]["not_comparable"] == f"the losses are not comparable: candidate: {PROXY_LINE}; baseline: FineWeb's (or not logged)"
     code, out, _ = run_cli(["compare", "--baseline", str(proxy[0].parent), "--candidate", str(proxy[0].parent), "--track", "3"], capsys)
