@@ -248,22 +248,23 @@ def write_generated(path: Path, text: str, force: bool = False, flag: str = "--m
     Returns what happened: "wrote", "replaced" or "unchanged". A path that cannot be written is one line naming `flag`.
     """
     signed = sign(text)
+    existed = path.exists()
     try:
-        if path.exists():
+        if existed:
             old = path.read_text(encoding="utf-8", errors="replace")
             if old == signed:
                 return "unchanged"
             if not force and not written_by_tool(old):
                 raise RecordsError(f"{path}: exists, and was not written by this tool or was edited since; pass --force to replace it, or another FILE")
-            path.write_text(signed, encoding="utf-8")
-            return "replaced"
-        with path.open("x", encoding="utf-8") as handle:
-            handle.write(signed)
-    except FileNotFoundError:
-        raise RecordsError(f"{path}: its folder does not exist; create it, or pass another {flag}") from None
     except OSError as exc:
-        raise RecordsError(f"{path}: cannot write it ({exc.strerror}); pass another {flag}") from None
-    return "wrote"
+        raise RecordsError(f"{path}: cannot read it ({exc.strerror}); pass another {flag}") from None
+    if not path.parent.is_dir():
+        blocker = file_in_the_way(path.parent)
+        why = f"{blocker} is a file, not a folder" if blocker is not None else "its folder does not exist; create it, or"
+        raise RecordsError(f"{path}: {why}; pass another {flag}".replace("or;", "or"))
+    kept = f"{path} was kept as it was" if existed else f"nothing was written; or pass another {flag}"
+    replace_files({path: signed}, "rerun", kept)  # written beside it, then renamed: never half a file
+    return "replaced" if existed else "wrote"
 
 
 # ----- writing the tool's own files: one line when it cannot, nothing half-written -----

@@ -160,3 +160,21 @@ def test_new_in_a_fresh_root_that_fails_removes_the_folders_it_made(tmp_path: Pa
     code, _, err = run_cli(new_argv(fresh, "Fresh", given), capsys)
     assert code == 2 and "statistics.md: cannot write it (" in err
     assert list(fresh.iterdir()) == []  # records/ and records/track_1_short/ were made by this `new`: gone with it
+
+
+def test_stats_md_on_a_full_disk_keeps_the_old_file_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`stats --md` replaces statistics.md through a temporary file beside it: a disk that fills meanwhile leaves the
+    old file as it was and no temporary file."""
+    runs = tmp_path / "runs"
+    for seed in range(2):
+        F.write(runs / f"r{seed}.txt", F.harness(final_loss=3.2775 + seed / 1e4, settings={"seed": seed}))
+    assert run_cli(["stats", str(runs), "--md"], capsys)[0] == 0
+    before = (runs / "statistics.md").read_text()
+    F.write(runs / "r2.txt", F.harness(final_loss=3.2700, settings={"seed": 2}))  # new statistics to write
+    failed = disk_fills_while_writing(monkeypatch, lambda path: path.parent == runs)
+    code, _, err = run_cli(["stats", str(runs), "--md"], capsys)
+    assert code == 2 and failed and err.count("\n") == 1
+    assert err.startswith(f"records: error: {runs / 'statistics.md'}: cannot write it ({NOSPACE}); free space on that disk, then rerun")
+    assert (runs / "statistics.md").read_text() == before
+    assert sorted(path.name for path in runs.iterdir()) == ["r0.txt", "r1.txt", "r2.txt", "statistics.md"]
