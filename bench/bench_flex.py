@@ -14,6 +14,11 @@ its masked-row guard per key tile; each query block visits its diagonal block fi
 but with the default 64-key tiles, rows after a document start in the block's second half meet an all-masked
 first tile and turn NaN although every query sees itself. With 128-key tiles the first tile holds the row itself.
 
+The last row times PyTorch's own varlen attention (`torch.nn.attention.varlen.varlen_attn`, ATen's bundled
+FlashAttention-2 kernels where the window is set) on the same call: document starts as cu_seqlens, the window as
+FA3's (W tokens, 0). It is a different kernel, so its numbers differ from FlexAttention's by rounding; the row is
+checked with the same tolerance.
+
     python bench/bench_flex.py [VARIANT ...]   # one GPU; a few minutes (one compilation per variant); default: all
 """
 
@@ -25,6 +30,7 @@ import torch
 import torch._dynamo.exc
 import torch._inductor.exc
 from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.varlen import varlen_attn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
 
@@ -50,6 +56,7 @@ VARIANTS: dict[str, dict] = {
     "bwd_ 64x64 w4 s3": dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=64, bwd_BLOCK_M2=64, bwd_BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=3),
     "bwd_ 32x128 w4 s3": dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=3),
     "bwd_ 128x128 w8 s2": dict(bwd_BLOCK_M1=128, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=128, bwd_num_warps=8, bwd_num_stages=2),
+    "varlen FA2": {},  # not FlexAttention: torch's varlen_attn (see the docstring)
 }
 # |variant - default| <= ATOL + RTOL * |default|: a few bf16 rounding steps (one step is 2^-8 relative); other
 # tile orders differ by rounding only
@@ -70,6 +77,17 @@ def record_inputs() -> tuple[torch.Tensor, ...]:
     return ids, tg.document_ids(ids, BOS), q, k, v, torch.randn_like(q), torch.tensor(0.12, device="cuda")
 
 
+def varlen_fa2(cu_seqlens: torch.Tensor, max_seqlen: int, scale: torch.Tensor):
+    """attend(q, k, v, window_blocks) through torch's varlen_attn: FA3's window (W tokens, 0) per document."""
+    scale_value = float(scale)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+        out = varlen_attn(q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale_value, window_size=(window * BLOCK, 0))
+        return out.unsqueeze(0)
+
+    return attend
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", help=f"variants to run (the default options always run first): {', '.join(map(repr, VARIANTS))}")
@@ -82,8 +100,11 @@ def main() -> None:
     ids, docs, q, k, v, grad, scale = record_inputs()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {TOKENS} tokens, {HEADS} heads x {HEAD_DIM}, {int(ids.eq(BOS).sum())} documents")
     references: dict[int, tuple[torch.Tensor, ...]] = {}
+    starts = ids.eq(BOS).nonzero().flatten().to(torch.int32)
+    cu_seqlens = torch.cat([starts, torch.tensor([TOKENS], device="cuda", dtype=torch.int32)])
+    max_seqlen = int(cu_seqlens.diff().max())
     for name, options in variants.items():
-        attend = torch.compile(
+        attend = varlen_fa2(cu_seqlens, max_seqlen, scale) if name == "varlen FA2" else torch.compile(
             lambda q, k, v, mask: flex_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=lambda s, b, h, i, j: s * scale, block_mask=mask,
                 scale=1.0, kernel_options=options,
@@ -94,7 +115,7 @@ def main() -> None:
         try:
             for short, long in WINDOWS:
                 for window in (short, long):
-                    mask = tg.flex_window_mask(docs, window, BLOCK)
+                    mask = window if name == "varlen FA2" else tg.flex_window_mask(docs, window, BLOCK)
 
                     def step() -> tuple[torch.Tensor, ...]:
                         out = attend(q, k, v, mask)
