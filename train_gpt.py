@@ -53,6 +53,7 @@ try:
     import torch.nn.functional as F
     from torch import Tensor, nn
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10 (requirements.txt asks 2.11)
 except ImportError as missing:  # a Python without the requirements, e.g. outside the virtual environment
     if __name__ != "__main__":
         raise  # an importer (tools/doctor.py, the tests) reports it in its own way
@@ -150,7 +151,7 @@ class Hyperparameters:
     seed: int = setting("runtime", -1, "torch seed (-1: unseeded like the record; parameters are broadcast from rank 0 anyway)")
     compile: bool = setting("runtime", True, "torch.compile the model")
     attention_backend: str = setting(
-        "runtime", "auto", "auto | flash3 | flex | reference (auto: flash3 when FlashAttention-3 imports, else flex; reference on CPU)"
+        "runtime", "auto", "auto | flash3 | varlen | flex | reference (auto: flash3 when FlashAttention-3 imports, else flex; reference on CPU)"
     )
     warmup_steps: int = setting("runtime", 30, "untimed kernel warm-up steps (state restored afterwards)")
     save_checkpoint: bool = setting("runtime", False, "write the end-of-run state file, <log_dir>/<run_id>/state_step<N>.pt")
@@ -163,7 +164,7 @@ class Hyperparameters:
         return self.num_iterations + self.iteration_extension
 
 
-ATTENTION_BACKENDS = ("auto", "flash3", "flex", "reference")
+ATTENTION_BACKENDS = ("auto", "flash3", "varlen", "flex", "reference")
 NUM_LAYERS = 12  # block slots 0-11; the topology below is fixed for every preset
 GATE_INPUT_DIMS = 12  # smear and attention gates read the first 12 channels
 
@@ -661,6 +662,24 @@ class FlashAttention3(AttentionBackend):
         return (y[0] if isinstance(y, tuple) else y).unsqueeze(0)  # some FA3 builds also return the LSE
 
 
+class TorchVarlenAttention(AttentionBackend):
+    """torch.nn.attention.varlen.varlen_attn (ATen's bundled FlashAttention-2 kernels when a window is set) with the
+    loader's cu_seqlens and FA3's window (W tokens, 0): the record's call on a kernel every CUDA build of torch has.
+    Its roundings are FlashAttention-2's, not FlexAttention's (bench/bench_flex.py times and compares both)."""
+
+    name = "varlen"
+
+    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
+        return AttentionInputs(windows, {}, cu_seqlens, max_seqlen)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
+        y = varlen_attn(
+            q[0], k[0], v[0], inputs.cu_seqlens, inputs.cu_seqlens, inputs.max_seqlen, inputs.max_seqlen,
+            scale=scale, window_size=(inputs.windows[window] * self.block_size, 0),
+        )
+        return y.unsqueeze(0)
+
+
 class FlexAttentionBackend(AttentionBackend):
     """flex_attention with a token-exact block mask per window (flex_window_mask): one training graph and one eval
     graph serve the whole schedule (windows memoized per value, the scale a buffer updated in place)."""
@@ -705,7 +724,9 @@ class ReferenceAttention(AttentionBackend):
         return reference_attention(q, k, v, inputs.masks[window], scale)
 
 
-ATTENTION_BACKEND_CLASSES: dict[str, type[AttentionBackend]] = {cls.name: cls for cls in (FlashAttention3, FlexAttentionBackend, ReferenceAttention)}
+ATTENTION_BACKEND_CLASSES: dict[str, type[AttentionBackend]] = {
+    cls.name: cls for cls in (FlashAttention3, TorchVarlenAttention, FlexAttentionBackend, ReferenceAttention)
+}
 
 
 def attention_backend(name: str, block_size: int, bos_token: int) -> AttentionBackend:
@@ -716,8 +737,8 @@ def attention_backend(name: str, block_size: int, bos_token: int) -> AttentionBa
 def choose_attention_backend(requested: str, device: torch.device) -> str:
     if requested == "flash3" and (flash_attn_varlen_func is None or device.type != "cuda"):
         raise UserError("--attention_backend=flash3 needs CUDA and flash_attn_interface (FlashAttention-3); use auto, flex or reference")
-    if requested == "flex" and device.type != "cuda":
-        raise UserError("--attention_backend=flex cannot train on CPU (FlexAttention has no CPU backward); use auto or reference")
+    if requested in ("flex", "varlen") and device.type != "cuda":
+        raise UserError(f"--attention_backend={requested} cannot train on CPU (its kernels are CUDA only); use auto or reference")
     if requested != "auto":
         return requested
     if device.type == "cuda":
@@ -2877,7 +2898,7 @@ def run(argv: list[str]) -> float:
 
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, all ranks together
     both_loaders = dict(
-        rank=rt.rank, world_size=rt.world_size, bos_token=hp.bos_token, vocab_size=hp.vocab_size, device=rt.device, with_cu_seqlens=backend == "flash3"
+        rank=rt.rank, world_size=rt.world_size, bos_token=hp.bos_token, vocab_size=hp.vocab_size, device=rt.device, with_cu_seqlens=backend in ("flash3", "varlen")
     )
     make_train_loader = lambda: TrainLoader(
         train_files,

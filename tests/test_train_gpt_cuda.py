@@ -1,6 +1,6 @@
 """train_gpt.py's CUDA-only code paths, on a GPU (skipped without one): the fused soft-capped CE kernel's
 hardware instructions (casts, reciprocal) against its integer casts and division, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
-check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, the MLP's fused ReLU² backward against cuBLAS + the unfused formula, eager and compiled, the tables' sorted-ids gradient kernels against their eager formula and compiled autograd, the matrices' in-place gradients (add_into_grad, CastIntoGrad compiled) against the eager sum and compiled autograd, and the FlexAttention block tables compiled against eager.
+check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, the MLP's fused ReLU² backward against cuBLAS + the unfused formula, eager and compiled, the tables' sorted-ids gradient kernels against their eager formula and compiled autograd, the matrices' in-place gradients (add_into_grad, CastIntoGrad compiled) against the eager sum and compiled autograd, and the FlexAttention block tables compiled against eager, and the varlen and flex attention backends against the fp32 reference.
 
     python -m pytest -q tests/test_train_gpt_cuda.py      # on a CUDA machine
 """
@@ -232,3 +232,43 @@ def test_block_tables_kernel_and_the_compiled_mask_equal_the_eager_formula_on_cu
         assert torch.equal(counts, want_counts) and torch.equal(indices, want_indices)
         assert window_blocks == 1 or int(want_counts[1].sum()) > 0  # full blocks exist from 2-block windows on
     torch._dynamo.reset()
+
+
+def test_varlen_backend_agrees_with_flex_attention_and_the_reference_on_cuda() -> None:
+    """The varlen backend (torch's varlen_attn, FlashAttention-2 kernels) and the flex backend on one attention call
+    of 4,096 tokens in documents of 1-900 tokens (6 heads of 128, bf16), for short and long windows: outputs and
+    q/k/v gradients within a few bf16 places of the fp32 reference (dense_window_mask), as FlexAttention's are."""
+    torch.manual_seed(5)
+    tokens, heads, block, bos = 4096, 6, 128, 50256
+    ids = torch.randint(0, bos, (tokens,), device="cuda")
+    ids[torch.cumsum(torch.randint(1, 900, (40,), device="cuda"), 0).clamp_max(tokens - 1)] = bos
+    ids[0] = bos  # train batches start at a document (the loader's cu_seqlens begin at 0)
+    starts = ids.eq(bos).nonzero().flatten().to(torch.int32)
+    cu_seqlens = torch.cat([starts, torch.full((7,), tokens, dtype=torch.int32, device="cuda")])  # padded like the loader's
+    q, k, v = (torch.randn(1, tokens, heads, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn_like(q)
+    scale = 0.12
+    docs = tg.document_ids(ids, bos)
+    for window_blocks in (1, 3, 11):
+        results = {}
+        for name in ("varlen", "flex"):
+            backend = tg.attention_backend(name, block, bos)
+            windows = dict(zip(("short", "long"), backend.window_args(window_blocks, window_blocks, q.device)))
+            inputs = backend.prepare(ids, cu_seqlens, windows, 2048)
+            attn_scale = torch.tensor(scale, device="cuda") if backend.takes_tensors else scale
+            out = backend(q, k, v, inputs, "short", attn_scale)
+            results[name] = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
+        def reference(window_tokens: int) -> tuple[torch.Tensor, ...]:
+            q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+            mask = tg.dense_window_mask(docs, window_tokens)[None, None]
+            out = tg.reference_attention(q32, k32, v32, mask, scale)
+            return (out.detach(), *torch.autograd.grad(out, (q32, k32, v32), grad.float()))
+
+        want = reference(window_blocks * block)
+        # a window one token shorter or longer: what a wrong window convention would give
+        off_by_one = min((reference(window_blocks * block + d)[0] - want[0]).abs().max().item() for d in (-1, 1))
+        for name, got in results.items():
+            assert (got[0].float() - want[0]).abs().max().item() < 0.25 * off_by_one, (name, window_blocks)
+            for g, w in zip(got, want):
+                error = (g.float() - w).abs().max().item()
+                assert error <= 0.02 * w.abs().max().item(), (name, window_blocks, error)

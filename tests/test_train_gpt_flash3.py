@@ -1,17 +1,21 @@
-"""The FlashAttention-3 backend (the one record runs use) against the reference backend, on CPU.
+"""The FlashAttention-3 backend (the one record runs use) and torch's varlen backend against the reference backend,
+on CPU.
 
 A stand-in `flash_attn_interface` module is installed before train_gpt is imported: a plain-PyTorch
 `flash_attn_varlen_func` with FA3's signature and semantics (packed (total, heads, dim) tensors, cu_seqlens
 of sequence starts padded with the total length, causal, window_size=(left, 0): key j is visible to query
-i of the same sequence iff i - left <= j <= i). The tiny model then runs once with the `flash3` backend
-(cu_seqlens from the loaders' own helper) and once with the `reference` backend (dense masks from the BOS
-tokens); losses and every parameter's gradient must agree.
+i of the same sequence iff i - left <= j <= i), and train_gpt's `varlen_attn` is replaced by the same function
+behind torch's signature (torch's has no CPU kernel). The tiny model then runs once with the `flash3` or `varlen`
+backend (cu_seqlens from the loaders' own helper) and once with the `reference` backend (dense masks from the
+BOS tokens); losses and every parameter's gradient must agree.
 """
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT, TINY_BOS
 
@@ -20,32 +24,46 @@ import json, sys, types
 import numpy as np
 import torch
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                           causal=False, window_size=(-1, -1), **unused):
-    assert causal and window_size[1] == 0 and torch.equal(cu_seqlens_q, cu_seqlens_k)
-    assert q.dim() == 3 and q.shape == k.shape == v.shape and cu_seqlens_q.dtype == torch.int32
-    bounds = cu_seqlens_q.tolist()
+def plain_varlen(q, k, v, cu_seqlens, max_seqlen, scale, left):
+    # packed (total, heads, dim) tensors, cu_seqlens of sequence starts padded with the total length: key j is
+    # visible to query i of the same sequence iff i - left <= j <= i
+    assert q.dim() == 3 and q.shape == k.shape == v.shape and cu_seqlens.dtype == torch.int32
+    bounds = cu_seqlens.tolist()
     assert bounds == sorted(bounds) and bounds[-1] == q.size(0), bounds
     pieces = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:  # the padding at the end of cu_seqlens: empty sequences
             continue
-        assert end - start <= max_seqlen_q
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * softmax_scale
+        assert end - start <= max_seqlen
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * scale
         i, j = torch.arange(end - start)[:, None], torch.arange(end - start)[None, :]
-        visible = (j <= i) & (i - j <= window_size[0])
+        visible = (j <= i) & (i - j <= left)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         pieces.append(torch.einsum("hqk,khd->qhd", probs, v[start:end].float()).to(q.dtype))
-    out = torch.cat(pieces)
+    return torch.cat(pieces)
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                           causal=False, window_size=(-1, -1), **unused):
+    assert causal and window_size[1] == 0 and torch.equal(cu_seqlens_q, cu_seqlens_k) and max_seqlen_q == max_seqlen_k
+    out = plain_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, window_size[0])
     return (out, None) if RETURN_LSE else out  # FA3 builds differ: some also return the log-sum-exp
+
+def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    # torch.nn.attention.varlen.varlen_attn as torch 2.11 declares it; its window (left, 0) is FA3's
+    assert isinstance(scale, float) and window_size[0] >= 0 and window_size[1] == 0
+    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
+    return plain_varlen(query, key, value, cu_seq_q, max_q, scale, window_size[0])
 
 stand_in = types.ModuleType("flash_attn_interface")
 stand_in.flash_attn_varlen_func = flash_attn_varlen_func
 sys.modules["flash_attn_interface"] = stand_in
 import train_gpt as tg
+tg.varlen_attn = varlen_attn  # torch's has no CPU kernel
+BACKEND = "%(backend)s"
 
 BOS, VOCAB, BLOCK, T = %(bos)d, %(vocab)d, 16, 128
 results = {"auto_on_cuda": tg.choose_attention_backend("auto", torch.device("cuda"))}
+RETURN_LSE = False
 
 def model(backend):
     torch.manual_seed(0)
@@ -71,7 +89,7 @@ layouts = {
     "documents shorter than a block": ([5, 3, 11, 2, 60, 48], False),
     "batch starting mid-document": ([40, 9, 80], True),
 }
-for RETURN_LSE in (False, True):
+for RETURN_LSE in ((False, True) if BACKEND == "flash3" else (False,)):
     for name, (lengths, mid) in layouts.items():
         buffer = tokens(lengths, mid)
         # as the loaders compute them: train batches start at a BOS, validation windows anywhere
@@ -79,33 +97,34 @@ for RETURN_LSE in (False, True):
         batch = tg._batch(buffer, doc_starts, tg.max_docs_per_batch(T), "test", torch.device("cpu"))
         for short, long in ((1, 3), (2, 5), (3, 11)):
             losses, grads = {}, {}
-            for backend in ("flash3", "reference"):
+            for backend in (BACKEND, "reference"):
                 m = model(backend)
                 window_short, window_long = m.attention.window_args(short, long, torch.device("cpu"))
-                loss = m(batch.inputs, batch.targets, batch.cu_seqlens if backend == "flash3" else None, window_short, window_long, T)
+                loss = m(batch.inputs, batch.targets, batch.cu_seqlens if backend == BACKEND else None, window_short, window_long, T)
                 loss.backward()
                 losses[backend] = loss.item()
                 grads[backend] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-            worst = max(((grads["flash3"][n] - g).norm() / g.norm().clamp_min(1e-30)).item() for n, g in grads["reference"].items())
+            worst = max(((grads[BACKEND][n] - g).norm() / g.norm().clamp_min(1e-30)).item() for n, g in grads["reference"].items())
             results[f"{name}, windows {short}/{long} blocks, lse {RETURN_LSE}"] = dict(
-                loss_flash3=losses["flash3"], loss_reference=losses["reference"], worst_grad_error=worst,
-                same_grads=sorted(grads["flash3"]) == sorted(grads["reference"]),
+                loss_backend=losses[BACKEND], loss_reference=losses["reference"], worst_grad_error=worst,
+                same_grads=sorted(grads[BACKEND]) == sorted(grads["reference"]),
                 documents=int((batch.cu_seqlens < T).sum()),
             )
 print(json.dumps(results))
 """
 
 
-def test_flash3_backend_equals_the_reference_backend():
+@pytest.mark.parametrize("backend, cases", [("flash3", 18), ("varlen", 9)])
+def test_varlen_backends_equal_the_reference_backend(backend: str, cases: int):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    script = CHECKS % dict(bos=TINY_BOS, vocab=TINY_BOS + 1)
+    script = CHECKS % dict(bos=TINY_BOS, vocab=TINY_BOS + 1, backend=backend)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(result.stdout.strip().splitlines()[-1])
     assert results.pop("auto_on_cuda") == "flash3"
-    assert len(results) == 18
+    assert len(results) == cases
     for case, r in results.items():
-        assert abs(r["loss_flash3"] - r["loss_reference"]) < 1e-5 * r["loss_reference"], (case, r)
+        assert abs(r["loss_backend"] - r["loss_reference"]) < 1e-5 * r["loss_reference"], (case, r)
         assert r["same_grads"] and r["worst_grad_error"] < 1e-4, (case, r)
     # the layouts really differ: many documents in one, a mid-document start (an extra leading piece) in another
     assert results["documents shorter than a block, windows 1/3 blocks, lse False"]["documents"] == 6
