@@ -738,7 +738,8 @@ def choose_attention_backend(requested: str, device: torch.device) -> str:
     if requested == "flash3" and (flash_attn_varlen_func is None or device.type != "cuda"):
         raise UserError("--attention_backend=flash3 needs CUDA and flash_attn_interface (FlashAttention-3); use auto, flex or reference")
     if requested in ("flex", "varlen") and device.type != "cuda":
-        raise UserError(f"--attention_backend={requested} cannot train on CPU (its kernels are CUDA only); use auto or reference")
+        why = "FlexAttention has no CPU backward" if requested == "flex" else "torch's varlen_attn has no CPU kernel"
+        raise UserError(f"--attention_backend={requested} cannot train on CPU ({why}); use auto or reference")
     if requested != "auto":
         return requested
     if device.type == "cuda":

@@ -481,6 +481,8 @@ def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
     if backend == "flex":
         why = "asked for" if requested == "flex" else f"FlashAttention-3 does not import ({_fa3_import_error()})"
         return Check("attention", "ok", f"{chosen} (FlexAttention): {why}; our H200 measurements use it too")
+    if backend == "varlen":
+        return Check("attention", "ok", f"{chosen} (torch's varlen_attn, FlashAttention-2 kernels): asked for")
     if backend == "reference":
         return Check("attention", "warn", f"{chosen}: asked for; a dense mask, far slower than flex", "drop --attention_backend")
     origin = getattr(sys.modules.get("flash_attn_interface"), "__file__", "?")

@@ -293,6 +293,10 @@ def test_attention_backend_and_why(monkeypatch):
 
     explicit = dr.check_attention(CPU, plan("--attention_backend=flex", gpu_mode=False), quick=True)
     assert explicit.status == "fail" and "FlexAttention has no CPU backward" in explicit.detail
+    explicit = dr.check_attention(CPU, plan("--attention_backend=varlen", gpu_mode=False), quick=True)
+    assert explicit.status == "fail" and "varlen_attn has no CPU kernel" in explicit.detail
+    varlen = dr.check_attention(gpus(1), plan("--attention_backend=varlen"), quick=False)
+    assert varlen.status == "ok" and "will use varlen (torch's varlen_attn" in varlen.detail
     assert torch.cuda.is_available() or dr.check_attention(CPU, plan(gpu_mode=False), quick=True).status == "ok"
 
 
