@@ -622,6 +622,7 @@ class AttentionBackend:
 
     name: str  # as in --attention_backend and the log
     takes_tensors = False
+    takes_cu_seqlens = False  # the loaders then give each batch its document starts (varlen kernels)
 
     def __init__(self, block_size: int, bos_token: int):
         self.block_size, self.bos_token = block_size, bos_token
@@ -642,6 +643,7 @@ class FlashAttention3(AttentionBackend):
     semantics (tests/test_train_gpt_flash3.py); no real FA3 build has run it on our machines."""
 
     name = "flash3"
+    takes_cu_seqlens = True
 
     def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
         return AttentionInputs(windows, {}, cu_seqlens, max_seqlen)
@@ -668,9 +670,8 @@ class TorchVarlenAttention(AttentionBackend):
     Its roundings are FlashAttention-2's, not FlexAttention's (bench/bench_flex.py times and compares both)."""
 
     name = "varlen"
-
-    def prepare(self, ids: Tensor, cu_seqlens: Tensor | None, windows: dict[str, Window], max_seqlen: int) -> AttentionInputs:
-        return AttentionInputs(windows, {}, cu_seqlens, max_seqlen)
+    takes_cu_seqlens = True
+    prepare = FlashAttention3.prepare
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
         y = varlen_attn(
@@ -2899,7 +2900,7 @@ def run(argv: list[str]) -> float:
 
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, all ranks together
     both_loaders = dict(
-        rank=rt.rank, world_size=rt.world_size, bos_token=hp.bos_token, vocab_size=hp.vocab_size, device=rt.device, with_cu_seqlens=backend in ("flash3", "varlen")
+        rank=rt.rank, world_size=rt.world_size, bos_token=hp.bos_token, vocab_size=hp.vocab_size, device=rt.device, with_cu_seqlens=ATTENTION_BACKEND_CLASSES[backend].takes_cu_seqlens
     )
     make_train_loader = lambda: TrainLoader(
         train_files,
