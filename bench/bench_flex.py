@@ -30,7 +30,6 @@ import torch
 import torch._dynamo.exc
 import torch._inductor.exc
 from torch.nn.attention.flex_attention import flex_attention
-from torch.nn.attention.varlen import varlen_attn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
 
@@ -77,13 +76,13 @@ def record_inputs() -> tuple[torch.Tensor, ...]:
     return ids, tg.document_ids(ids, BOS), q, k, v, torch.randn_like(q), torch.tensor(0.12, device="cuda")
 
 
-def varlen_fa2(cu_seqlens: torch.Tensor, max_seqlen: int, scale: torch.Tensor):
-    """attend(q, k, v, window_blocks) through torch's varlen_attn: FA3's window (W tokens, 0) per document."""
-    scale_value = float(scale)
+def varlen_fa2(ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: torch.Tensor):
+    """attend(q, k, v, window_blocks) through train_gpt's varlen backend (torch's varlen_attn), as the model calls it."""
+    backend = tg.attention_backend("varlen", BLOCK, BOS)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-        out = varlen_attn(q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale_value, window_size=(window * BLOCK, 0))
-        return out.unsqueeze(0)
+        inputs = backend.prepare(ids, cu_seqlens, {"short": window}, max_seqlen)
+        return backend(q, k, v, inputs, "short", float(scale))
 
     return attend
 
@@ -104,7 +103,7 @@ def main() -> None:
     cu_seqlens = torch.cat([starts, torch.tensor([TOKENS], device="cuda", dtype=torch.int32)])
     max_seqlen = int(cu_seqlens.diff().max())
     for name, options in variants.items():
-        attend = varlen_fa2(cu_seqlens, max_seqlen, scale) if name == "varlen FA2" else torch.compile(
+        attend = varlen_fa2(ids, cu_seqlens, max_seqlen, scale) if name == "varlen FA2" else torch.compile(
             lambda q, k, v, mask: flex_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=lambda s, b, h, i, j: s * scale, block_mask=mask,
                 scale=1.0, kernel_options=options,
