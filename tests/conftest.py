@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def one_excepthook():
+    """Each init_process_group wraps sys.excepthook in one more "[rank0]: " prefix, and many tests here run the
+    scripts in-process: without this, a traceback late in the run carries one prefix per earlier run."""
+    hook = sys.excepthook
+    yield
+    sys.excepthook = hook
+
+
 @pytest.fixture
 def workdir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """A fresh working directory and a one-process torch.distributed environment (the scripts run in-process)."""
@@ -104,10 +114,15 @@ def workdir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 def signal_when(process: subprocess.Popen, line_prefix: str, sig: signal.Signals, timeout: float) -> str:
     """Send `sig` to a run once its stdout shows a line starting with `line_prefix`; wait for it and return its
-    stderr."""
-    for line in process.stdout:
-        if line.startswith(line_prefix):
-            break
+    stderr. A run that shows no such line within `timeout` is killed, so the test fails instead of hanging."""
+    watchdog = threading.Timer(timeout, process.kill)
+    watchdog.start()
+    try:
+        for line in process.stdout:
+            if line.startswith(line_prefix):
+                break
+    finally:
+        watchdog.cancel()
     process.send_signal(sig)
     _, stderr = process.communicate(timeout=timeout)
     return stderr

@@ -19,6 +19,7 @@ import doctor  # noqa: E402
 
 PYPI = ("pypi.org", 443)
 PYTORCH_INDEX = ("download.pytorch.org", 443)
+DRY_RUN_TIMEOUT_S = 300  # about 30 s here; pyproject.toml's per-test limit is 600 s
 
 
 def requirements() -> dict[str, Requirement]:
@@ -115,8 +116,11 @@ def dry_run(*args: str, ignore_installed: bool = True) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env["PIP_CONFIG_FILE"] = os.devnull
     command = [sys.executable, "-m", "pip", "install", "--dry-run", "--isolated", "--quiet", "--report", "-", "--disable-pip-version-check"]
-    result = subprocess.run([*command, *(["--ignore-installed"] if ignore_installed else []), *args], capture_output=True, text=True,
-                            cwd=ROOT, env=env, timeout=900)
+    try:
+        result = subprocess.run([*command, *(["--ignore-installed"] if ignore_installed else []), *args], capture_output=True,
+                                text=True, cwd=ROOT, env=env, timeout=DRY_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # reachable but too slow to answer: a fact about the network, not the commands
+        pytest.skip(f"pip's dry run of `pip install {' '.join(args)}` got no answer from the public index within {DRY_RUN_TIMEOUT_S} s")
     assert result.returncode == 0, result.stderr[-3000:]
     return {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in json.loads(result.stdout)["install"]}
 
