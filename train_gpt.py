@@ -3,7 +3,7 @@
 Implements the 2025-09-23 "MuonCustomSizing" record recipe (modded-nanogpt track 1), documented constant by
 constant in docs/track1_recipe.md:
 12 block slots with U-net skips, value embeddings, smear and attention gates, YaRN rotary, sliding-window
-document attention (FlashAttention-3 varlen, FlexAttention, or a plain reference), an FP8 head, Muon with
+document attention (FlashAttention-3 varlen, FlexAttention, torch's varlen_attn, or a plain reference), an FP8 head, Muon with
 custom parameter groups, and a sharded Adam.
 
     torchrun --standalone --nproc_per_node=8 train_gpt.py              # the record run
@@ -53,7 +53,7 @@ try:
     import torch.nn.functional as F
     from torch import Tensor, nn
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10 (requirements.txt asks 2.11)
+    from torch.nn.attention.varlen import varlen_attn  # its window_size is torch 2.11's (requirements.txt asks >= 2.11)
 except ImportError as missing:  # a Python without the requirements, e.g. outside the virtual environment
     if __name__ != "__main__":
         raise  # an importer (tools/doctor.py, the tests) reports it in its own way
@@ -665,7 +665,7 @@ class FlashAttention3(AttentionBackend):
 
 
 class TorchVarlenAttention(AttentionBackend):
-    """torch.nn.attention.varlen.varlen_attn (ATen's bundled FlashAttention-2 kernels when a window is set) with the
+    """torch.nn.attention.varlen.varlen_attn (ATen's bundled FlashAttention-2 kernels, sm_80 or newer) with the
     loader's cu_seqlens and FA3's window (W tokens, 0): the record's call on a kernel every CUDA build of torch has.
     Its roundings are FlashAttention-2's, not FlexAttention's (bench/bench_flex.py times and compares both)."""
 
@@ -731,21 +731,30 @@ ATTENTION_BACKEND_CLASSES: dict[str, type[AttentionBackend]] = {
 
 
 def attention_backend(name: str, block_size: int, bos_token: int) -> AttentionBackend:
-    """The backend of that name (flash3, flex or reference; choose_attention_backend resolves auto)."""
+    """The backend of that name (flash3, varlen, flex or reference; choose_attention_backend resolves auto)."""
     return ATTENTION_BACKEND_CLASSES[name](block_size, bos_token)
 
 
-def choose_attention_backend(requested: str, device: torch.device) -> str:
+def choose_attention_backend(requested: str, device: torch.device, capability: tuple[int, int] | None) -> str:
+    """The backend's name for --attention_backend=requested on device (capability: the GPU's, None on CPU)."""
     if requested == "flash3" and (flash_attn_varlen_func is None or device.type != "cuda"):
         raise UserError("--attention_backend=flash3 needs CUDA and flash_attn_interface (FlashAttention-3); use auto, flex or reference")
     if requested in ("flex", "varlen") and device.type != "cuda":
         why = "FlexAttention has no CPU backward" if requested == "flex" else "torch's varlen_attn has no CPU kernel"
         raise UserError(f"--attention_backend={requested} cannot train on CPU ({why}); use auto or reference")
+    if requested == "varlen" and capability is not None and capability < (8, 0):
+        raise UserError(f"--attention_backend=varlen needs compute capability 8.0 or newer (FlashAttention-2's kernels); this GPU "
+                        f"is sm_{capability[0]}{capability[1]}: use auto or flex")
     if requested != "auto":
         return requested
     if device.type == "cuda":
         return "flash3" if flash_attn_varlen_func is not None else "flex"
     return "reference"
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The GPU's compute capability (choose_attention_backend's), None on CPU."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 # ---- gradients into fixed buffers ----
@@ -1295,7 +1304,7 @@ QUICK_INDEX_BATCHES = 5  # ...and replaced by the full (background-built) index 
 class Batch(NamedTuple):
     inputs: Tensor  # (T,) int32
     targets: Tensor  # (T,) int64
-    cu_seqlens: Tensor | None  # (max_num_docs,) int32, document starts padded with T; only for FlashAttention-3
+    cu_seqlens: Tensor | None  # (max_num_docs,) int32, document starts padded with T; for the varlen backends (takes_cu_seqlens)
 
 
 # ---- shards (the same helpers in train_gpt.py and train_gpt_shampoo.py; tests/test_shared_helpers.py) ----
@@ -2870,7 +2879,7 @@ def run(argv: list[str]) -> float:
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume.step if resume else 0)
     _last_checkpoint = resume.path if resume is not None else None
 
-    backend = choose_attention_backend(hp.attention_backend, rt.device)
+    backend = choose_attention_backend(hp.attention_backend, rt.device, device_capability(rt.device))
     fp8 = fp8_head_available(rt.device) and not hp.disable_fp8
     raw_model = build_model(hp, rt, backend, fp8)
     adam, muon = build_optimizers(raw_model, hp, rt.rank, rt.world_size)

@@ -37,13 +37,14 @@ def main() -> None:
     hp, _ = tg.parse_args(sys.argv[1:])
     rt = tg.setup_distributed()
     tg.configure_torch(rt.device)
-    backend = tg.choose_attention_backend(hp.attention_backend, rt.device)
+    backend = tg.choose_attention_backend(hp.attention_backend, rt.device, tg.device_capability(rt.device))
     tokens_local = hp.train_batch_size // (rt.grad_accum_steps * rt.world_size)
     model = tg.build_model(hp, rt, backend, fp8=tg.fp8_head_available(rt.device) and not hp.disable_fp8)  # compiled in place
     adam, muon = tg.build_optimizers(model, hp, rt.rank, rt.world_size)
     loader = tg.TrainLoader(tg.resolve_files(hp.train_files, "train"), num_tokens_local=tokens_local,
                             max_seq_len=hp.train_max_seq_len, rank=rt.rank, world_size=rt.world_size, bos_token=hp.bos_token,
-                            vocab_size=hp.vocab_size, cycle=True, device=rt.device, with_cu_seqlens=backend == "flash3")
+                            vocab_size=hp.vocab_size, cycle=True, device=rt.device,
+                            with_cu_seqlens=tg.ATTENTION_BACKEND_CLASSES[backend].takes_cu_seqlens)
     ws_short, ws_long = model.attention.window_args(*tg.window_blocks(0, hp), rt.device)
 
     def step() -> None:

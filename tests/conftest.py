@@ -115,14 +115,22 @@ def workdir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def signal_when(process: subprocess.Popen, line_prefix: str, sig: signal.Signals, timeout: float) -> str:
     """Send `sig` to a run once its stdout shows a line starting with `line_prefix`; wait for it and return its
     stderr. A run that shows no such line within `timeout` is killed, so the test fails instead of hanging."""
-    watchdog = threading.Timer(timeout, process.kill)
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        process.kill()
+
+    watchdog = threading.Timer(timeout, kill)
     watchdog.start()
     try:
-        for line in process.stdout:
-            if line.startswith(line_prefix):
-                break
+        shown = any(line.startswith(line_prefix) for line in process.stdout)
     finally:
         watchdog.cancel()
+    if not shown:
+        _, stderr = process.communicate(timeout=timeout)
+        how = f"killed after {timeout} s" if timed_out.is_set() else f"ended with status {process.returncode}"
+        pytest.fail(f"the run showed no line starting with {line_prefix!r} ({how}); its stderr ends: {stderr[-2000:]!r}")
     process.send_signal(sig)
     _, stderr = process.communicate(timeout=timeout)
     return stderr

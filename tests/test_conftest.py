@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import signal_when
 
 
@@ -13,11 +15,19 @@ def test_signal_when_kills_a_run_that_never_prints_the_line():
                               stderr=subprocess.PIPE, text=True)
     start = time.monotonic()
     try:
-        signal_when(silent, "step:5/10 ", signal.SIGINT, timeout=2)
+        with pytest.raises(pytest.fail.Exception, match=r"no line starting with 'step:5/10 ' \(killed after 2 s\)"):
+            signal_when(silent, "step:5/10 ", signal.SIGINT, timeout=2)
     finally:
         silent.kill()
         silent.wait()
     assert silent.returncode == -signal.SIGKILL and time.monotonic() - start < 30
+
+
+def test_signal_when_names_a_run_that_ended_before_the_line():
+    crashed = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('boom')"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    with pytest.raises(pytest.fail.Exception, match=r"\(ended with status 1\); its stderr ends: 'boom\\n'"):
+        signal_when(crashed, "step:5/10 ", signal.SIGINT, timeout=60)
 
 
 def test_signal_when_signals_a_run_once_it_prints_the_line():

@@ -119,8 +119,9 @@ def dry_run(*args: str, ignore_installed: bool = True) -> dict[str, str]:
     try:
         result = subprocess.run([*command, *(["--ignore-installed"] if ignore_installed else []), *args], capture_output=True,
                                 text=True, cwd=ROOT, env=env, timeout=DRY_RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:  # reachable but too slow to answer: a fact about the network, not the commands
-        pytest.skip(f"pip's dry run of `pip install {' '.join(args)}` got no answer from the public index within {DRY_RUN_TIMEOUT_S} s")
+    except subprocess.TimeoutExpired:  # reachable, but no answer in time: a slow index, or pip's resolver backtracking
+        pytest.skip(f"pip's dry run of `pip install {' '.join(args)}` did not finish within {DRY_RUN_TIMEOUT_S} s: a slow index "
+                    "or a resolver that backtracks; run it by hand to tell")
     assert result.returncode == 0, result.stderr[-3000:]
     return {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in json.loads(result.stdout)["install"]}
 

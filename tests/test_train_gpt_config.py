@@ -149,14 +149,20 @@ def test_open_log_never_overwrites(tmp_path):
 
 
 def test_attention_backend_choice_and_errors():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert tg.choose_attention_backend("auto", cpu) == "reference"
-    assert tg.choose_attention_backend("auto", cuda) == ("flex" if tg.flash_attn_varlen_func is None else "flash3")
-    assert tg.choose_attention_backend("reference", cuda) == "reference"
+    cpu, cuda, hopper = torch.device("cpu"), torch.device("cuda", 0), (9, 0)
+    assert tg.choose_attention_backend("auto", cpu, None) == "reference"
+    assert tg.choose_attention_backend("auto", cuda, hopper) == ("flex" if tg.flash_attn_varlen_func is None else "flash3")
+    assert tg.choose_attention_backend("reference", cuda, hopper) == "reference"
+    assert tg.choose_attention_backend("varlen", cuda, hopper) == tg.choose_attention_backend("varlen", cuda, (8, 0)) == "varlen"
     with pytest.raises(tg.UserError, match="flex"):
-        tg.choose_attention_backend("flex", cpu)
+        tg.choose_attention_backend("flex", cpu, None)
     with pytest.raises(tg.UserError, match="flash3"):
-        tg.choose_attention_backend("flash3", cpu)
+        tg.choose_attention_backend("flash3", cpu, None)
+    with pytest.raises(tg.UserError) as turing:  # FlashAttention-2's kernels start at sm_80
+        tg.choose_attention_backend("varlen", cuda, (7, 5))
+    assert str(turing.value) == ("--attention_backend=varlen needs compute capability 8.0 or newer (FlashAttention-2's kernels); "
+                                 "this GPU is sm_75: use auto or flex")
+    assert tg.device_capability(cpu) is None
     for name, backend in (("flash3", tg.FlashAttention3), ("flex", tg.FlexAttentionBackend), ("reference", tg.ReferenceAttention)):
         attention = tg.attention_backend(name, 16, 1)
         assert type(attention) is backend and attention.name == name and attention.takes_tensors == (name == "flex")

@@ -236,12 +236,14 @@ def test_block_tables_kernel_and_the_compiled_mask_equal_the_eager_formula_on_cu
 
 def test_varlen_backend_agrees_with_flex_attention_and_the_reference_on_cuda() -> None:
     """The varlen backend (torch's varlen_attn, FlashAttention-2 kernels) and the flex backend on one attention call
-    of 4,096 tokens in documents of 1-900 tokens (6 heads of 128, bf16), for short and long windows: outputs and
+    of 4,096 tokens in documents of 1,600 and 1-900 tokens (6 heads of 128, bf16), for short and long windows: outputs and
     q/k/v gradients within a few bf16 places of the fp32 reference (dense_window_mask), as FlexAttention's are."""
     torch.manual_seed(5)
     tokens, heads, block, bos = 4096, 6, 128, 50256
     ids = torch.randint(0, bos, (tokens,), device="cuda")
-    ids[torch.cumsum(torch.randint(1, 900, (40,), device="cuda"), 0).clamp_max(tokens - 1)] = bos
+    gaps = torch.randint(1, 900, (40,), device="cuda")
+    gaps[0] = 1600  # a document longer than the longest window (11 blocks + 1 token), so every window cuts it
+    ids[torch.cumsum(gaps, 0).clamp_max(tokens - 1)] = bos
     ids[0] = bos  # train batches start at a document (the loader's cu_seqlens begin at 0)
     starts = ids.eq(bos).nonzero().flatten().to(torch.int32)
     cu_seqlens = torch.cat([starts, torch.full((7,), tokens, dtype=torch.int32, device="cuda")])  # padded like the loader's
@@ -265,10 +267,15 @@ def test_varlen_backend_agrees_with_flex_attention_and_the_reference_on_cuda() -
             return (out.detach(), *torch.autograd.grad(out, (q32, k32, v32), grad.float()))
 
         want = reference(window_blocks * block)
-        # a window one token shorter or longer: what a wrong window convention would give
-        off_by_one = min((reference(window_blocks * block + d)[0] - want[0]).abs().max().item() for d in (-1, 1))
+        # A window one token shorter or longer, what a wrong window convention would give, sets the scale of the
+        # outputs' error. Not at 11 blocks: there one key in 1,408 moves the fp32 outputs by 0.03-0.07 (seen on CPU
+        # with these documents), the order of bf16's rounding of them.
+        if window_blocks < 11:
+            off_by_one = min((reference(window_blocks * block + d)[0] - want[0]).abs().max().item() for d in (-1, 1))
+            assert off_by_one > 0, window_blocks  # a window that cuts no document could not tell the conventions apart
+            for name, got in results.items():
+                assert (got[0].float() - want[0]).abs().max().item() < 0.25 * off_by_one, (name, window_blocks)
         for name, got in results.items():
-            assert (got[0].float() - want[0]).abs().max().item() < 0.25 * off_by_one, (name, window_blocks)
             for g, w in zip(got, want):
                 error = (g.float() - w).abs().max().item()
                 assert error <= 0.02 * w.abs().max().item(), (name, window_blocks, error)

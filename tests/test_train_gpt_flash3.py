@@ -62,7 +62,7 @@ tg.varlen_attn = varlen_attn  # torch's has no CPU kernel
 BACKEND = "%(backend)s"
 
 BOS, VOCAB, BLOCK, T = %(bos)d, %(vocab)d, 16, 128
-results = {"auto_on_cuda": tg.choose_attention_backend("auto", torch.device("cuda"))}
+results = {"auto_on_cuda": tg.choose_attention_backend("auto", torch.device("cuda"), (9, 0))}
 RETURN_LSE = False
 
 def model(backend):

@@ -463,6 +463,22 @@ def _fa3_runs(device_index: int) -> str | None:
     return None
 
 
+def _varlen_runs(device_index: int) -> str | None:
+    """Runs torch's varlen_attn once with a window on a tiny input; the error's first line when this GPU cannot."""
+    import torch
+    from torch.nn.attention.varlen import varlen_attn
+
+    device = torch.device("cuda", device_index)
+    q, k, v = (torch.randn(256, 2, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+    cu_seqlens = torch.tensor([0, 128, 256], device=device, dtype=torch.int32)
+    try:
+        varlen_attn(q, k, v, cu_seqlens, cu_seqlens, 128, 128, window_size=(64, 0))
+        torch.cuda.synchronize(device)
+    except (RuntimeError, TypeError) as error:  # ATen's architecture checks, CUDA's "no kernel image"; a torch without window_size
+        return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return None
+
+
 def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
     if plan.track.number != 1:
         return Check("attention", "skip", "Track 3 uses PyTorch's scaled_dot_product_attention")
@@ -471,8 +487,9 @@ def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
     tg = training_module(plan.track)
     requested = plan.hp.attention_backend
     device = torch.device("cuda", 0) if machine.gpu_mode else torch.device("cpu")
+    capability = machine.gpus[0].capability if machine.gpu_mode else None
     try:
-        backend = tg.choose_attention_backend(requested, device)  # train_gpt.py's own decision
+        backend = tg.choose_attention_backend(requested, device, capability)  # train_gpt.py's own decision
     except tg.UserError as error:
         return Check("attention", "fail", str(error), "pass --attention_backend=auto")
     chosen = f"train_gpt.py will use {backend}"
@@ -482,11 +499,17 @@ def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
         why = "asked for" if requested == "flex" else f"FlashAttention-3 does not import ({_fa3_import_error()})"
         return Check("attention", "ok", f"{chosen} (FlexAttention): {why}; our H200 measurements use it too")
     if backend == "varlen":
-        return Check("attention", "ok", f"{chosen} (torch's varlen_attn, FlashAttention-2 kernels): asked for")
+        chosen += " (torch's varlen_attn, FlashAttention-2 kernels): asked for"
+        if quick:
+            return Check("attention", "ok", f"{chosen} (kernel not tried with --quick)")
+        failure = _varlen_runs(0)
+        if failure is not None:
+            return Check("attention", "fail", f"{chosen}, but its kernel fails on this GPU (sm_{capability[0]}{capability[1]}): {failure}",
+                         "pass --attention_backend=flex")
+        return Check("attention", "ok", f"{chosen}, and its kernel runs on this GPU")
     if backend == "reference":
         return Check("attention", "warn", f"{chosen}: asked for; a dense mask, far slower than flex", "drop --attention_backend")
     origin = getattr(sys.modules.get("flash_attn_interface"), "__file__", "?")
-    capability = machine.gpus[0].capability
     why = f"flash_attn_interface imports ({origin})" if requested == "auto" else "asked for"
     if quick:
         if capability != FA3_CAPABILITY:
@@ -910,7 +933,7 @@ def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, list[st
     parser.add_argument("--track", type=int, choices=sorted(TRACKS), default=1, help="1: train_gpt.py (default), 3: train_gpt_shampoo.py")
     parser.add_argument("--nproc", type=int, default=None, help="processes on this machine (default: the visible GPUs, as run.sh counts; 1 on CPU)")
     parser.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", "1") or 1), help="machines in the run (default: NNODES or 1)")
-    parser.add_argument("--quick", action="store_true", help="skip the all-reduce and FA3's kernel (seconds instead of tens of seconds)")
+    parser.add_argument("--quick", action="store_true", help="skip the all-reduce and the attention kernel's trial run (seconds instead of tens of seconds)")
     parser.add_argument("--flags-as-given", action="store_true",
                         help="check the training flags as they are, also on CPU (where doctor otherwise checks the smoke run); ./run.sh --check passes it")
     parser.add_argument("--all-reduce-worker", help=argparse.SUPPRESS)

@@ -295,8 +295,17 @@ def test_attention_backend_and_why(monkeypatch):
     assert explicit.status == "fail" and "FlexAttention has no CPU backward" in explicit.detail
     explicit = dr.check_attention(CPU, plan("--attention_backend=varlen", gpu_mode=False), quick=True)
     assert explicit.status == "fail" and "varlen_attn has no CPU kernel" in explicit.detail
+    monkeypatch.setattr(dr, "_varlen_runs", lambda index: None)
     varlen = dr.check_attention(gpus(1), plan("--attention_backend=varlen"), quick=False)
-    assert varlen.status == "ok" and "will use varlen (torch's varlen_attn" in varlen.detail
+    assert varlen.status == "ok" and varlen.detail.endswith("will use varlen (torch's varlen_attn, FlashAttention-2 kernels): "
+                                                            "asked for, and its kernel runs on this GPU")
+    assert dr.check_attention(gpus(1), plan("--attention_backend=varlen"), quick=True).detail.endswith("(kernel not tried with --quick)")
+    monkeypatch.setattr(dr, "_varlen_runs", lambda index: "FlashAttention only supports Ampere GPUs or newer.")
+    broken = dr.check_attention(gpus(1, capability=(8, 6)), plan("--attention_backend=varlen"), quick=False)
+    assert broken.status == "fail" and broken.detail.endswith("but its kernel fails on this GPU (sm_86): FlashAttention only "
+                                                              "supports Ampere GPUs or newer.")
+    turing = dr.check_attention(gpus(1, capability=(7, 5)), plan("--attention_backend=varlen"), quick=True)
+    assert turing.status == "fail" and "needs compute capability 8.0 or newer" in turing.detail
     assert torch.cuda.is_available() or dr.check_attention(CPU, plan(gpu_mode=False), quick=True).status == "ok"
 
 
