@@ -3,8 +3,8 @@
 Implements the 2025-09-23 "MuonCustomSizing" record recipe (modded-nanogpt track 1), documented constant by
 constant in docs/track1_recipe.md:
 12 block slots with U-net skips, value embeddings, smear and attention gates, YaRN rotary, sliding-window
-document attention (FlashAttention-3 varlen, FlexAttention, torch's varlen_attn, or a plain reference), an FP8 head, Muon with
-custom parameter groups, and a sharded Adam.
+document attention (FlashAttention-3 varlen, FlexAttention, torch's varlen_attn, or a plain reference), an FP8
+head, Muon with custom parameter groups, and a sharded Adam.
 
     torchrun --standalone --nproc_per_node=8 train_gpt.py              # the record run
     python train_gpt.py --preset=smoke                                  # tiny CPU run of the whole pipeline
