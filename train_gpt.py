@@ -667,7 +667,8 @@ class FlashAttention3(AttentionBackend):
 class TorchVarlenAttention(AttentionBackend):
     """torch.nn.attention.varlen.varlen_attn (ATen's bundled FlashAttention-2 kernels, sm_80 or newer) with the
     loader's cu_seqlens and FA3's window (W tokens, 0): the record's call on a kernel every CUDA build of torch has.
-    Its roundings are FlashAttention-2's, not FlexAttention's (bench/bench_flex.py times and compares both)."""
+    Its roundings are FlashAttention-2's, not FlexAttention's; it is 1.17-1.40x slower than flex at the record's
+    shapes (bench/bench_flex.py, bench/NOTES.md 2026-12-05), so auto never picks it."""
 
     name = "varlen"
     takes_cu_seqlens = True
