@@ -15,9 +15,9 @@ but with the default 64-key tiles, rows after a document start in the block's se
 first tile and turn NaN although every query sees itself. With 128-key tiles the first tile holds the row itself.
 
 The last row times PyTorch's own varlen attention (`torch.nn.attention.varlen.varlen_attn`, ATen's bundled
-FlashAttention-2 kernels) on the same call, through train_gpt's varlen backend: document starts as cu_seqlens, the window as
-FA3's (W tokens, 0). It is a different kernel, so its numbers differ from FlexAttention's by rounding; the row is
-checked with the same tolerance.
+FlashAttention-2 kernels) on the same call, through train_gpt's varlen backend: document starts as cu_seqlens,
+the window as FA3's (W tokens, 0). It is a different kernel, so its numbers differ from FlexAttention's by
+rounding; the row is checked with the same tolerance.
 
     python bench/bench_flex.py [VARIANT ...]   # one GPU; a few minutes (one compilation per variant); default: all
 """
