@@ -446,37 +446,35 @@ def _fa3_import_error() -> str | None:
     return None
 
 
-def _fa3_runs(device_index: int) -> str | None:
-    """Runs FA3's varlen kernel once on a tiny input; the error's first line when this GPU cannot run it."""
+def _tiny_windowed_call_fails(device_index: int, attend: Callable[..., object]) -> str | None:
+    """Runs attend(q, k, v, cu_seqlens) once on two 128-token documents of this GPU; the error's first line when
+    it cannot."""
     import torch
-    from flash_attn_interface import flash_attn_varlen_func
 
     device = torch.device("cuda", device_index)
     q, k, v = (torch.randn(256, 2, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
     cu_seqlens = torch.tensor([0, 128, 256], device=device, dtype=torch.int32)
     try:
-        flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=128, max_seqlen_k=128,
-                               causal=True, window_size=(64, 0))
+        attend(q, k, v, cu_seqlens)
         torch.cuda.synchronize(device)
-    except (RuntimeError, TypeError) as error:  # CUDA's "no kernel image", FA3's architecture checks; a build with another signature
+    except (RuntimeError, TypeError) as error:  # "no kernel image", an architecture check; another signature
         return (str(error).strip().splitlines() or [type(error).__name__])[0]
     return None
+
+
+def _fa3_runs(device_index: int) -> str | None:
+    """FA3's varlen kernel on a tiny input (_tiny_windowed_call_fails)."""
+    from flash_attn_interface import flash_attn_varlen_func
+
+    return _tiny_windowed_call_fails(device_index, lambda q, k, v, cu: flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=128, max_seqlen_k=128, causal=True, window_size=(64, 0)))
 
 
 def _varlen_runs(device_index: int) -> str | None:
-    """Runs torch's varlen_attn once with a window on a tiny input; the error's first line when this GPU cannot."""
-    import torch
+    """torch's varlen_attn with a window on a tiny input (_tiny_windowed_call_fails); a torch without window_size fails."""
     from torch.nn.attention.varlen import varlen_attn
 
-    device = torch.device("cuda", device_index)
-    q, k, v = (torch.randn(256, 2, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
-    cu_seqlens = torch.tensor([0, 128, 256], device=device, dtype=torch.int32)
-    try:
-        varlen_attn(q, k, v, cu_seqlens, cu_seqlens, 128, 128, window_size=(64, 0))
-        torch.cuda.synchronize(device)
-    except (RuntimeError, TypeError) as error:  # ATen's architecture checks, CUDA's "no kernel image"; a torch without window_size
-        return (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return None
+    return _tiny_windowed_call_fails(device_index, lambda q, k, v, cu: varlen_attn(q, k, v, cu, cu, 128, 128, window_size=(64, 0)))
 
 
 def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
