@@ -13,11 +13,13 @@ to decompose all of them
 
 then, with cuSOLVER in float32, from 2/4/8 host threads each on its own CUDA stream (what
 `ShampooRuntimeConfig(num_amortized_computation_streams=...)` does) and a profile of one 3072 call that splits its
-wall time into GPU kernel time and the rest. The table comes last, with the sum over both sizes: a root step's
-eigendecompositions alone, one after another.
+wall time into GPU kernel time and the rest. With several sizes, the whole set then runs from 1/2/4/8 threads
+largest first, as the optimizer orders a root step's factors. The table comes last, with the sum over both sizes:
+a root step's eigendecompositions alone, one after another.
 
     python bench/probe_eigh.py                               # one GPU, a few minutes
     python bench/probe_eigh.py --sizes 3072:24               # one size only (e.g. to split the call)
+    python bench/probe_eigh.py --libraries cusolver --dtypes float32   # today's path only (MAGMA's rows take minutes)
     python bench/probe_eigh.py --device cpu --sizes 64:3,32:4 --repeats 1   # small, to check the script
 
 The matrices are random symmetric positive definite (X·Xᵀ/k with X of k = 4n columns), not real factors:
@@ -54,7 +56,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", default=",".join(f"{size}:{count}" for size, count in FACTOR_SET.items()),
                         help="comma-separated size:count of the factor set (default: the Track 3 record's)")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per measurement, after an untimed one (the fastest counts)")
+    parser.add_argument("--libraries", default="cusolver,magma", help="comma-separated: cusolver, magma (CUDA only)")
+    parser.add_argument("--dtypes", default="float32,float64", help="comma-separated: float32, float64")
     args = parser.parse_args()
+    args.libraries = args.libraries.split(",")
+    args.dtypes = args.dtypes.split(",")
+    if not set(args.libraries) <= {"cusolver", "magma"} or not set(args.dtypes) <= {"float32", "float64"}:
+        parser.error(f"--libraries takes cusolver,magma and --dtypes float32,float64; got {args.libraries} and {args.dtypes}")
     try:
         args.sizes = {int(size): int(count) for size, count in (item.split(":") for item in args.sizes.split(","))}
     except ValueError:
@@ -183,12 +191,14 @@ def main() -> None:
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"torch {torch.__version__}, {name}, factor set {', '.join(f'{c} x {s}' for s, c in args.sizes.items())}")
-    libraries = ["cusolver", "magma"] if cuda else ["lapack"]
+    libraries = args.libraries if cuda else ["lapack"]
+    dtypes = [getattr(torch, name) for name in args.dtypes]
     rows: list[Row] = []
+    whole_set: list[torch.Tensor] = []
     for seed, (size, count) in enumerate(args.sizes.items()):
         matrices = random_spd(size, count, seed, device)
         for library in libraries:
-            for dtype in (torch.float32, torch.float64):
+            for dtype in dtypes:
                 rows.append(measure(matrices, library, dtype, device, args.repeats))
                 print(f"{count} x {size}, {library}, {rows[-1].dtype}: one call each {rows[-1].one_by_one_ms:.1f} ms, "
                       f"batched {rows[-1].batched_ms:.1f} ms", flush=True)
@@ -200,7 +210,13 @@ def main() -> None:
             wall, busy, events, top = kernel_share(matrices[0])
             print(f"1 x {size} profiled: wall {wall:.1f} ms, GPU kernel+copy time {busy:.1f} ms in {events} device "
                   "events; most time in " + ", ".join(f"{kernel} {ms:.1f} ms" for kernel, ms in top), flush=True)
+            whole_set += matrices
         del matrices
+    if cuda and len(args.sizes) > 1:
+        whole_set.sort(key=lambda matrix: -matrix.shape[0])  # largest first, as the optimizer's root step
+        threads = {t: best_ms(on_threads(whole_set, t), device, args.repeats)[0] for t in (1, *THREAD_COUNTS)}
+        print(f"whole set largest first, cusolver, float32, threads/streams: "
+              + ", ".join(f"{t}: {ms:.1f} ms" for t, ms in threads.items()), flush=True)
     if cuda:
         torch.backends.cuda.preferred_linalg_library("default")
     print()
