@@ -522,8 +522,9 @@ class ShampooRuntimeConfig:
     same-shape matrix blocks of `RootInvShampooPreconditionerConfig(use_symmetric_packing=False)` in shared
     stacks and updates and applies them with batched matmuls (a few blocks at a time, within 2% of the state),
     instead of one matmul per block: fewer, larger kernels. Bitwise equal to the per-block path on the CPU
-    (tested); on CUDA batched and single matmuls may round differently, which `gpu_tests/` checks. Packed storage
-    and the other variants raise a ValueError.
+    (tested); on an H100 cuBLAS's batched matmuls round differently from its single ones (`gpu_tests/`), so results
+    differ from the published optimizer's at rounding level. Packed storage and the other variants raise a
+    ValueError.
     `defer_amortized_computation=True` (a package extension) CHANGES THE MATH, hence off: a root step computes
     its roots from that step's factors after the step, on a host thread and CUDA stream of its own, while the
     caller goes on (with the next forward and backward), and the roots are first used at the next step, whose

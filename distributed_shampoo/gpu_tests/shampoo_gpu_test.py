@@ -1,7 +1,8 @@
 """CUDA checks (not collected by CI): the record configuration on a GPU equals the CPU run, roots computed
 concurrently on several streams equal the sequential ones bitwise (also in a fresh process, where torch loads its
 linear-algebra library on first use) and leave no allocation behind, forming the step's directions a part of the
-blocks at a time equals whole lists bitwise, batched same-shape blocks equal the per-block path bitwise, deferred
+blocks at a time equals whole lists bitwise, batched same-shape blocks match the per-block path within fp32
+rounding (cuBLAS's batched matmuls round differently from its single ones on an H100), deferred
 roots computed in the background equal the same roots computed at the end of the step, per-group streams change
 nothing, steps compiled by torch.compile (ShampooPT2CompileConfig's defaults) match the float64 reference and the
 eager steps, and the DDP distributor over NCCL equals one process bitwise. Without CUDA every test is skipped.
@@ -101,14 +102,17 @@ def test_concurrent_roots_equal_sequential_roots_bitwise() -> None:
     [(SHAPES * 3, NUM_STEPS), ([(768, 768)] * 4 + [(3072, 768), (768, 3072)], 6)],  # 2 layers of the Track 3 set
     ids=["small", "track3"],
 )
-def test_batched_blocks_equal_the_per_block_path_bitwise(shapes: list[tuple[int, int]], num_steps: int) -> None:
-    """Whether cuBLAS's batched matmuls round as its single ones on these shapes: if not, batch_same_shape_blocks
-    changes results at rounding level on this GPU (it is bitwise on the CPU) and stays off for parity."""
+def test_batched_blocks_match_the_per_block_path_within_fp32_rounding(shapes: list[tuple[int, int]], num_steps: int) -> None:
+    """batch_same_shape_blocks on CUDA: the same operations in the same order, but cuBLAS's batched matmuls need not
+    round as its single ones. On an H100 (2026-12-05) they do not: after 12 steps of the small set 2,106 of 9,216
+    entries of a 96×96 parameter differed, by at most 4.8e-7. So the option stays off for parity with the published
+    optimizer, and this checks that the difference is rounding: within the tolerance CUDA meets against the CPU
+    (test_cuda_equals_cpu). On the CPU the two paths are bitwise equal (tests/batched_blocks_test.py)."""
     square = dict(preconditioner_config=RootInvShampooPreconditionerConfig(use_symmetric_packing=False))
     per_block = run("cuda", shapes=shapes, num_steps=num_steps, **square)
     batched = run("cuda", shapes=shapes, num_steps=num_steps, batched=True, **square)
     for got, want in zip(batched, per_block, strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_deferred_roots_in_the_background_equal_roots_at_the_end_of_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
