@@ -14,7 +14,8 @@ to decompose all of them
 then, with cuSOLVER in float32, from 2/4/8 host threads each on its own CUDA stream (what
 `ShampooRuntimeConfig(num_amortized_computation_streams=...)` does) and a profile of one 3072 call that splits its
 wall time into GPU kernel time and the rest. With several sizes, the whole set then runs from 1/2/4/8 threads
-largest first, as the optimizer orders a root step's factors. The table comes last, with the sum over both sizes:
+largest first, as the optimizer orders a root step's factors (on the CPU: one thread, LAPACK). The streams and the
+whole set use cuSOLVER in float32 whatever --libraries and --dtypes say: they measure today's path. The table comes last, with the sum over both sizes:
 a root step's eigendecompositions alone, one after another.
 
     python bench/probe_eigh.py                               # one GPU, a few minutes
@@ -59,8 +60,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--libraries", default="cusolver,magma", help="comma-separated: cusolver, magma (CUDA only)")
     parser.add_argument("--dtypes", default="float32,float64", help="comma-separated: float32, float64")
     args = parser.parse_args()
-    args.libraries = args.libraries.split(",")
-    args.dtypes = args.dtypes.split(",")
+    args.libraries = list(dict.fromkeys(args.libraries.split(",")))  # a repeated name would repeat its rows
+    args.dtypes = list(dict.fromkeys(args.dtypes.split(",")))
     if not set(args.libraries) <= {"cusolver", "magma"} or not set(args.dtypes) <= {"float32", "float64"}:
         parser.error(f"--libraries takes cusolver,magma and --dtypes float32,float64; got {args.libraries} and {args.dtypes}")
     try:
@@ -189,8 +190,8 @@ def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    name = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"torch {torch.__version__}, {name}, factor set {', '.join(f'{c} x {s}' for s, c in args.sizes.items())}")
+    device_name = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"torch {torch.__version__}, {device_name}, factor set {', '.join(f'{c} x {s}' for s, c in args.sizes.items())}")
     libraries = args.libraries if cuda else ["lapack"]
     dtypes = [getattr(torch, name) for name in args.dtypes]
     rows: list[Row] = []
@@ -210,12 +211,14 @@ def main() -> None:
             wall, busy, events, top = kernel_share(matrices[0])
             print(f"1 x {size} profiled: wall {wall:.1f} ms, GPU kernel+copy time {busy:.1f} ms in {events} device "
                   "events; most time in " + ", ".join(f"{kernel} {ms:.1f} ms" for kernel, ms in top), flush=True)
-            whole_set += matrices
+        whole_set += matrices
         del matrices
-    if cuda and len(args.sizes) > 1:
+    if len(args.sizes) > 1:
         whole_set.sort(key=lambda matrix: -matrix.shape[0])  # largest first, as the optimizer's root step
-        threads = {t: best_ms(on_threads(whole_set, t), device, args.repeats)[0] for t in (1, *THREAD_COUNTS)}
-        print(f"whole set largest first, cusolver, float32, threads/streams: "
+        if cuda:
+            torch.backends.cuda.preferred_linalg_library("cusolver")
+        threads = {t: best_ms(on_threads(whole_set, t), device, args.repeats)[0] for t in ((1, *THREAD_COUNTS) if cuda else (1,))}
+        print(f"whole set largest first, {'cusolver' if cuda else 'lapack'}, float32, threads/streams: "
               + ", ".join(f"{t}: {ms:.1f} ms" for t, ms in threads.items()), flush=True)
     if cuda:
         torch.backends.cuda.preferred_linalg_library("default")

@@ -30,11 +30,26 @@ def test_probe_eigh_prints_its_table_last_on_the_cpu():
         ("lapack", dtype, "bitwise") for _ in range(2) for dtype in ("float32", "float64")
     ]
     assert sum(line.split()[:1] == ["all"] for line in lines) == 2  # the sum over both sizes, per dtype
+    assert sum(line.startswith("whole set largest first, lapack, float32, threads/streams: 1: ") for line in lines) == 1
 
 
 def test_probe_eigh_refuses_bad_sizes():
     result = run_bench("probe_eigh.py", "--device", "cpu", "--sizes", "24x3")
     assert result.returncode == 2 and "--sizes must be comma-separated size:count pairs" in result.stderr
+
+
+def test_probe_eigh_dtypes_pick_its_rows_once():
+    result = run_bench("probe_eigh.py", "--device", "cpu", "--sizes", "24:3", "--repeats", "1", "--dtypes", "float64,float64")
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = [line.split() for line in result.stdout.splitlines() if line.split()[:3] == ["3", "x", "24"] and len(line.split()) == 8]
+    assert [row[4] for row in table] == ["float64"]
+
+
+@pytest.mark.parametrize("option", [("--libraries", "cusolver,rocsolver"), ("--dtypes", "bfloat16")])
+def test_probe_eigh_refuses_unknown_libraries_and_dtypes(option):
+    result = run_bench("probe_eigh.py", "--device", "cpu", "--sizes", "24:3", *option)
+    assert result.returncode == 2 and "--libraries takes cusolver,magma and --dtypes float32,float64" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.slow
