@@ -44,6 +44,7 @@ def test_defaults_are_the_record() -> None:
     assert (hp.matrix_lr, hp.matrix_beta1, hp.matrix_beta2, hp.matrix_weight_decay) == (0.0015, 0.9, 0.95, 0.2)
     assert (hp.shampoo_max_preconditioner_dim, hp.shampoo_precondition_frequency, hp.shampoo_start_preconditioning_step) == (8192, 5, -1)
     assert (hp.shampoo_grafting_beta2, hp.shampoo_grafting_epsilon) == (0.95, 1e-10)
+    assert hp.shampoo_defer_roots is False  # changes the math: never the record's
     assert hp.checkpoint_every == 0 and hp.resume == "" and hp.cycle_train_files is False
 
 
@@ -120,6 +121,13 @@ def test_root_stream_settings_reach_the_preconditioner() -> None:
     matrices = [torch.nn.Parameter(torch.zeros(16, 8)), torch.nn.Parameter(torch.zeros(8, 8))]
     shampoo_list = tgs.build_shampoo(matrices, hp, world_size=1)._group_runtimes[0].shampoo
     assert (shampoo_list._num_amortized_computation_streams, shampoo_list._concurrent_memory_fraction) == (3, float("inf"))
+    assert shampoo_list.defers_amortized_computation is False
+
+
+def test_deferred_roots_reach_the_preconditioner() -> None:
+    hp, _ = tgs.parse_args(["--shampoo_defer_roots=true"])
+    matrices = [torch.nn.Parameter(torch.zeros(16, 8))]
+    assert tgs.build_shampoo(matrices, hp, world_size=1)._group_runtimes[0].shampoo.defers_amortized_computation is True
 
 
 def shape_counts(params: list[torch.Tensor]) -> dict[tuple[int, ...], int]:
@@ -391,6 +399,23 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(workdir: Path, matrix_o
         assert torch.equal(a, b), name
     # the resumed run's own checkpoints go elsewhere and the original stays as it was (with its final step's)
     assert sorted(p.name for p in (workdir / "ckpt").iterdir()) == [".lock", "step000003", "step000006"]
+
+
+def test_deferred_roots_change_the_run_only_after_the_first_root_step_and_resume_exactly(workdir: Path) -> None:
+    """--shampoo_defer_roots: steps 1-3 are the grafting Adam alone either way; step 4, the first preconditioned
+    one, uses step 4's roots in the record and step 2's when deferred, so the runs agree at step 2 and part at 4.
+    A checkpoint taken right after a root step (its roots still computing) resumes bit for bit."""
+    common = ["--train_steps=6", "--val_every=2", "--late_frac=1", "--shampoo_precondition_frequency=2",
+              "--shampoo_start_preconditioning_step=4"]
+    record = smoke_run(*common).trials[0].val_losses
+    straight = smoke_run(*common, "--shampoo_defer_roots=true", "--checkpoint_every=2", "--checkpoint_dir=ckpt")
+    deferred = straight.trials[0].val_losses
+    assert deferred[2] == record[2] and deferred[4] != record[4]
+    assert all(math.isfinite(loss) for loss in deferred.values())
+    resumed = smoke_run(*common, "--shampoo_defer_roots=true", f"--resume={workdir / 'ckpt' / 'step000002'}")
+    assert {step: resumed.trials[0].val_losses[step] for step in (4, 6)} == {step: deferred[step] for step in (4, 6)}
+    for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_checkpointing_does_not_change_the_run(workdir: Path) -> None:
