@@ -142,8 +142,9 @@ class Hyperparameters:
     shampoo_grafting_beta2: float = setting("optimizer", 0.95, "beta2 of the grafting Adam")
     shampoo_grafting_epsilon: float = setting("optimizer", 1e-10, "epsilon of the grafting Adam")
     # CHANGES THE MATH, hence off: the roots of a root step are computed after it, on a background thread and CUDA
-    # stream beside the next step's forward and backward, and first used by that next step (one step older than
-    # the record's). At the same math the eigendecompositions cannot overlap training (bench/NOTES.md, 2026-12-05)
+    # stream beside the next step's forward and backward, and first used by that next step (so the first
+    # preconditioned step uses the initial roots). At the same math the eigendecompositions cannot overlap
+    # training (bench/NOTES.md, 2026-12-05)
     shampoo_defer_roots: bool = setting("optimizer", False, "compute each root step's roots beside the next step and use them one step later (CHANGES THE MATH; not the record)")
     # schedule: constant lr, then linear decay to 0 over the last cooldown_frac of the steps
     train_steps: int = setting("schedule", 4150, "optimizer steps; the LR schedule spans them")
@@ -1893,6 +1894,7 @@ def run_trial(launch: Launch, trial: int, resume: ResumePoint | None) -> TrialRe
         print0(f"checkpoint: {target}" + ("" if saved else " already exists; not replaced"), console=True)
 
     def stop_clock() -> None:
+        finish_deferred_roots(optimizers, step, matrix_names)  # timed, and before any state is saved
         synchronize(rt.device)
         progress.training_time_ms += 1000 * (time.perf_counter() - t0)
 
@@ -1936,20 +1938,22 @@ def run_trial(launch: Launch, trial: int, resume: ResumePoint | None) -> TrialRe
         approx_ms = progress.training_time_ms + 1000 * (time.perf_counter() - t0)  # no synchronize: the record's way
         if _is_master:  # the console only, as in the record
             print(f"step:{step + 1}/{hp.train_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms", flush=True)
-    try:  # --shampoo_defer_roots: the last root step's roots may still be computing (never used; not timed)
-        finish_deferred_roots(optimizers)
-    except NON_FINITE_PRECONDITIONER_ERRORS as error:
-        raise preconditioner_failure(error, hp.train_steps, matrix_names) from None
+    finish_deferred_roots(optimizers, hp.train_steps, matrix_names)  # a last step without validation left some
     stop_if_asked(signals=False)  # the last step's lines did not reach the log (a signal now stops the next trial)
     return TrialResult(val_losses)
 
 
-def finish_deferred_roots(optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Wait for root computations still running after their step (--shampoo_defer_roots) and raise their failure."""
+def finish_deferred_roots(optimizers: Sequence[torch.optim.Optimizer], step: int, matrix_names: list[str]) -> None:
+    """Wait for the roots that step `step` left computing (--shampoo_defer_roots); their non-finite failure stops
+    the run in one line, naming that step."""
     for optimizer in optimizers:
         finish = getattr(optimizer, "finish_amortized_computations", None)  # AdamW and the published optimizer: none
-        if finish is not None:
+        if finish is None:
+            continue
+        try:
             finish()
+        except NON_FINITE_PRECONDITIONER_ERRORS as error:
+            raise preconditioner_failure(error, step, matrix_names) from None
 
 
 # ------------------------------------------------------------------------------------------------
