@@ -15,8 +15,8 @@ then, with cuSOLVER in float32, from 2/4/8 host threads each on its own CUDA str
 `ShampooRuntimeConfig(num_amortized_computation_streams=...)` does) and a profile of one 3072 call that splits its
 wall time into GPU kernel time and the rest. With several sizes, the whole set then runs from 1/2/4/8 threads
 largest first, as the optimizer orders a root step's factors (on the CPU: one thread, LAPACK). The streams and the
-whole set use cuSOLVER in float32 whatever --libraries and --dtypes say: they measure today's path. The table comes last, with the sum over both sizes:
-a root step's eigendecompositions alone, one after another.
+whole set use cuSOLVER in float32 whatever --libraries and --dtypes say: they measure today's path. The table
+comes last, with the sum over both sizes: a root step's eigendecompositions alone, one after another.
 
     python bench/probe_eigh.py                               # one GPU, a few minutes
     python bench/probe_eigh.py --sizes 3072:24               # one size only (e.g. to split the call)
@@ -211,12 +211,9 @@ def main() -> None:
             wall, busy, events, top = kernel_share(matrices[0])
             print(f"1 x {size} profiled: wall {wall:.1f} ms, GPU kernel+copy time {busy:.1f} ms in {events} device "
                   "events; most time in " + ", ".join(f"{kernel} {ms:.1f} ms" for kernel, ms in top), flush=True)
-        whole_set += matrices
-        del matrices
+        whole_set += matrices  # kept for the whole-set timing below
     if len(args.sizes) > 1:
         whole_set.sort(key=lambda matrix: -matrix.shape[0])  # largest first, as the optimizer's root step
-        if cuda:
-            torch.backends.cuda.preferred_linalg_library("cusolver")
         threads = {t: best_ms(on_threads(whole_set, t), device, args.repeats)[0] for t in ((1, *THREAD_COUNTS) if cuda else (1,))}
         print(f"whole set largest first, {'cusolver' if cuda else 'lapack'}, float32, threads/streams: "
               + ", ".join(f"{t}: {ms:.1f} ms" for t, ms in threads.items()), flush=True)
