@@ -25,6 +25,7 @@ import gzip
 import json
 import lzma
 import multiprocessing
+import multiprocessing.pool
 import os
 import signal
 import sys
@@ -252,9 +253,15 @@ def hub_documents(sample: str) -> Iterator[str]:
 _worker_encoding: tiktoken.Encoding | None = None
 
 
+def tokenizer_pool(workers: int, bpe_file: Path | None) -> multiprocessing.pool.Pool:
+    """`workers` tokenizer processes, started as fresh interpreters ("spawn"). A forked worker inherits the parent's
+    SIGTERM handler and whatever locks its other threads hold at the fork (the test suite's optimizer worker thread,
+    tqdm's monitor); a CI run hung in the pool's shutdown on such a worker, which SIGTERM could not stop."""
+    return multiprocessing.get_context("spawn").Pool(workers, initializer=init_worker, initargs=(bpe_file,))
+
+
 def init_worker(bpe_file: Path | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops the pool
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool stops its workers with SIGTERM
     global _worker_encoding
     _worker_encoding = gpt2_encoding(bpe_file)
 
@@ -382,7 +389,7 @@ def _write_shards(
     writer = ShardWriter(out_dir, name, shard_size)
     count = DocumentCount()
     with (
-        multiprocessing.Pool(workers or os.cpu_count(), initializer=init_worker, initargs=(bpe_file,)) as pool,
+        tokenizer_pool(workers or os.cpu_count() or 1, bpe_file) as pool,
         tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress,
     ):
         try:

@@ -204,6 +204,25 @@ def test_interrupt_keeps_the_complete_shards_and_says_so(
     assert len(written) >= 2 and all(read_shard(path).size == 16 for path in written)  # complete shards, no temporary files
 
 
+def handler_a_worker_must_not_inherit(signum: int, frame: object) -> None:
+    raise AssertionError("only the parent installed this handler")
+
+
+def test_workers_start_fresh_without_the_parents_signal_handlers(bpe_file: Path) -> None:
+    """A forked worker would carry main()'s SIGTERM handler (and the locks of the parent's other threads), so the pool's
+    SIGTERM could not stop one stuck before its initializer. SIGUSR1 shows it: nothing in fineweb.py touches it."""
+    import signal
+
+    from fineweb import tokenizer_pool
+
+    previous = signal.signal(signal.SIGUSR1, handler_a_worker_must_not_inherit)
+    try:
+        with tokenizer_pool(1, bpe_file) as pool:
+            assert pool.apply(signal.getsignal, (signal.SIGUSR1,)) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def test_hub_source_without_datasets_names_the_install_command(
     tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -269,7 +269,7 @@ def _nccl_worker(rank: int, init_file: str, communicate_params: bool, results: A
 @pytest.mark.parametrize("communicate_params", [True, False])
 def test_ddp_over_nccl_equals_one_process(communicate_params: bool) -> None:
     with tempfile.TemporaryDirectory() as directory:
-        results = mp.Manager().dict()
+        results = mp.get_context("spawn").Manager().dict()  # not forked from a parent with threads
         mp.start_processes(_nccl_worker, args=(os.path.join(directory, "init"), communicate_params, results), nprocs=2, start_method="spawn")
         expected = run("cuda:0")
         for rank in range(2):

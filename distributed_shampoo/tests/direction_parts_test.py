@@ -213,7 +213,7 @@ def _ddp_worker(rank: int, init_file: str, results: Any) -> None:
 @pytest.mark.slow
 def test_ddp_with_parts_equals_one_process() -> None:
     with tempfile.TemporaryDirectory() as directory:
-        results = mp.Manager().dict()
+        results = mp.get_context("spawn").Manager().dict()  # not forked from a parent with threads
         # spawn: a child forked after the parent ran an OpenMP parallel region deadlocks in its own first one.
         mp.start_processes(_ddp_worker, args=(os.path.join(directory, "init"), results), nprocs=2, start_method="spawn")
         expected = run(CONFIGS["record"])[: len(SHAPES)]

@@ -162,7 +162,7 @@ def _round_trip_with_state_dict_api(checkpoint_dir: str, flatten: bool) -> bool:
 @pytest.fixture(scope="module")
 def ddp_results() -> dict[int, dict[str, Any]]:
     with tempfile.TemporaryDirectory() as directory:
-        manager = mp.Manager()
+        manager = mp.get_context("spawn").Manager()  # not forked: see start_method below
         results = manager.dict()
         mp.start_processes(
             _worker,
