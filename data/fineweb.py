@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import contextlib
 import fcntl
 import gzip
 import json
@@ -309,9 +310,24 @@ class ShardWriter:
 
     def _write(self) -> None:
         path = self.shard_path(len(self.paths))
-        write_shard(path, self.buffer[: self.filled])
-        self.paths.append(path)
-        self.filled = 0
+        with stop_signals_held():  # a shard on disk is in self.paths, and no temporary file is left behind
+            write_shard(path, self.buffer[: self.filled])
+            self.paths.append(path)
+            self.filled = 0
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """A Ctrl-C or SIGTERM arriving inside the block stops the run when the block is done. (Blocking the signals would
+    not do: Python runs its handlers in the main thread whichever thread the signal reached.)"""
+    global _holding_stop
+    _holding_stop = True
+    try:
+        yield
+    finally:
+        _holding_stop = False
+    if _stop_deferred:
+        raise KeyboardInterrupt
 
 
 def lock_out_dir(out_dir: Path) -> TextIO:
@@ -388,26 +404,27 @@ def _write_shards(
 ) -> list[Path]:
     writer = ShardWriter(out_dir, name, shard_size)
     count = DocumentCount()
-    with (
-        tokenizer_pool(workers or os.cpu_count() or 1, bpe_file) as pool,
-        tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress,
-    ):
-        try:
-            for tokens in pool.imap(tokenize, count.skip_empty(documents), chunksize=DOCUMENTS_PER_TASK):
-                writer.add(tokens)
-                progress.update(tokens.size)
-        except InputError as error:
-            if not writer.paths:
-                raise
-            raise InputError(
-                f"{error} ({len(writer.paths)} shards were already written to {out_dir}; delete them before running again)"
-            ) from None
-        except KeyboardInterrupt:
-            raise Interrupted(
-                f"interrupted: {len(writer.paths)} complete shards are in {out_dir} (the one being filled was not written); "
-                "delete them before running again"
-            ) from None
-    paths = writer.close()
+    try:
+        with (
+            tokenizer_pool(workers or os.cpu_count() or 1, bpe_file) as pool,
+            tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress,
+        ):
+            try:
+                for tokens in pool.imap(tokenize, count.skip_empty(documents), chunksize=DOCUMENTS_PER_TASK):
+                    writer.add(tokens)
+                    progress.update(tokens.size)
+            except InputError as error:
+                if not writer.paths:
+                    raise
+                raise InputError(
+                    f"{error} ({len(writer.paths)} shards were already written to {out_dir}; delete them before running again)"
+                ) from None
+        paths = writer.close()
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted: {len(writer.paths)} complete shards are in {out_dir} (the one being filled was not written); "
+            "delete them before running again"
+        ) from None
     if not paths:
         what = f"its {count.seen} documents are all empty" if count.seen else "it holds no documents"
         raise InputError(f"the input has no text ({what}), so no shards were written to {out_dir}; check the --input files")
@@ -427,13 +444,24 @@ def validation_only_note(val_shard: Path, num_tokens: int, shard_size: int) -> s
             "the rest train (README.md, 'Your own text', says how much a smoke run needs)")
 
 
-_stop_signal = signal.SIGINT  # what interrupted tokenizing: Ctrl-C unless SIGTERM arrived
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stop_signal: signal.Signals | None = None  # the signal that stopped this run, if one did
+_holding_stop = False  # inside stop_signals_held()
+_stop_deferred = False  # a stop signal arrived there
 
 
-def _stop_on_sigterm(signum: int, frame: object) -> None:
-    global _stop_signal
-    _stop_signal = signal.SIGTERM
-    raise KeyboardInterrupt  # SIGTERM stops tokenizing the way Ctrl-C does
+def _stop_on_signal(signum: int, frame: object) -> None:
+    """Ctrl-C and SIGTERM stop tokenizing the same way. Later ones are ignored until the process exits: a second signal
+    (Ctrl-C pressed twice, `timeout` passing on a `kill`) would otherwise break into the pool's shutdown with a
+    traceback, or kill the process before its semaphores are released (the resource tracker then warns)."""
+    global _stop_signal, _stop_deferred
+    _stop_signal = signal.Signals(signum)
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
+    if _holding_stop:
+        _stop_deferred = True
+    else:
+        raise KeyboardInterrupt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,7 +490,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    previous_sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    global _stop_signal, _stop_deferred
+    _stop_signal, _stop_deferred = None, False
+    previous_handlers = {stop_signal: signal.signal(stop_signal, _stop_on_signal) for stop_signal in STOP_SIGNALS}
     try:
         documents = local_documents(expand_inputs(args.input)) if args.input else hub_documents(args.hf_sample)
         paths = tokenize_corpus(documents, args.out_dir, args.name, args.shard_size, args.bpe_file, args.workers)
@@ -471,9 +501,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except Interrupted as stop:
         print(stop, file=sys.stderr)
-        return 128 + _stop_signal
+        return 128 + (_stop_signal or signal.SIGINT)
+    except KeyboardInterrupt:  # before tokenizing began
+        print(f"interrupted before any shard was written to {args.out_dir}", file=sys.stderr)
+        return 128 + (_stop_signal or signal.SIGINT)
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        if _stop_signal is None:  # after a stop signal they stay ignored (see _stop_on_signal)
+            for stop_signal, handler in previous_handlers.items():
+                signal.signal(stop_signal, handler)
     print(f"wrote {len(paths)} shards to {args.out_dir}: 1 validation shard, {len(paths) - 1} training shards")
     if len(paths) == 1:
         print(validation_only_note(paths[0], read_header(paths[0]), args.shard_size))

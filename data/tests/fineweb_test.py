@@ -223,6 +223,83 @@ def test_workers_start_fresh_without_the_parents_signal_handlers(bpe_file: Path)
         signal.signal(signal.SIGUSR1, previous)
 
 
+SLOW_CORPUS_RUN = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import fineweb
+
+def slow_documents(paths):  # an endless corpus, a document every millisecond: the run lasts until it is stopped
+    while True:
+        time.sleep(0.001)
+        yield "the cat and the hat " * 20
+
+fineweb.local_documents = slow_documents
+sys.exit(fineweb.main(["--input", sys.argv[2], "--bpe-file", sys.argv[3], "--out-dir", sys.argv[4], "--shard-size", "500"]))
+"""
+
+
+@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
+def test_repeated_stop_signals_end_the_run_in_one_line(tmp_path: Path, bpe_file: Path, stop_signal: str) -> None:
+    """Ctrl-C pressed again and again, or `timeout` passing on a `kill`, while the pool shuts down: the first signal
+    stops the run, the later ones must not break into the shutdown with a traceback."""
+    import signal
+    import time
+
+    corpus = write_corpus(tmp_path / "corpus", "txt", ["unused: the run reads slow_documents"])[0]
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-c", SLOW_CORPUS_RUN, str(DATA_DIR), str(corpus), str(bpe_file), str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not list(out.glob("fineweb_train_*.bin")) and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the first training shard is written
+    while run.poll() is None and time.monotonic() < deadline:
+        run.send_signal(getattr(signal, stop_signal))
+        time.sleep(0.01)
+    stdout, stderr = run.communicate(timeout=10)
+    assert "Traceback" not in stderr, stderr
+    written = sorted(path for path in out.iterdir() if path.name != LOCK_NAME)
+    assert stderr.splitlines()[-1] == (f"interrupted: {len(written)} complete shards are in {out} (the one being filled "
+                                       "was not written); delete them before running again")  # fmt: skip
+    assert run.returncode == 128 + getattr(signal, stop_signal)
+    assert len(written) >= 2 and all(read_shard(path).size == 500 for path in written)
+
+
+def test_a_stop_signal_during_a_shard_write_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal between linking a shard and counting it would make the interrupt message one shard short."""
+    import signal
+
+    import fineweb
+
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keeps pytest's own SIGINT and SIGTERM handlers
+    monkeypatch.setattr(fineweb, "_stop_signal", None)
+    monkeypatch.setattr(fineweb, "_stop_deferred", False)
+    original_write_shard = fineweb.write_shard
+
+    def write_then_signal(path: Path, tokens: np.ndarray) -> None:
+        original_write_shard(path, tokens)
+        fineweb._stop_on_signal(signal.SIGTERM, None)  # as if SIGTERM arrived right after the link
+
+    monkeypatch.setattr(fineweb, "write_shard", write_then_signal)
+    writer = fineweb.ShardWriter(tmp_path, "tiny", 4)
+    with pytest.raises(KeyboardInterrupt):
+        writer.add(np.arange(6, dtype=np.uint16))
+    assert writer.paths == [tmp_path / "tiny_val_000000.bin"] and writer.filled == 0
+
+
+def test_an_interrupt_before_tokenizing_is_one_line(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import fineweb
+
+    def interrupted(paths: object) -> None:
+        raise KeyboardInterrupt  # Ctrl-C while the inputs are listed
+
+    monkeypatch.setattr(fineweb, "expand_inputs", interrupted)
+    out = tmp_path / "out"
+    assert main(["--input", str(tmp_path), "--bpe-file", str(bpe_file), "--out-dir", str(out)]) == 130
+    assert capsys.readouterr().err == f"interrupted before any shard was written to {out}\n"
+    assert not out.exists()
+
+
 def test_hub_source_without_datasets_names_the_install_command(
     tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
