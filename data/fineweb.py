@@ -30,6 +30,7 @@ import multiprocessing.pool
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
@@ -225,6 +226,14 @@ def local_documents(files: Iterable[Path]) -> Iterator[str]:
         yield from file_documents(path)
 
 
+def until_set(stop: threading.Event, documents: Iterable[str]) -> Iterator[str]:
+    """`documents` until `stop` is set (the pool reads them on its own thread)."""
+    for text in documents:
+        if stop.is_set():
+            return
+        yield text
+
+
 class DocumentCount:
     """How many documents the input held; skip_empty passes on those with text (an empty one would add a lone EOT)."""
 
@@ -255,14 +264,26 @@ _worker_encoding: tiktoken.Encoding | None = None
 
 
 def tokenizer_pool(workers: int, bpe_file: Path | None) -> multiprocessing.pool.Pool:
-    """`workers` tokenizer processes, started as fresh interpreters ("spawn"). A forked worker inherits the parent's
-    SIGTERM handler and whatever locks its other threads hold at the fork (the test suite's optimizer worker thread,
-    tqdm's monitor); a CI run hung in the pool's shutdown on such a worker, which SIGTERM could not stop."""
-    return multiprocessing.get_context("spawn").Pool(workers, initializer=init_worker, initargs=(bpe_file,))
+    """`workers` tokenizer processes, started as fresh interpreters ("spawn") that ignore Ctrl-C and SIGTERM.
+
+    Fresh: a forked worker inherits whatever locks the parent's other threads hold at the fork. Deaf to stop signals:
+    the parent alone handles a stop and ends the pool by closing it (_write_shards). A worker killed by a signal
+    (Pool.terminate, or a terminal's Ctrl-C and `timeout` signalling the whole process group) can die holding the
+    result queue's lock and hang the pool's shutdown: a CI run hung there for 600 s. An ignored disposition survives
+    exec, so it is set in the parent while the workers start (a stop in that moment is lost; press Ctrl-C again) and
+    covers their imports too, where a Ctrl-C printed tracebacks."""
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
+    previous = {stop: signal.signal(stop, signal.SIG_IGN) for stop in STOP_SIGNALS} if in_main_thread else {}
+    try:
+        return multiprocessing.get_context("spawn").Pool(workers, initializer=init_worker, initargs=(bpe_file,))
+    finally:
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)
 
 
 def init_worker(bpe_file: Path | None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops the pool
+    for stop in STOP_SIGNALS:  # again, for a worker the pool starts later to replace one that died
+        signal.signal(stop, signal.SIG_IGN)
     global _worker_encoding
     _worker_encoding = gpt2_encoding(bpe_file)
 
@@ -319,14 +340,15 @@ class ShardWriter:
 @contextlib.contextmanager
 def stop_signals_held() -> Iterator[None]:
     """A Ctrl-C or SIGTERM arriving inside the block stops the run when the block is done. (Blocking the signals would
-    not do: Python runs its handlers in the main thread whichever thread the signal reached.)"""
-    global _holding_stop
+    not do: a signal blocked in one thread is delivered to another, and Python still runs the handler in the main one.)"""
+    global _holding_stop, _stop_deferred
     _holding_stop = True
     try:
         yield
     finally:
         _holding_stop = False
     if _stop_deferred:
+        _stop_deferred = False
         raise KeyboardInterrupt
 
 
@@ -404,27 +426,30 @@ def _write_shards(
 ) -> list[Path]:
     writer = ShardWriter(out_dir, name, shard_size)
     count = DocumentCount()
+    stop_feeding = threading.Event()
+    pool = tokenizer_pool(workers or os.cpu_count() or 1, bpe_file)
     try:
-        with (
-            tokenizer_pool(workers or os.cpu_count() or 1, bpe_file) as pool,
-            tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress,
-        ):
-            try:
-                for tokens in pool.imap(tokenize, count.skip_empty(documents), chunksize=DOCUMENTS_PER_TASK):
-                    writer.add(tokens)
-                    progress.update(tokens.size)
-            except InputError as error:
-                if not writer.paths:
-                    raise
-                raise InputError(
-                    f"{error} ({len(writer.paths)} shards were already written to {out_dir}; delete them before running again)"
-                ) from None
+        with tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress:
+            documents_until_stopped = until_set(stop_feeding, count.skip_empty(documents))
+            for tokens in pool.imap(tokenize, documents_until_stopped, chunksize=DOCUMENTS_PER_TASK):
+                writer.add(tokens)
+                progress.update(tokens.size)
         paths = writer.close()
+    except InputError as error:
+        if not writer.paths:
+            raise
+        raise InputError(
+            f"{error} ({len(writer.paths)} shards were already written to {out_dir}; delete them before running again)"
+        ) from None
     except KeyboardInterrupt:
         raise Interrupted(
             f"interrupted: {len(writer.paths)} complete shards are in {out_dir} (the one being filled was not written); "
             "delete them before running again"
         ) from None
+    finally:  # never Pool.terminate (see tokenizer_pool): the workers finish the documents they hold and exit
+        stop_feeding.set()
+        pool.close()
+        pool.join()
     if not paths:
         what = f"its {count.seen} documents are all empty" if count.seen else "it holds no documents"
         raise InputError(f"the input has no text ({what}), so no shards were written to {out_dir}; check the --input files")
@@ -451,13 +476,14 @@ _stop_deferred = False  # a stop signal arrived there
 
 
 def _stop_on_signal(signum: int, frame: object) -> None:
-    """Ctrl-C and SIGTERM stop tokenizing the same way. Later ones are ignored until the process exits: a second signal
-    (Ctrl-C pressed twice, `timeout` passing on a `kill`) would otherwise break into the pool's shutdown with a
-    traceback, or kill the process before its semaphores are released (the resource tracker then warns)."""
+    """Ctrl-C and SIGTERM stop tokenizing the same way; later ones do nothing. A second signal (Ctrl-C pressed twice,
+    `timeout`, which signals the command and then its process group) would otherwise break into the pool's shutdown
+    with a traceback, or kill the process before its semaphores are released (the resource tracker then warns). The
+    handler stays installed rather than switching to SIG_IGN, which workers started later would inherit."""
     global _stop_signal, _stop_deferred
+    if _stop_signal is not None:
+        return
     _stop_signal = signal.Signals(signum)
-    for stop_signal in STOP_SIGNALS:
-        signal.signal(stop_signal, signal.SIG_IGN)
     if _holding_stop:
         _stop_deferred = True
     else:
@@ -502,18 +528,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Interrupted as stop:
         print(stop, file=sys.stderr)
         return 128 + (_stop_signal or signal.SIGINT)
-    except KeyboardInterrupt:  # before tokenizing began
-        print(f"interrupted before any shard was written to {args.out_dir}", file=sys.stderr)
+    except KeyboardInterrupt:  # outside the tokenizing loop: while listing the inputs, or around the lock
+        print(f"interrupted before tokenizing finished; no partial shard was written to {args.out_dir}", file=sys.stderr)
         return 128 + (_stop_signal or signal.SIGINT)
     finally:
-        if _stop_signal is None:  # after a stop signal they stay ignored (see _stop_on_signal)
-            for stop_signal, handler in previous_handlers.items():
-                signal.signal(stop_signal, handler)
+        for stop_signal, handler in previous_handlers.items():
+            signal.signal(stop_signal, handler)
     print(f"wrote {len(paths)} shards to {args.out_dir}: 1 validation shard, {len(paths) - 1} training shards")
     if len(paths) == 1:
         print(validation_only_note(paths[0], read_header(paths[0]), args.shard_size))
     return 0
 
 
+def script_main(argv: Sequence[str] | None = None) -> int:
+    """main() for `python data/fineweb.py`. A stopped run exits right after main(), whose pool is closed and joined and
+    whose shards are on disk: the interpreter's shutdown puts the default handlers back, and a signal still arriving
+    then (Ctrl-C held down, `timeout` signalling the group) would kill the process instead of its exit status 130/143."""
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, _stop_on_signal)
+    status = main(argv)
+    if _stop_signal is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main())

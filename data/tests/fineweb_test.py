@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import json
 import lzma
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -208,19 +211,21 @@ def handler_a_worker_must_not_inherit(signum: int, frame: object) -> None:
     raise AssertionError("only the parent installed this handler")
 
 
-def test_workers_start_fresh_without_the_parents_signal_handlers(bpe_file: Path) -> None:
-    """A forked worker would carry main()'s SIGTERM handler (and the locks of the parent's other threads), so the pool's
-    SIGTERM could not stop one stuck before its initializer. SIGUSR1 shows it: nothing in fineweb.py touches it."""
-    import signal
-
+def test_workers_start_fresh_and_ignore_stop_signals(bpe_file: Path) -> None:
+    """A forked worker would carry the parent's handlers and the locks of its other threads: SIGUSR1, which nothing in
+    fineweb.py touches, shows that the workers are fresh interpreters. Ctrl-C and SIGTERM are the parent's to handle."""
     from fineweb import tokenizer_pool
 
     previous = signal.signal(signal.SIGUSR1, handler_a_worker_must_not_inherit)
+    pool = tokenizer_pool(1, bpe_file)
     try:
-        with tokenizer_pool(1, bpe_file) as pool:
-            assert pool.apply(signal.getsignal, (signal.SIGUSR1,)) == signal.SIG_DFL
+        assert pool.apply(signal.getsignal, (signal.SIGUSR1,)) == signal.SIG_DFL
+        assert [pool.apply(signal.getsignal, (stop,)) for stop in (signal.SIGINT, signal.SIGTERM)] == [signal.SIG_IGN] * 2
     finally:
+        pool.close()
+        pool.join()
         signal.signal(signal.SIGUSR1, previous)
+    assert signal.getsignal(signal.SIGUSR1) is previous and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
 
 
 SLOW_CORPUS_RUN = """
@@ -234,40 +239,58 @@ def slow_documents(paths):  # an endless corpus, a document every millisecond: t
         yield "the cat and the hat " * 20
 
 fineweb.local_documents = slow_documents
-sys.exit(fineweb.main(["--input", sys.argv[2], "--bpe-file", sys.argv[3], "--out-dir", sys.argv[4], "--shard-size", "500"]))
+sys.exit(fineweb.script_main(["--input", sys.argv[2], "--bpe-file", sys.argv[3], "--out-dir", sys.argv[4], "--shard-size", "500"]))
 """
 
 
-@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
-def test_repeated_stop_signals_end_the_run_in_one_line(tmp_path: Path, bpe_file: Path, stop_signal: str) -> None:
-    """Ctrl-C pressed again and again, or `timeout` passing on a `kill`, while the pool shuts down: the first signal
-    stops the run, the later ones must not break into the shutdown with a traceback."""
-    import signal
-    import time
-
+@pytest.mark.parametrize("stop_signals", [["SIGINT"], ["SIGTERM"], ["SIGINT", "SIGTERM"]])
+def test_repeated_stop_signals_to_the_process_group_end_the_run_in_one_line(
+    tmp_path: Path, bpe_file: Path, stop_signals: list[str]
+) -> None:
+    """Ctrl-C pressed again and again in a terminal, or `timeout`, signal the run's whole process group, workers
+    included, while the pool shuts down: the first signal stops the run, the later ones must not break into the
+    shutdown with a traceback, kill a worker that holds the pool's queue lock (the pool then hangs) or outlive it."""
     corpus = write_corpus(tmp_path / "corpus", "txt", ["unused: the run reads slow_documents"])[0]
     out = tmp_path / "out"
     run = subprocess.Popen([sys.executable, "-c", SLOW_CORPUS_RUN, str(DATA_DIR), str(corpus), str(bpe_file), str(out)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not list(out.glob("fineweb_train_*.bin")) and run.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)  # until the first training shard is written
-    while run.poll() is None and time.monotonic() < deadline:
-        run.send_signal(getattr(signal, stop_signal))
-        time.sleep(0.01)
-    stdout, stderr = run.communicate(timeout=10)
-    assert "Traceback" not in stderr, stderr
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out.glob("fineweb_train_*.bin")) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the first training shard is written
+        sent = 0
+        while run.poll() is None and time.monotonic() < deadline:
+            os.killpg(run.pid, getattr(signal, stop_signals[sent % len(stop_signals)]))
+            sent += 1
+            time.sleep(0.01)
+        stdout, stderr = run.communicate(timeout=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)  # a hung run must not outlive the test
+    assert sent >= 1
     written = sorted(path for path in out.iterdir() if path.name != LOCK_NAME)
-    assert stderr.splitlines()[-1] == (f"interrupted: {len(written)} complete shards are in {out} (the one being filled "
-                                       "was not written); delete them before running again")  # fmt: skip
-    assert run.returncode == 128 + getattr(signal, stop_signal)
+    assert [line for line in stderr.splitlines() if line and "tokenizing into" not in line] == [  # only tqdm's bar besides
+        f"interrupted: {len(written)} complete shards are in {out} (the one being filled was not written); "
+        "delete them before running again"
+    ], stderr
+    assert run.returncode == 128 + getattr(signal, stop_signals[0])
     assert len(written) >= 2 and all(read_shard(path).size == 500 for path in written)
+    deadline = time.monotonic() + 10
+    while group_is_alive(run.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the resource tracker leaves once the run has exited
+    assert not group_is_alive(run.pid), "a worker or helper process outlived the run"
+
+
+def group_is_alive(process_group: int) -> bool:
+    try:
+        os.killpg(process_group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_stop_signal_during_a_shard_write_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A signal between linking a shard and counting it would make the interrupt message one shard short."""
-    import signal
-
     import fineweb
 
     monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keeps pytest's own SIGINT and SIGTERM handlers
@@ -288,6 +311,7 @@ def test_a_stop_signal_during_a_shard_write_waits_for_it(tmp_path: Path, monkeyp
 
 def test_an_interrupt_before_tokenizing_is_one_line(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C before the tokenizing loop (here while the inputs are listed) is one line, not a traceback."""
     import fineweb
 
     def interrupted(paths: object) -> None:
@@ -295,8 +319,12 @@ def test_an_interrupt_before_tokenizing_is_one_line(tmp_path: Path, bpe_file: Pa
 
     monkeypatch.setattr(fineweb, "expand_inputs", interrupted)
     out = tmp_path / "out"
-    assert main(["--input", str(tmp_path), "--bpe-file", str(bpe_file), "--out-dir", str(out)]) == 130
-    assert capsys.readouterr().err == f"interrupted before any shard was written to {out}\n"
+    try:
+        status = main(["--input", str(tmp_path), "--bpe-file", str(bpe_file), "--out-dir", str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt escaped main()")
+    assert status == 130
+    assert capsys.readouterr().err == f"interrupted before tokenizing finished; no partial shard was written to {out}\n"
     assert not out.exists()
 
 
