@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -273,12 +273,8 @@ def tokenizer_pool(workers: int, bpe_file: Path | None) -> multiprocessing.pool.
     exec, so it is set in the parent while the workers start (a stop in that moment is lost; press Ctrl-C again) and
     covers their imports too, where a Ctrl-C printed tracebacks."""
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
-    previous = {stop: signal.signal(stop, signal.SIG_IGN) for stop in STOP_SIGNALS} if in_main_thread else {}
-    try:
+    with stop_signals_handled_by(signal.SIG_IGN) if in_main_thread else contextlib.nullcontext():
         return multiprocessing.get_context("spawn").Pool(workers, initializer=init_worker, initargs=(bpe_file,))
-    finally:
-        for stop, handler in previous.items():
-            signal.signal(stop, handler)
 
 
 def init_worker(bpe_file: Path | None) -> None:
@@ -475,6 +471,17 @@ _holding_stop = False  # inside stop_signals_held()
 _stop_deferred = False  # a stop signal arrived there
 
 
+@contextlib.contextmanager
+def stop_signals_handled_by(handler: signal.Handlers | Callable[[int, object], None]) -> Iterator[None]:
+    """Ctrl-C and SIGTERM go to `handler` inside the block, then back to what they were."""
+    previous = {stop: signal.signal(stop, handler) for stop in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for stop, previous_handler in previous.items():
+            signal.signal(stop, previous_handler)
+
+
 def _stop_on_signal(signum: int, frame: object) -> None:
     """Ctrl-C and SIGTERM stop tokenizing the same way; later ones do nothing. A second signal (Ctrl-C pressed twice,
     `timeout`, which signals the command and then its process group) would otherwise break into the pool's shutdown
@@ -518,10 +525,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     global _stop_signal, _stop_deferred
     _stop_signal, _stop_deferred = None, False
-    previous_handlers = {stop_signal: signal.signal(stop_signal, _stop_on_signal) for stop_signal in STOP_SIGNALS}
     try:
-        documents = local_documents(expand_inputs(args.input)) if args.input else hub_documents(args.hf_sample)
-        paths = tokenize_corpus(documents, args.out_dir, args.name, args.shard_size, args.bpe_file, args.workers)
+        with stop_signals_handled_by(_stop_on_signal):
+            documents = local_documents(expand_inputs(args.input)) if args.input else hub_documents(args.hf_sample)
+            paths = tokenize_corpus(documents, args.out_dir, args.name, args.shard_size, args.bpe_file, args.workers)
     except InputError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -531,9 +538,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # outside the tokenizing loop: while listing the inputs, or around the lock
         print(f"interrupted before tokenizing finished; no partial shard was written to {args.out_dir}", file=sys.stderr)
         return 128 + (_stop_signal or signal.SIGINT)
-    finally:
-        for stop_signal, handler in previous_handlers.items():
-            signal.signal(stop_signal, handler)
     print(f"wrote {len(paths)} shards to {args.out_dir}: 1 validation shard, {len(paths) - 1} training shards")
     if len(paths) == 1:
         print(validation_only_note(paths[0], read_header(paths[0]), args.shard_size))
