@@ -63,6 +63,18 @@ else
     fail "$nproc_per_node GPUs are visible, but $script splits its batch over 1, 2, 4 or 8 processes; set NPROC=$(largest_usable "$nproc_per_node") (or CUDA_VISIBLE_DEVICES)"
 fi
 
+# OpenMP threads per worker where OMP_NUM_THREADS does not say: on CPU the scripts' own rule (cpu_threads: half the
+# usable cores over this machine's processes, at least 1), which torchrun's default of 1 for several processes would
+# otherwise override; on GPUs torchrun's 1, set here so that torchrun does not print its four-line notice of it.
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+  if (($(count_visible_gpus) > 0)); then
+    ((nproc_per_node == 1)) || export OMP_NUM_THREADS=1
+  else
+    threads=$(($(nproc) / (2 * nproc_per_node)))
+    export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
+  fi
+fi
+
 # One machine: torchrun --standalone. Several (NNODES): torchrun's c10d rendezvous at RDZV_ENDPOINT or
 # MASTER_ADDR:MASTER_PORT. c10d numbers the machines itself (the one whose host name sorts first gets rank 0 and
 # writes the log); NODE_RANK only says which machine hosts the rendezvous store, for when host names do not

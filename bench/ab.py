@@ -22,12 +22,12 @@ comparison in one invocation is a comparison):
   * --profile-steps N: afterwards N steps of each version under torch.profiler: kernel time by kind and
     the top kernels, the GPU's idle time between kernels, and how much of it the GPU spent waiting for the
     host (gaps after which the next launch came only after the GPU had gone idle).
-  * --time-limit S: on a machine lent for S seconds a call, a round (or the profile) that the last round's
+  * --time-limit S: on a machine that limits each command to S seconds, a round (or the profile) that the last round's
     duration says would not fit is left out, and the rounds run so far are reported rather than lost.
   * --deadline S: a worker still busy S seconds after the start (hung, or far slower than planned) is
     stopped after writing every thread's Python stack, which is printed; the rounds so far are reported and
     the exit status is 3 (a worker once hung before its first step until the call was killed, and the call's
-    output went with it: bench/NOTES.md, 2026-12-02, commit 1c45907). On a lent machine: a little below the call's limit.
+    output went with it: bench/NOTES.md, 2026-12-02, commit 1c45907). Under such a limit: a little below it.
 
 Track 3 (`--train-script train_gpt_shampoo.py`): the versions are that script (and the distributed_shampoo package of
 the same revision, log or working tree), and --baseline-flags / --candidate-flags add overrides to one side only,
@@ -1033,7 +1033,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--time-limit", type=float, default=0.0,
         help="seconds for the whole invocation (default 0: none); a round or the profile that would not fit, estimated "
-        "from the last round, is left out and the rounds run so far are reported (for machines lent by the call)",
+        "from the last round, is left out and the rounds run so far are reported (for machines that limit each command's time)",
     )
     parser.add_argument(
         "--deadline", type=float, default=0.0,

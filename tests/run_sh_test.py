@@ -76,6 +76,27 @@ def test_nproc_overrides_the_count(checkout: Path) -> None:
     assert "--nproc_per_node=8 " in run(checkout, NPROC="8").stdout
 
 
+@pytest.mark.parametrize(
+    ("env", "nproc", "expected"),
+    [
+        ({}, 4, "1"),  # torchrun's own choice for several processes, set by run.sh so that torchrun prints no notice
+        ({"NPROC": "1"}, 1, "unset"),  # one process on a GPU: torchrun sets nothing either
+        ({"OMP_NUM_THREADS": "3"}, 4, "3"),
+        ({"CUDA_VISIBLE_DEVICES": "", "NPROC": "1"}, 1, "rule"),
+        ({"CUDA_VISIBLE_DEVICES": "", "NPROC": "2"}, 2, "rule"),
+        ({"CUDA_VISIBLE_DEVICES": "", "NPROC": "2", "OMP_NUM_THREADS": "5"}, 2, "5"),
+    ],
+)
+def test_openmp_threads_per_worker(checkout: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], nproc: int, expected: str) -> None:
+    """On CPU the workers get the scripts' own rule (cpu_threads), not torchrun's 1; on GPUs torchrun's 1 for several."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    make_executable(checkout / "bin" / "torchrun", 'echo "threads ${OMP_NUM_THREADS-unset}"')
+    result = run(checkout, "--preset=smoke", **env)
+    assert result.returncode == 0, result.stderr
+    rule = max(1, len(os.sched_getaffinity(0)) // (2 * nproc))  # train_gpt.cpu_threads
+    assert result.stdout.strip() == f"threads {rule if expected == 'rule' else expected}"
+
+
 @pytest.mark.parametrize("env", [{"CUDA_VISIBLE_DEVICES": ""}, {"CUDA_VISIBLE_DEVICES": "-1"}, {}])
 def test_no_gpu_is_one_sentence_pointing_to_the_cpu_smoke_run(checkout: Path, env: dict[str, str]) -> None:
     result = run(checkout, gpus_present=bool(env), **env)

@@ -94,7 +94,7 @@ TRACKS = {
     3: Track(3, "train_gpt_shampoo.py", "train_gpt_shampoo", 22, 34_101, 40_400, 162_354_816),
 }
 
-# Expected ms/step at the record configuration, as measured. Conditions: NVIDIA H200 (lent machines),
+# Expected ms/step at the record configuration, as measured. Conditions: NVIDIA H200,
 # torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention (no FA3), on the docs_proxy shards
 # (Debian documentation in the FineWeb format: the same tokens per step, but other document lengths, which
 # change attention's block sparsity a little). Each entry says when and at which commit (README Performance).

@@ -89,7 +89,7 @@ def test_cuda_equals_cpu() -> None:
 
 
 def test_concurrent_roots_equal_sequential_roots_bitwise() -> None:
-    # Several blocks of each size, so that every stream gets work and the sequential run batches its eigh calls.
+    # Several blocks of each size, so that every stream gets work.
     shapes = SHAPES * 3
     sequential = run("cuda", shapes=shapes)
     for streams in (2, 4):
