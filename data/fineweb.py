@@ -114,6 +114,9 @@ def bpe_file_gpt2(bpe_file: Path) -> tiktoken.Encoding:
     ranks = read_bpe_ranks(bpe_file)
     if max(ranks.values()) >= EOT:
         raise InputError(f"--bpe-file {bpe_file}: has ranks >= {EOT}, so it is not GPT-2's BPE; pass gpt2.tiktoken")
+    missing_bytes = sum(bytes([value]) not in ranks for value in range(256))
+    if missing_bytes:  # e.g. a truncated file: tiktoken panics (in every worker, again and again) on such a byte
+        raise InputError(f"--bpe-file {bpe_file}: {missing_bytes} of the 256 single bytes have no rank, so some text cannot be encoded; pass the complete gpt2.tiktoken")
     return tiktoken.Encoding(
         name=f"gpt2 ({bpe_file})", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT}
     )
@@ -217,7 +220,7 @@ def file_documents(path: Path) -> Iterator[str]:
                 yield f.read()
     except UnicodeDecodeError as error:
         raise InputError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason}); convert it to UTF-8") from None
-    except (OSError, EOFError) as error:
+    except (OSError, EOFError, lzma.LZMAError) as error:
         raise InputError(f"{path}: cannot read it ({error}); check that the file is complete") from None
 
 
@@ -510,14 +513,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--name", default="fineweb", help="shard file prefix (default: %(default)s)")
     parser.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="tokens per shard (default: %(default)s)")
     parser.add_argument("--bpe-file", type=Path, help="a local gpt2.tiktoken, for machines where tiktoken cannot download it")
-    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes (default: %(default)s)")
+    parser.add_argument("--workers", type=int, help="tokenizer processes, at most one per usable core (default: one per usable core)")
     args = parser.parse_args(argv)
     if args.out_dir is None:
         if args.input:
             parser.error("--out-dir is required with --input")
         args.out_dir = HF_SAMPLES[args.hf_sample]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if args.workers is None:
+        args.workers = cores
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    if args.workers > cores:  # each worker holds a tokenizer: more only take memory
+        parser.error(f"--workers {args.workers}: this machine gives the process {cores} cores; use at most {cores}")
+    if not args.name or Path(args.name).name != args.name or args.name in (".", ".."):
+        parser.error(f"--name {args.name!r}: a file name prefix, without a folder; pass the folder as --out-dir")
     return args
 
 

@@ -155,6 +155,14 @@ def bad_input(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     compressed = gzip.compress(" ".join(str(n) for n in range(5000)).encode())
     path.write_bytes(compressed[: len(compressed) // 2])
     cases["truncated-gzip"] = (path, "truncated.gz: cannot read it")
+    path = tmp_path / "garbage.txt.xz"
+    path.write_bytes(os.urandom(64))
+    cases["not-xz"] = (path, "garbage.txt.xz: cannot read it")
+    path = tmp_path / "flipped.txt.xz"
+    compressed = bytearray(lzma.compress(" ".join(str(n) for n in range(5000)).encode()))
+    compressed[len(compressed) // 2] ^= 0xFF
+    path.write_bytes(bytes(compressed))
+    cases["corrupt-xz"] = (path, "flipped.txt.xz: cannot read it")
     cases["missing"] = (tmp_path / "absent.txt", "absent.txt: no such file or directory")
     return cases
 
@@ -163,7 +171,7 @@ def bad_input(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     "case",
     [
         "unsupported-suffix", "jsonl-without-text", "jsonl-not-json", "not-utf8", "parquet-without-text", "not-parquet",
-        "truncated-gzip", "missing",
+        "truncated-gzip", "not-xz", "corrupt-xz", "missing",
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
@@ -461,3 +469,37 @@ def test_an_importer_gets_the_import_error(module: str, missing: str) -> None:
     """Imported (by a test, a tool), the data scripts raise the ImportError rather than exit."""
     result = subprocess.run([sys.executable, "-c", IMPORT_WITHOUT, missing, module, str(DATA_DIR)], capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (0, f"ImportError {missing}\n", "")
+
+
+def test_a_bpe_file_without_every_byte_is_one_line(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A truncated BPE file (here its first 100 ranks) cannot encode every byte: tiktoken panicked in each worker and the
+    pool started new ones forever. Now one line before any worker starts, and nothing written."""
+    truncated = tmp_path / "head.tiktoken"
+    truncated.write_text("".join(bpe_file.read_text().splitlines(keepends=True)[:100]))
+    (tmp_path / "a.txt").write_text("some text")
+    out = tmp_path / "out"
+    assert main(["--input", str(tmp_path / "a.txt"), "--bpe-file", str(truncated), "--out-dir", str(out), "--workers", "1"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --bpe-file {truncated}: 156 of the 256 single bytes have no rank, so some text cannot be encoded; pass the complete gpt2.tiktoken"
+    ]
+    assert not list(out.glob("*.bin"))
+
+
+@pytest.mark.parametrize(
+    ("flag", "fragment"),
+    [
+        (("--workers", "100000"), "--workers 100000: this machine gives the process"),
+        (("--name", "../escape"), "--name '../escape': a file name prefix, without a folder"),
+        (("--name", "sub/shards"), "--name 'sub/shards': a file name prefix, without a folder"),
+        (("--name", ""), "--name '': a file name prefix"),
+    ],
+)
+def test_workers_beyond_the_cores_and_a_name_with_a_folder_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: tuple[str, str], fragment: str
+) -> None:
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--input", str(tmp_path / "a.txt"), "--out-dir", str(tmp_path / "out"), *flag])
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists() and not list(tmp_path.parent.glob("escape*"))
