@@ -1059,6 +1059,10 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             parser.error(f"--nproc={args.nproc}: use 1, 2, 4 or 8 (the record batch is split over a divisor of 8)")
         if args.rounds < 1 or args.skip < 1 or args.profile_steps < 0 or not args.time_limit >= 0 or not args.deadline >= 0:
             parser.error("--rounds and --skip must be >= 1, --profile-steps, --time-limit and --deadline >= 0")
+        if args.order == "abba" and args.rounds % 2:
+            parser.error(f"--order abba needs an even --rounds (got {args.rounds}): the slot effect cancels over pairs of rounds")
+        if args.json is not None and args.json.exists():
+            parser.error(f"--json {args.json}: the file exists, and results are never overwritten; pass another path")
         if args.trace is not None and not args.profile_steps:
             parser.error("--trace writes the profiled steps' timeline: give --profile-steps N too")
         for name in ("baseline_flags", "candidate_flags"):

@@ -469,3 +469,13 @@ def test_a_round_restores_optimizers_and_loaders_but_never_a_module(ab):
     arguments = dict(model=wrapper, raw_model=raw_model, adam=optimizer, progress=Progress(), hp=object())
     stateful, records = ab.round_start_arguments(arguments)
     assert set(stateful) == {"adam"} and set(records) == {"progress"}
+
+
+def test_an_odd_abba_plan_and_an_existing_results_file_are_refused(tmp_path):
+    odd = run_ab("--dry-run", "--order", "abba", "--rounds", "3", "--out", str(tmp_path / "a"), "--", *TINY_RUN)
+    assert odd.returncode == 2 and "--order abba needs an even --rounds (got 3)" in odd.stderr.strip().splitlines()[-1]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text('{"kept": true}')
+    taken = run_ab("--dry-run", "--json", str(earlier), "--out", str(tmp_path / "b"), "--", *TINY_RUN)
+    assert taken.returncode == 2 and f"--json {earlier}: the file exists" in taken.stderr.strip().splitlines()[-1]
+    assert earlier.read_text() == '{"kept": true}'

@@ -930,7 +930,7 @@ def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, list[st
                                      allow_abbrev=False)
     parser.add_argument("--track", type=int, choices=sorted(TRACKS), default=1, help="1: train_gpt.py (default), 3: train_gpt_shampoo.py")
     parser.add_argument("--nproc", type=int, default=None, help="processes on this machine (default: the visible GPUs, as run.sh counts; 1 on CPU)")
-    parser.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", "1") or 1), help="machines in the run (default: NNODES or 1)")
+    parser.add_argument("--nnodes", type=int, help="machines in the run (default: NNODES or 1)")
     parser.add_argument("--quick", action="store_true", help="skip the all-reduce and the attention kernel's trial run (seconds instead of tens of seconds)")
     parser.add_argument("--flags-as-given", action="store_true",
                         help="check the training flags as they are, also on CPU (where doctor otherwise checks the smoke run); ./run.sh --check passes it")
@@ -939,6 +939,11 @@ def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, list[st
     bad = [flag for flag in training_flags if not flag.startswith("--")]
     if bad:
         parser.error(f"unexpected argument {bad[0]!r}: training flags are --name=value")
+    if args.nnodes is None:
+        nnodes = os.environ.get("NNODES", "") or "1"
+        if not nnodes.isdigit():
+            parser.error(f"NNODES={nnodes!r}: give the number of machines in the run, e.g. NNODES=2")
+        args.nnodes = int(nnodes)
     if args.nproc is not None and args.nproc < 1 or args.nnodes < 1:
         parser.error("--nproc and --nnodes must be at least 1")
     return args, training_flags

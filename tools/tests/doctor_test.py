@@ -483,3 +483,12 @@ def test_versions_and_torchs_triton_pin(monkeypatch):
     assert dr.required_triton() == "3.6.0"
     monkeypatch.setattr(dr.importlib.metadata, "requires", lambda name: ["filelock", 'opt-einsum>=3.3; extra == "opt-einsum"'])
     assert dr.required_triton() is None  # a CPU build pins none
+
+
+@pytest.mark.parametrize("nnodes", ["abc", "-1", "2.5"])
+def test_a_bad_nnodes_variable_is_one_line(tmp_path: Path, nnodes: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DATA_PATH"}
+    env.update(CUDA_VISIBLE_DEVICES="", NNODES=nnodes)
+    result = subprocess.run([sys.executable, str(TOOLS / "doctor.py"), "--quick"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == f"tools/doctor.py: error: NNODES={nnodes!r}: give the number of machines in the run, e.g. NNODES=2"
