@@ -266,6 +266,11 @@ def hub_documents(sample: str) -> Iterator[str]:
 _worker_encoding: tiktoken.Encoding | None = None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: the default and the most --workers."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def tokenizer_pool(workers: int, bpe_file: Path | None) -> multiprocessing.pool.Pool:
     """`workers` tokenizer processes, started as fresh interpreters ("spawn") that ignore Ctrl-C and SIGTERM.
 
@@ -426,7 +431,7 @@ def _write_shards(
     writer = ShardWriter(out_dir, name, shard_size)
     count = DocumentCount()
     stop_feeding = threading.Event()
-    pool = tokenizer_pool(workers or os.cpu_count() or 1, bpe_file)
+    pool = tokenizer_pool(workers or usable_cores(), bpe_file)
     try:
         with tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress:
             documents_until_stopped = until_set(stop_feeding, count.skip_empty(documents))
@@ -519,7 +524,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.input:
             parser.error("--out-dir is required with --input")
         args.out_dir = HF_SAMPLES[args.hf_sample]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     if args.workers is None:
         args.workers = cores
     if args.workers < 1:
