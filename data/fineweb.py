@@ -346,12 +346,12 @@ def stop_signals_held() -> Iterator[None]:
     """A Ctrl-C or SIGTERM arriving inside the block stops the run when the block is done. (Blocking the signals would
     not do: a signal blocked in one thread is delivered to another, and Python still runs the handler in the main one.)"""
     global _holding_stop, _stop_deferred
-    _holding_stop = True
+    outer, _holding_stop = _holding_stop, True
     try:
         yield
     finally:
-        _holding_stop = False
-    if _stop_deferred:
+        _holding_stop = outer
+    if _stop_deferred and not outer:  # a nested block leaves the stop to the outermost one
         _stop_deferred = False
         raise KeyboardInterrupt
 
@@ -433,11 +433,17 @@ def _write_shards(
     stop_feeding = threading.Event()
     pool = tokenizer_pool(workers or usable_cores(), bpe_file)
     try:
-        with tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress:
+        # Held: a KeyboardInterrupt raised by the handler inside the pool's iterator or tqdm's update can leave one
+        # of their locks held (tqdm's write lock takes two locks in a Python loop; the iterator's condition
+        # re-acquires its lock in Python), and the pool's join then waited forever: a test hung once in 12 runs.
+        # A stop is noticed between results instead, and raised when the bar is closed.
+        with stop_signals_held(), tqdm(desc=f"tokenizing into {out_dir}", unit="tokens", unit_scale=True) as progress:
             documents_until_stopped = until_set(stop_feeding, count.skip_empty(documents))
             for tokens in pool.imap(tokenize, documents_until_stopped, chunksize=DOCUMENTS_PER_TASK):
                 writer.add(tokens)
                 progress.update(tokens.size)
+                if _stop_deferred:
+                    break
         paths = writer.close()
     except InputError as error:
         if not writer.paths:

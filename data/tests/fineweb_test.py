@@ -317,6 +317,34 @@ def test_a_stop_signal_during_a_shard_write_waits_for_it(tmp_path: Path, monkeyp
     assert writer.paths == [tmp_path / "tiny_val_000000.bin"] and writer.filled == 0
 
 
+def test_a_stop_signal_inside_the_tokenizing_loop_is_raised_between_results(
+    tmp_path: Path, bpe_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler's KeyboardInterrupt, raised inside tqdm's update (or the pool's iterator), can leave their locks
+    held and hang the pool's join: inside the loop a stop must wait for the next result and end the run there."""
+    import fineweb
+
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keeps pytest's own SIGINT and SIGTERM handlers
+    monkeypatch.setattr(fineweb, "_stop_signal", None)
+    monkeypatch.setattr(fineweb, "_stop_deferred", False)
+    updates_finished = []
+
+    class SignalledBar(fineweb.tqdm):
+        def update(self, n: float | None = 1) -> bool | None:
+            fineweb._stop_on_signal(signal.SIGINT, None)  # as if Ctrl-C arrived while tqdm held its lock
+            result = super().update(n)
+            updates_finished.append(n)
+            return result
+
+    monkeypatch.setattr(fineweb, "tqdm", SignalledBar)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(fineweb.Interrupted, match="interrupted: 0 complete shards"):
+        fineweb._write_shards(DOCUMENTS[:1] * 50, out, "tiny", 10_000, bpe_file, workers=1)
+    assert len(updates_finished) == 1 and fineweb._stop_deferred is False  # one result, then the stop
+    assert list(out.iterdir()) == []
+
+
 def test_an_interrupt_before_tokenizing_is_one_line(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A Ctrl-C before the tokenizing loop (here while the inputs are listed) is one line, not a traceback."""
