@@ -437,7 +437,7 @@ def cmd_new(args: argparse.Namespace) -> int:
     print(f"created {folder}" + (" (our own results, not a record)" if args.not_a_record else ""))
     for path in sorted(folder.iterdir()):
         print(f"  {path.name}")
-    for line in json.loads((folder / folders.RESULTS_JSON).read_text()).get("left_out", []):
+    for line in folders.read_results(folder / folders.RESULTS_JSON).get("left_out", []):
         print(f"left out: {line}")
     _report_tables(changed)
     return 0

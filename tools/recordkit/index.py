@@ -83,7 +83,7 @@ def write_manifest(records_root: Path, indexed: list[IndexedRecord]) -> str:
     """Write records/published_logs.csv; returns "wrote", "replaced" or "unchanged"."""
     path = manifest_path(records_root)
     text = render_manifest(indexed)
-    if path.is_file() and path.read_text(encoding="utf-8") == text:
+    if path.is_file() and path.read_text(encoding="utf-8", errors="replace") == text:  # an old file that is not UTF-8 differs
         return "unchanged"
     what = "replaced" if path.exists() else "wrote"
     path.write_text(text, encoding="utf-8")

@@ -14,6 +14,7 @@ import csv
 import errno
 import hashlib
 import http.client
+import io
 import os
 import re
 import sys
@@ -31,6 +32,7 @@ from tqdm import tqdm
 from .errors import RecordsError
 from .parse import LOG_SUFFIXES, parse_text
 from .tables import HistoryRow, history_path, load_history
+from .textfiles import read_utf8
 
 PUBLISHED_REPOSITORY = "KellerJordan/modded-nanogpt"
 PUBLISHED_COMMIT = "f411b3d346aa52d3504324ca93c230fd84c6c07f"  # 2026-08-01, the snapshot the paths and checksums describe
@@ -90,13 +92,13 @@ def load_manifest(records_root: Path) -> dict[str, list[PublishedLog]]:
     if not path.is_file():
         return {}
     found: dict[str, list[PublishedLog]] = {}
-    with path.open(newline="", encoding="utf-8") as handle:
-        for number, row in enumerate(csv.DictReader(handle), start=2):
-            try:
-                entry = PublishedLog(row["file"], int(row["bytes"]), row["sha256"])
-                found.setdefault(row["logs_at"], []).append(entry)
-            except (KeyError, TypeError, ValueError):
-                raise RecordsError(f"{path}: line {number} is malformed (columns logs_at,file,bytes,sha256); restore it from git") from None
+    text = read_utf8(path, "restore it from git, or rebuild it with `records index CLONE --write`", translate_newlines=False)
+    for number, row in enumerate(csv.DictReader(io.StringIO(text, newline="")), start=2):
+        try:
+            entry = PublishedLog(row["file"], int(row["bytes"]), row["sha256"])
+            found.setdefault(row["logs_at"], []).append(entry)
+        except (KeyError, TypeError, ValueError):
+            raise RecordsError(f"{path}: line {number} is malformed (columns logs_at,file,bytes,sha256); restore it from git") from None
     return found
 
 

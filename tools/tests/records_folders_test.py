@@ -228,3 +228,34 @@ def test_check_names_a_missing_or_garbled_history_first(root: Path, damage: str,
     lines = capsys.readouterr().out.splitlines()
     expected = "missing; restore it from git" if damage == "missing" else "missing column 'result'; restore the header line"
     assert lines[0].startswith(f"{history}: {expected}") and len(lines) == 2
+
+
+# What reads each file besides `check`; a README without markers is read by `check` only.
+READERS = {"results.json": [["tables", "--write"], ["stats", "FOLDER"]], "README.md": [], "statistics.md": [],
+           "history.csv": [["tables", "--write"], ["fetch", "1:89"]], "records README": [["tables", "--write"]],
+           "published_logs.csv": [["fetch", "1:89"]]}
+
+
+@pytest.mark.parametrize("damaged", list(READERS))
+def test_a_file_that_is_not_utf8_is_one_line_naming_it(root: Path, tmp_path: Path, damaged: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    folder = create_record(root / "records", 1, "Latin1", harness_logs(tmp_path / "logs", [3.2790, 3.2785]), date=F_DATE,
+                           not_a_record=True)
+    write_tables(root, root / "records")
+    path = {"history.csv": root / "records" / "track_1_short" / "history.csv", "records README": root / "records" / "README.md",
+            "published_logs.csv": root / "records" / "published_logs.csv"}.get(damaged, folder / damaged)
+    path.write_bytes(path.read_bytes() + "Zürich\n".encode("latin-1"))  # an editor saved it in Latin-1
+    before = files_under(root)
+    assert main(["--root", str(root), "check"]) == 1
+    problems = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{path}: not UTF-8 text (byte 0xfc on line ")]
+    assert len(problems) == 1  # named once, though several checks read it
+    for command in READERS[damaged]:
+        argv = [str(folder) if arg == "FOLDER" else arg for arg in command]
+        assert main(["--root", str(root), *argv, *(["--cache-dir", str(tmp_path / "cache")] if argv[0] == "fetch" else [])]) == 2
+        assert capsys.readouterr().err == f"records: error: {problems[0]}\n"
+    assert main(["--root", str(root), "tables", "--write"]) == (2 if ["tables", "--write"] in READERS[damaged] else 0)
+    assert files_under(root) == before  # nothing rewritten
+
+
+def files_under(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
