@@ -150,6 +150,32 @@ def source_url(flag: str | None) -> str:
     return (flag or os.environ.get(SOURCE_URL_ENV) or DEFAULT_SOURCE_URL).rstrip("/")
 
 
+def check_source_url(source: str) -> None:
+    """Refuse a source URL that urllib cannot open (no scheme, a bad host or port), in one line; checked only when a file
+    is to be downloaded, so that a stale $RECORDS_SOURCE_URL never stops work from the cache or a local folder."""
+    why = _url_problem(source)
+    if why is not None:
+        raise RecordsError(f"source URL {source!r}: {why}; set --source-url (or ${SOURCE_URL_ENV}) to http(s)://HOST[:PORT]/PATH, "
+                           f"a raw-file server of {PUBLISHED_REPOSITORY} at {PUBLISHED_COMMIT[:12]}")
+
+
+def _url_problem(url: str) -> str | None:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018  (reading it checks the port: a number from 0 to 65535)
+    except ValueError as exc:  # an unclosed [IPv6] host, a port that is no number or out of range
+        return str(exc)
+    if not parts.scheme:
+        return "no scheme (http:// or https://)"
+    if parts.scheme not in ("http", "https", "file"):
+        return f"{parts.scheme}:// is not http://, https:// or file://"
+    if parts.scheme != "file" and not parts.hostname:
+        return "no host"
+    if any(char.isspace() or not char.isprintable() for char in url):
+        return "a space or control character in it (quote it as %20 and so on)"
+    return None
+
+
 def default_cache_dir() -> Path:
     """The platform's user cache folder: %LOCALAPPDATA% on Windows, ~/Library/Caches on macOS, else
     $XDG_CACHE_HOME or ~/.cache (the XDG base directory rule); then nanogpt-speedrun-records."""
@@ -194,6 +220,7 @@ def fetch_record(record: PublishedRecord, cache: Path, source: str, progress: IO
         else:
             missing.append((entry, target))
     if missing:
+        check_source_url(source)
         _download_all(missing, source, progress)
     folder = cached_path(cache, PublishedLog(record.logs_at, 0, ""))
     return Fetched(record, folder if folder.is_dir() else folder.parent, [target for _, target in targets],

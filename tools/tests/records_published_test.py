@@ -329,6 +329,27 @@ def test_diff_against_a_record_of_another_track_is_refused(world: World, tmp_pat
     assert "Welch" not in err
 
 
+
+@pytest.mark.parametrize("url", ["raw.example.org/modded-nanogpt", "http://[::1/modded-nanogpt", "http://127.0.0.1:99999",
+                                 "ftp://mirror.example.org/modded-nanogpt"])
+def test_a_malformed_source_url_is_one_line_and_stops_nothing_the_cache_holds(world: World, tmp_path: Path, url: str,
+                                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    good, world.url = world.url, url
+    code, out, err = run_cli(world.argv("fetch", "1:89"), capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith(f"records: error: source URL {url!r}: ") and "set --source-url (or $RECORDS_SOURCE_URL) to http(s)://" in err
+    assert not (world.cache / T1_RECORD).exists()
+    monkeypatch.setenv(published.SOURCE_URL_ENV, url)  # the same from the environment, through diff
+    log = F.write(tmp_path / "n.txt", F.track1_2025(steps=1380))
+    code, _, err = run_cli(["--root", str(world.repo), "diff", str(log), "--cache-dir", str(world.cache)], capsys)
+    assert code == 2 and err.startswith(f"records: error: source URL {url!r}: ") and err.count("\n") == 1
+    world.url = good  # once the logs are in the cache, the URL is never used
+    assert run_cli(world.argv("fetch", "1:89"), capsys)[0] == 0
+    code, out, _ = run_cli(["--root", str(world.repo), "diff", str(log), "--cache-dir", str(world.cache)], capsys)
+    assert code == 0 and out.splitlines()[0].endswith("; 4 log(s) from the cache")
+
+
 # ----- a cache that cannot be written -----
 
 
