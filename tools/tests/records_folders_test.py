@@ -259,3 +259,20 @@ def test_a_file_that_is_not_utf8_is_one_line_naming_it(root: Path, tmp_path: Pat
 
 def files_under(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(("option", "value"), [("--hardware", "8× H100\n| 9 | forged row |"), ("--note", "first line\r\nsecond"),
+                                               ("--note", "red \x1b[31mtext"), ("--hardware", "8× H100\u2028SXM")])
+def test_new_refuses_a_control_character_in_hardware_or_note(root: Path, tmp_path: Path, option: str, value: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    logs = [str(path) for path in harness_logs(tmp_path / "logs", [3.2790, 3.2785])]
+    readme = root / "records" / "README.md"
+    before = readme.read_bytes()
+    argv = ["--root", str(root), "new", "--track", "1", "--name", "OneLine", "--date", "2026-11-30", "--not-a-record", "--logs", *logs]
+    assert main([*argv, option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"records: error: {option} {value!r}: holds the control character ")
+    assert not (root / "records" / "track_1_short" / "2026-11-30_OneLine").exists() and readme.read_bytes() == before
+    assert main([*argv, "--hardware", "8× H100 | SXM5"]) == 0  # a `|` is escaped in the table, so the row stays one row
+    row = next(line for line in readme.read_text().splitlines() if "2026-11-30_OneLine" in line)
+    assert row.endswith("| 8× H100 \\| SXM5 |") and row.count(" | ") == 6
