@@ -467,7 +467,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    indexed = index.index_clone(args.clone, _records_root(args))
+    indexed = index.index_clone(args.clone, _existing_records_root(args))
     files = sum(len(record.files) for record in indexed)
     megabytes = sum(entry.size for record in indexed for entry in record.files) / 1e6
     for record in indexed if args.verbose else []:

@@ -161,6 +161,23 @@ def test_index_lists_the_record_runs_only(world: World) -> None:
     assert any("no file for Track 1 row #89" in p and "records index CLONE --write" in p for p in problems)
 
 
+
+def test_index_of_a_missing_or_wrong_clone_names_the_commit(world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    commit = published.PUBLISHED_COMMIT[:12]
+    for clone, why in ((tmp_path / "nonexistent", "no such folder"), (F.write(tmp_path / "afile", "x\n"), "a file, not a folder")):
+        code, out, err = run_cli(["--root", str(world.repo), "index", str(clone)], capsys)
+        assert (code, out) == (2, "")
+        assert err == f"records: error: {clone}: {why}; pass a clone of KellerJordan/modded-nanogpt checked out at {commit}\n"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out, err = run_cli(["--root", str(world.repo), "index", str(empty)], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1 and "names it, but the clone lacks it" in err
+    assert err.endswith(f"; check out the pinned commit: git -C {empty} checkout {commit}\n")
+    code, out, err = run_cli(["--root", str(tmp_path / "nonexistent"), "index", str(world.tree), "--write"], capsys)
+    assert (code, out) == (2, "") and err == (f"records: error: {tmp_path / 'nonexistent' / 'records'}: no records folder there; "
+                                              "pass --root REPO, the checkout that holds records/\n")
+
+
 def test_records_are_named_by_track_and_number_name_or_latest(world: World) -> None:
     assert published.resolve_record(world.records, "1:89", None).logs_at == f"{T1_RECORD}/run0.txt"
     assert published.resolve_record(world.records, "latest", None).row.number == "89"
