@@ -77,7 +77,7 @@ DESCRIPTIONS = {
     "extract": (
         "Write the script embedded in a log, and every file appended after it (Triton kernels, the "
         "distributed_shampoo package), so that the run can be repeated as it was logged. Refuses before "
-        "writing anything if one of the files exists.",
+        "writing anything if one of the files exists, or a file stands where one of their folders goes.",
         [f"{TOOL} extract logs/<run>.txt -o /tmp/repro/train_gpt.py"],
     ),
     "fetch": (
