@@ -22,6 +22,7 @@ from .tables import find_marked_readmes, history_path, load_history, read_readme
 from .textfiles import SAVE_AS_UTF8, read_utf8
 
 PUBLISHED_README_PHRASE = "not included"
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def check_all(repo_root: Path, records_root: Path) -> list[str]:
@@ -128,7 +129,11 @@ def _check_logged(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
             continue
         if entry.get("source") != "log":
             problems.append(f"{folder.results_path}: run {index} has a log but source {entry.get('source')!r}; set it to \"log\"")
-        if sha256_of(log) != entry.get("sha256"):
+        recorded = entry.get("sha256")
+        if not isinstance(recorded, str) or not SHA256.fullmatch(recorded):
+            # Nothing to compare with: the log may be intact, so say what is missing rather than accuse an edit.
+            problems.append(_checksum_missing(folder, index, log.name, recorded))
+        elif sha256_of(log) != recorded:
             problems.append(f"{log}: sha256 differs from results.json; the log was edited: restore the original")
             continue
         problems += _check_run_values(folder, log, entry, results.get("record") is True)
@@ -138,6 +143,12 @@ def _check_logged(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
     if results.get("kind") != "ours":
         problems.append(f"{folder.results_path}: a folder with logs needs kind 'ours'; fix it")
     return problems
+
+
+def _checksum_missing(folder: RecordFolder, index: int, log_name: str, recorded: Any) -> str:
+    what = "has no sha256 of its log" if recorded is None else f"sha256 {recorded!r} is not 64 hex digits"
+    return (f"{folder.results_path}: run {index} ({log_name}) {what}, so check cannot tell whether the log was edited; restore "
+            "results.json from git (`records new` writes each log's sha256)")
 
 
 def _check_run_values(folder: RecordFolder, log: Path, entry: dict[str, Any], record: bool) -> list[str]:
@@ -255,7 +266,7 @@ def check_published_logs(records_root: Path) -> list[str]:
         for entry in entries:
             path = PurePosixPath(entry.path)
             inside = path == base or base in path.parents or (base.suffix and base.parent in path.parents)
-            if not inside or entry.size <= 0 or not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+            if not inside or entry.size <= 0 or not SHA256.fullmatch(entry.sha256):
                 problems.append(f"{where}: {entry.path} is not a file of {logs_at} with a size and a sha256; run `records index CLONE --write`")
     return problems
 

@@ -276,3 +276,20 @@ def test_new_refuses_a_control_character_in_hardware_or_note(root: Path, tmp_pat
     assert main([*argv, "--hardware", "8× H100 | SXM5"]) == 0  # a `|` is escaped in the table, so the row stays one row
     row = next(line for line in readme.read_text().splitlines() if "2026-11-30_OneLine" in line)
     assert row.endswith("| 8× H100 \\| SXM5 |") and row.count(" | ") == 6
+
+
+@pytest.mark.parametrize("recorded", ["left out", None, "abc"])
+def test_check_says_a_missing_log_checksum_is_missing_not_an_edit(root: Path, tmp_path: Path, recorded: str | None) -> None:
+    folder = create_record(root / "records", 1, "NoChecksum", harness_logs(tmp_path / "logs", [3.2790, 3.2785]), date=F_DATE,
+                           not_a_record=True)
+    write_tables(root, root / "records")
+    results = json.loads((folder / "results.json").read_text())
+    if recorded == "left out":
+        del results["runs"][0]["sha256"]
+    else:
+        results["runs"][0]["sha256"] = recorded
+    (folder / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    what = "sha256 'abc' is not 64 hex digits" if recorded == "abc" else "has no sha256 of its log"
+    assert check_all(root, root / "records") == [
+        f"{folder / 'results.json'}: run 1 (run0.txt) {what}, so check cannot tell whether the log was edited; restore results.json "
+        "from git (`records new` writes each log's sha256)"]
