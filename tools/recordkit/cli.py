@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _track(p, required=True, default_help="required")
     p.add_argument("--name", required=True, help="Track 1: CamelCase; Track 3: snake_case")
     p.add_argument("--logs", nargs="+", type=Path, required=True, metavar="LOG|DIR")
-    p.add_argument("--date", type=_date, help="YYYY-MM-DD (default: today, UTC)")
+    p.add_argument("--date", type=_date, help="YYYY-MM-DD, today or earlier (default: today, UTC)")
     p.add_argument("--hardware", help="describe the machine (default: from the logs' environment)")
     p.add_argument("--note", help="one line saying what these runs are (e.g. 'CPU smoke run')")
     p.add_argument("--not-a-record", action="store_true",

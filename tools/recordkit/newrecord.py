@@ -90,6 +90,15 @@ def refuse_control_characters(option: str, value: str | None) -> None:
                            "or escape code)")
 
 
+def refuse_future_date(date: dt.date) -> None:
+    """A record is filed on or after the day its runs ended; today is the later of the local and the UTC date (the
+    default --date is UTC), so a date that is today anywhere the clock could mean is allowed."""
+    today = max(dt.date.today(), dt.datetime.now(dt.timezone.utc).date())
+    if date > today:
+        raise RecordsError(f"--date {date.isoformat()}: in the future (today is {today.isoformat()}); pass the day the runs ended, "
+                           "today or earlier")
+
+
 def refuse_failing_rule(report: dict[str, Any], track: int) -> None:
     if not report["passes"]:
         raise RecordsError(f"does not pass the Track {track} rule ({report['verdict']}); {NOT_A_RECORD}")
@@ -105,6 +114,8 @@ def create_record(records_root: Path, track: int, name: str, logs: list[Path], d
     one RecordsError line naming it, the reason and what to do."""
     refuse_control_characters("--hardware", hardware)
     refuse_control_characters("--note", note)
+    if date is not None:
+        refuse_future_date(date)
     date = date or dt.datetime.now(dt.timezone.utc).date()
     target = track_dir(records_root, track) / folder_name(track, date, name)
     if target.exists():

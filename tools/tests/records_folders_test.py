@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 from pathlib import Path
@@ -293,3 +294,18 @@ def test_check_says_a_missing_log_checksum_is_missing_not_an_edit(root: Path, tm
     assert check_all(root, root / "records") == [
         f"{folder / 'results.json'}: run 1 (run0.txt) {what}, so check cannot tell whether the log was edited; restore results.json "
         "from git (`records new` writes each log's sha256)"]
+
+
+def test_new_refuses_a_date_in_the_future_and_takes_today(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logs = [str(path) for path in harness_logs(tmp_path / "logs", [3.2790, 3.2785])]
+    readme = root / "records" / "README.md"
+    before = readme.read_bytes()
+    argv = ["--root", str(root), "new", "--track", "1", "--name", "Dated", "--not-a-record", "--logs", *logs]
+    today = datetime.date.today()
+    assert main([*argv, "--date", "2999-01-01"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("records: error: --date 2999-01-01: in the future (today is ") and err.count("\n") == 1
+    assert err.endswith("); pass the day the runs ended, today or earlier\n")
+    assert not (root / "records" / "track_1_short" / "2999-01-01_Dated").exists() and readme.read_bytes() == before
+    assert main([*argv, "--date", today.isoformat()]) == 0  # today (the system clock's) is allowed
+    assert (root / "records" / "track_1_short" / f"{today.isoformat()}_Dated").is_dir()
