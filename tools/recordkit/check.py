@@ -18,9 +18,11 @@ from .newrecord import hardware_problem
 from .parse import LOG_SUFFIXES, parse_log
 from .published import load_manifest, manifest_path
 from .report import render_statistics_md, track_report
-from .tables import find_marked_readmes, history_path, load_history, replace_blocks
+from .tables import find_marked_readmes, history_path, load_history, read_readme, replace_blocks
+from .textfiles import SAVE_AS_UTF8, read_utf8
 
 PUBLISHED_README_PHRASE = "not included"
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def check_all(repo_root: Path, records_root: Path) -> list[str]:
@@ -34,7 +36,7 @@ def check_all(repo_root: Path, records_root: Path) -> list[str]:
         problems += check_history(records_root)
         problems += check_published_logs(records_root)
         problems += check_readmes(repo_root, records_root)
-    return problems
+    return list(dict.fromkeys(problems))  # a file that several checks read (a broken results.json) is named once
 
 
 def check_history_files(records_root: Path) -> list[str]:
@@ -68,6 +70,7 @@ def check_folder(folder: RecordFolder) -> list[str]:
         if not (folder.path / required).is_file():
             return [f"{folder.path / required}: missing; recreate the folder with `records new` or add the file"]
     try:
+        readme = read_utf8(folder.path / "README.md", f"{SAVE_AS_UTF8}, or restore it from git")
         results = read_results(folder.results_path)
         problems = _check_header(folder, results)
         runs = results.get("runs")
@@ -77,7 +80,7 @@ def check_folder(folder: RecordFolder) -> list[str]:
         if published and len(published) != len(runs):
             return problems + [f"{folder.results_path}: mixes published runs and logs; keep one kind per folder"]
         if published:
-            problems += _check_published(folder, results)
+            problems += _check_published(folder, results, readme)
         else:
             problems += _check_logged(folder, results)
         problems += _check_summary(folder, results)
@@ -100,14 +103,13 @@ def _check_header(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_published(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
+def _check_published(folder: RecordFolder, results: dict[str, Any], readme: str) -> list[str]:
     problems = []
     for index, run in enumerate(results["runs"], start=1):
         if run.get("source") != "published":
             problems.append(f"{folder.results_path}: run {index} has no log but source {run.get('source')!r}; mark it \"published\" or add its log")
     if results.get("kind") != "published":
         problems.append(f"{folder.results_path}: runs without logs need kind 'published'; fix it")
-    readme = (folder.path / "README.md").read_text(encoding="utf-8")
     if PUBLISHED_README_PHRASE not in readme:
         problems.append(f"{folder.path / 'README.md'}: a folder of published figures must say its logs are {PUBLISHED_README_PHRASE}; add that sentence")
     stray = [p.name for p in folder.path.iterdir() if p.suffix in LOG_SUFFIXES]
@@ -127,7 +129,11 @@ def _check_logged(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
             continue
         if entry.get("source") != "log":
             problems.append(f"{folder.results_path}: run {index} has a log but source {entry.get('source')!r}; set it to \"log\"")
-        if sha256_of(log) != entry.get("sha256"):
+        recorded = entry.get("sha256")
+        if not isinstance(recorded, str) or not SHA256.fullmatch(recorded):
+            # Nothing to compare with: the log may be intact, so say what is missing rather than accuse an edit.
+            problems.append(_checksum_missing(folder, index, log.name, recorded))
+        elif sha256_of(log) != recorded:
             problems.append(f"{log}: sha256 differs from results.json; the log was edited: restore the original")
             continue
         problems += _check_run_values(folder, log, entry, results.get("record") is True)
@@ -137,6 +143,12 @@ def _check_logged(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
     if results.get("kind") != "ours":
         problems.append(f"{folder.results_path}: a folder with logs needs kind 'ours'; fix it")
     return problems
+
+
+def _checksum_missing(folder: RecordFolder, index: int, log_name: str, recorded: Any) -> str:
+    what = "has no sha256 of its log" if recorded is None else f"sha256 {recorded!r} is not 64 hex digits"
+    return (f"{folder.results_path}: run {index} ({log_name}) {what}, so check cannot tell whether the log was edited; restore "
+            "results.json from git (`records new` writes each log's sha256)")
 
 
 def _check_run_values(folder: RecordFolder, log: Path, entry: dict[str, Any], record: bool) -> list[str]:
@@ -174,7 +186,7 @@ def _check_summary(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
         for key in SUMMARY_KEYS
         if key in expected and not _same(stored.get(key), expected.get(key))
     ]
-    statistics = (folder.path / STATISTICS_MD).read_text(encoding="utf-8")
+    statistics = read_utf8(folder.path / STATISTICS_MD, f"regenerate it with `records stats {folder.path} --md --force`")
     if statistics != sign(render_statistics_md(report, folder.path.name)):
         problems.append(f"{folder.path / STATISTICS_MD}: differs from the statistics of the runs; regenerate it with "
                         f"`records stats {folder.path} --md --force`")
@@ -202,7 +214,10 @@ def check_history(records_root: Path) -> list[str]:
             if parsed is None or not (path / RESULTS_JSON).is_file():
                 problems.append(f"{records_root}: history row #{row.number} (Track {track}) links {row.folder}, which is not a record folder; fix the folder column")
                 continue
-            summary = read_results(path / RESULTS_JSON).get("summary") or {}
+            try:
+                summary = read_results(path / RESULTS_JSON).get("summary") or {}
+            except RecordsError:
+                continue  # check_folder reports the file
             problems += _row_against_summary(track, row.number, row.result, row.evidence, summary, path)
     return problems
 
@@ -251,7 +266,7 @@ def check_published_logs(records_root: Path) -> list[str]:
         for entry in entries:
             path = PurePosixPath(entry.path)
             inside = path == base or base in path.parents or (base.suffix and base.parent in path.parents)
-            if not inside or entry.size <= 0 or not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+            if not inside or entry.size <= 0 or not SHA256.fullmatch(entry.sha256):
                 problems.append(f"{where}: {entry.path} is not a file of {logs_at} with a size and a sha256; run `records index CLONE --write`")
     return problems
 
@@ -259,8 +274,8 @@ def check_published_logs(records_root: Path) -> list[str]:
 def check_readmes(repo_root: Path, records_root: Path) -> list[str]:
     problems = []
     for readme in find_marked_readmes(repo_root):
-        text = readme.read_text(encoding="utf-8")
         try:
+            text = read_readme(readme)
             if replace_blocks(text, readme, records_root) != text:
                 problems.append(f"{readme}: tables differ from history.csv and the record folders; run `python tools/records.py tables --write`")
         except RecordsError as exc:

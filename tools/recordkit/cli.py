@@ -77,7 +77,7 @@ DESCRIPTIONS = {
     "extract": (
         "Write the script embedded in a log, and every file appended after it (Triton kernels, the "
         "distributed_shampoo package), so that the run can be repeated as it was logged. Refuses before "
-        "writing anything if one of the files exists.",
+        "writing anything if one of the files exists, or a file stands where one of their folders goes.",
         [f"{TOOL} extract logs/<run>.txt -o /tmp/repro/train_gpt.py"],
     ),
     "fetch": (
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _track(p, required=True, default_help="required")
     p.add_argument("--name", required=True, help="Track 1: CamelCase; Track 3: snake_case")
     p.add_argument("--logs", nargs="+", type=Path, required=True, metavar="LOG|DIR")
-    p.add_argument("--date", type=_date, help="YYYY-MM-DD (default: today, UTC)")
+    p.add_argument("--date", type=_date, help="YYYY-MM-DD, today or earlier (default: today, UTC)")
     p.add_argument("--hardware", help="describe the machine (default: from the logs' environment)")
     p.add_argument("--note", help="one line saying what these runs are (e.g. 'CPU smoke run')")
     p.add_argument("--not-a-record", action="store_true",
@@ -437,7 +437,7 @@ def cmd_new(args: argparse.Namespace) -> int:
     print(f"created {folder}" + (" (our own results, not a record)" if args.not_a_record else ""))
     for path in sorted(folder.iterdir()):
         print(f"  {path.name}")
-    for line in json.loads((folder / folders.RESULTS_JSON).read_text()).get("left_out", []):
+    for line in folders.read_results(folder / folders.RESULTS_JSON).get("left_out", []):
         print(f"left out: {line}")
     _report_tables(changed)
     return 0
@@ -467,7 +467,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    indexed = index.index_clone(args.clone, _records_root(args))
+    indexed = index.index_clone(args.clone, _existing_records_root(args))
     files = sum(len(record.files) for record in indexed)
     megabytes = sum(entry.size for record in indexed for entry in record.files) / 1e6
     for record in indexed if args.verbose else []:

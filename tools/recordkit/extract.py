@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from .errors import RecordsError
+from .folders import file_in_the_way
 from .parse import read_log_bytes, log_lines, parse_text, split_layout, split_sources
 
 # surrogateescape maps each byte that is not valid UTF-8 to one code point in this range, and back.
@@ -55,19 +56,36 @@ def invalid_byte_count(content: bytes) -> int:
 
 
 def extract_sources(log: Path, output: Path) -> Extraction:
-    """Write every embedded file; refuse before writing anything if one of them already exists."""
+    """Write every embedded file; refuse before writing anything if one of them already exists, or a file stands where
+    one of their folders should be."""
     plan = file_plan(log, output)
-    existing = [path for path in plan if path.exists()]
-    if existing:
-        raise RecordsError(f"{existing[0]}: already exists; extract into an empty folder (nothing was written)")
+    _refuse_blocked(plan)
     for path, content in plan.items():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _cannot_write(path, exc) from None
+        try:
             with path.open("xb") as handle:
                 handle.write(content)
         except FileExistsError:  # created since the check above
             raise RecordsError(f"{path}: appeared while extracting; extract into an empty folder") from None
         except OSError as exc:
-            where = exc.filename or path
-            raise RecordsError(f"{where}: cannot write {path.name} there ({exc.strerror}); pass -o FILE in a folder you can write to") from None
+            raise _cannot_write(path, exc) from None
     return Extraction(list(plan), sum(invalid_byte_count(content) for content in plan.values()))
+
+
+def _refuse_blocked(plan: dict[Path, bytes]) -> None:
+    existing = [path for path in plan if path.exists()]
+    if existing:
+        raise RecordsError(f"{existing[0]}: already exists; extract into an empty folder (nothing was written)")
+    for path in plan:
+        blocker = file_in_the_way(path.parent)  # -o FILE/t.py: mkdir would fail with FileExistsError, not a missing folder
+        if blocker is not None:
+            raise RecordsError(f"{path.parent}: cannot write {path.name} there ({blocker} is a file, not a folder); pass -o FILE in a "
+                               "folder you can write to (nothing was written)")
+
+
+def _cannot_write(path: Path, exc: OSError) -> RecordsError:
+    where = exc.filename or path
+    return RecordsError(f"{where}: cannot write {path.name} there ({exc.strerror}); pass -o FILE in a folder you can write to")

@@ -20,6 +20,7 @@ from typing import Any
 
 from .errors import RecordsError
 from .runsets import LoadedLogs, RunFacts, RunSet, load_logs, pool, single_configuration
+from .textfiles import SAVE_AS_UTF8, read_utf8
 
 RESULTS_JSON = "results.json"
 STATISTICS_MD = "statistics.md"
@@ -91,7 +92,7 @@ def is_record_folder(path: Path) -> bool:
 
 def read_results(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_utf8(path, f"{SAVE_AS_UTF8}, or regenerate it"))
     except FileNotFoundError:
         raise RecordsError(f"{path}: missing; recreate the record folder with `records new`") from None
     except json.JSONDecodeError as exc:

@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from .errors import RecordsError
 from .parse import find_logs
-from .published import PublishedLog, manifest_path
+from .published import PUBLISHED_COMMIT, PUBLISHED_REPOSITORY, PublishedLog, manifest_path
 from .runsets import RunSet, group_runs, parse_logs
 from .tables import load_history
 
@@ -37,14 +37,17 @@ class IndexedRecord:
 
 
 def index_clone(clone: Path, records_root: Path) -> list[IndexedRecord]:
+    if not clone.is_dir():
+        what = "a file, not a folder" if clone.exists() else "no such folder"
+        raise RecordsError(f"{clone}: {what}; pass a clone of {PUBLISHED_REPOSITORY} checked out at {PUBLISHED_COMMIT[:12]}")
     rows = [(track, row) for track in (1, 2, 3) for row in load_history(records_root, track) if row.logs_at]
     parents = Counter(PurePosixPath(row.logs_at).parent for _, row in rows if (clone / row.logs_at).is_file())
     indexed = []
     for track, row in rows:
         target = clone / row.logs_at
         if not target.exists():
-            raise RecordsError(f"{target}: history row #{row.number} (Track {track}) names it, but the clone lacks it; "
-                               "check out the commit published.PUBLISHED_COMMIT")
+            raise RecordsError(f"{target}: history row #{row.number} (Track {track}) names it, but the clone lacks it; check out "
+                               f"the pinned commit: git -C {clone} checkout {PUBLISHED_COMMIT[:12]}")
         parent = PurePosixPath(row.logs_at).parent
         alone = target.is_file() and (parent in TRACK_ROOTS or parents[parent] > 1)
         candidates = [target] if alone else find_logs([target if target.is_dir() else target.parent])
@@ -83,7 +86,7 @@ def write_manifest(records_root: Path, indexed: list[IndexedRecord]) -> str:
     """Write records/published_logs.csv; returns "wrote", "replaced" or "unchanged"."""
     path = manifest_path(records_root)
     text = render_manifest(indexed)
-    if path.is_file() and path.read_text(encoding="utf-8") == text:
+    if path.is_file() and path.read_text(encoding="utf-8", errors="replace") == text:  # an old file that is not UTF-8 differs
         return "unchanged"
     what = "replaced" if path.exists() else "wrote"
     path.write_text(text, encoding="utf-8")

@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import shlex
 import shutil
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,24 @@ def refuse_other_validation_set(runset: RunSet, track: int) -> None:
         raise RecordsError(f"{problems[0]}{more}: not a Track {track} record; {NOT_A_RECORD}", detail=problems)
 
 
+def refuse_control_characters(option: str, value: str | None) -> None:
+    """--hardware and --note go into a README table cell and a README line, which a newline (or U+2028) would split and an
+    escape code garble; a `|` is fine: the tables escape it."""
+    bad = next((char for char in value or "" if unicodedata.category(char) in ("Cc", "Zl", "Zp")), None)
+    if bad is not None:
+        raise RecordsError(f"{option} {value!r}: holds the control character {bad!r}; pass one line of plain text (no newline, tab "
+                           "or escape code)")
+
+
+def refuse_future_date(date: dt.date) -> None:
+    """A record is filed on or after the day its runs ended; today is the later of the local and the UTC date (the
+    default --date is UTC), so a date that is today anywhere the clock could mean is allowed."""
+    today = max(dt.date.today(), dt.datetime.now(dt.timezone.utc).date())
+    if date > today:
+        raise RecordsError(f"--date {date.isoformat()}: in the future (today is {today.isoformat()}); pass the day the runs ended, "
+                           "today or earlier")
+
+
 def refuse_failing_rule(report: dict[str, Any], track: int) -> None:
     if not report["passes"]:
         raise RecordsError(f"does not pass the Track {track} rule ({report['verdict']}); {NOT_A_RECORD}")
@@ -93,6 +112,10 @@ def create_record(records_root: Path, track: int, name: str, logs: list[Path], d
     `when_filled(folder)` runs once the folder is complete (the CLI updates the README tables there); if it fails, or
     anything before it, the folder and the folders made for it are removed. A file or folder that cannot be written is
     one RecordsError line naming it, the reason and what to do."""
+    refuse_control_characters("--hardware", hardware)
+    refuse_control_characters("--note", note)
+    if date is not None:
+        refuse_future_date(date)
     date = date or dt.datetime.now(dt.timezone.utc).date()
     target = track_dir(records_root, track) / folder_name(track, date, name)
     if target.exists():

@@ -385,9 +385,9 @@ def split_trials(lines: list[str], first_line_number: int = 1) -> list[TrialLine
     """Collect step lines; a new trial starts at a `trial:` marker or when the step counter returns to the start
     (TRIAL_START_STEP).
 
-    A run writes its val lines once per step, in step order, and its final line agrees with the lines before it;
-    lines that break this (two val lines for one step, a step going back, a final line out of step with the
-    others) are kept as inconsistencies, and the run is reported and left out of statistics.
+    A run writes its val lines once per step, in step order, up to its total, and its final line agrees with the lines
+    before it; lines that break this (two val lines for one step, a step going back, a step beyond the total, a final
+    line out of step with the others) are kept as inconsistencies, and the run is reported and left out of statistics.
     """
     trials = [TrialLines()]
     for number, raw in enumerate(lines, start=first_line_number):
@@ -415,6 +415,8 @@ def split_trials(lines: list[str], first_line_number: int = 1) -> list[TrialLine
             continue
         if point.step < trial.last_step:
             trial.inconsistencies.append(f"line {number}: step {point.step} after step {trial.last_step} (steps out of order)")
+        if point.total_steps is not None and point.step > point.total_steps:  # no run steps past its total: not complete
+            trial.inconsistencies.append(f"line {number}: step {point.step} beyond the total of {point.total_steps} steps")
         if isinstance(point, ValPoint):
             _add_val_point(trial, point, line, number)
         else:

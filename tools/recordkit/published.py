@@ -14,6 +14,7 @@ import csv
 import errno
 import hashlib
 import http.client
+import io
 import os
 import re
 import sys
@@ -31,6 +32,7 @@ from tqdm import tqdm
 from .errors import RecordsError
 from .parse import LOG_SUFFIXES, parse_text
 from .tables import HistoryRow, history_path, load_history
+from .textfiles import read_utf8
 
 PUBLISHED_REPOSITORY = "KellerJordan/modded-nanogpt"
 PUBLISHED_COMMIT = "f411b3d346aa52d3504324ca93c230fd84c6c07f"  # 2026-08-01, the snapshot the paths and checksums describe
@@ -90,13 +92,13 @@ def load_manifest(records_root: Path) -> dict[str, list[PublishedLog]]:
     if not path.is_file():
         return {}
     found: dict[str, list[PublishedLog]] = {}
-    with path.open(newline="", encoding="utf-8") as handle:
-        for number, row in enumerate(csv.DictReader(handle), start=2):
-            try:
-                entry = PublishedLog(row["file"], int(row["bytes"]), row["sha256"])
-                found.setdefault(row["logs_at"], []).append(entry)
-            except (KeyError, TypeError, ValueError):
-                raise RecordsError(f"{path}: line {number} is malformed (columns logs_at,file,bytes,sha256); restore it from git") from None
+    text = read_utf8(path, "restore it from git, or rebuild it with `records index CLONE --write`", translate_newlines=False)
+    for number, row in enumerate(csv.DictReader(io.StringIO(text, newline="")), start=2):
+        try:
+            entry = PublishedLog(row["file"], int(row["bytes"]), row["sha256"])
+            found.setdefault(row["logs_at"], []).append(entry)
+        except (KeyError, TypeError, ValueError):
+            raise RecordsError(f"{path}: line {number} is malformed (columns logs_at,file,bytes,sha256); restore it from git") from None
     return found
 
 
@@ -148,6 +150,32 @@ def source_url(flag: str | None) -> str:
     return (flag or os.environ.get(SOURCE_URL_ENV) or DEFAULT_SOURCE_URL).rstrip("/")
 
 
+def check_source_url(source: str) -> None:
+    """Refuse a source URL that urllib cannot open (no scheme, a bad host or port), in one line; checked only when a file
+    is to be downloaded, so that a stale $RECORDS_SOURCE_URL never stops work from the cache or a local folder."""
+    why = _url_problem(source)
+    if why is not None:
+        raise RecordsError(f"source URL {source!r}: {why}; set --source-url (or ${SOURCE_URL_ENV}) to http(s)://HOST[:PORT]/PATH, "
+                           f"a raw-file server of {PUBLISHED_REPOSITORY} at {PUBLISHED_COMMIT[:12]}")
+
+
+def _url_problem(url: str) -> str | None:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018  (reading it checks the port: a number from 0 to 65535)
+    except ValueError as exc:  # an unclosed [IPv6] host, a port that is no number or out of range
+        return str(exc)
+    if not parts.scheme:
+        return "no scheme (http:// or https://)"
+    if parts.scheme not in ("http", "https", "file"):
+        return f"{parts.scheme}:// is not http://, https:// or file://"
+    if parts.scheme != "file" and not parts.hostname:
+        return "no host"
+    if any(char.isspace() or not char.isprintable() for char in url):
+        return "a space or control character in it (quote it as %20 and so on)"
+    return None
+
+
 def default_cache_dir() -> Path:
     """The platform's user cache folder: %LOCALAPPDATA% on Windows, ~/Library/Caches on macOS, else
     $XDG_CACHE_HOME or ~/.cache (the XDG base directory rule); then nanogpt-speedrun-records."""
@@ -192,6 +220,7 @@ def fetch_record(record: PublishedRecord, cache: Path, source: str, progress: IO
         else:
             missing.append((entry, target))
     if missing:
+        check_source_url(source)
         _download_all(missing, source, progress)
     folder = cached_path(cache, PublishedLog(record.logs_at, 0, ""))
     return Fetched(record, folder if folder.is_dir() else folder.parent, [target for _, target in targets],

@@ -7,12 +7,14 @@ in any README.md of the repository; `tables --write` fills them and `check` comp
 from __future__ import annotations
 
 import csv
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import RecordsError
 from .folders import RESULTS_JSON, list_folders, read_results, replace_files, track_dir
+from .textfiles import SAVE_AS_UTF8, read_utf8
 
 HISTORY_CSV = "history.csv"
 HISTORY_DIRS = {1: Path("track_1_short"), 2: Path("track_2_medium"), 3: Path("track_3_optimization")}
@@ -49,15 +51,15 @@ def load_history(records_root: Path, track: int) -> list[HistoryRow]:
     path = history_path(records_root, track)
     if not path.is_file():
         return []
-    with path.open(newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle)
-        try:
-            if track in (1, 2):
-                return [HistoryRow(r["record"], r["time"], "", r["date"], r["description"], r["folder"], r["logs_at"]) for r in reader]
-            return [HistoryRow(r["result"], r["steps"], r["evidence"], r["date"], r["description"], r["folder"], r["logs_at"])
-                    for r in reader]
-        except KeyError as exc:
-            raise RecordsError(f"{path}: missing column {exc}; restore the header line (git checkout -- {path})") from None
+    text = read_utf8(path, f"{SAVE_AS_UTF8}, or restore it from git (git checkout -- {path})", translate_newlines=False)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        if track in (1, 2):
+            return [HistoryRow(r["record"], r["time"], "", r["date"], r["description"], r["folder"], r["logs_at"]) for r in reader]
+        return [HistoryRow(r["result"], r["steps"], r["evidence"], r["date"], r["description"], r["folder"], r["logs_at"])
+                for r in reader]
+    except KeyError as exc:
+        raise RecordsError(f"{path}: missing column {exc}; restore the header line (git checkout -- {path})") from None
 
 
 def _cell(text: str) -> str:
@@ -126,6 +128,17 @@ def marked_blocks(text: str) -> list[str]:
     return [block for block in BLOCKS if start_marker(block) in text]
 
 
+def read_readme(readme: Path) -> str:
+    return read_utf8(readme, f"{SAVE_AS_UTF8}, or restore it from git")
+
+
+def _holds_markers(readme: Path) -> bool:
+    """Whether the file holds a start marker; read as bytes, so that a README without markers is never decoded: its
+    encoding is not ours to judge (the markers are ASCII)."""
+    data = readme.read_bytes()
+    return any(start_marker(block).encode() in data for block in BLOCKS)
+
+
 def replace_blocks(text: str, readme: Path, records_root: Path) -> str:
     """The README text with every marked block regenerated (text outside the markers untouched)."""
     for block in marked_blocks(text):
@@ -143,10 +156,8 @@ def find_marked_readmes(repo_root: Path) -> list[Path]:
     found = []
     for directory, subdirs, files in os.walk(repo_root):
         subdirs[:] = sorted(d for d in subdirs if d not in SKIP_DIRS and not d.startswith("."))
-        if "README.md" in files:
-            path = Path(directory) / "README.md"
-            if marked_blocks(path.read_text(encoding="utf-8")):
-                found.append(path)
+        if "README.md" in files and _holds_markers(Path(directory) / "README.md"):
+            found.append(Path(directory) / "README.md")
     return sorted(found)
 
 
@@ -165,7 +176,7 @@ def write_tables(repo_root: Path, records_root: Path, rerun: str = "rerun `recor
     RecordsError naming it and the reason, then saying `rerun` and (`untouched`)."""
     changed, texts = [], {}
     for readme in find_marked_readmes(repo_root):
-        old = readme.read_text(encoding="utf-8")
+        old = read_readme(readme)
         new = replace_blocks(old, readme, records_root)
         if new != old:
             texts[readme] = new

@@ -172,6 +172,21 @@ def test_extract_and_stats_md_to_an_unusable_path_are_one_line(tmp_path: Path, w
     assert err.count("\n") == 1 and f"{base / 'x.md'}: " in err and "pass another --md FILE" in err
 
 
+
+def test_extract_below_a_regular_file_is_one_line_naming_it_and_writes_nothing(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    log = F.write(tmp_path / "log.txt", F.harness(shampoo=True, seconds=True))
+    afile = F.write(tmp_path / "afile", "x\n")
+    assert main(["extract", str(log), "-o", str(afile / "train.py")]) == 2
+    assert capsys.readouterr().err == (f"records: error: {afile}: cannot write train.py there ({afile} is a file, not a folder); "
+                                       "pass -o FILE in a folder you can write to (nothing was written)\n")
+    package = F.write(tmp_path / "out" / "distributed_shampoo", "a file where the package folder goes\n")
+    assert main(["extract", str(log), "-o", str(tmp_path / "out" / "train.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"records: error: {package}: cannot write __init__.py there ({package} is a file, ")
+    assert afile.read_text() == "x\n" and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["distributed_shampoo"]
+
+
 def test_track3_timing_detail_warns_about_different_hardware(tmp_path: Path) -> None:
     old = diff.load_against(F.write(tmp_path / "gpu.txt", F.harness(shampoo=True, seconds=True)), False, False)
     new = diff.side_from_logs("new", [F.write(tmp_path / "cpu.txt", F.harness(shampoo=True, seconds=True, device="cpu", smi=False))],

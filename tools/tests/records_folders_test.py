@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 from pathlib import Path
@@ -228,3 +229,83 @@ def test_check_names_a_missing_or_garbled_history_first(root: Path, damage: str,
     lines = capsys.readouterr().out.splitlines()
     expected = "missing; restore it from git" if damage == "missing" else "missing column 'result'; restore the header line"
     assert lines[0].startswith(f"{history}: {expected}") and len(lines) == 2
+
+
+# What reads each file besides `check`; a README without markers is read by `check` only.
+READERS = {"results.json": [["tables", "--write"], ["stats", "FOLDER"]], "README.md": [], "statistics.md": [],
+           "history.csv": [["tables", "--write"], ["fetch", "1:89"]], "records README": [["tables", "--write"]],
+           "published_logs.csv": [["fetch", "1:89"]]}
+
+
+@pytest.mark.parametrize("damaged", list(READERS))
+def test_a_file_that_is_not_utf8_is_one_line_naming_it(root: Path, tmp_path: Path, damaged: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    folder = create_record(root / "records", 1, "Latin1", harness_logs(tmp_path / "logs", [3.2790, 3.2785]), date=F_DATE,
+                           not_a_record=True)
+    write_tables(root, root / "records")
+    path = {"history.csv": root / "records" / "track_1_short" / "history.csv", "records README": root / "records" / "README.md",
+            "published_logs.csv": root / "records" / "published_logs.csv"}.get(damaged, folder / damaged)
+    path.write_bytes(path.read_bytes() + "Zürich\n".encode("latin-1"))  # an editor saved it in Latin-1
+    before = files_under(root)
+    assert main(["--root", str(root), "check"]) == 1
+    problems = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{path}: not UTF-8 text (byte 0xfc on line ")]
+    assert len(problems) == 1  # named once, though several checks read it
+    for command in READERS[damaged]:
+        argv = [str(folder) if arg == "FOLDER" else arg for arg in command]
+        assert main(["--root", str(root), *argv, *(["--cache-dir", str(tmp_path / "cache")] if argv[0] == "fetch" else [])]) == 2
+        assert capsys.readouterr().err == f"records: error: {problems[0]}\n"
+    assert main(["--root", str(root), "tables", "--write"]) == (2 if ["tables", "--write"] in READERS[damaged] else 0)
+    assert files_under(root) == before  # nothing rewritten
+
+
+def files_under(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(("option", "value"), [("--hardware", "8× H100\n| 9 | forged row |"), ("--note", "first line\r\nsecond"),
+                                               ("--note", "red \x1b[31mtext"), ("--hardware", "8× H100\u2028SXM")])
+def test_new_refuses_a_control_character_in_hardware_or_note(root: Path, tmp_path: Path, option: str, value: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    logs = [str(path) for path in harness_logs(tmp_path / "logs", [3.2790, 3.2785])]
+    readme = root / "records" / "README.md"
+    before = readme.read_bytes()
+    argv = ["--root", str(root), "new", "--track", "1", "--name", "OneLine", "--date", "2026-11-30", "--not-a-record", "--logs", *logs]
+    assert main([*argv, option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"records: error: {option} {value!r}: holds the control character ")
+    assert not (root / "records" / "track_1_short" / "2026-11-30_OneLine").exists() and readme.read_bytes() == before
+    assert main([*argv, "--hardware", "8× H100 | SXM5"]) == 0  # a `|` is escaped in the table, so the row stays one row
+    row = next(line for line in readme.read_text().splitlines() if "2026-11-30_OneLine" in line)
+    assert row.endswith("| 8× H100 \\| SXM5 |") and row.count(" | ") == 6
+
+
+@pytest.mark.parametrize("recorded", ["left out", None, "abc"])
+def test_check_says_a_missing_log_checksum_is_missing_not_an_edit(root: Path, tmp_path: Path, recorded: str | None) -> None:
+    folder = create_record(root / "records", 1, "NoChecksum", harness_logs(tmp_path / "logs", [3.2790, 3.2785]), date=F_DATE,
+                           not_a_record=True)
+    write_tables(root, root / "records")
+    results = json.loads((folder / "results.json").read_text())
+    if recorded == "left out":
+        del results["runs"][0]["sha256"]
+    else:
+        results["runs"][0]["sha256"] = recorded
+    (folder / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    what = "sha256 'abc' is not 64 hex digits" if recorded == "abc" else "has no sha256 of its log"
+    assert check_all(root, root / "records") == [
+        f"{folder / 'results.json'}: run 1 (run0.txt) {what}, so check cannot tell whether the log was edited; restore results.json "
+        "from git (`records new` writes each log's sha256)"]
+
+
+def test_new_refuses_a_date_in_the_future_and_takes_today(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logs = [str(path) for path in harness_logs(tmp_path / "logs", [3.2790, 3.2785])]
+    readme = root / "records" / "README.md"
+    before = readme.read_bytes()
+    argv = ["--root", str(root), "new", "--track", "1", "--name", "Dated", "--not-a-record", "--logs", *logs]
+    today = datetime.date.today()
+    assert main([*argv, "--date", "2999-01-01"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("records: error: --date 2999-01-01: in the future (today is ") and err.count("\n") == 1
+    assert err.endswith("); pass the day the runs ended, today or earlier\n")
+    assert not (root / "records" / "track_1_short" / "2999-01-01_Dated").exists() and readme.read_bytes() == before
+    assert main([*argv, "--date", today.isoformat()]) == 0  # today (the system clock's) is allowed
+    assert (root / "records" / "track_1_short" / f"{today.isoformat()}_Dated").is_dir()

@@ -114,6 +114,23 @@ def test_a_track3_final_line_with_an_interval_step_avg_that_does_not_fit(tmp_pat
     assert any("step_avg" in problem for problem in run.inconsistencies)
 
 
+
+@pytest.mark.parametrize("where", ["final val line", "train line after it"])
+def test_a_step_beyond_the_total_is_inconsistent_never_complete(tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]) -> None:
+    text = F.harness(final_loss=3.2790, steps=6, final_ms=900, device="cpu", smi=False)
+    final = final_val_line(text)
+    assert final.startswith("step:6/6 val_loss:3.2790 ")
+    train = "step:7/6 train_time:1050ms step_avg:150.00ms"
+    beyond = final.replace("step:6/6", "step:7/6") if where == "final val line" else f"{final}\n{train}"
+    log = F.write(tmp_path / "beyond.txt", text.replace(final, beyond))
+    (run,) = parse_text(log.read_text(), log)
+    number = log.read_text().splitlines().index(beyond.splitlines()[-1]) + 1
+    assert run.inconsistencies == [f"line {number}: step 7 beyond the total of 6 steps"] and not run.complete
+    code, out, err = run_cli(["stats", str(log), "--track", "1"], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert f"no complete run left (beyond.txt: inconsistent: line {number}: step 7 beyond the total of 6 steps; " in err
+
+
 def test_new_refuses_an_inconsistent_log(root: Path, tmp_path: Path) -> None:
     logs = [F.write(tmp_path / f"{i}.txt", F.harness(final_loss=3.2770 + i / 1e4)) for i in range(3)]
     text = logs[1].read_text()

@@ -161,6 +161,23 @@ def test_index_lists_the_record_runs_only(world: World) -> None:
     assert any("no file for Track 1 row #89" in p and "records index CLONE --write" in p for p in problems)
 
 
+
+def test_index_of_a_missing_or_wrong_clone_names_the_commit(world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    commit = published.PUBLISHED_COMMIT[:12]
+    for clone, why in ((tmp_path / "nonexistent", "no such folder"), (F.write(tmp_path / "afile", "x\n"), "a file, not a folder")):
+        code, out, err = run_cli(["--root", str(world.repo), "index", str(clone)], capsys)
+        assert (code, out) == (2, "")
+        assert err == f"records: error: {clone}: {why}; pass a clone of KellerJordan/modded-nanogpt checked out at {commit}\n"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out, err = run_cli(["--root", str(world.repo), "index", str(empty)], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1 and "names it, but the clone lacks it" in err
+    assert err.endswith(f"; check out the pinned commit: git -C {empty} checkout {commit}\n")
+    code, out, err = run_cli(["--root", str(tmp_path / "nonexistent"), "index", str(world.tree), "--write"], capsys)
+    assert (code, out) == (2, "") and err == (f"records: error: {tmp_path / 'nonexistent' / 'records'}: no records folder there; "
+                                              "pass --root REPO, the checkout that holds records/\n")
+
+
 def test_records_are_named_by_track_and_number_name_or_latest(world: World) -> None:
     assert published.resolve_record(world.records, "1:89", None).logs_at == f"{T1_RECORD}/run0.txt"
     assert published.resolve_record(world.records, "latest", None).row.number == "89"
@@ -327,6 +344,27 @@ def test_diff_against_a_record_of_another_track_is_refused(world: World, tmp_pat
     assert (code, out) == (2, "") and err.count("\n") == 1
     assert f"--against {against}: Track " in err and "and the new logs are Track 1" in err and "--against 1:N" in err
     assert "Welch" not in err
+
+
+
+@pytest.mark.parametrize("url", ["raw.example.org/modded-nanogpt", "http://[::1/modded-nanogpt", "http://127.0.0.1:99999",
+                                 "ftp://mirror.example.org/modded-nanogpt"])
+def test_a_malformed_source_url_is_one_line_and_stops_nothing_the_cache_holds(world: World, tmp_path: Path, url: str,
+                                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    good, world.url = world.url, url
+    code, out, err = run_cli(world.argv("fetch", "1:89"), capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith(f"records: error: source URL {url!r}: ") and "set --source-url (or $RECORDS_SOURCE_URL) to http(s)://" in err
+    assert not (world.cache / T1_RECORD).exists()
+    monkeypatch.setenv(published.SOURCE_URL_ENV, url)  # the same from the environment, through diff
+    log = F.write(tmp_path / "n.txt", F.track1_2025(steps=1380))
+    code, _, err = run_cli(["--root", str(world.repo), "diff", str(log), "--cache-dir", str(world.cache)], capsys)
+    assert code == 2 and err.startswith(f"records: error: source URL {url!r}: ") and err.count("\n") == 1
+    world.url = good  # once the logs are in the cache, the URL is never used
+    assert run_cli(world.argv("fetch", "1:89"), capsys)[0] == 0
+    code, out, _ = run_cli(["--root", str(world.repo), "diff", str(log), "--cache-dir", str(world.cache)], capsys)
+    assert code == 0 and out.splitlines()[0].endswith("; 4 log(s) from the cache")
 
 
 # ----- a cache that cannot be written -----
