@@ -20,7 +20,7 @@ from .errors import RecordsError
 from .parse import find_logs
 from .published import PUBLISHED_COMMIT, PUBLISHED_REPOSITORY, PublishedLog, manifest_path
 from .runsets import RunSet, group_runs, parse_logs
-from .tables import load_history
+from .tables import history_path, load_history
 
 TRACK_ROOTS = {PurePosixPath("records/track_1_short"), PurePosixPath("records/track_2_medium"),
                PurePosixPath("records/track_3_optimization/results")}
@@ -41,6 +41,10 @@ def index_clone(clone: Path, records_root: Path) -> list[IndexedRecord]:
         what = "a file, not a folder" if clone.exists() else "no such folder"
         raise RecordsError(f"{clone}: {what}; pass a clone of {PUBLISHED_REPOSITORY} checked out at {PUBLISHED_COMMIT[:12]}")
     rows = [(track, row) for track in (1, 2, 3) for row in load_history(records_root, track) if row.logs_at]
+    if not rows:  # an index of nothing would replace published_logs.csv with its header line
+        histories = ", ".join(str(history_path(records_root, track)) for track in (1, 2, 3))
+        raise RecordsError(f"{records_root}: no history row names a published log folder (read {histories}); "
+                           "pass --root REPO, the checkout whose records/ holds them (nothing was written)")
     parents = Counter(PurePosixPath(row.logs_at).parent for _, row in rows if (clone / row.logs_at).is_file())
     indexed = []
     for track, row in rows:

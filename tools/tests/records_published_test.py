@@ -178,6 +178,17 @@ def test_index_of_a_missing_or_wrong_clone_names_the_commit(world: World, tmp_pa
                                               "pass --root REPO, the checkout that holds records/\n")
 
 
+def test_index_without_history_rows_writes_nothing(world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --root whose records/ has no history.csv would have replaced published_logs.csv with its header line."""
+    root = tmp_path / "no_history"
+    manifest = F.write(root / "records" / "published_logs.csv", "logs_at,file,bytes,sha256\nx,x/run0.txt,1,0\n")
+    code, out, err = run_cli(["--root", str(root), "index", str(world.tree), "--write"], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith(f"records: error: {root / 'records'}: no history row names a published log folder (read ")
+    assert err.endswith("(nothing was written)\n")
+    assert manifest.read_text() == "logs_at,file,bytes,sha256\nx,x/run0.txt,1,0\n"
+
+
 def test_records_are_named_by_track_and_number_name_or_latest(world: World) -> None:
     assert published.resolve_record(world.records, "1:89", None).logs_at == f"{T1_RECORD}/run0.txt"
     assert published.resolve_record(world.records, "latest", None).row.number == "89"
