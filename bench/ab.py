@@ -813,11 +813,23 @@ class WholeRunVersion:
 
 
 def check_fresh(folder: Path) -> None:
-    """Refuses a folder holding an earlier invocation's worker files: their signals and results would be read as this
-    invocation's (a reused --out once reported an earlier call's round and stopped a new worker at once)."""
-    earlier = sorted(p.name for label in ("baseline", "candidate") for p in folder.glob(f"{label}.*"))
+    """Refuses a folder holding an earlier invocation's files: its worker files, whose signals and results would be read
+    as this invocation's (a reused --out once reported an earlier call's round and stopped a new worker at once), and
+    its extracted scripts, logs and results, which this invocation would overwrite."""
+    earlier = sorted(p.relative_to(folder).as_posix() for p in earlier_files(folder))
     if earlier:
         raise ABError(f"--out {folder} holds an earlier invocation's files ({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}); pass a new or empty folder")
+
+
+def earlier_files(folder: Path) -> list[Path]:
+    """What an invocation leaves in its folder: <label>.* (worker files), <label>/ (the extracted scripts, the workers'
+    logs) and ab.json (the default results file)."""
+    found = [folder / "ab.json"] if (folder / "ab.json").exists() else []
+    for label in ("baseline", "candidate"):
+        found += folder.glob(f"{label}.*")
+        extracted = folder / label
+        found += [extracted] if extracted.exists() and not extracted.is_dir() else [p for p in extracted.rglob("*") if not p.is_dir()]
+    return found
 
 
 # =============================================================================================

@@ -211,6 +211,21 @@ def test_an_out_folder_with_an_earlier_invocations_files_is_refused(tmp_path):
     assert (tmp_path / "baseline.result0").read_text() == '{"ms_per_step": 1.0}' and not (tmp_path / "baseline").exists()
 
 
+@pytest.mark.parametrize("earlier", ["ab.json", "baseline/train_gpt.py"])
+def test_an_out_folder_with_earlier_results_or_scripts_is_refused(tmp_path, earlier):
+    """A reused --out: a dry run wrote its baseline/train_gpt.py over the earlier copy, a run its ab.json over the earlier
+    results. Now refused by name before anything is extracted, and the folder is left as it was."""
+    (tmp_path / earlier).parent.mkdir(exist_ok=True)
+    (tmp_path / earlier).write_text("kept")
+    before = sorted(tmp_path.rglob("*"))
+    result = run_ab("--dry-run", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: --out {tmp_path.resolve()} holds an earlier invocation's files ({earlier}); pass a new or empty folder"
+    )
+    assert (tmp_path / earlier).read_text() == "kept" and sorted(tmp_path.rglob("*")) == before
+
+
 def test_a_wait_past_the_deadline_names_the_worker_and_its_signal(ab, tmp_path):
     control = ab.Control(tmp_path, "candidate")
     with pytest.raises(ab.WorkerTimeout, match=r"candidate: no 'result0' by the deadline; see .*candidate\.out"):
