@@ -812,6 +812,14 @@ class WholeRunVersion:
         pass
 
 
+def make_out_folder(folder: Path) -> None:
+    """Creates --out and the folders above it; a file in the way is one line (mkdir raised it as a traceback)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ABError(f"--out {folder}: a file is in the way (that path or a folder above it is a file); pass a folder") from None
+
+
 def check_fresh(folder: Path) -> None:
     """Refuses a folder holding an earlier invocation's files: its worker files, whose signals and results would be read
     as this invocation's (a reused --out once reported an earlier call's round and stopped a new worker at once), and
@@ -1089,7 +1097,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     started_at = time.monotonic()
     folder = (args.out or REPO / "bench" / "out" / "ab" / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
+    make_out_folder(folder)
     check_fresh(folder)
     versions = [
         resolve_version("baseline", args.baseline, folder, args.train_script, shlex.split(args.baseline_flags)),

@@ -226,6 +226,18 @@ def test_an_out_folder_with_earlier_results_or_scripts_is_refused(tmp_path, earl
     assert (tmp_path / earlier).read_text() == "kept" and sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("out", ["file", "file/sub"])
+def test_an_out_path_blocked_by_a_file_is_one_line(tmp_path, out):
+    """--out naming a file, or a folder below one: mkdir's FileExistsError or NotADirectoryError was a traceback."""
+    (tmp_path / "file").write_text("kept")
+    result = run_ab("--dry-run", "--skip", "2", "--out", str(tmp_path / out), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: --out {(tmp_path / out).resolve()}: a file is in the way (that path or a folder above it is a file); pass a folder"
+    )
+    assert (tmp_path / "file").read_text() == "kept"
+
+
 def test_a_wait_past_the_deadline_names_the_worker_and_its_signal(ab, tmp_path):
     control = ab.Control(tmp_path, "candidate")
     with pytest.raises(ab.WorkerTimeout, match=r"candidate: no 'result0' by the deadline; see .*candidate\.out"):
