@@ -213,7 +213,28 @@ def check_version(version: Version, overrides: list[str]) -> dict[str, Any]:
     if result.returncode != 0:
         last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
         raise ABError(f"{version.label} ({version.origin}) does not accept the overrides: {last}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    check = _check_result(result.stdout)
+    if check is None:
+        lines = result.stdout.strip().splitlines()
+        got = f"its last line was {lines[-1][:80]!r}" if lines else "it printed nothing"
+        raise ABError(
+            f"{version.label} ({version.origin}): importing {version.script} exited with status 0 before the check's result "
+            f"(a JSON line with its training steps was expected; {got}); pass a script that does not exit when imported"
+        )
+    return check
+
+
+def _check_result(stdout: str) -> dict[str, Any] | None:
+    """The JSON object _check_script_main prints last; None when there is none (the script's import exited first,
+    e.g. a sys.exit() at its top level)."""
+    lines = stdout.strip().splitlines()
+    if not lines:
+        return None
+    try:
+        check = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return None
+    return check if isinstance(check, dict) and "train_steps" in check else None
 
 
 def _check_script_main(script: Path, overrides: list[str]) -> None:

@@ -71,6 +71,24 @@ def test_a_script_without_run_and_train_is_timed_whole_run(tmp_path):
     assert "[whole-run], unknown training steps" in result.stdout
 
 
+@pytest.mark.parametrize("source, got", [
+    ("import sys\nsys.exit(0)\n", "it printed nothing"),
+    ("print('hello')\nraise SystemExit(0)\n", "its last line was 'hello'"),
+], ids=["silent", "other-output"])
+def test_a_script_that_exits_when_imported_is_one_line(tmp_path, source, got):
+    """Its check printed no JSON line: an IndexError (or JSONDecodeError) traceback before."""
+    script = tmp_path / "exits.py"
+    script.write_text(source)
+    out = tmp_path / "out"
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", str(script), "--out", str(out), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: baseline ({script}): importing {out.resolve() / 'baseline' / 'train_gpt.py'} exited with status 0 "
+        f"before the check's result (a JSON line with its training steps was expected; {got}); pass a script that does not "
+        "exit when imported"
+    )
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
