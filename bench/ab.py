@@ -77,6 +77,7 @@ WORKTREE = "WORKTREE"
 RESIDENT_NEEDS = {"run": (), "train": ("raw_model", "adam", "muon", "rt"), "print0": (), "evaluate": ()}
 # train_gpt_shampoo.py: main() runs trials, each run_trial() calls train_step() per step and evaluate()
 TRIALS_NEEDS = {"main": (), "run_trial": ("trial", "resume"), "train_step": (), "evaluate": ()}
+FILE_SUFFIXES = (".py", ".txt")  # a version named so is a script or a run log, not a revision
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) ")
 TRAIN_TIME = re.compile(r"train_time:([0-9.]+)(ms|s)\b")
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.naife]+)")
@@ -162,13 +163,24 @@ def resolve_version(label: str, spec: str, folder: Path, script: str = "train_gp
         _script_from_log(path, target)
         origin = f"the script embedded in {path}"
     else:
-        commit = _git("rev-parse", "--short", f"{spec}^{{commit}}").strip()
+        commit = _revision(label, spec)
         target.write_text(_git("show", f"{commit}:{script}"))
         origin = f"{script} at {spec} ({commit})"
         if "distributed_shampoo" in target.read_text():
             _extract_package(commit, target.parent)
             origin += " with its distributed_shampoo"
     return Version(label, spec, origin, target, classify(target), list(flags or []))
+
+
+def _revision(label: str, spec: str) -> str:
+    """The commit of a version given as a git revision. A spec named like a file (a .py script, a .txt log) that is
+    neither a file nor a revision was meant as a file: said so, rather than git's complaint about a revision."""
+    try:
+        return _git("rev-parse", "--short", f"{spec}^{{commit}}").strip()
+    except ABError:
+        if Path(spec).suffix not in FILE_SUFFIXES:
+            raise
+        raise ABError(f"--{label} {spec}: no such file; pass an existing script, run log or record folder, or a git revision") from None
 
 
 def _extract_package(commit: str, folder: Path) -> None:

@@ -89,6 +89,17 @@ def test_a_script_that_exits_when_imported_is_one_line(tmp_path, source, got):
     )
 
 
+@pytest.mark.parametrize("flag, name", [("--baseline", "gone.py"), ("--candidate", "gone.txt")])
+def test_a_missing_script_or_log_is_named_as_a_missing_file(tmp_path, flag, name):
+    """It was taken for a git revision: 'git rev-parse --short .../gone.py^{commit}: fatal: Needed a single revision'."""
+    missing = tmp_path / name
+    result = run_ab("--dry-run", "--skip", "2", flag, str(missing), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: {flag} {missing}: no such file; pass an existing script, run log or record folder, or a git revision"
+    )
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
