@@ -1600,6 +1600,7 @@ class TrainLoader:
         self._bos = np.empty(0, dtype=np.int64)
         self._full_index: Future | None = None  # pending complete BOS index while the quick one is used
         self._upcoming: Future | None = None  # the next shard and its BOS index
+        self._without_bos: dict[str, None] | None = {}  # the shards read, while none of them had a BOS (then None)
 
     def state_dict(self) -> dict[str, int]:
         return {"shard_number": self.shard_number, "cursor": self.cursor}
@@ -1608,6 +1609,7 @@ class TrainLoader:
         """The next batch reopens that shard and continues at that BOS (also after batches were drawn)."""
         self.shard_number, self.cursor, self.served = int(state["shard_number"]), int(state["cursor"]), 0
         self._tokens, self._bos, self._full_index, self._upcoming = None, np.empty(0, dtype=np.int64), None, None
+        self._without_bos = {}
 
     def _path(self, number: int) -> str | None:
         if number >= len(self.files) and not self.cycle:
@@ -1640,6 +1642,9 @@ class TrainLoader:
         self._bos, self._full_index = self._full_index.result(), None
 
     def _next_shard(self, swaps_without_a_batch: int) -> None:
+        self._note_bos()
+        if self._without_bos is not None and (self._upcoming is None or swaps_without_a_batch > len(self.files)):
+            raise UserError(self._no_bos_message())
         if self._upcoming is None:
             raise UserError(
                 f"training data exhausted after {self.served} batches ({len(self.files)} files from the --train_files pattern); add shards or pass --cycle_train_files=true for small proxy datasets"
@@ -1651,6 +1656,25 @@ class TrainLoader:
         self._tokens, self._bos = self._upcoming.result()
         self.shard_number, self.cursor = self.shard_number + 1, 0
         self._preload(self.shard_number + 1)
+
+    def _note_bos(self) -> None:
+        """Before a swap (the current shard's index is complete then): whether its shard is one more without a BOS."""
+        if self._without_bos is not None:
+            self._without_bos = None if self._bos.size else self._without_bos | {self._path(self.shard_number): None}
+
+    def _no_bos_message(self) -> str:
+        """Every shard read lacks a BOS, which a shard of this tokenizer's text does only inside a document longer than a
+        shard: advice to add shards, or larger ones, would mislead."""
+        paths = list(self._without_bos or {})
+        if len(paths) == 1:
+            what = f"--train_files shard {paths[0]} holds no BOS token"
+        else:
+            what = f"none of the {len(paths)} --train_files shards read ({paths[0]}, ...) holds a BOS token"
+        return (
+            f"{what} ({self.bos_token}, the start of every document), so no batch can start there: probably not written by "
+            "this tokenizer (data/fineweb.py puts a BOS before every document); tokenize the text again, or set --bos_token "
+            "to the id its tokenizer puts there"
+        )
 
     def __iter__(self) -> "TrainLoader":
         return self

@@ -77,6 +77,7 @@ WORKTREE = "WORKTREE"
 RESIDENT_NEEDS = {"run": (), "train": ("raw_model", "adam", "muon", "rt"), "print0": (), "evaluate": ()}
 # train_gpt_shampoo.py: main() runs trials, each run_trial() calls train_step() per step and evaluate()
 TRIALS_NEEDS = {"main": (), "run_trial": ("trial", "resume"), "train_step": (), "evaluate": ()}
+FILE_SUFFIXES = (".py", ".txt")  # a version named so is a script or a run log, not a revision
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) ")
 TRAIN_TIME = re.compile(r"train_time:([0-9.]+)(ms|s)\b")
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.naife]+)")
@@ -162,13 +163,24 @@ def resolve_version(label: str, spec: str, folder: Path, script: str = "train_gp
         _script_from_log(path, target)
         origin = f"the script embedded in {path}"
     else:
-        commit = _git("rev-parse", "--short", f"{spec}^{{commit}}").strip()
+        commit = _revision(label, spec)
         target.write_text(_git("show", f"{commit}:{script}"))
         origin = f"{script} at {spec} ({commit})"
         if "distributed_shampoo" in target.read_text():
             _extract_package(commit, target.parent)
             origin += " with its distributed_shampoo"
     return Version(label, spec, origin, target, classify(target), list(flags or []))
+
+
+def _revision(label: str, spec: str) -> str:
+    """The commit of a version given as a git revision. A spec named like a file (a .py script, a .txt log) that is
+    neither a file nor a revision was meant as a file: said so, rather than git's complaint about a revision."""
+    try:
+        return _git("rev-parse", "--short", f"{spec}^{{commit}}").strip()
+    except ABError:
+        if Path(spec).suffix not in FILE_SUFFIXES:
+            raise
+        raise ABError(f"--{label} {spec}: no such file; pass an existing script, run log or record folder, or a git revision") from None
 
 
 def _extract_package(commit: str, folder: Path) -> None:
@@ -213,7 +225,28 @@ def check_version(version: Version, overrides: list[str]) -> dict[str, Any]:
     if result.returncode != 0:
         last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
         raise ABError(f"{version.label} ({version.origin}) does not accept the overrides: {last}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    check = _check_result(result.stdout)
+    if check is None:
+        lines = result.stdout.strip().splitlines()
+        got = f"its last line was {lines[-1][:80]!r}" if lines else "it printed nothing"
+        raise ABError(
+            f"{version.label} ({version.origin}): importing {version.script} exited with status 0 before the check's result "
+            f"(a JSON line with its training steps was expected; {got}); pass a script that does not exit when imported"
+        )
+    return check
+
+
+def _check_result(stdout: str) -> dict[str, Any] | None:
+    """The JSON object _check_script_main prints last; None when there is none (the script's import exited first,
+    e.g. a sys.exit() at its top level)."""
+    lines = stdout.strip().splitlines()
+    if not lines:
+        return None
+    try:
+        check = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return None
+    return check if isinstance(check, dict) and "train_steps" in check else None
 
 
 def _check_script_main(script: Path, overrides: list[str]) -> None:
@@ -812,12 +845,32 @@ class WholeRunVersion:
         pass
 
 
+def make_out_folder(folder: Path) -> None:
+    """Creates --out and the folders above it; a file in the way is one line (mkdir raised it as a traceback)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ABError(f"--out {folder}: a file is in the way (that path or a folder above it is a file); pass a folder") from None
+
+
 def check_fresh(folder: Path) -> None:
-    """Refuses a folder holding an earlier invocation's worker files: their signals and results would be read as this
-    invocation's (a reused --out once reported an earlier call's round and stopped a new worker at once)."""
-    earlier = sorted(p.name for label in ("baseline", "candidate") for p in folder.glob(f"{label}.*"))
+    """Refuses a folder holding an earlier invocation's files: its worker files, whose signals and results would be read
+    as this invocation's (a reused --out once reported an earlier call's round and stopped a new worker at once), and
+    its extracted scripts, logs and results, which this invocation would overwrite."""
+    earlier = sorted(p.relative_to(folder).as_posix() for p in earlier_files(folder))
     if earlier:
         raise ABError(f"--out {folder} holds an earlier invocation's files ({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}); pass a new or empty folder")
+
+
+def earlier_files(folder: Path) -> list[Path]:
+    """What an invocation leaves in its folder: <label>.* (worker files), <label>/ (the extracted scripts, the workers'
+    logs) and ab.json (the default results file)."""
+    found = [folder / "ab.json"] if (folder / "ab.json").exists() else []
+    for label in ("baseline", "candidate"):
+        found += folder.glob(f"{label}.*")
+        extracted = folder / label
+        found += [extracted] if extracted.exists() and not extracted.is_dir() else [p for p in extracted.rglob("*") if not p.is_dir()]
+    return found
 
 
 # =============================================================================================
@@ -1077,7 +1130,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     started_at = time.monotonic()
     folder = (args.out or REPO / "bench" / "out" / "ab" / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
+    make_out_folder(folder)
     check_fresh(folder)
     versions = [
         resolve_version("baseline", args.baseline, folder, args.train_script, shlex.split(args.baseline_flags)),

@@ -199,6 +199,9 @@ def parquet_documents(path: Path) -> Iterator[str]:
         columns = parquet.schema_arrow.names
         if "text" not in columns:
             raise InputError(f'{path}: no "text" column (columns: {", ".join(columns)}); name the text column "text"')
+        text_type = parquet.schema_arrow.field("text").type
+        if not holds_strings(text_type):  # its values would all read as "no text" below
+            raise InputError(f'{path}: the "text" column holds {text_type} values, not strings; store the documents as strings')
         for batch in parquet.iter_batches(columns=["text"]):
             for text in batch.column(0).to_pylist():
                 if not isinstance(text, str):
@@ -206,6 +209,16 @@ def parquet_documents(path: Path) -> Iterator[str]:
                 yield text
     except pa.ArrowException as error:
         raise InputError(f"{path}: not a readable parquet file ({error}); check that the file is complete") from None
+
+
+def holds_strings(column_type: "pa.DataType") -> bool:
+    """Whether a parquet column's values read as str (or None): a string type, dictionary-encoded or not, or the null
+    type of a column without a single value (its rows are refused one by one as null)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(column_type):
+        column_type = column_type.value_type
+    return any(check(column_type) for check in (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view, pa.types.is_null))
 
 
 def file_documents(path: Path) -> Iterator[str]:

@@ -44,7 +44,7 @@ FINEWEBEDU10B = ShardRepo("kjj0/finewebedu10B-gpt2", "finewebedu", 99, DATA_DIR 
 
 
 class DownloadError(RuntimeError):
-    """A download failed; the message is one sentence for the user."""
+    """A download failed or cannot start; the message is one sentence for the user."""
 
 
 def shard_names(repo: ShardRepo, num_train_shards: int) -> list[str]:
@@ -125,6 +125,14 @@ def download_shard(repo_id: str, filename: str, out_dir: Path, endpoint: str | N
     return final
 
 
+def make_out_dir(out_dir: Path) -> None:
+    """Creates out_dir and the folders above it; a file in the way is one sentence (mkdir raised it as a traceback)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise DownloadError(f"--out-dir {out_dir}: a file is in the way (that path or a folder above it is a file); pass a folder") from None
+
+
 def download_shards(
     repo: ShardRepo, num_train_shards: int, out_dir: Path, endpoint: str | None = None
 ) -> list[str]:
@@ -132,7 +140,7 @@ def download_shards(
 
     Returns the names it downloaded (those already present and valid are skipped).
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_out_dir(out_dir)
     names = shard_names(repo, num_train_shards)
     missing = [name for name in names if needs_download(out_dir / name)]
     print(f"{repo.repo_id}: {len(names) - len(missing)} of {len(names)} shards already in {out_dir}")

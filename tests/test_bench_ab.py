@@ -71,6 +71,35 @@ def test_a_script_without_run_and_train_is_timed_whole_run(tmp_path):
     assert "[whole-run], unknown training steps" in result.stdout
 
 
+@pytest.mark.parametrize("source, got", [
+    ("import sys\nsys.exit(0)\n", "it printed nothing"),
+    ("print('hello')\nraise SystemExit(0)\n", "its last line was 'hello'"),
+], ids=["silent", "other-output"])
+def test_a_script_that_exits_when_imported_is_one_line(tmp_path, source, got):
+    """Its check printed no JSON line: an IndexError (or JSONDecodeError) traceback before."""
+    script = tmp_path / "exits.py"
+    script.write_text(source)
+    out = tmp_path / "out"
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", str(script), "--out", str(out), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: baseline ({script}): importing {out.resolve() / 'baseline' / 'train_gpt.py'} exited with status 0 "
+        f"before the check's result (a JSON line with its training steps was expected; {got}); pass a script that does not "
+        "exit when imported"
+    )
+
+
+@pytest.mark.parametrize("flag, name", [("--baseline", "gone.py"), ("--candidate", "gone.txt")])
+def test_a_missing_script_or_log_is_named_as_a_missing_file(tmp_path, flag, name):
+    """It was taken for a git revision: 'git rev-parse --short .../gone.py^{commit}: fatal: Needed a single revision'."""
+    missing = tmp_path / name
+    result = run_ab("--dry-run", "--skip", "2", flag, str(missing), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: {flag} {missing}: no such file; pass an existing script, run log or record folder, or a git revision"
+    )
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -209,6 +238,33 @@ def test_an_out_folder_with_an_earlier_invocations_files_is_refused(tmp_path):
     assert "holds an earlier invocation's files (baseline.result0)" in result.stderr and "new or empty folder" in result.stderr
     assert "Traceback" not in result.stderr
     assert (tmp_path / "baseline.result0").read_text() == '{"ms_per_step": 1.0}' and not (tmp_path / "baseline").exists()
+
+
+@pytest.mark.parametrize("earlier", ["ab.json", "baseline/train_gpt.py"])
+def test_an_out_folder_with_earlier_results_or_scripts_is_refused(tmp_path, earlier):
+    """A reused --out: a dry run wrote its baseline/train_gpt.py over the earlier copy, a run its ab.json over the earlier
+    results. Now refused by name before anything is extracted, and the folder is left as it was."""
+    (tmp_path / earlier).parent.mkdir(exist_ok=True)
+    (tmp_path / earlier).write_text("kept")
+    before = sorted(tmp_path.rglob("*"))
+    result = run_ab("--dry-run", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: --out {tmp_path.resolve()} holds an earlier invocation's files ({earlier}); pass a new or empty folder"
+    )
+    assert (tmp_path / earlier).read_text() == "kept" and sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("out", ["file", "file/sub"])
+def test_an_out_path_blocked_by_a_file_is_one_line(tmp_path, out):
+    """--out naming a file, or a folder below one: mkdir's FileExistsError or NotADirectoryError was a traceback."""
+    (tmp_path / "file").write_text("kept")
+    result = run_ab("--dry-run", "--skip", "2", "--out", str(tmp_path / out), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: --out {(tmp_path / out).resolve()}: a file is in the way (that path or a folder above it is a file); pass a folder"
+    )
+    assert (tmp_path / "file").read_text() == "kept"
 
 
 def test_a_wait_past_the_deadline_names_the_worker_and_its_signal(ab, tmp_path):

@@ -138,12 +138,30 @@ def test_shard_without_bos_is_the_middle_of_a_document(tmp_path, monkeypatch, qu
 
 
 def test_shards_without_any_bos_give_one_clear_line(tmp_path):
-    tg.write_shard(tmp_path / "t_000001.bin", np.full(500, 7))
-    with pytest.raises(tg.UserError, match="training data exhausted after 0 batches"):
-        next(loader([tmp_path / "t_000001.bin"]))
-    with pytest.raises(tg.UserError, match="no --train_files shard holds 1 x 65 tokens of documents that start with BOS") as info:
-        next(loader([tmp_path / "t_000001.bin"], cycle=True))
-    assert "\n" not in str(info.value)
+    """No document starts in them: the advice was to add shards (or larger ones), which would not help. Now the line says
+    they lack the BOS and were probably not written by this tokenizer."""
+    files = [tmp_path / f"t_00000{i}.bin" for i in (1, 2)]
+    for path in files:
+        tg.write_shard(path, np.full(500, 7))
+    tail = (f"({TINY_BOS}, the start of every document), so no batch can start there: probably not written by this tokenizer "
+            "(data/fineweb.py puts a BOS before every document); tokenize the text again, or set --bos_token to the id its tokenizer puts there")
+    for cycle in (False, True):
+        with pytest.raises(tg.UserError) as info:
+            next(loader(files[:1], cycle=cycle))
+        assert str(info.value) == f"--train_files shard {files[0]} holds no BOS token {tail}"
+    with pytest.raises(tg.UserError) as info:
+        next(loader(files))
+    assert str(info.value) == f"none of the 2 --train_files shards read ({files[0]}, ...) holds a BOS token {tail}"
+
+
+def test_shards_with_documents_but_too_short_for_a_batch_ask_for_more_or_larger(tmp_path):
+    """The cases the add-shards advice is for: a BOS in every shard, but no batch of 65 tokens fits."""
+    path = tmp_path / "t_000001.bin"
+    docs_shard(path, [20, 20])
+    with pytest.raises(tg.UserError, match=r"training data exhausted after 0 batches .*; add shards"):
+        next(loader([path]))
+    with pytest.raises(tg.UserError, match="no --train_files shard holds 1 x 65 tokens of documents that start with BOS .*; add larger shards"):
+        next(loader([path], cycle=True))
 
 
 @pytest.mark.parametrize("quick_scan_tokens", [tg.QUICK_BOS_SCAN_TOKENS, 150])

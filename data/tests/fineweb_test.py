@@ -148,6 +148,12 @@ def bad_input(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     path = tmp_path / "body.parquet"
     pq.write_table(pa.table({"body": ["x"]}), path)
     cases["parquet-without-text"] = (path, 'body.parquet: no "text" column')
+    path = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"text": [1, 2]}), path)
+    cases["parquet-int-text"] = (path, 'numbers.parquet: the "text" column holds int64 values, not strings')
+    path = tmp_path / "gaps.parquet"
+    pq.write_table(pa.table({"text": ["ok", None]}), path)
+    cases["parquet-null-text"] = (path, 'gaps.parquet: a row has no text (null "text" value)')
     path = tmp_path / "fake.parquet"
     path.write_text("not parquet at all")
     cases["not-parquet"] = (path, "fake.parquet: not a readable parquet file")
@@ -170,8 +176,8 @@ def bad_input(tmp_path: Path) -> dict[str, tuple[Path, str]]:
 @pytest.mark.parametrize(
     "case",
     [
-        "unsupported-suffix", "jsonl-without-text", "jsonl-not-json", "not-utf8", "parquet-without-text", "not-parquet",
-        "truncated-gzip", "not-xz", "corrupt-xz", "missing",
+        "unsupported-suffix", "jsonl-without-text", "jsonl-not-json", "not-utf8", "parquet-without-text", "parquet-int-text",
+        "parquet-null-text", "not-parquet", "truncated-gzip", "not-xz", "corrupt-xz", "missing",
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:

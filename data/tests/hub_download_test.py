@@ -182,6 +182,19 @@ def test_unreachable_hub_exits_nonzero_with_one_sentence(tmp_path: Path) -> None
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize("script", ["cached_fineweb10B.py", "cached_fineweb100B.py", "cached_finewebedu10B.py"])
+@pytest.mark.parametrize("out", ["file", "file/sub"])
+def test_an_out_dir_blocked_by_a_file_is_one_sentence(tmp_path: Path, script: str, out: str) -> None:
+    """--out-dir naming a file, or a folder below one: mkdir's FileExistsError or NotADirectoryError was a traceback."""
+    (tmp_path / "file").write_text("kept")
+    result = run_script(script, "1", "--out-dir", str(tmp_path / out), endpoint=closed_port_endpoint())
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"error: --out-dir {tmp_path / out}: a file is in the way (that path or a folder above it is a file); pass a folder"
+    )
+    assert (tmp_path / "file").read_text() == "kept"
+
+
 def test_entry_script_honours_hf_endpoint(fake_hub: FakeHub, tmp_path: Path) -> None:
     names = shard_names(FINEWEBEDU10B, 1)
     serve_repo(fake_hub, FINEWEBEDU10B.repo_id, names, tmp_path)
