@@ -209,7 +209,13 @@ def _parse_float(text: str) -> float:
 
 
 def _parse_int_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.replace("(", "").replace(")", "").split(",") if part.strip())
+    """Comma-separated whole numbers, optionally in parentheses: 3,7,11 or (3, 7, 11). An empty item (3,,7, a trailing
+    comma, nothing at all) is refused, never dropped: the schedule would quietly lose a window."""
+    items = text.strip().removeprefix("(").removesuffix(")").split(",")
+    try:
+        return tuple(int(item) for item in items)
+    except ValueError:  # argparse names the flag: "argument --ws_schedule: expected ..."
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 3,7,11 (no empty items), got {text!r}") from None
 
 
 def _value_parser(field_type: Any) -> Callable[[str], Any]:
