@@ -209,7 +209,13 @@ def _parse_float(text: str) -> float:
 
 
 def _parse_int_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.replace("(", "").replace(")", "").split(",") if part.strip())
+    """Comma-separated whole numbers, optionally in parentheses: 3,7,11 or (3, 7, 11). An empty item (3,,7, a trailing
+    comma, nothing at all) is refused, never dropped: the schedule would quietly lose a window."""
+    items = text.strip().removeprefix("(").removesuffix(")").split(",")
+    try:
+        return tuple(int(item) for item in items)
+    except ValueError:  # argparse names the flag: "argument --ws_schedule: expected ..."
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 3,7,11 (no empty items), got {text!r}") from None
 
 
 def _value_parser(field_type: Any) -> Callable[[str], Any]:
@@ -1384,6 +1390,25 @@ def check_train_data(files: list[str], vocab_size: int) -> int:
     total = sum(read_shard_header(path) for path in files)
     read_shard(files[0], vocab_size)
     return total
+
+
+def check_val_is_held_out(train_files: list[str], val_files: list[str]) -> None:
+    """No --val_files shard is also a --train_files shard (the same file, by any path, link or hard link): a val loss
+    on training data looks better than the model is."""
+    def identity(path: str) -> tuple[int, int] | str:
+        try:
+            status = os.stat(path)
+        except OSError:  # unreadable or a dangling link: the shard checks name it; compare the resolved path
+            return os.path.realpath(path)
+        return status.st_dev, status.st_ino
+
+    train = {identity(path): path for path in train_files}
+    for path in val_files:
+        same = train.get(identity(path))
+        if same is not None:
+            also = "" if same == path else f" (the same file as {same})"
+            raise UserError(f"{path}: is a --val_files shard and a --train_files shard{also}; validation on training data "
+                            f"overstates the model: pass a --val_files pattern that matches only held-out shards")
 
 
 def shard_bytes(tokens: np.ndarray) -> bytes:
@@ -2646,16 +2671,38 @@ def save_resumable(
     return write_checkpoint(target, run_id, rt, settings, dataclasses.asdict(progress), rank_state, shared_state)
 
 
+def state_file(log_dir: Path, run_id: str, step: int) -> Path:
+    """Where --save_checkpoint writes the end-of-run state: <log_dir>/<run_id>/state_step<N>.pt."""
+    return log_dir / run_id / f"state_step{step:06d}.pt"
+
+
+def state_file_problem(path: Path) -> str | None:
+    """Why the end-of-run state file cannot be written at path, as one line: it exists, or its folder is a file."""
+    if os.path.lexists(path):
+        return f"{path} already exists; choose another --run_id or move the file away (checkpoints are never overwritten)"
+    if os.path.lexists(path.parent) and not os.path.isdir(path.parent):
+        return f"{path.parent} is a file, not a folder, and --save_checkpoint writes {path.name} in it; choose another --run_id or move the file away"
+    return None
+
+
+def check_state_file_is_new(log_dir: Path, run_id: str, step: int) -> None:
+    """Rank 0, before the log exists: the end-of-run state file this run would write is new and its folder is one (or
+    is still to be created). Found only at the save, after training, either would cost the whole run."""
+    problem = state_file_problem(state_file(log_dir, run_id, step))
+    if problem is not None:
+        raise UserError(problem)
+
+
 def save_checkpoint(log_path: Path, run_id: str, step: int, raw_model: GPT, adam: DistAdam, muon: Muon) -> Path:
-    """The record's end-of-run state file (rank 0's view; not resumable), written atomically; never overwrites."""
-    folder = log_path.parent / run_id
-    path = folder / f"state_step{step:06d}.pt"
+    """The record's end-of-run state file (rank 0's view; not resumable), written atomically; never overwrites
+    (check_state_file_is_new refused an existing one before the run)."""
+    path = state_file(log_path.parent, run_id, step)
     state = dict(step=step, code=Path(__file__).read_text(), model=raw_model.state_dict(), optimizers=[adam.state_dict(), muon.state_dict()])
     try:
-        folder.mkdir(exist_ok=True)
+        path.parent.mkdir(exist_ok=True)
         atomic_torch_save(state, path, replace=False)
-    except FileExistsError:
-        raise UserError(f"{path} already exists; checkpoints are never overwritten") from None
+    except FileExistsError:  # made since the check
+        raise UserError(state_file_problem(path) or f"{path} already exists; checkpoints are never overwritten") from None
     except OSError as error:  # a full disk: the temporary file is gone, the log names what survives
         raise UserError(f"cannot write {path} ({error.strerror}){last_checkpoint_note()}") from None
     return path
@@ -2895,6 +2942,7 @@ def run(argv: list[str]) -> float:
         hp = dataclasses.replace(hp, train_files=smoke_train, val_files=smoke_val)
     train_files = resolve_files(hp.train_files, "train")
     val_files = resolve_files(hp.val_files, "val")
+    check_val_is_held_out(train_files, val_files)
     train_token_count = check_train_data(train_files, hp.vocab_size)
     val_token_count = check_val_data(
         val_files, val_tokens=hp.val_tokens, val_batch_size=hp.val_batch_size, grad_accum_steps=rt.grad_accum_steps, vocab_size=hp.vocab_size
@@ -2917,6 +2965,8 @@ def run(argv: list[str]) -> float:
     if hp.save_checkpoint:  # the end-of-run state, <log_dir>/<run_id>/state_step<N>.pt: the source, model and optimizers
         log_dir_file_sizes.append(len(source.encode()) + model_bytes + optimizer_state_bytes)
     checkpoint_file_sizes = [model_bytes] + [optimizer_state_bytes] * rt.world_size  # shared.pt, each rank's rank<r>.pt
+    if hp.save_checkpoint:
+        run_on(_is_master, lambda: check_state_file_is_new(Path(hp.log_dir), run_id, hp.train_steps))
     run_on(_is_master, lambda: prepare_outputs(Path(hp.log_dir) / f"{run_id}.txt", log_dir_file_sizes,
                                                checkpoint_dir if hp.checkpoint_every else None, checkpoint_file_sizes, run_started))
     open_run_log(hp, run_id, rt)

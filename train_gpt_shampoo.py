@@ -404,6 +404,25 @@ def check_train_data(files: list[str], vocab_size: int) -> int:
     return total
 
 
+def check_val_is_held_out(train_files: list[str], val_files: list[str]) -> None:
+    """No --val_files shard is also a --train_files shard (the same file, by any path, link or hard link): a val loss
+    on training data looks better than the model is."""
+    def identity(path: str) -> tuple[int, int] | str:
+        try:
+            status = os.stat(path)
+        except OSError:  # unreadable or a dangling link: the shard checks name it; compare the resolved path
+            return os.path.realpath(path)
+        return status.st_dev, status.st_ino
+
+    train = {identity(path): path for path in train_files}
+    for path in val_files:
+        same = train.get(identity(path))
+        if same is not None:
+            also = "" if same == path else f" (the same file as {same})"
+            raise UserError(f"{path}: is a --val_files shard and a --train_files shard{also}; validation on training data "
+                            f"overstates the model: pass a --val_files pattern that matches only held-out shards")
+
+
 def shard_bytes(tokens: np.ndarray) -> bytes:
     header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
     header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
@@ -1986,6 +2005,7 @@ def run(argv: Sequence[str]) -> RunResult:
         if overrides.get("preset") == "smoke" and "train_files" not in overrides and "val_files" not in overrides:
             hp.train_files, hp.val_files = smoke_shards(hp, rt, run_started)
         train_files, val_files = resolve_files(hp.train_files, "train"), resolve_files(hp.val_files, "val")
+        check_val_is_held_out(train_files, val_files)
         token_counts = check_train_data(train_files, hp.vocab_size), sum(read_shard_header(path) for path in val_files)
         return train_trials(hp, settings, overrides, rt, train_files, val_files, token_counts, resume, run_started)
     except UserError as error:  # e.g. out of data mid-run: the log says why it ends

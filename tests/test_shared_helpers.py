@@ -30,7 +30,7 @@ SHARED = (
     "FLAG_GROUPS", "FLAG_HELP", "SEED_LIMIT", "NAME_LIMIT", "PATH_FLAGS", "check_path_names",
     # shards
     "SHARD_MAGIC", "SHARD_VERSION", "SHARD_HEADER_INTS", "GPT2_VOCAB_SIZE", "HUB_SHARD_SCRIPTS",
-    "resolve_files", "shard_fix", "read_shard_header", "read_shard", "check_train_data", "shard_bytes",
+    "resolve_files", "shard_fix", "read_shard_header", "read_shard", "check_train_data", "check_val_is_held_out", "shard_bytes",
     "TEMPORARY_NAME", "NO_LOCK_ERRNOS", "flock_if_supported", "write_atomically", "remove_dead_temporaries", "write_shard",
     # smoke shards: one writer; each track its own sizes, tokens and folder (smoke_shards)
     "write_smoke_shards", "refresh_smoke_shards",

@@ -1,6 +1,7 @@
 """Command line, schedules (the boundary steps of docs/track1_recipe.md#schedules and
 docs/track1_recipe.md#attention-windows), YaRN and bad-input errors of train_gpt.py."""
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+import train_gpt_shampoo as tgs
 from conftest import ROOT
 
 
@@ -48,6 +50,26 @@ def test_bad_command_line_values_name_the_option(argv, fragment):
         tg.parse_args(argv)
     message = str(info.value)
     assert fragment in message and "\n" not in message
+
+
+# every int-tuple setting of both scripts (train_gpt_shampoo.py has none: bool, int, float and str only)
+INT_TUPLE_FLAGS = [f.name for f in dataclasses.fields(tg.Hyperparameters) if f.type == tuple[int, ...]]
+
+
+@pytest.mark.parametrize("value", ["3,,7", "3,7,", ",3", "", "3,x"])
+def test_int_tuple_flags_refuse_empty_and_non_integer_items_naming_the_flag(value):
+    """3,,7 was read as (3, 7) without a word; 3,x was refused as an "invalid _parse_int_tuple value"."""
+    assert INT_TUPLE_FLAGS == ["ws_schedule"]
+    assert {f.type for f in dataclasses.fields(tgs.Hyperparameters)} == {bool, int, float, str}
+    for name in INT_TUPLE_FLAGS:
+        with pytest.raises(tg.UserError) as info:
+            tg.parse_args([f"--{name}={value}"])
+        assert str(info.value) == (f"argument --{name}: expected comma-separated whole numbers such as 3,7,11 (no empty items), "
+                                   f"got {value!r} (see --help)")
+
+
+def test_int_tuple_flags_take_parentheses_and_spaces():
+    assert [tg.parse_args([f"--ws_schedule={text}"])[0].ws_schedule for text in ("(3, 7, 11)", " 2 , 4 ", "5")] == [(3, 7, 11), (2, 4), (5,)]
 
 
 def test_bad_world_size_is_a_one_line_error(monkeypatch):

@@ -258,6 +258,45 @@ def test_track3_bad_training_shard_is_refused_before_the_log_exists(workdir, cap
     assert status == 2 and len(lines) == 1 and str(bad.relative_to(workdir)) in lines[0]
 
 
+# ----- validation shards that are training shards: the val loss would flatter the model -----
+
+HELD_OUT_FIX = "validation on training data overstates the model: pass a --val_files pattern that matches only held-out shards"
+
+
+@pytest.mark.parametrize("module", [tg, tgs], ids=["track1", "track3"])
+def test_a_validation_shard_that_is_a_training_shard_is_refused(module, tmp_path):
+    train_pattern, val_pattern = make_shards(tmp_path / "data")
+    first, second = sorted(tmp_path.glob("data/tiny_train_*.bin"))
+    (tmp_path / "data" / "link.bin").symlink_to(second.name)
+    os.link(first, tmp_path / "data" / "hard.bin")
+    train = module.resolve_files(train_pattern, "train")
+    module.check_val_is_held_out(train, module.resolve_files(val_pattern, "val"))  # held-out shards pass
+    for val, named, same in [(str(first), first, ""), (str(tmp_path / "data" / "tiny_*.bin"), first, ""),
+                             (str(tmp_path / "data" / "link.bin"), tmp_path / "data" / "link.bin", f" (the same file as {second})"),
+                             (str(tmp_path / "data" / "hard.bin"), tmp_path / "data" / "hard.bin", f" (the same file as {first})")]:
+        with pytest.raises(module.UserError) as info:
+            module.check_val_is_held_out(train, module.resolve_files(val, "val"))
+        assert str(info.value) == f"{named}: is a --val_files shard and a --train_files shard{same}; {HELD_OUT_FIX}"
+
+
+def test_track1_refuses_training_shards_as_validation_before_the_log_exists(tmp_path):
+    train_files, _ = make_shards(tmp_path / "data")
+    first = sorted(tmp_path.glob("data/tiny_train_*.bin"))[0]
+    result = run_track1(tiny_args(train_files, str(first), tmp_path / "logs"))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"train_gpt.py: error: {first}: is a --val_files shard and a --train_files shard; {HELD_OUT_FIX}"]
+    assert not (tmp_path / "logs").exists()
+
+
+def test_track3_refuses_training_shards_as_validation_before_the_log_exists(workdir, capsys):
+    make_shards(workdir / "data")
+    status, lines = track3_main(capsys, "--preset=smoke", "--matrix_optimizer=adamw", "--train_files=data/tiny_train_*.bin",
+                                "--val_files=data/tiny_train_000001.bin")
+    assert status == 2
+    assert lines == [f"train_gpt_shampoo.py: error: data/tiny_train_000001.bin: is a --val_files shard and a --train_files shard; {HELD_OUT_FIX}"]
+    assert not (workdir / "logs").exists()
+
+
 # ----- row 7: a directory where a shard should be -----
 
 

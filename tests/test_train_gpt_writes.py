@@ -350,6 +350,32 @@ def test_the_file_size_limit_is_checked_against_the_largest_file(tmp_path):
     assert state.stat().st_size <= limit and torch.load(state, weights_only=True)["step"] == 10
 
 
+# ----- --save_checkpoint: an end-of-run state file that cannot be written is refused before training -----
+
+
+@pytest.mark.parametrize("case", ["the state file exists", "its folder is a file"])
+def test_track1_save_checkpoint_refuses_an_unwritable_state_file_before_training(tmp_path, case):
+    """The end-of-run state, <log_dir>/<run_id>/state_step<N>.pt, was found to exist (or its folder to be a file) only
+    at the save, after the whole run, which left its log behind: now the run is refused before the log exists, and
+    the earlier file is kept as it was."""
+    shards, logs = make_shards(tmp_path / "data"), tmp_path / "logs"
+    state = logs / "mine" / "state_step000010.pt"  # tiny_args: 8 + 2 steps
+    earlier = state if case == "the state file exists" else state.parent
+    earlier.parent.mkdir(parents=True)
+    earlier.write_bytes(b"an earlier run's")
+    before = tree(logs)
+    result = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *tiny_args(*shards, logs, save_checkpoint="true", run_id="mine")],
+                            capture_output=True, text=True, timeout=300, env=script_env(), cwd=tmp_path)
+    assert result.returncode == 2
+    expected = (f"{state} already exists; choose another --run_id or move the file away (checkpoints are never overwritten)"
+                if earlier == state else
+                f"{state.parent} is a file, not a folder, and --save_checkpoint writes {state.name} in it; choose another "
+                f"--run_id or move the file away")
+    assert result.stderr.splitlines() == [f"train_gpt.py: error: {expected}"]
+    assert "step:" not in result.stdout  # no training
+    assert tree(logs) == before and earlier.read_bytes() == b"an earlier run's"
+
+
 # ----- N8, N6/N7: a full disk in the middle of a run -----
 
 

@@ -701,6 +701,7 @@ def _validate_data(plan: Plan) -> DataPlan:
     if plan.track.number == 1:
         train_files = module.resolve_files(hp.train_files, "train")
         val_files = module.resolve_files(hp.val_files, "val")
+        module.check_val_is_held_out(train_files, val_files)
         train_tokens = module.check_train_data(train_files, hp.vocab_size)
         val_tokens = module.check_val_data(val_files, val_tokens=hp.val_tokens, val_batch_size=hp.val_batch_size,
                                            grad_accum_steps=8 // plan.world_size, vocab_size=hp.vocab_size)
@@ -709,6 +710,7 @@ def _validate_data(plan: Plan) -> DataPlan:
 
     module.check_batch_geometry(hp, plan.world_size)
     train_files, val_files = module.resolve_files(hp.train_files, "train"), module.resolve_files(hp.val_files, "val")
+    module.check_val_is_held_out(train_files, val_files)
     train_tokens = module.check_train_data(train_files, hp.vocab_size)
     module.load_validation_data(val_files, hp, module.Runtime(0, plan.world_size, 0, torch.device("cpu")))
     val_tokens = sum(module.read_shard_header(path) for path in val_files)

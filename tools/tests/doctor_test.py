@@ -142,6 +142,16 @@ def test_too_few_training_tokens_fail_unless_the_files_cycle(tmp_path):
     assert "the run's 1,600 micro-batches (400 steps): the shards hold 1,287" in two_ranks.detail
 
 
+@pytest.mark.parametrize("track", [1, 3])
+def test_validation_shards_that_are_training_shards_are_the_scripts_own_message(tmp_path, track):
+    train_flag, _ = write_shards(tmp_path / "mine")
+    shard = tmp_path / "mine" / "mine_train_000001.bin"
+    check = dr.check_shards(plan(train_flag, f"--val_files={shard}", "--preset=smoke", track=track, gpu_mode=False))
+    assert check.status == "fail"
+    assert check.detail == (f"{shard}: is a --val_files shard and a --train_files shard; validation on training data overstates "
+                            f"the model: pass a --val_files pattern that matches only held-out shards")
+
+
 def test_track3_vocabulary_mismatch_is_the_scripts_own_message(tmp_path):
     flags = write_shards(tmp_path / "mine")
     check = dr.check_shards(plan(*flags, "--preset=smoke", track=3, gpu_mode=False))  # smoke vocabulary 512 < GPT-2 ids
