@@ -660,7 +660,9 @@ def test_a_port_held_by_a_program_that_never_answers_stops_torchrun_in_one_line(
         "against the NODE_RANK=0 machine's, or pick another MASTER_PORT on every machine"]
     assert f"run.sh stops torchrun if the workers have not started {within} s after it" in stderr.splitlines()[0] or \
         f"run.sh stops it if the workers have not started {within} s after it" in stderr.splitlines()[0]
-    assert within <= elapsed < within + 10, elapsed
+    # bash's SECONDS follows the wall clock, which time synchronisation may step while time.monotonic() runs on: a run
+    # measured 11.88 s against 12 here, so the lower bound allows one second
+    assert within - 1 <= elapsed < within + 10, elapsed
     assert torchruns_of(env["RDZV_ID"]) == ""  # torchrun's process group is gone
     assert not list((folder / "marks").iterdir())  # no worker started
 
