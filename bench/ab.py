@@ -586,6 +586,16 @@ def trace_refusal(folder: Path) -> str | None:
     return None
 
 
+def json_folder_refusal(path: Path) -> str | None:
+    """Why --json's folder cannot take the results, or None. Asked before anything runs: the results are written only
+    after every round."""
+    if path.parent.is_dir():
+        return None
+    blocked = file_in_the_way(path.parent)
+    why = f"{blocked} is a file, not a folder" if blocked is not None else f"the folder {path.parent} does not exist"
+    return f"--json {path}: {why}, and the results are written there only after the whole run; pass a path in an existing folder"
+
+
 def round_start_arguments(arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """What a round of train() must start from again, by argument name: the objects whose state is restored (optimizers,
     the loader: anything with load_state_dict but a module, since the model is re-initialised from the round's seed,
@@ -1139,6 +1149,8 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             parser.error(f"--order abba needs an even --rounds (got {args.rounds}): the slot effect cancels over pairs of rounds")
         if args.json is not None and args.json.exists():
             parser.error(f"--json {args.json}: the file exists, and results are never overwritten; pass another path")
+        if args.json is not None and (refusal := json_folder_refusal(args.json)):
+            parser.error(refusal)
         if args.trace is not None and not args.profile_steps:
             parser.error("--trace writes the profiled steps' timeline: give --profile-steps N too")
         if args.trace is not None and (refusal := trace_refusal(args.trace)):
