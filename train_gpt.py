@@ -1590,6 +1590,20 @@ def plan_segments(
     return rows, cursor
 
 
+def no_bos_message(paths: list[str], bos_token: int) -> str:
+    """Every training shard read lacks a BOS, which a shard of this tokenizer's text does only inside a document longer
+    than a shard: advice to add shards, or larger ones, would mislead. (tools/doctor.py says the same.)"""
+    if len(paths) == 1:
+        what = f"--train_files shard {paths[0]} holds no BOS token"
+    else:
+        what = f"none of the {len(paths)} --train_files shards read ({paths[0]}, ...) holds a BOS token"
+    return (
+        f"{what} ({bos_token}, the start of every document), so no batch can start there: probably not written by "
+        "this tokenizer (data/fineweb.py puts a BOS before every document); tokenize the text again, or set --bos_token "
+        "to the id its tokenizer puts there"
+    )
+
+
 class TrainLoader:
     """BOS-aligned training batches for this rank, an iterator; lazy (the first shard is read at the first batch).
 
@@ -1688,18 +1702,7 @@ class TrainLoader:
             self._without_bos = None if self._bos.size else self._without_bos | {self._path(self.shard_number): None}
 
     def _no_bos_message(self) -> str:
-        """Every shard read lacks a BOS, which a shard of this tokenizer's text does only inside a document longer than a
-        shard: advice to add shards, or larger ones, would mislead."""
-        paths = list(self._without_bos or {})
-        if len(paths) == 1:
-            what = f"--train_files shard {paths[0]} holds no BOS token"
-        else:
-            what = f"none of the {len(paths)} --train_files shards read ({paths[0]}, ...) holds a BOS token"
-        return (
-            f"{what} ({self.bos_token}, the start of every document), so no batch can start there: probably not written by "
-            "this tokenizer (data/fineweb.py puts a BOS before every document); tokenize the text again, or set --bos_token "
-            "to the id its tokenizer puts there"
-        )
+        return no_bos_message(list(self._without_bos or {}), self.bos_token)
 
     def __iter__(self) -> "TrainLoader":
         return self

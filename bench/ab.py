@@ -74,6 +74,7 @@ sys.path.insert(0, str(REPO))  # the repository root (bench/scripts.py)
 from bench.scripts import load_script  # noqa: E402
 
 WORKTREE = "WORKTREE"
+LABELS = ("baseline", "candidate")
 RESIDENT_NEEDS = {"run": (), "train": ("raw_model", "adam", "muon", "rt"), "print0": (), "evaluate": ()}
 # train_gpt_shampoo.py: main() runs trials, each run_trial() calls train_step() per step and evaluate()
 TRIALS_NEEDS = {"main": (), "run_trial": ("trial", "resume"), "train_step": (), "evaluate": ()}
@@ -559,8 +560,40 @@ def profiled_round(
     if rank == 0:
         if args.trace is not None:  # the timeline itself, for chrome://tracing or Perfetto
             args.trace.mkdir(parents=True, exist_ok=True)
-            timer.profile.export_chrome_trace(str(args.trace / f"{args.label}.trace.json.gz"))
+            timer.profile.export_chrome_trace(str(trace_path(args.trace, args.label)))
         control.signal("profile", dict(kernels=_kernel_table(timer.profile, args.profile_steps) if torch.cuda.is_available() else []))
+
+
+def trace_path(folder: Path, label: str) -> Path:
+    """Where --trace puts a version's profiled timeline."""
+    return folder / f"{label}.trace.json.gz"
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The first of folder and the folders above it that is a file: creating or writing into folder would fail."""
+    return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+
+
+def trace_refusal(folder: Path) -> str | None:
+    """Why --trace cannot take this invocation's timelines, or None. Asked before anything runs: the workers write
+    them only after every round, and export would replace an earlier timeline."""
+    blocked = file_in_the_way(folder)
+    if blocked is not None:
+        return f"--trace {folder}: {blocked} is a file, not a folder; pass a folder"
+    existing = [path for path in (trace_path(folder, label) for label in LABELS) if path.exists()]
+    if existing:
+        return f"--trace {folder}: {existing[0]} exists, and traces are never overwritten; move it away or pass another folder"
+    return None
+
+
+def json_folder_refusal(path: Path) -> str | None:
+    """Why --json's folder cannot take the results, or None. Asked before anything runs: the results are written only
+    after every round."""
+    if path.parent.is_dir():
+        return None
+    blocked = file_in_the_way(path.parent)
+    why = f"{blocked} is a file, not a folder" if blocked is not None else f"the folder {path.parent} does not exist"
+    return f"--json {path}: {why}, and the results are written there only after the whole run; pass a path in an existing folder"
 
 
 def round_start_arguments(arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -1116,8 +1149,12 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             parser.error(f"--order abba needs an even --rounds (got {args.rounds}): the slot effect cancels over pairs of rounds")
         if args.json is not None and args.json.exists():
             parser.error(f"--json {args.json}: the file exists, and results are never overwritten; pass another path")
+        if args.json is not None and (refusal := json_folder_refusal(args.json)):
+            parser.error(refusal)
         if args.trace is not None and not args.profile_steps:
             parser.error("--trace writes the profiled steps' timeline: give --profile-steps N too")
+        if args.trace is not None and (refusal := trace_refusal(args.trace)):
+            parser.error(refusal)
         for name in ("baseline_flags", "candidate_flags"):
             try:
                 shlex.split(getattr(args, name))

@@ -535,3 +535,46 @@ def test_an_odd_abba_plan_and_an_existing_results_file_are_refused(tmp_path):
     taken = run_ab("--dry-run", "--json", str(earlier), "--out", str(tmp_path / "b"), "--", *TINY_RUN)
     assert taken.returncode == 2 and f"--json {earlier}: the file exists" in taken.stderr.strip().splitlines()[-1]
     assert earlier.read_text() == '{"kept": true}'
+
+
+@pytest.mark.parametrize("label", ["baseline", "candidate"])
+def test_a_trace_folder_with_an_earlier_timeline_is_refused_before_anything_runs(tmp_path, label):
+    """The worker exported its timeline over an earlier invocation's <label>.trace.json.gz, after the whole run."""
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    earlier = traces / f"{label}.trace.json.gz"
+    earlier.write_bytes(b"kept")
+    result = run_ab("--dry-run", "--skip", "2", "--profile-steps", "1", "--trace", str(traces), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"bench/ab.py: error: --trace {traces}: {earlier} exists, and traces are never overwritten; move it away or pass another folder"
+    )
+    assert earlier.read_bytes() == b"kept" and not (tmp_path / "out").exists()  # refused before anything was extracted
+
+
+def test_a_trace_folder_blocked_by_a_file_is_refused_before_anything_runs(tmp_path):
+    """The worker's mkdir failed only after every round had run, and the profile with it."""
+    (tmp_path / "file").write_text("kept")
+    result = run_ab("--dry-run", "--skip", "2", "--profile-steps", "1", "--trace", str(tmp_path / "file" / "traces"), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"bench/ab.py: error: --trace {tmp_path / 'file' / 'traces'}: {tmp_path / 'file'} is a file, not a folder; pass a folder"
+    )
+    assert (tmp_path / "file").read_text() == "kept" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where, why", [
+    ("missing/ab.json", "the folder {tmp}/missing does not exist"),
+    ("file/ab.json", "{tmp}/file is a file, not a folder"),
+    ("file/sub/ab.json", "{tmp}/file is a file, not a folder"),
+], ids=["no-folder", "a-file", "below-a-file"])
+def test_a_results_file_without_a_folder_is_refused_before_anything_runs(tmp_path, where, why):
+    """The results are written after every round: a --json in no folder failed then, with a traceback, and took them along."""
+    (tmp_path / "file").write_text("kept")
+    result = run_ab("--dry-run", "--skip", "2", "--json", str(tmp_path / where), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"bench/ab.py: error: --json {tmp_path / where}: {why.format(tmp=tmp_path)}, and the results are written there only "
+        "after the whole run; pass a path in an existing folder"
+    )
+    assert (tmp_path / "file").read_text() == "kept" and not (tmp_path / "out").exists() and not (tmp_path / "missing").exists()

@@ -694,6 +694,12 @@ def _walk_track3(plan: Plan, files: list[Any], needed: int) -> tuple[int, int, i
     return found, len(files), tokens_read
 
 
+def _holds_bos(plan: Plan, path: str) -> bool:
+    """Whether a Track 1 training shard holds a BOS token (read again: asked only when the walk found no batch)."""
+    tg = training_module(plan.track)
+    return bool(tg.bos_positions(tg.read_shard(path, plan.hp.vocab_size), plan.hp.bos_token).size)
+
+
 def _validate_data(plan: Plan) -> DataPlan:
     """The checks the script makes before it starts, then the loader's walk; raises the script's UserError."""
     module, hp = training_module(plan.track), plan.hp
@@ -800,6 +806,10 @@ def check_shards(plan: Plan) -> Check:
     why = ("documents are cut at --train_max_seq_len and the rest of a batch's last one is dropped"
            if plan.track.number == 1 else "a shard's tail shorter than a batch is skipped")
     short = f"{detail}: the shards hold {data.batches_found:,} ({why})"
+    read = data.files[: data.shards_read]
+    if plan.track.number == 1 and not data.batches_found and not any(_holds_bos(plan, path) for path in read):
+        # the run's loader stops with this line: no document starts in these shards, so more of them would not help
+        return Check("shards", "fail", module.no_bos_message(read, plan.hp.bos_token))
     if plan.hp.cycle_train_files and data.batches_found > 0:
         return Check("shards", "warn", f"{short}; cycle_train_files repeats them (never a record){compare}")
     return Check("shards", "fail", short, _download_fix(plan, data))

@@ -152,6 +152,32 @@ def test_validation_shards_that_are_training_shards_are_the_scripts_own_message(
                             f"the model: pass a --val_files pattern that matches only held-out shards")
 
 
+@pytest.mark.parametrize("cycle", ["false", "true"])
+def test_training_shards_without_a_bos_are_named_as_the_loader_names_them(tmp_path, cycle):
+    """No document starts in them: doctor advised adding shards (or said they hold 0 micro-batches), which would not
+    help. Now it says what train_gpt.py's loader stops the run with."""
+    import torch
+
+    tg = dr.training_module(dr.TRACKS[1])
+    folder = tmp_path / "other"
+    folder.mkdir()
+    for i in (1, 2):  # GPT-2 ids but never its BOS (50256), as another tokenizer's shards would be
+        tg.write_shard(folder / f"other_train_{i:06d}.bin", np.random.default_rng(i).integers(0, 50256, 300_000))
+    tg.write_shard(folder / "other_val_000000.bin", tg.synthetic_tokens(20_000, 50257, 50256, seed=9))
+    flags = [f"--train_files={folder}/other_train_*.bin", f"--val_files={folder}/other_val_*.bin"]
+    p = plan(*flags, "--preset=smoke", f"--cycle_train_files={cycle}", gpu_mode=False)
+    check = dr.check_shards(p)
+    files = tg.resolve_files(p.hp.train_files, "train")
+    loader = tg.TrainLoader(files, num_tokens_local=p.hp.train_batch_size // 8, max_seq_len=p.hp.train_max_seq_len, rank=0,
+                            world_size=1, bos_token=50256, vocab_size=p.hp.vocab_size, cycle=cycle == "true",
+                            device=torch.device("cpu"), with_cu_seqlens=False)
+    with pytest.raises(tg.UserError) as info:
+        next(loader)
+    assert check.status == "fail" and check.detail == str(info.value) and check.fix == ""
+    assert check.detail.startswith(f"none of the 2 --train_files shards read ({files[0]}, ...) holds a BOS token (50256, ")
+    assert "tokenize the text again, or set --bos_token" in check.detail
+
+
 def test_track3_vocabulary_mismatch_is_the_scripts_own_message(tmp_path):
     flags = write_shards(tmp_path / "mine")
     check = dr.check_shards(plan(*flags, "--preset=smoke", track=3, gpu_mode=False))  # smoke vocabulary 512 < GPT-2 ids
