@@ -209,9 +209,14 @@ def _parse_float(text: str) -> float:
 
 
 def _parse_int_tuple(text: str) -> tuple[int, ...]:
-    """Comma-separated whole numbers, optionally in parentheses: 3,7,11 or (3, 7, 11). An empty item (3,,7, a trailing
-    comma, nothing at all) is refused, never dropped: the schedule would quietly lose a window."""
-    items = text.strip().removeprefix("(").removesuffix(")").split(",")
+    """Comma-separated whole numbers, optionally in parentheses as Python prints a tuple: 3,7,11, (3, 7, 11) or (7,).
+    Any other empty item (3,,7, a trailing comma without parentheses, nothing at all) is refused, never dropped: the
+    schedule would quietly lose a window."""
+    stripped = text.strip()
+    parenthesized = stripped.startswith("(") and stripped.endswith(")")
+    items = (stripped[1:-1] if parenthesized else stripped).split(",")
+    if parenthesized and len(items) > 1 and not items[-1].strip():
+        items.pop()  # (7,): the one trailing comma of Python's tuple syntax, which the log's hyperparameters print
     try:
         return tuple(int(item) for item in items)
     except ValueError:  # argparse names the flag: "argument --ws_schedule: expected ..."

@@ -218,7 +218,8 @@ def holds_strings(column_type: "pa.DataType") -> bool:
 
     if pa.types.is_dictionary(column_type):
         column_type = column_type.value_type
-    return any(check(column_type) for check in (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view, pa.types.is_null))
+    is_string_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow 16 and later; requirements.txt pins none
+    return any(check(column_type) for check in (pa.types.is_string, pa.types.is_large_string, is_string_view, pa.types.is_null))
 
 
 def file_documents(path: Path) -> Iterator[str]:

@@ -56,7 +56,7 @@ def test_bad_command_line_values_name_the_option(argv, fragment):
 INT_TUPLE_FLAGS = [f.name for f in dataclasses.fields(tg.Hyperparameters) if f.type == tuple[int, ...]]
 
 
-@pytest.mark.parametrize("value", ["3,,7", "3,7,", ",3", "", "3,x"])
+@pytest.mark.parametrize("value", ["3,,7", "3,7,", ",3", "", "3,x", "(3,,7)", "(,)", "(7,,)"])
 def test_int_tuple_flags_refuse_empty_and_non_integer_items_naming_the_flag(value):
     """3,,7 was read as (3, 7) without a word; 3,x was refused as an "invalid _parse_int_tuple value"."""
     assert INT_TUPLE_FLAGS == ["ws_schedule"]
@@ -69,7 +69,9 @@ def test_int_tuple_flags_refuse_empty_and_non_integer_items_naming_the_flag(valu
 
 
 def test_int_tuple_flags_take_parentheses_and_spaces():
-    assert [tg.parse_args([f"--ws_schedule={text}"])[0].ws_schedule for text in ("(3, 7, 11)", " 2 , 4 ", "5")] == [(3, 7, 11), (2, 4), (5,)]
+    """Python's tuple syntax too, as the log's hyperparameters print it: (7,) is one window."""
+    texts = ("(3, 7, 11)", " 2 , 4 ", "5", "(7,)", "(3, 7,)", str((3, 7, 11)), str((7,)))
+    assert [tg.parse_args([f"--ws_schedule={text}"])[0].ws_schedule for text in texts] == [(3, 7, 11), (2, 4), (5,), (7,), (3, 7), (3, 7, 11), (7,)]
 
 
 def test_bad_world_size_is_a_one_line_error(monkeypatch):

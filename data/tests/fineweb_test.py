@@ -323,32 +323,39 @@ def test_a_stop_signal_during_a_shard_write_waits_for_it(tmp_path: Path, monkeyp
     assert writer.paths == [tmp_path / "tiny_val_000000.bin"] and writer.filled == 0
 
 
+@pytest.mark.parametrize("shard_size", [10_000, 64])  # the stop before any shard is written, and after some
 def test_a_stop_signal_inside_the_tokenizing_loop_is_raised_between_results(
-    tmp_path: Path, bpe_file: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, bpe_file: Path, monkeypatch: pytest.MonkeyPatch, shard_size: int
 ) -> None:
     """The handler's KeyboardInterrupt, raised inside tqdm's update (or the pool's iterator), can leave their locks
-    held and hang the pool's join: inside the loop a stop must wait for the next result and end the run there."""
+    held and hang the pool's join: inside the loop a stop must wait for the next result and end the run there, also
+    after a shard write (whose own held block ends inside the loop's)."""
     import fineweb
 
     monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keeps pytest's own SIGINT and SIGTERM handlers
     monkeypatch.setattr(fineweb, "_stop_signal", None)
     monkeypatch.setattr(fineweb, "_stop_deferred", False)
-    updates_finished = []
+    out = tmp_path / "out"
+    out.mkdir()
+    updates_finished: list[float | None] = []
+    signalled_at: list[int] = []
 
     class SignalledBar(fineweb.tqdm):
         def update(self, n: float | None = 1) -> bool | None:
-            fineweb._stop_on_signal(signal.SIGINT, None)  # as if Ctrl-C arrived while tqdm held its lock
+            if not signalled_at and (shard_size > 1000 or any(out.glob("*.bin"))):
+                signalled_at.append(len(updates_finished))
+                fineweb._stop_on_signal(signal.SIGINT, None)  # as if Ctrl-C arrived while tqdm held its lock
             result = super().update(n)
             updates_finished.append(n)
             return result
 
     monkeypatch.setattr(fineweb, "tqdm", SignalledBar)
-    out = tmp_path / "out"
-    out.mkdir()
-    with pytest.raises(fineweb.Interrupted, match="interrupted: 0 complete shards"):
-        fineweb._write_shards(DOCUMENTS[:1] * 50, out, "tiny", 10_000, bpe_file, workers=1)
-    assert len(updates_finished) == 1 and fineweb._stop_deferred is False  # one result, then the stop
-    assert list(out.iterdir()) == []
+    with pytest.raises(fineweb.Interrupted, match="interrupted: [0-9]+ complete shards") as stop:
+        fineweb._write_shards(DOCUMENTS[:1] * 200, out, "tiny", shard_size, bpe_file, workers=1)
+    assert len(updates_finished) == signalled_at[0] + 1 and fineweb._stop_deferred is False  # that update finished, then the stop
+    written = sorted(out.iterdir())
+    assert f"interrupted: {len(written)} complete shards" in str(stop.value)
+    assert (written == []) == (shard_size > 1000)
 
 
 def test_an_interrupt_before_tokenizing_is_one_line(tmp_path: Path, bpe_file: Path, capsys: pytest.CaptureFixture[str],
@@ -537,3 +544,13 @@ def test_workers_beyond_the_cores_and_a_name_with_a_folder_are_refused(
     assert exit_info.value.code == 2
     assert fragment in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists() and not list(tmp_path.parent.glob("escape*"))
+
+
+def test_the_text_column_check_runs_on_a_pyarrow_without_string_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyarrow.types.is_string_view came with pyarrow 16; requirements.txt pins no version, and on pyarrow 15 every
+    parquet input stopped with an AttributeError."""
+    import fineweb
+
+    monkeypatch.delattr(pa.types, "is_string_view", raising=False)
+    assert fineweb.holds_strings(pa.string()) and fineweb.holds_strings(pa.dictionary(pa.int32(), pa.large_string()))
+    assert not fineweb.holds_strings(pa.int64())

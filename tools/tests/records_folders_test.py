@@ -302,10 +302,15 @@ def test_new_refuses_a_date_in_the_future_and_takes_today(root: Path, tmp_path: 
     before = readme.read_bytes()
     argv = ["--root", str(root), "new", "--track", "1", "--name", "Dated", "--not-a-record", "--logs", *logs]
     today = datetime.date.today()
-    assert main([*argv, "--date", "2999-01-01"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("records: error: --date 2999-01-01: in the future (today is ") and err.count("\n") == 1
-    assert err.endswith("); pass the day the runs ended, today or earlier\n")
-    assert not (root / "records" / "track_1_short" / "2999-01-01_Dated").exists() and readme.read_bytes() == before
+    latest = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=14)).date()  # UTC+14's today
+    for too_late in ("2999-01-01", (latest + datetime.timedelta(days=1)).isoformat()):
+        assert main([*argv, "--date", too_late]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"records: error: --date {too_late}: in the future (no time zone has reached it; the latest today is "
+                       f"{latest.isoformat()}); pass the day the runs ended, today or earlier\n")
+        assert not (root / "records" / "track_1_short" / f"{too_late}_Dated").exists() and readme.read_bytes() == before
     assert main([*argv, "--date", today.isoformat()]) == 0  # today (the system clock's) is allowed
     assert (root / "records" / "track_1_short" / f"{today.isoformat()}_Dated").is_dir()
+    eastern = [arg if arg != "Dated" else "Eastern" for arg in argv]
+    assert main([*eastern, "--date", latest.isoformat()]) == 0  # and today where it is latest: a submitter east of this machine
+    assert (root / "records" / "track_1_short" / f"{latest.isoformat()}_Eastern").is_dir()
