@@ -78,7 +78,6 @@ LABELS = ("baseline", "candidate")
 RESIDENT_NEEDS = {"run": (), "train": ("raw_model", "adam", "muon", "rt"), "print0": (), "evaluate": ()}
 # train_gpt_shampoo.py: main() runs trials, each run_trial() calls train_step() per step and evaluate()
 TRIALS_NEEDS = {"main": (), "run_trial": ("trial", "resume"), "train_step": (), "evaluate": ()}
-FILE_SUFFIXES = (".py", ".txt")  # a version named so is a script or a run log, not a revision
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) ")
 TRAIN_TIME = re.compile(r"train_time:([0-9.]+)(ms|s)\b")
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.naife]+)")
@@ -192,14 +191,22 @@ def resolve_version(label: str, spec: str, folder: Path, script: str = "train_gp
 
 
 def _revision(label: str, spec: str) -> str:
-    """The commit of a version given as a git revision. A spec named like a file (a .py script, a .txt log) that is
-    neither a file nor a revision was meant as a file: said so, rather than git's complaint about a revision."""
+    """The commit of a version given as a git revision. A spec that is no revision and no existing path, but is named
+    like a file (a .py script, a run log's suffix) or a path (a separator in it: a record folder), was probably meant
+    as a file or folder: said so in one line, rather than git's complaint about a revision. 'origin/main' has a
+    separator too, hence only when git fails, and in words that fit both."""
+    from tools.recordkit.parse import LOG_SUFFIXES
+
     try:
         return _git("rev-parse", "--short", f"{spec}^{{commit}}").strip()
     except ABError:
-        if Path(spec).suffix not in FILE_SUFFIXES:
+        path_like = Path(spec).suffix in (".py", *LOG_SUFFIXES) or os.sep in spec or "/" in spec
+        if not path_like or os.path.lexists(spec):
             raise
-        raise ABError(f"--{label} {spec}: no such file; pass an existing script, run log or record folder, or a git revision") from None
+        raise ABError(
+            f"--{label} {spec}: no such file or folder, and not a git revision; pass an existing script, run log or "
+            "record folder, or a git revision"
+        ) from None
 
 
 def _package_files(commit: str, folder: Path) -> dict[Path, bytes]:

@@ -91,15 +91,29 @@ def test_a_script_that_exits_when_imported_is_one_line(tmp_path, source, got):
     )
 
 
-@pytest.mark.parametrize("flag, name", [("--baseline", "gone.py"), ("--candidate", "gone.txt")])
+@pytest.mark.parametrize("flag, name", [
+    ("--baseline", "{tmp}/gone.py"), ("--candidate", "{tmp}/gone.txt"), ("--baseline", "gone.log"), ("--candidate", "gone.out"),
+    ("--baseline", "gone.stdout"), ("--candidate", "gone.py"), ("--baseline", "{tmp}/records/track_1_short/2026-11-30_Missing"),
+    ("--candidate", "records/track_1_short/2026-11-30_Missing"),
+])
 def test_a_missing_script_or_log_is_named_as_a_missing_file(tmp_path, flag, name):
-    """It was taken for a git revision: 'git rev-parse --short .../gone.py^{commit}: fatal: Needed a single revision'."""
-    missing = tmp_path / name
-    result = run_ab("--dry-run", "--skip", "2", flag, str(missing), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    """It was taken for a git revision: 'git rev-parse --short .../gone.py^{commit}: fatal: Needed a single revision';
+    until now a .py or .txt name only, not a log's other suffixes or a folder's path."""
+    missing = name.format(tmp=tmp_path)
+    assert not (ROOT / missing).exists()
+    result = run_ab("--dry-run", "--skip", "2", flag, missing, "--out", str(tmp_path / "out"), "--", *TINY_RUN)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (
-        f"bench/ab.py: error: {flag} {missing}: no such file; pass an existing script, run log or record folder, or a git revision"
+        f"bench/ab.py: error: {flag} {missing}: no such file or folder, and not a git revision; pass an existing script, "
+        "run log or record folder, or a git revision"
     )
+
+
+@pytest.mark.parametrize("revision", ["HEAD~1", "main", "refs/heads/main"])
+def test_git_revisions_with_a_tilde_or_a_separator_are_still_revisions(tmp_path, revision):
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", revision, "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode == 0, result.stderr
+    assert f"baseline: train_gpt.py at {revision} (" in result.stdout
 
 
 @pytest.mark.parametrize(
