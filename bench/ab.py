@@ -78,7 +78,6 @@ LABELS = ("baseline", "candidate")
 RESIDENT_NEEDS = {"run": (), "train": ("raw_model", "adam", "muon", "rt"), "print0": (), "evaluate": ()}
 # train_gpt_shampoo.py: main() runs trials, each run_trial() calls train_step() per step and evaluate()
 TRIALS_NEEDS = {"main": (), "run_trial": ("trial", "resume"), "train_step": (), "evaluate": ()}
-FILE_SUFFIXES = (".py", ".txt")  # a version named so is a script or a run log, not a revision
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) ")
 TRAIN_TIME = re.compile(r"train_time:([0-9.]+)(ms|s)\b")
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([-+0-9.naife]+)")
@@ -128,7 +127,7 @@ def _log_in_folder(folder: Path) -> Path:
     return logs[0]
 
 
-def _script_from_log(log: Path, target: Path) -> None:
+def _script_from_log(log: Path, target: Path) -> dict[Path, bytes]:
     from tools.recordkit.errors import RecordsError
     from tools.recordkit.extract import extraction_plan
 
@@ -136,56 +135,82 @@ def _script_from_log(log: Path, target: Path) -> None:
         plan = extraction_plan(log, target)
     except RecordsError as error:
         raise ABError(str(error)) from None
-    for path, text in plan.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    return {path: text.encode("utf-8") for path, text in plan.items()}
 
 
-def resolve_version(label: str, spec: str, folder: Path, script: str = "train_gpt.py", flags: list[str] | None = None) -> Version:
-    """Writes the version's script to folder/label/<script> and classifies it. A revision's distributed_shampoo
-    package goes beside its script when the script uses it; the working tree's stays where it is (the workers
-    import it from the repository)."""
+@dataclass
+class Extraction:
+    """What resolving a version writes into the --out folder (nothing is written until both versions are resolved
+    and checked against what the folder holds, see check_fresh)."""
+    version: Version
+    files: dict[Path, bytes]  # path -> content; the script among them
+
+    def write(self) -> Version:
+        for path, content in self.files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.is_file() or path.read_bytes() != content:  # an identical earlier copy is left as it is
+                path.write_bytes(content)
+        self.version.mode = classify(self.version.script)
+        return self.version
+
+
+def plan_version(label: str, spec: str, folder: Path, script: str = "train_gpt.py", flags: list[str] | None = None) -> Extraction:
+    """What the version writes to folder/label/<script>: its script, and a revision's distributed_shampoo package beside
+    it when the script uses it (the working tree's stays where it is: the workers import it from the repository).
+    Its mode is known once written (Extraction.write)."""
     target = folder / label / script
-    target.parent.mkdir(parents=True, exist_ok=True)
     path = Path(spec)
     if spec == WORKTREE:
         if not (REPO / script).is_file():
             raise ABError(f"--train-script={script}: no such file in the working tree {REPO}")
-        shutil.copyfile(REPO / script, target)
+        files = {target: (REPO / script).read_bytes()}
         origin = f"the working tree's {script}"
     elif path.is_dir():
         log = _log_in_folder(path)
-        _script_from_log(log, target)
+        files = _script_from_log(log, target)
         origin = f"the script embedded in {log}"
     elif path.is_file() and path.suffix == ".py":
-        shutil.copyfile(path, target)
+        files = {target: path.read_bytes()}
         origin = str(path)
     elif path.is_file():
-        _script_from_log(path, target)
+        files = _script_from_log(path, target)
         origin = f"the script embedded in {path}"
     else:
         commit = _revision(label, spec)
-        target.write_text(_git("show", f"{commit}:{script}"))
+        files = {target: _git("show", f"{commit}:{script}").encode("utf-8")}
         origin = f"{script} at {spec} ({commit})"
-        if "distributed_shampoo" in target.read_text():
-            _extract_package(commit, target.parent)
+        if b"distributed_shampoo" in files[target]:
+            files |= _package_files(commit, target.parent)
             origin += " with its distributed_shampoo"
-    return Version(label, spec, origin, target, classify(target), list(flags or []))
+    return Extraction(Version(label, spec, origin, target, "", list(flags or [])), files)
+
+
+def resolve_version(label: str, spec: str, folder: Path, script: str = "train_gpt.py", flags: list[str] | None = None) -> Version:
+    """Writes the version's files (plan_version) and classifies its script."""
+    return plan_version(label, spec, folder, script, flags).write()
 
 
 def _revision(label: str, spec: str) -> str:
-    """The commit of a version given as a git revision. A spec named like a file (a .py script, a .txt log) that is
-    neither a file nor a revision was meant as a file: said so, rather than git's complaint about a revision."""
+    """The commit of a version given as a git revision. A spec that is no revision and no existing path, but is named
+    like a file (a .py script, a run log's suffix) or a path (a separator in it: a record folder), was probably meant
+    as a file or folder: said so in one line, rather than git's complaint about a revision. 'origin/main' has a
+    separator too, hence only when git fails, and in words that fit both."""
+    from tools.recordkit.parse import LOG_SUFFIXES
+
     try:
         return _git("rev-parse", "--short", f"{spec}^{{commit}}").strip()
     except ABError:
-        if Path(spec).suffix not in FILE_SUFFIXES:
+        path_like = Path(spec).suffix in (".py", *LOG_SUFFIXES) or os.sep in spec or "/" in spec
+        if not path_like or os.path.lexists(spec):
             raise
-        raise ABError(f"--{label} {spec}: no such file; pass an existing script, run log or record folder, or a git revision") from None
+        raise ABError(
+            f"--{label} {spec}: no such file or folder, and not a git revision; pass an existing script, run log or "
+            "record folder, or a git revision"
+        ) from None
 
 
-def _extract_package(commit: str, folder: Path) -> None:
-    """The revision's distributed_shampoo/ into folder (git archive, read with tarfile)."""
+def _package_files(commit: str, folder: Path) -> dict[Path, bytes]:
+    """The revision's distributed_shampoo/ files, as they go into folder (git archive, read with tarfile)."""
     import io
     import tarfile
 
@@ -193,7 +218,7 @@ def _extract_package(commit: str, folder: Path) -> None:
     if result.returncode != 0:
         raise ABError(f"git archive {commit} distributed_shampoo: {result.stderr.decode(errors='replace').strip() or 'failed'}")
     with tarfile.open(fileobj=io.BytesIO(result.stdout)) as archive:
-        archive.extractall(folder, filter="data")
+        return {folder / member.name: archive.extractfile(member).read() for member in archive.getmembers() if member.isfile()}
 
 
 def classify(script: Path) -> str:
@@ -886,23 +911,37 @@ def make_out_folder(folder: Path) -> None:
         raise ABError(f"--out {folder}: a file is in the way (that path or a folder above it is a file); pass a folder") from None
 
 
-def check_fresh(folder: Path) -> None:
-    """Refuses a folder holding an earlier invocation's files: its worker files, whose signals and results would be read
-    as this invocation's (a reused --out once reported an earlier call's round and stopped a new worker at once), and
-    its extracted scripts, logs and results, which this invocation would overwrite."""
-    earlier = sorted(p.relative_to(folder).as_posix() for p in earlier_files(folder))
+def check_fresh(folder: Path, extractions: list[Extraction]) -> None:
+    """Refuses a folder holding an earlier invocation's files, before anything is written: its worker files, whose
+    signals and results would be read as this invocation's (a reused --out once reported an earlier call's round and
+    stopped a new worker at once), its ab.json, and files under <label>/ that this invocation would not write (the
+    workers' logs, another version's package; not the bytecode that the check's imports leave). An extracted file
+    that this invocation writes again is accepted when its bytes are the same (a --dry-run, then the run; a retry
+    after a bad --candidate) and refused, by name, when they differ."""
+    earlier = sorted(p.relative_to(folder).as_posix() for p in earlier_files(folder, extractions))
     if earlier:
         raise ABError(f"--out {folder} holds an earlier invocation's files ({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}); pass a new or empty folder")
+    for extraction in extractions:
+        for path, content in extraction.files.items():
+            if path.exists() and not (path.is_file() and path.read_bytes() == content):
+                raise ABError(
+                    f"--out {folder}: {path.relative_to(folder).as_posix()} is an earlier invocation's and differs from what this "
+                    f"one extracts for the {extraction.version.label}; pass a new or empty folder"
+                )
 
 
-def earlier_files(folder: Path) -> list[Path]:
-    """What an invocation leaves in its folder: <label>.* (worker files), <label>/ (the extracted scripts, the workers'
-    logs) and ab.json (the default results file)."""
+def earlier_files(folder: Path, extractions: list[Extraction] = ()) -> list[Path]:
+    """What an invocation leaves in its folder, less the extracted files this one writes again (check_fresh compares
+    those): <label>.* (worker files), <label>/ (the extracted scripts, the workers' logs) and ab.json (the default
+    results file)."""
+    ours = {path for extraction in extractions for path in extraction.files}
     found = [folder / "ab.json"] if (folder / "ab.json").exists() else []
-    for label in ("baseline", "candidate"):
+    for label in LABELS:
         found += folder.glob(f"{label}.*")
         extracted = folder / label
-        found += [extracted] if extracted.exists() and not extracted.is_dir() else [p for p in extracted.rglob("*") if not p.is_dir()]
+        found += [extracted] if extracted.exists() and not extracted.is_dir() else [
+            p for p in extracted.rglob("*") if not p.is_dir() and p not in ours and "__pycache__" not in p.relative_to(extracted).parts
+        ]
     return found
 
 
@@ -1168,11 +1207,12 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     started_at = time.monotonic()
     folder = (args.out or REPO / "bench" / "out" / "ab" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     make_out_folder(folder)
-    check_fresh(folder)
-    versions = [
-        resolve_version("baseline", args.baseline, folder, args.train_script, shlex.split(args.baseline_flags)),
-        resolve_version("candidate", args.candidate, folder, args.train_script, shlex.split(args.candidate_flags)),
+    extractions = [
+        plan_version("baseline", args.baseline, folder, args.train_script, shlex.split(args.baseline_flags)),
+        plan_version("candidate", args.candidate, folder, args.train_script, shlex.split(args.candidate_flags)),
     ]
+    check_fresh(folder, extractions)
+    versions = [extraction.write() for extraction in extractions]
     checks = {v.label: check_version(v, overrides) for v in versions}
     for v in versions:
         if v.mode == "trials" and checks[v.label]["resume"]:

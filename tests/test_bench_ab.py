@@ -15,6 +15,8 @@ from conftest import ROOT
 
 AB = [sys.executable, str(ROOT / "bench" / "ab.py")]
 TINY_RUN = ["--preset=smoke", "--num_iterations=6", "--iteration_extension=0", "--warmup_steps=1", "--val_tokens=2048"]
+TRACK3 = ["--train-script", "train_gpt_shampoo.py"]
+TINY_TRACK3_RUN = ["--preset=smoke", "--train_steps=6"]
 
 
 def run_ab(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -89,15 +91,29 @@ def test_a_script_that_exits_when_imported_is_one_line(tmp_path, source, got):
     )
 
 
-@pytest.mark.parametrize("flag, name", [("--baseline", "gone.py"), ("--candidate", "gone.txt")])
+@pytest.mark.parametrize("flag, name", [
+    ("--baseline", "{tmp}/gone.py"), ("--candidate", "{tmp}/gone.txt"), ("--baseline", "gone.log"), ("--candidate", "gone.out"),
+    ("--baseline", "gone.stdout"), ("--candidate", "gone.py"), ("--baseline", "{tmp}/records/track_1_short/2026-11-30_Missing"),
+    ("--candidate", "records/track_1_short/2026-11-30_Missing"),
+])
 def test_a_missing_script_or_log_is_named_as_a_missing_file(tmp_path, flag, name):
-    """It was taken for a git revision: 'git rev-parse --short .../gone.py^{commit}: fatal: Needed a single revision'."""
-    missing = tmp_path / name
-    result = run_ab("--dry-run", "--skip", "2", flag, str(missing), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    """It was taken for a git revision: 'git rev-parse --short .../gone.py^{commit}: fatal: Needed a single revision';
+    until now a .py or .txt name only, not a log's other suffixes or a folder's path."""
+    missing = name.format(tmp=tmp_path)
+    assert not (ROOT / missing).exists()
+    result = run_ab("--dry-run", "--skip", "2", flag, missing, "--out", str(tmp_path / "out"), "--", *TINY_RUN)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (
-        f"bench/ab.py: error: {flag} {missing}: no such file; pass an existing script, run log or record folder, or a git revision"
+        f"bench/ab.py: error: {flag} {missing}: no such file or folder, and not a git revision; pass an existing script, "
+        "run log or record folder, or a git revision"
     )
+
+
+@pytest.mark.parametrize("revision", ["HEAD~1", "main", "refs/heads/main"])
+def test_git_revisions_with_a_tilde_or_a_separator_are_still_revisions(tmp_path, revision):
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", revision, "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode == 0, result.stderr
+    assert f"baseline: train_gpt.py at {revision} (" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -240,11 +256,12 @@ def test_an_out_folder_with_an_earlier_invocations_files_is_refused(tmp_path):
     assert (tmp_path / "baseline.result0").read_text() == '{"ms_per_step": 1.0}' and not (tmp_path / "baseline").exists()
 
 
-@pytest.mark.parametrize("earlier", ["ab.json", "baseline/train_gpt.py"])
+@pytest.mark.parametrize("earlier", ["ab.json", "baseline/logs/run.txt"])
 def test_an_out_folder_with_earlier_results_or_scripts_is_refused(tmp_path, earlier):
-    """A reused --out: a dry run wrote its baseline/train_gpt.py over the earlier copy, a run its ab.json over the earlier
-    results. Now refused by name before anything is extracted, and the folder is left as it was."""
-    (tmp_path / earlier).parent.mkdir(exist_ok=True)
+    """A reused --out: a run wrote its ab.json over the earlier results. Now refused by name before anything is
+    extracted, as is a file under baseline/ that this invocation does not extract (a worker's log); the folder is left
+    as it was."""
+    (tmp_path / earlier).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / earlier).write_text("kept")
     before = sorted(tmp_path.rglob("*"))
     result = run_ab("--dry-run", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN)
@@ -253,6 +270,48 @@ def test_an_out_folder_with_earlier_results_or_scripts_is_refused(tmp_path, earl
         f"bench/ab.py: error: --out {tmp_path.resolve()} holds an earlier invocation's files ({earlier}); pass a new or empty folder"
     )
     assert (tmp_path / earlier).read_text() == "kept" and sorted(tmp_path.rglob("*")) == before
+
+
+def test_an_earlier_extracted_script_that_differs_is_refused_by_name_before_anything_is_written(tmp_path):
+    """A dry run wrote its baseline/train_gpt.py over an earlier, different copy. Now refused naming it, and nothing is
+    written (not even the candidate, which the folder does not hold)."""
+    (tmp_path / "baseline").mkdir()
+    (tmp_path / "baseline" / "train_gpt.py").write_text("kept")
+    result = run_ab("--dry-run", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: --out {tmp_path.resolve()}: baseline/train_gpt.py is an earlier invocation's and differs from "
+        "what this one extracts for the baseline; pass a new or empty folder"
+    )
+    assert (tmp_path / "baseline" / "train_gpt.py").read_text() == "kept" and not (tmp_path / "candidate").exists()
+
+
+@pytest.mark.parametrize("track", ["track1", "track3"])
+def test_a_dry_run_then_the_same_call_in_the_same_out_folder_is_accepted(tmp_path, monkeypatch, track):
+    """The second call found the first's baseline/ and candidate/ copies and was refused; byte-identical copies are the
+    same extraction. Track 3 brings a revision's distributed_shampoo, and the check's imports leave bytecode there."""
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    args = [*TRACK3, "--candidate", "HEAD"] if track == "track3" else ["--baseline", "HEAD"]
+    tiny = TINY_TRACK3_RUN if track == "track3" else TINY_RUN
+    call = ["--dry-run", *args, "--skip", "2", "--out", str(tmp_path), "--", *tiny]
+    first = run_ab(*call)
+    assert first.returncode == 0, first.stderr
+    copies = {p: p.read_bytes() for p in tmp_path.rglob("*.py")}
+    assert len(copies) >= 2 and (track == "track1" or (tmp_path / "candidate" / "distributed_shampoo").is_dir())
+    again = run_ab(*call)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == first.stdout and {p: p.read_bytes() for p in tmp_path.rglob("*.py")} == copies
+
+
+def test_a_retry_after_a_missing_candidate_in_the_same_out_folder_is_accepted(tmp_path):
+    """The stopped call had already written baseline/train_gpt.py, and the corrected retry was refused for it."""
+    missing = tmp_path / "gone.py"
+    out = tmp_path / "out"
+    stopped = run_ab("--dry-run", "--baseline", "HEAD", "--candidate", str(missing), "--skip", "2", "--out", str(out), "--", *TINY_RUN)
+    assert stopped.returncode == 2 and f"--candidate {missing}: no such file" in stopped.stderr
+    retry = run_ab("--dry-run", "--baseline", "HEAD", "--skip", "2", "--out", str(out), "--", *TINY_RUN)
+    assert retry.returncode == 0, retry.stderr
+    assert "baseline: train_gpt.py at HEAD (" in retry.stdout and (out / "candidate" / "train_gpt.py").is_file()
 
 
 @pytest.mark.parametrize("out", ["file", "file/sub"])
@@ -430,8 +489,6 @@ def test_kernel_kinds_of_the_profiles(ab) -> None:
 
 # ---------------------------------------------------------------------------------------------- Track 3 mode
 
-TRACK3 = ["--train-script", "train_gpt_shampoo.py"]
-TINY_TRACK3_RUN = ["--preset=smoke", "--train_steps=6"]
 
 
 def test_track3_dry_run_takes_flag_sets_per_version(tmp_path):
