@@ -201,7 +201,7 @@ def _revision(label: str, spec: str) -> str:
         return _git("rev-parse", "--short", f"{spec}^{{commit}}").strip()
     except ABError:
         path_like = Path(spec).suffix in (".py", *LOG_SUFFIXES) or os.sep in spec or "/" in spec
-        if not path_like or os.path.lexists(spec):
+        if not path_like or os.path.exists(spec):  # (a dangling link does not exist: it is named as missing)
             raise
         raise ABError(
             f"--{label} {spec}: no such file or folder, and not a git revision; pass an existing script, run log or "
@@ -611,10 +611,10 @@ def trace_refusal(folder: Path) -> str | None:
     return None
 
 
-def json_folder_refusal(path: Path) -> str | None:
+def json_folder_refusal(path: Path, out: Path | None) -> str | None:
     """Why --json's folder cannot take the results, or None. Asked before anything runs: the results are written only
-    after every round."""
-    if path.parent.is_dir():
+    after every round. --out itself is made before anything runs, so it will be there."""
+    if path.parent.is_dir() or (out is not None and path.parent.resolve() == out.resolve()):
         return None
     blocked = file_in_the_way(path.parent)
     why = f"{blocked} is a file, not a folder" if blocked is not None else f"the folder {path.parent} does not exist"
@@ -1188,7 +1188,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             parser.error(f"--order abba needs an even --rounds (got {args.rounds}): the slot effect cancels over pairs of rounds")
         if args.json is not None and args.json.exists():
             parser.error(f"--json {args.json}: the file exists, and results are never overwritten; pass another path")
-        if args.json is not None and (refusal := json_folder_refusal(args.json)):
+        if args.json is not None and (refusal := json_folder_refusal(args.json, args.out)):
             parser.error(refusal)
         if args.trace is not None and not args.profile_steps:
             parser.error("--trace writes the profiled steps' timeline: give --profile-steps N too")

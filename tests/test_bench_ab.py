@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -109,11 +110,36 @@ def test_a_missing_script_or_log_is_named_as_a_missing_file(tmp_path, flag, name
     )
 
 
-@pytest.mark.parametrize("revision", ["HEAD~1", "main", "refs/heads/main"])
+@pytest.mark.parametrize("revision", ["HEAD~0", "refs/ab-test/{id}"])
 def test_git_revisions_with_a_tilde_or_a_separator_are_still_revisions(tmp_path, revision):
-    result = run_ab("--dry-run", "--skip", "2", "--baseline", revision, "--out", str(tmp_path), "--", *TINY_RUN)
+    """Revisions that exist in any clone, shallow or detached: a ref with separators is made for the test and removed."""
+    revision = revision.format(id=uuid.uuid4().hex[:8])
+    made = revision.startswith("refs/")
+    if made:
+        subprocess.run(["git", "-C", str(ROOT), "update-ref", revision, "HEAD"], check=True)
+    try:
+        result = run_ab("--dry-run", "--skip", "2", "--baseline", revision, "--out", str(tmp_path), "--", *TINY_RUN)
+    finally:
+        if made:
+            subprocess.run(["git", "-C", str(ROOT), "update-ref", "-d", revision], check=True)
     assert result.returncode == 0, result.stderr
     assert f"baseline: train_gpt.py at {revision} (" in result.stdout
+
+
+def test_a_dangling_link_is_named_as_a_missing_file(tmp_path):
+    """A .py link to a deleted file got git's complaint about a revision."""
+    (tmp_path / "dangling.py").symlink_to(tmp_path / "deleted.py")
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", str(tmp_path / "dangling.py"), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"bench/ab.py: error: --baseline {tmp_path / 'dangling.py'}: no such file or folder, and not a git revision; pass an "
+        "existing script, run log or record folder, or a git revision"
+    )
+
+
+def test_a_results_file_in_the_out_folder_this_call_makes_is_accepted(tmp_path):
+    """--out is made before anything runs, so --json inside it is no missing folder."""
+    result = run_ab("--dry-run", "--skip", "2", "--out", str(tmp_path / "new"), "--json", str(tmp_path / "new" / "r.json"), "--", *TINY_RUN)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize(
