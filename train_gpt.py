@@ -1688,7 +1688,7 @@ class TrainLoader:
     def _next_shard(self, swaps_without_a_batch: int) -> None:
         self._note_bos()
         if self._without_bos is not None and (self._upcoming is None or swaps_without_a_batch > len(self.files)):
-            raise UserError(self._no_bos_message())
+            raise UserError(no_bos_message(list(self._without_bos), self.bos_token))
         if self._upcoming is None:
             raise UserError(
                 f"training data exhausted after {self.served} batches ({len(self.files)} files from the --train_files pattern); add shards or pass --cycle_train_files=true for small proxy datasets"
@@ -1705,9 +1705,6 @@ class TrainLoader:
         """Before a swap (the current shard's index is complete then): whether its shard is one more without a BOS."""
         if self._without_bos is not None:
             self._without_bos = None if self._bos.size else self._without_bos | {self._path(self.shard_number): None}
-
-    def _no_bos_message(self) -> str:
-        return no_bos_message(list(self._without_bos or {}), self.bos_token)
 
     def __iter__(self) -> "TrainLoader":
         return self

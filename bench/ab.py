@@ -594,14 +594,11 @@ def trace_path(folder: Path, label: str) -> Path:
     return folder / f"{label}.trace.json.gz"
 
 
-def file_in_the_way(folder: Path) -> Path | None:
-    """The first of folder and the folders above it that is a file: creating or writing into folder would fail."""
-    return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-
-
 def trace_refusal(folder: Path) -> str | None:
     """Why --trace cannot take this invocation's timelines, or None. Asked before anything runs: the workers write
     them only after every round, and export would replace an earlier timeline."""
+    from tools.recordkit.folders import file_in_the_way
+
     blocked = file_in_the_way(folder)
     if blocked is not None:
         return f"--trace {folder}: {blocked} is a file, not a folder; pass a folder"
@@ -614,6 +611,8 @@ def trace_refusal(folder: Path) -> str | None:
 def json_folder_refusal(path: Path, out: Path | None) -> str | None:
     """Why --json's folder cannot take the results, or None. Asked before anything runs: the results are written only
     after every round. --out itself is made before anything runs, so it will be there."""
+    from tools.recordkit.folders import file_in_the_way
+
     if path.parent.is_dir() or (out is not None and path.parent.resolve() == out.resolve()):
         return None
     blocked = file_in_the_way(path.parent)
