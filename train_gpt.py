@@ -3514,15 +3514,17 @@ if triton is not None:
 
     @triton.jit
     def _relu2_backward_matmul_kernel(
-        g_desc, w_desc, pre_desc, out_desc, M, N,
+        g_desc, w_desc, pre_ptr, out_ptr, M, N,
         TILES_PER_PROGRAM: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     ):
         # out = threshold_backward(bf16(g @ w) * 2 relu(pre), relu(pre), 0); g (M, K), w (K, N), pre and out (M, N),
-        # all row-major through TMA descriptors, which zero-fill reads and clip writes past the edges. Persistent:
-        # NUM_PROGRAMS programs walk the tiles GROUP_M row tiles at a time, so that neighbours share g's rows in L2.
-        # Every program runs the same trip count (compile-time, as the interpreter needs); one past the end redoes
-        # the last tile and stores the same values.
+        # all row-major. The operands come through TMA descriptors, which zero-fill reads past the edges; pre and
+        # out through pointers, masked at the edges: their TMA staging tiles left no room for 128 x 256 tiles
+        # with more than 2 stages, and those take 0.89-0.91 of the time of 128 x 128 tiles with a TMA epilogue
+        # (bench/NOTES.md, 2026-12-06). Persistent: NUM_PROGRAMS programs walk the tiles GROUP_M row tiles at a time, so that
+        # neighbours share g's rows in L2. Every program runs the same trip count (compile-time, as the interpreter
+        # needs); one past the end redoes the last tile and stores the same values.
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         for i in tl.range(0, TILES_PER_PROGRAM, flatten=True):
             tile = tl.minimum(tl.program_id(0) + i * NUM_PROGRAMS, tiles_m * tiles_n - 1)
@@ -3533,15 +3535,19 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(K_STEPS):
                 acc = tl.dot(g_desc.load([m, kk * BLOCK_K]), w_desc.load([kk * BLOCK_K, n]), acc)
-            grad_h = acc.to(out_desc.dtype).to(tl.float32)  # rounded as cuBLAS rounds its output
-            r = pre_desc.load([m, n]).to(tl.float32)
+            grad_h = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as cuBLAS rounds its output
+            rows, cols = m + tl.arange(0, BLOCK_M), n + tl.arange(0, BLOCK_N)
+            offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+            inside = (rows[:, None] < M) & (cols[None, :] < N)
+            r = tl.load(pre_ptr + offsets, mask=inside).to(tl.float32)
             r = tl.where(r < 0, 0.0, r)  # relu that keeps NaN, as torch's does
             grad = grad_h * (2.0 * r)  # exact in fp32 (two 8-bit significands): the one rounding is the store's
-            out_desc.store([m, n], tl.where(r <= 0, 0.0, grad).to(out_desc.dtype))
+            tl.store(out_ptr + offsets, tl.where(r <= 0, 0.0, grad).to(out_ptr.dtype.element_ty), mask=inside)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages, warps): the best of bench/bench_relu2_matmul.py's tiles there
-RELU2_MATMUL_TILE = (128, 128, 64, 4, 4)
+# (BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages, warps): the best of bench/bench_relu2_matmul.py's tiles on one H100
+# (bench/NOTES.md, 2026-12-06)
+RELU2_MATMUL_TILE = (128, 256, 64, 4, 8)
 
 
 def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[int, ...] = RELU2_MATMUL_TILE, programs: int | None = None) -> Tensor:
@@ -3572,9 +3578,7 @@ def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[
     _relu2_backward_matmul_kernel[(programs,)](
         TensorDescriptor.from_tensor(grad_out, [block_m, block_k]),
         TensorDescriptor.from_tensor(w, [block_k, block_n]),
-        TensorDescriptor.from_tensor(pre, [block_m, block_n]),
-        TensorDescriptor.from_tensor(out, [block_m, block_n]),
-        M, N, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), K_STEPS=triton.cdiv(K, block_k), BLOCK_M=block_m,
+        pre, out, M, N, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), K_STEPS=triton.cdiv(K, block_k), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, NUM_PROGRAMS=programs, num_stages=stages, num_warps=warps,
     )
     return out
