@@ -837,8 +837,8 @@ class MLP(nn.Module):
         self.c_fc = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as h @ c_fc
         self.c_proj = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as a @ c_proj^T
 
-    def forward(self, x: Tensor) -> Tensor:  # F.linear(F.relu(x @ c_fc).square(), c_proj), its backward fused
-        return ReLUSquaredProjection.apply(x @ cast_matrix(self, "c_fc", x), cast_matrix(self, "c_proj", x))
+    def forward(self, x: Tensor) -> Tensor:  # F.linear(F.relu(x @ c_fc).square(), c_proj), ReLU² fused both ways
+        return ReLUSquaredMLP.apply(x, cast_matrix(self, "c_fc", x), cast_matrix(self, "c_proj", x))
 
 
 MATRIX_NAMES: dict[type, tuple[str, ...]] = {CausalSelfAttention: ("qkvo_w",), MLP: ("c_fc", "c_proj")}
@@ -3492,16 +3492,24 @@ def _(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
     return partial.new_empty((4, n), dtype=torch.int32), partial.new_empty((4, n, n), dtype=torch.int32)
 
 
-# ---- MLP backward: ReLU² in the epilogue of grad_h's matmul ----
-# The MLP is out = relu(pre)^2 @ W_proj^T with pre = x @ W_fc. Autograd's backward runs grad_h = grad_out @ W_proj
-# (cuBLAS, 49,152 x 3,072 bf16 per record micro-step), then a memory-bound kernel for the eager formula
+# ---- MLP: ReLU² in the epilogues of its first matmul and of the backward's grad_h matmul ----
+# The MLP is out = relu(pre)^2 @ W_proj^T with pre = x @ W_fc. Unfused, the forward runs cuBLAS's x @ W_fc and then
+# a memory-bound kernel that reads pre back to write h = relu(pre)^2; the backward runs grad_h = grad_out @ W_proj
+# (cuBLAS) and then a memory-bound kernel for the eager formula
 #     grad_pre = threshold_backward(grad_h * (2 * relu(pre)), relu(pre), 0)
-# which reads grad_h back: 604 MB written and read per call, 88 calls per step. relu2_backward_matmul computes
-# grad_h tile by tile in a persistent Triton matmul and applies the formula in its epilogue, so grad_h never
-# reaches memory. Its product was measured equal to cuBLAS's bit for bit on the record's shape (bf16, K = 768:
-# bench/bench_relu2_matmul.py, tests/test_train_gpt_cuda.py) and the epilogue rounds once, as the unfused kernel
-# does, so training's numbers stay the same. One H200, each pair timed back to back (bench/NOTES.md, 2026-12-02, commit
-# b1e22df): 0.520 against 0.563 ms per call for cuBLAS + the compiled formula.
+# which reads grad_h back (per record micro-step 49,152 x 3,072 bf16, 302 MB a tensor, 88 calls of each per step).
+# One persistent Triton matmul serves both, its epilogue chosen at compile time: FORWARD writes pre and h, so pre
+# is not read back; the backward reads pre and writes grad_pre, so grad_h never reaches memory. Its product is
+# cuBLAS's bit for bit on the record's shapes (bf16, K = 768: bench/bench_relu2_matmul.py,
+# tests/test_train_gpt_cuda.py) and each epilogue rounds where the unfused kernels round, so training's numbers stay
+# the same. One H100, paired (bench/NOTES.md, 2026-12-06): forward 0.460 against 0.564 ms per call for cuBLAS + the
+# compiled formula, backward 0.515 against 0.679.
+def relu2_forward_eager(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """pre = x @ w and h = relu(pre)^2, as the unfused MLP computes them. The CPU path and the kernel's reference."""
+    pre = x @ w
+    return pre, F.relu(pre).square()
+
+
 def relu2_backward_eager(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
     """Autograd's gradient with respect to pre of F.linear(F.relu(pre).square(), w.T), given its output's gradient:
     grad_h = grad_out @ w, square's grad_h * 2 r, then relu's threshold (0 where r = relu(pre) <= 0). The CPU path
@@ -3513,18 +3521,19 @@ def relu2_backward_eager(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _relu2_backward_matmul_kernel(
-        g_desc, w_desc, pre_ptr, out_ptr, M, N,
+    def _relu2_matmul_kernel(
+        a_desc, w_desc, pre_ptr, out_ptr, M, N,
         TILES_PER_PROGRAM: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FORWARD: tl.constexpr,
     ):
-        # out = threshold_backward(bf16(g @ w) * 2 relu(pre), relu(pre), 0); g (M, K), w (K, N), pre and out (M, N),
-        # all row-major. The operands come through TMA descriptors, which zero-fill reads past the edges; pre and
+        # p = a @ w rounded to the output dtype, as cuBLAS rounds its output; a (M, K), w (K, N), pre and out (M, N),
+        # all row-major. FORWARD: pre = p and out = relu(p)^2; else out = threshold_backward(p * 2 relu(pre), relu(pre), 0)
+        # with pre read. The operands come through TMA descriptors, which zero-fill reads past the edges; pre and
         # out through pointers, masked at the edges: their TMA staging tiles left no room for 128 x 256 tiles
         # with more than 2 stages, and those take 0.89-0.91 of the time of 128 x 128 tiles with a TMA epilogue
-        # (bench/NOTES.md, 2026-12-06). Persistent: NUM_PROGRAMS programs walk the tiles GROUP_M row tiles at a time, so that
-        # neighbours share g's rows in L2. Every program runs the same trip count (compile-time, as the interpreter
-        # needs); one past the end redoes the last tile and stores the same values.
+        # (bench/NOTES.md, 2026-12-06). Persistent: NUM_PROGRAMS programs walk the tiles GROUP_M row tiles at a
+        # time, so that neighbours share a's rows in L2. Every program runs the same trip count (compile-time, as
+        # the interpreter needs); one past the end redoes the last tile and stores the same values.
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         for i in tl.range(0, TILES_PER_PROGRAM, flatten=True):
             tile = tl.minimum(tl.program_id(0) + i * NUM_PROGRAMS, tiles_m * tiles_n - 1)
@@ -3534,29 +3543,74 @@ if triton is not None:
             n = (tile % (GROUP_M * tiles_n)) // group_rows * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(K_STEPS):
-                acc = tl.dot(g_desc.load([m, kk * BLOCK_K]), w_desc.load([kk * BLOCK_K, n]), acc)
-            grad_h = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as cuBLAS rounds its output
+                acc = tl.dot(a_desc.load([m, kk * BLOCK_K]), w_desc.load([kk * BLOCK_K, n]), acc)
+            product = acc.to(out_ptr.dtype.element_ty)
             rows, cols = m + tl.arange(0, BLOCK_M), n + tl.arange(0, BLOCK_N)
             offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
             inside = (rows[:, None] < M) & (cols[None, :] < N)
-            r = tl.load(pre_ptr + offsets, mask=inside).to(tl.float32)
+            if FORWARD:
+                tl.store(pre_ptr + offsets, product, mask=inside)
+                r = product.to(tl.float32)
+            else:
+                r = tl.load(pre_ptr + offsets, mask=inside).to(tl.float32)
             r = tl.where(r < 0, 0.0, r)  # relu that keeps NaN, as torch's does
-            grad = grad_h * (2.0 * r)  # exact in fp32 (two 8-bit significands): the one rounding is the store's
-            tl.store(out_ptr + offsets, tl.where(r <= 0, 0.0, grad).to(out_ptr.dtype.element_ty), mask=inside)
+            if FORWARD:
+                out = r * r  # square's one rounding is the store's
+            else:
+                grad = product.to(tl.float32) * (2.0 * r)  # exact in fp32 (two 8-bit significands): the one rounding is the store's
+                out = tl.where(r <= 0, 0.0, grad)
+            tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages, warps): the best of bench/bench_relu2_matmul.py's tiles on one H100
-# (bench/NOTES.md, 2026-12-06)
+# for both epilogues (bench/NOTES.md, 2026-12-06)
 RELU2_MATMUL_TILE = (128, 256, 64, 4, 8)
+
+
+def _relu2_kernel_takes(a: Tensor, w: Tensor, *others: Tensor) -> bool:
+    """Whether the Triton kernel can run on these operands: triton_runs says so (bf16/fp16 on Hopper or Blackwell
+    data-centre GPUs, whose TMA and about 228 KB of shared memory per SM it needs; fp32 would run its dot in TF32 and
+    overflow shared memory; the interpreter takes any dtype, and the tests use fp16 and fp32, where its dot is exact),
+    every size is non-zero, and a TMA descriptor can take a and w (rows and base addresses on 16 bytes)."""
+    if not triton_runs(a, cuda_dtypes=(torch.bfloat16, torch.float16), majors=(9, 10)) or min(*a.shape, w.size(1)) == 0:
+        return False
+    return not any((t.size(1) * t.element_size()) % 16 or t.data_ptr() % 16 for t in (a, w, *others))
+
+
+def _relu2_matmul(a: Tensor, w: Tensor, pre: Tensor, out: Tensor, forward: bool, tile: tuple[int, ...], programs: int | None) -> None:
+    """Runs _relu2_matmul_kernel on contiguous operands. programs: persistent programs (default: one per SM; 4 interpreted)."""
+    M, K = a.shape
+    N = w.size(1)
+    block_m, block_n, block_k, stages, warps = tile
+    if programs is None:
+        programs = 4 if _interpreting_triton() else torch.cuda.get_device_properties(a.device).multi_processor_count
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    programs = min(programs, tiles)
+    _relu2_matmul_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(w, [block_k, block_n]),
+        pre, out, M, N, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), K_STEPS=triton.cdiv(K, block_k), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, NUM_PROGRAMS=programs, FORWARD=forward, num_stages=stages, num_warps=warps,
+    )
+
+
+def relu2_forward_matmul(x: Tensor, w: Tensor, tile: tuple[int, ...] = RELU2_MATMUL_TILE, programs: int | None = None) -> tuple[Tensor, Tensor]:
+    """relu2_forward_eager(x, w) for 2-D x (M, K) and w (K, N) of one dtype: the Triton kernel where
+    _relu2_kernel_takes says so, the eager formula elsewhere. tile and programs: see _relu2_matmul."""
+    shapes = f"{tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}"
+    if not x.dim() == w.dim() == 2 or x.size(1) != w.size(0) or x.dtype != w.dtype:
+        raise ValueError(f"relu2_forward_matmul: needs 2-D x (M, K) and w (K, N) of one dtype, got {shapes}: flatten the leading dimensions")
+    x, w = x.contiguous(), w.contiguous()  # no-ops in training
+    if not _relu2_kernel_takes(x, w):
+        return relu2_forward_eager(x, w)
+    pre = x.new_empty((x.size(0), w.size(1)))
+    h = torch.empty_like(pre)
+    _relu2_matmul(x, w, pre, h, True, tile, programs)
+    return pre, h
 
 
 def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[int, ...] = RELU2_MATMUL_TILE, programs: int | None = None) -> Tensor:
     """relu2_backward_eager(grad_out, w, pre) for 2-D grad_out (M, K), w (K, N), pre (M, N) of one dtype: the Triton
-    kernel where triton_runs says so (bf16/fp16 on Hopper or Blackwell data-centre GPUs, whose TMA and about 228 KB of
-    shared memory per SM it needs; fp32 would run its dot in TF32 and overflow shared memory; the interpreter takes
-    any dtype, and the tests use fp16 and fp32, where its dot is exact), the eager formula elsewhere and where a TMA
-    descriptor cannot take the tensors (a row or a base address not on 16 bytes). programs: persistent programs
-    (default: one per SM; 4 interpreted)."""
+    kernel where _relu2_kernel_takes says so, the eager formula elsewhere. tile and programs: see _relu2_matmul."""
     shapes = f"{tuple(grad_out.shape)} {grad_out.dtype}, {tuple(w.shape)} {w.dtype}, {tuple(pre.shape)} {pre.dtype}"
     if not grad_out.dim() == w.dim() == pre.dim() == 2:
         raise ValueError(f"relu2_backward_matmul: needs 2-D grad_out (M, K), w (K, N), pre (M, N); got {shapes}: flatten the leading dimensions")
@@ -3564,24 +3618,24 @@ def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[
     N = w.size(1)
     if w.shape != (K, N) or pre.shape != (M, N) or not (grad_out.dtype == w.dtype == pre.dtype):
         raise ValueError(f"relu2_backward_matmul: needs grad_out (M, K), w (K, N), pre (M, N) of one dtype, got {shapes}")
-    if not triton_runs(grad_out, cuda_dtypes=(torch.bfloat16, torch.float16), majors=(9, 10)) or (K * grad_out.element_size()) % 16 or (N * w.element_size()) % 16 or min(M, N, K) == 0:
-        return relu2_backward_eager(grad_out, w, pre)
     grad_out, w, pre = grad_out.contiguous(), w.contiguous(), pre.contiguous()  # no-ops in training
-    if any(t.data_ptr() % 16 for t in (grad_out, w, pre)):  # a view starting mid-row of its storage
+    if not _relu2_kernel_takes(grad_out, w, pre):
         return relu2_backward_eager(grad_out, w, pre)
     out = torch.empty_like(pre)
-    block_m, block_n, block_k, stages, warps = tile
-    if programs is None:
-        programs = 4 if _interpreting_triton() else torch.cuda.get_device_properties(grad_out.device).multi_processor_count
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    programs = min(programs, tiles)
-    _relu2_backward_matmul_kernel[(programs,)](
-        TensorDescriptor.from_tensor(grad_out, [block_m, block_k]),
-        TensorDescriptor.from_tensor(w, [block_k, block_n]),
-        pre, out, M, N, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), K_STEPS=triton.cdiv(K, block_k), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, NUM_PROGRAMS=programs, num_stages=stages, num_warps=warps,
-    )
+    _relu2_matmul(grad_out, w, pre, out, False, tile, programs)
     return out
+
+
+@torch.library.custom_op("train_gpt::relu2_forward_matmul", mutates_args=())
+def relu2_forward_matmul_op(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """relu2_forward_matmul as one opaque op, so that inductor calls the kernel from the compiled forward."""
+    return relu2_forward_matmul(x, w)
+
+
+@relu2_forward_matmul_op.register_fake
+def _(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    shape = (x.size(0), w.size(1))
+    return x.new_empty(shape), x.new_empty(shape)
 
 
 @torch.library.custom_op("train_gpt::relu2_backward_matmul", mutates_args=())
@@ -3595,27 +3649,34 @@ def _(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
     return torch.empty_like(pre, memory_format=torch.contiguous_format)
 
 
-class ReLUSquaredProjection(torch.autograd.Function):
-    """F.linear(F.relu(pre).square(), w) for pre (..., N), w (D, N), with autograd's gradients: grad_pre from
-    relu2_backward_matmul, grad_w as autograd's linear computes it (grad_out^T @ h, the same mm call). Saves pre
-    and h, as inductor's partition of the unfused MLP saves relu(pre) and h (the same bytes)."""
+class ReLUSquaredMLP(torch.autograd.Function):
+    """F.linear(F.relu(x @ w_fc).square(), w_proj) for x (..., D), w_fc (D, N) and w_proj (D, N), with autograd's
+    gradients: pre and h from relu2_forward_matmul, grad_pre from relu2_backward_matmul, and the gradients of x and
+    both weights as autograd's matmul and linear compute them (the same mm calls). Saves x, pre and h, which autograd
+    saves for the unfused MLP too (as relu(pre) in place of pre: the same bytes)."""
 
     @staticmethod
-    def forward(ctx: Any, pre: Tensor, w: Tensor) -> Tensor:
-        h = F.relu(pre).square()
-        ctx.save_for_backward(pre, h, w)
-        return F.linear(h, w)
+    def forward(ctx: Any, x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.size(-1))
+        pre, h = relu2_forward_matmul_op(rows, w_fc)
+        ctx.save_for_backward(rows, pre, h, w_fc, w_proj)
+        ctx.input_shape = x.shape
+        return F.linear(h, w_proj).view(*x.shape[:-1], w_proj.size(0))
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        pre, h, w = ctx.saved_tensors
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        rows, pre, h, w_fc, w_proj = ctx.saved_tensors
         grad_rows = grad_out.reshape(-1, grad_out.size(-1))
-        grad_pre = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_pre = relu2_backward_matmul_op(grad_rows, w, pre.reshape(-1, pre.size(-1))).view(pre.shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = grad_rows.t().mm(h.reshape(-1, h.size(-1)))
-        return grad_pre, grad_w
+        grad_x = grad_w_fc = grad_w_proj = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            grad_pre = relu2_backward_matmul_op(grad_rows, w_proj, pre)
+            if ctx.needs_input_grad[0]:
+                grad_x = grad_pre.mm(w_fc.t()).view(ctx.input_shape)
+            if ctx.needs_input_grad[1]:
+                grad_w_fc = rows.t().mm(grad_pre)
+        if ctx.needs_input_grad[2]:
+            grad_w_proj = grad_rows.t().mm(h)
+        return grad_x, grad_w_fc, grad_w_proj
 
 
 # ---- gradients into fixed buffers: the tables' (summed over sorted ids) and the matrices' ----

@@ -1,12 +1,14 @@
-"""The MLP backward's fused matmul (train_gpt.relu2_backward_matmul) against cuBLAS + inductor's pointwise kernel. One GPU.
+"""The MLP's fused matmuls (train_gpt.relu2_forward_matmul and relu2_backward_matmul) against cuBLAS + inductor's
+pointwise kernels. One GPU.
 
-At a record micro-step (49,152 tokens, 768 -> 3,072, bf16) the MLP backward computes grad_h = grad_out @ W_proj and
-then the pointwise ReLU² backward over grad_h (`grad_h * 2 relu(pre)` where `pre > 0`, else 0). train_gpt.py runs
-both in one persistent Triton matmul whose epilogue applies the formula, so grad_h never reaches memory. This times,
-per tile configuration, that kernel against cuBLAS + the compiled pointwise formula, as the median ratio over pairs
-timed back to back in alternating orders (the card's clock moves within seconds), and checks that the kernel's
-output is bitwise cuBLAS's product followed by the unfused formula. The measurements that chose train_gpt.py's tile,
-and the forward-side fusion that lost to cuBLAS + inductor, are in bench/NOTES.md (2026-12-02).
+At a record micro-step (49,152 tokens, 768 -> 3,072, bf16) the MLP forward computes pre = x @ W_fc and then
+h = relu(pre)^2; its backward computes grad_h = grad_out @ W_proj and then the pointwise ReLU² backward over grad_h
+(`grad_h * 2 relu(pre)` where `pre > 0`, else 0). train_gpt.py runs each in one persistent Triton matmul whose
+epilogue applies the formula, so pre is not read back and grad_h never reaches memory. This times, per tile
+configuration and direction, that kernel against cuBLAS + the compiled pointwise formula, as the median ratio over
+pairs timed back to back in alternating orders (the card's clock moves within seconds), and checks that the kernel's
+outputs are bitwise cuBLAS's product followed by the unfused formula. The measurements that chose train_gpt.py's
+tile are in bench/NOTES.md (2026-12-02, 2026-12-06).
 
     python bench/bench_relu2_matmul.py        # one GPU (Hopper or newer, for TMA descriptors), about a minute
 """
@@ -14,6 +16,7 @@ and the forward-side fusion that lost to cuBLAS + inductor, are in bench/NOTES.m
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -69,19 +72,24 @@ def main() -> None:
     grad_out = torch.randn(TOKENS, DIM, device="cuda").bfloat16()
     w_proj = (torch.randn(DIM, HIDDEN, device="cuda") * 0.02).bfloat16()
     pre = x @ w_fc
+    forward_compiled = torch.compile(train_gpt.relu2_forward_eager, fullgraph=True)
     backward_compiled = torch.compile(train_gpt.relu2_backward_eager, fullgraph=True)
-    expected = train_gpt.relu2_backward_eager(grad_out, w_proj, pre)
+    directions = {  # name: (fused(config), reference, expected outputs)
+        "forward": (lambda config: train_gpt.relu2_forward_matmul(x, w_fc, config, sms), lambda: forward_compiled(x, w_fc),
+                    train_gpt.relu2_forward_eager(x, w_fc)),
+        "backward": (lambda config: (train_gpt.relu2_backward_matmul(grad_out, w_proj, pre, config, sms),),
+                     lambda: backward_compiled(grad_out, w_proj, pre), (train_gpt.relu2_backward_eager(grad_out, w_proj, pre),)),
+    }
     flops = 2 * TOKENS * DIM * HIDDEN
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {sms} SMs; "
-          f"grad_out {TOKENS} x {DIM} @ {DIM} x {HIDDEN} bf16, {args.repeats} calls per median")
+          f"{TOKENS} x {DIM} @ {DIM} x {HIDDEN} bf16, {args.repeats} calls per median")
 
     def ms_per_call(fn) -> float:
         return median_ms(lambda: [fn() for _ in range(CALLS_PER_TIMING)], args.repeats) / CALLS_PER_TIMING
 
-    reference = lambda: backward_compiled(grad_out, w_proj, pre)  # noqa: E731
-    for config in CONFIGS:
-        name = "{}x{}x{} s{} w{}".format(*config)
-        fused = lambda: train_gpt.relu2_backward_matmul(grad_out, w_proj, pre, config, sms)  # noqa: E731
+    for config, (direction, (run_fused, reference, expected)) in itertools.product(CONFIGS, directions.items()):
+        name = "{} {}x{}x{} s{} w{}".format(direction, *config)
+        fused = lambda: run_fused(config)  # noqa: E731
         try:
             out = fused()
         except (triton.CompilationError, triton.runtime.errors.OutOfResources, RuntimeError) as error:
@@ -100,7 +108,7 @@ def main() -> None:
         fused_ms = statistics.median(p[1] for p in pairs)
         ratio = statistics.median(p[1] / p[0] for p in pairs)
         print(f"{name}: fused {fused_ms:.3f} vs cuBLAS + compiled formula {ref_ms:.3f} ms (x{ratio:.3f}, "
-              f"{flops / fused_ms / 1e9:.0f} TFLOP/s); bitwise cuBLAS + the formula: {bitwise_equal(out, expected)}", flush=True)
+              f"{flops / fused_ms / 1e9:.0f} TFLOP/s); bitwise cuBLAS + the formula: {all(map(bitwise_equal, out, expected))}", flush=True)
 
 
 if __name__ == "__main__":

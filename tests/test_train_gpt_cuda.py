@@ -87,7 +87,17 @@ def test_relu2_backward_matmul_is_cublas_and_the_formula_on_cuda() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs TMA (Hopper)")
-def test_compiled_mlp_with_the_fused_backward_equals_the_compiled_unfused_mlp() -> None:
+def test_relu2_forward_matmul_is_cublas_and_the_formula_on_cuda() -> None:
+    """At the record's shape the forward kernel's pre is cuBLAS's product bit for bit, and h the formula's."""
+    x, c_fc, _, _ = _record_mlp_inputs(5)
+    pre, h = tg.relu2_forward_matmul(x[0], c_fc.bfloat16())
+    want_pre, want_h = tg.relu2_forward_eager(x[0], c_fc.bfloat16())
+    assert torch.equal(pre, want_pre) and torch.equal(h, want_h)
+    assert 0.3 < (h == 0).float().mean().item() < 0.7  # the ReLU cut about half
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs TMA (Hopper)")
+def test_compiled_mlp_with_the_fused_kernels_equals_the_compiled_unfused_mlp() -> None:
     """As training runs it: both MLPs through torch.compile (inductor's own ReLU² kernels in the unfused one)."""
     x, c_fc, c_proj, grad_out = _record_mlp_inputs(4)
     results = []

@@ -226,8 +226,8 @@ def _unfused_mlp(x: torch.Tensor, c_fc: torch.Tensor, c_proj: torch.Tensor) -> t
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_mlp_with_the_fused_backward_is_autograd_bitwise(dtype: torch.dtype) -> None:
-    """ReLUSquaredProjection's output and the gradients of x and both weights against autograd of the unfused MLP,
+def test_mlp_with_the_fused_kernels_is_autograd_bitwise(dtype: torch.dtype) -> None:
+    """ReLUSquaredMLP's output and the gradients of x and both weights against autograd of the unfused MLP,
     with pre-activations that are exactly 0 (relu's threshold) and a gradient that is not contiguous."""
     torch.manual_seed(4)
     mlp = tg.MLP(64)
@@ -250,19 +250,22 @@ def test_mlp_with_the_fused_backward_is_autograd_bitwise(dtype: torch.dtype) -> 
     assert int((x @ mlp.c_fc.type_as(x) <= 0).sum()) > 0 and int((x @ mlp.c_fc.type_as(x) > 0).sum()) > 0
 
 
-@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
-def test_relu_squared_projection_at_signed_zeros_and_partial_needs(needs: tuple[bool, bool]) -> None:
-    """A pre-activation holding 0, -0, NaN and both signs, given directly (x @ W cannot make a -0), against autograd
-    of the formula; an input that needs no gradient gets none."""
+@pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, False), (False, False, True)])
+def test_relu_squared_mlp_at_zero_and_nan_pre_activations_and_partial_needs(needs: tuple[bool, bool, bool]) -> None:
+    """Pre-activations holding 0 (a zero column of w_fc) and NaN (a NaN in x), against autograd of the formula, signs
+    of zeros included; an input that needs no gradient gets none. (-0 cannot come out of x @ w_fc: the kernel's
+    tests in tests/test_train_gpt_triton.py give it pre directly.)"""
     torch.manual_seed(5)
-    pre = torch.randn(2, 40, 32).bfloat16()
-    pre[0, 0, :4] = torch.tensor([0.0, -0.0, float("nan"), -1.0])
-    w = (torch.randn(16, 32) * 0.1).bfloat16()
+    x = torch.randn(2, 40, 16).bfloat16()
+    x[1, 3, 5] = float("nan")
+    w_fc = (torch.randn(16, 32) * 0.3).bfloat16()
+    w_fc[:, :2] = 0.0
+    w_proj = (torch.randn(16, 32) * 0.1).bfloat16()
     grad_out = torch.randn(2, 40, 16).bfloat16()
-    leaves = [pre.clone().requires_grad_(needs[0]), w.clone().requires_grad_(needs[1])]
-    refs = [pre.clone().requires_grad_(needs[0]), w.clone().requires_grad_(needs[1])]
-    tg.ReLUSquaredProjection.apply(*leaves).backward(grad_out)
-    F.linear(F.relu(refs[0]).square(), refs[1]).backward(grad_out)
+    leaves = [t.clone().requires_grad_(need) for t, need in zip((x, w_fc, w_proj), needs)]
+    refs = [t.clone().requires_grad_(need) for t, need in zip((x, w_fc, w_proj), needs)]
+    tg.ReLUSquaredMLP.apply(*leaves).backward(grad_out)
+    F.linear(F.relu(refs[0] @ refs[1]).square(), refs[2]).backward(grad_out)
     for leaf, ref, needed in zip(leaves, refs, needs):
         assert (leaf.grad is None) == (not needed)
         if needed:

@@ -254,6 +254,24 @@ for (M, K, N), tile, programs in cases:
         got = tg.relu2_backward_matmul(g, w, pre, tile, programs)
         want = tg.relu2_backward_eager(g.double(), w.double(), pre.double())
         finite = ~want.isnan()
+        # the forward epilogue: pre and relu(pre)^2, a NaN from x kept through both
+        x_int = g_int.clone()
+        x_int[1, 0] = float("nan")
+        # multiples of 1/64: sums exact in fp32 but of up to 16 significant bits, so fp16 rounds the product, and
+        # squares small enough to stay finite there (large integers overflow fp16's square)
+        x_frac = torch.randint(-30, 31, (M, K)).to(dtype) / 64
+        w_frac = torch.randint(-30, 31, (K, N)).to(dtype) / 64
+        fwd_exact, fwd_frac, fwd = (tg.relu2_forward_matmul(a, b, tile, programs) for a, b in ((x_int, w_int), (x_frac, w_frac), (g, w)))
+        results[f"forward {M}x{K}x{N} {tile} {dtype}"] = dict(
+            exact_inputs_bitwise=all(torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+                                     for got, want in zip(fwd_exact, tg.relu2_forward_eager(x_int, w_int))),
+            big_inputs_bitwise=all(torch.equal(got, want) for got, want in zip(fwd_frac, tg.relu2_forward_eager(x_frac, w_frac))),
+            big_products_round=not torch.equal(fwd_frac[0].double(), x_frac.double() @ w_frac.double()),
+            error=max(((got.double() - want).norm() / want.norm()).item() for got, want in zip(fwd, tg.relu2_forward_eager(g.double(), w.double()))),
+            nan_kept=int(fwd_exact[0].isnan().sum()) == int(fwd_exact[1].isnan().sum()) == N and bool(fwd_exact[1][1].isnan().all()),
+            zeros=int((fwd[1] == 0).sum()),
+            same_dtype_and_shape=all(t.dtype == dtype and t.shape == (M, N) for t in fwd),
+        )
         results[f"{M}x{K}x{N} {tile} {dtype}"] = dict(
             exact_inputs_bitwise=bool(torch.equal(exact.isnan(), tg.relu2_backward_eager(g_int, w_int, pre).isnan())
                                       and torch.equal(exact.nan_to_num(), tg.relu2_backward_eager(g_int, w_int, pre).nan_to_num())),
@@ -271,16 +289,20 @@ results["unaligned K"] = dict(eager=torch.equal(tg.relu2_backward_matmul(g, w, p
 storage = torch.randn(1 + 20 * 16).half()
 g16, w16, pre16 = storage[1:].view(20, 16), torch.randn(16, 16).half(), torch.randn(20, 16).half()
 results["unaligned base"] = dict(eager=torch.equal(tg.relu2_backward_matmul(g16, w16, pre16), tg.relu2_backward_eager(g16, w16, pre16)))
+results["forward unaligned base"] = dict(eager=all(torch.equal(a, b) for a, b in zip(tg.relu2_forward_matmul(g16, w16), tg.relu2_forward_eager(g16, w16))))
 print(json.dumps(results))
 """
 
 
-def test_relu2_backward_matmul_kernel_is_the_eager_formula_under_the_interpreter():
-    """With exactly summable inputs, bitwise relu2_backward_eager (NaN kept, 0 and -0 pre-activations cut); with
-    random ones, within a rounding of the float64 formula; an unaligned K takes the eager path."""
+def test_relu2_matmul_kernel_is_the_eager_formula_both_ways_under_the_interpreter():
+    """Backward and forward epilogues: with exactly summable inputs, bitwise relu2_backward_eager (NaN kept, 0 and -0
+    pre-activations cut) and relu2_forward_eager (a NaN of x kept in pre and h); with products beyond fp16's
+    integers, bitwise too (the product rounds before the epilogue); with random inputs, within a rounding of the
+    float64 formula; an unaligned K or base takes the eager path."""
     results = run_under_interpreter(RELU2_CHECKS)
-    assert len(results) == 8
+    assert len(results) == 15
     assert results.pop("unaligned K") == {"eager": True} and results.pop("unaligned base") == {"eager": True}
+    assert results.pop("forward unaligned base") == {"eager": True}
     for case, r in results.items():
         assert r["exact_inputs_bitwise"] and r["nan_kept"] and r["same_dtype_and_shape"], (case, r)
         assert r["big_inputs_bitwise"] and (r["big_products_round"] or "float32" in case), (case, r)
