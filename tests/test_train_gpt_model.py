@@ -306,6 +306,34 @@ def test_mlp_saves_what_the_unfused_mlp_saved() -> None:
     assert fused == unfused == 2 * 96 * 256 * 2
 
 
+def test_compiled_partition_of_the_mlp_saves_the_unfused_mlps_bytes() -> None:
+    """Peak memory as training compiles it: aot_autograd's min-cut partition of norm + MLP + residual keeps as many
+    bytes between forward and backward with ReLUSquaredMLP as with autograd's unfused MLP (the forward graph's
+    outputs: the result and what the backward needs; x is saved either way, for the gradient of w_fc)."""
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def forward_output_bytes(mlp) -> int:
+        kept: list[int] = []
+
+        def forward_compiler(graph_module: torch.fx.GraphModule, _inputs: list) -> object:
+            (outputs,) = [node.args[0] for node in graph_module.graph.nodes if node.op == "output"]
+            kept.extend(node.meta["val"].numel() * node.meta["val"].element_size() for node in outputs)
+            return make_boxed_func(graph_module.forward)
+
+        step = aot_function(lambda r, c_fc, c_proj: r + mlp(F.rms_norm(r, (64,)), c_fc, c_proj), fw_compiler=forward_compiler,
+                            bw_compiler=lambda graph_module, _inputs: make_boxed_func(graph_module.forward),
+                            partition_fn=min_cut_rematerialization_partition)
+        torch.manual_seed(6)
+        leaves = [torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for shape in ((1, 96, 64), (64, 256), (64, 256))]
+        step(*leaves).sum().backward()
+        return sum(kept)
+
+    fused = forward_output_bytes(tg.ReLUSquaredMLP.apply)
+    unfused = forward_output_bytes(lambda x, c_fc, c_proj: F.linear(F.relu(x @ c_fc).square(), c_proj))
+    assert fused == unfused >= 2 * 96 * 256 * 2  # at least pre (or relu(pre)) and h
+
+
 def test_gradient_buffers_survive_every_zero_grad_and_a_move_of_the_model():
     """The optimizers' zero_grad and the model's keep the buffers attached, zeroed; after a move of the model (which
     replaces its buffers) the next zero_grad attaches the new ones, which the backward fills."""
