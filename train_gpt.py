@@ -3597,8 +3597,10 @@ def relu2_forward_matmul(x: Tensor, w: Tensor, tile: tuple[int, ...] = RELU2_MAT
     """relu2_forward_eager(x, w) for 2-D x (M, K) and w (K, N) of one dtype: the Triton kernel where
     _relu2_kernel_takes says so, the eager formula elsewhere. tile and programs: see _relu2_matmul."""
     shapes = f"{tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}"
-    if not x.dim() == w.dim() == 2 or x.size(1) != w.size(0) or x.dtype != w.dtype:
-        raise ValueError(f"relu2_forward_matmul: needs 2-D x (M, K) and w (K, N) of one dtype, got {shapes}: flatten the leading dimensions")
+    if not x.dim() == w.dim() == 2:
+        raise ValueError(f"relu2_forward_matmul: needs 2-D x (M, K) and w (K, N), got {shapes}: flatten the leading dimensions")
+    if x.size(1) != w.size(0) or x.dtype != w.dtype:
+        raise ValueError(f"relu2_forward_matmul: needs x (M, K) and w (K, N) of one dtype, got {shapes}")
     x, w = x.contiguous(), w.contiguous()  # no-ops in training
     if not _relu2_kernel_takes(x, w):
         return relu2_forward_eager(x, w)

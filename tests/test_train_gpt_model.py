@@ -273,13 +273,18 @@ def test_relu_squared_mlp_at_zero_and_nan_pre_activations_and_partial_needs(need
             assert torch.equal(leaf.grad.signbit(), ref.grad.signbit())  # -0 and +0 as autograd gives them
 
 
-def test_relu2_backward_matmul_refuses_mismatched_operands() -> None:
+def test_relu2_matmuls_refuse_mismatched_operands() -> None:
     with pytest.raises(ValueError, match="needs 2-D grad_out"):
         tg.relu2_backward_matmul(torch.zeros(1, 4, 8), torch.zeros(8, 16), torch.zeros(4, 16))
     with pytest.raises(ValueError, match=r"needs grad_out \(M, K\), w \(K, N\), pre \(M, N\) of one dtype"):
         tg.relu2_backward_matmul(torch.zeros(4, 8), torch.zeros(8, 16), torch.zeros(4, 12))
     with pytest.raises(ValueError, match="of one dtype"):
         tg.relu2_backward_matmul(torch.zeros(4, 8), torch.zeros(8, 16), torch.zeros(4, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="relu2_forward_matmul: needs 2-D x .*: flatten the leading dimensions"):
+        tg.relu2_forward_matmul(torch.zeros(1, 4, 8), torch.zeros(8, 16))
+    for w in (torch.zeros(6, 16), torch.zeros(8, 16).half()):
+        with pytest.raises(ValueError, match=r"relu2_forward_matmul: needs x \(M, K\) and w \(K, N\) of one dtype, got \(4, 8\)"):
+            tg.relu2_forward_matmul(torch.zeros(4, 8), w)
 
 
 def test_mlp_saves_what_the_unfused_mlp_saved() -> None:
