@@ -10,7 +10,7 @@ pairs timed back to back in alternating orders (the card's clock moves within se
 outputs are bitwise cuBLAS's product followed by the unfused formula. The measurements that chose train_gpt.py's
 tile are in bench/NOTES.md (2026-12-02, 2026-12-06).
 
-    python bench/bench_relu2_matmul.py        # one GPU (Hopper or newer, for TMA descriptors), about a minute
+    python bench/bench_relu2_matmul.py        # one GPU (Hopper or newer, for TMA descriptors), one to two minutes
 """
 
 from __future__ import annotations
