@@ -3562,8 +3562,9 @@ if triton is not None:
             tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages, warps): the best of bench/bench_relu2_matmul.py's tiles on one H100
-# for both epilogues (bench/NOTES.md, 2026-12-06)
+# (BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages, warps): on one H100 the best of bench/bench_relu2_matmul.py's tiles for
+# the forward epilogue, and within the pairing's noise of 3 stages (the best in one of two runs) for the backward
+# (bench/NOTES.md, 2026-12-06)
 RELU2_MATMUL_TILE = (128, 256, 64, 4, 8)
 
 
