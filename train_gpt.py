@@ -3563,8 +3563,8 @@ if triton is not None:
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages, warps): on one H100 the best of bench/bench_relu2_matmul.py's tiles for
-# the forward epilogue, and within the pairing's noise of 3 stages (the best in one of two runs) for the backward
-# (bench/NOTES.md, 2026-12-06)
+# the forward epilogue; for the backward within the noise of 3 stages (0.499 against 0.480 ms per call in one run,
+# 0.515 against 0.522 in another: bench/NOTES.md, 2026-12-06)
 RELU2_MATMUL_TILE = (128, 256, 64, 4, 8)
 
 
