@@ -504,13 +504,17 @@ def test_a_sampler_deaf_to_sigterm_is_killed_not_waited_for(ab, tmp_path):
 
 
 def test_kernel_kinds_of_the_profiles(ab) -> None:
-    """Names seen in the profile of 2026-12-02 (commit b1e22df): the MLP's fused kernel is its own kind, the inductor kernels that carry
+    """Names seen in the profiles of 2026-12-02 (commit b1e22df) and 2026-12-06: the MLP's fused kernel is its own kind, the inductor kernels that carry
     its op's name stay inductor's, and the cuBLAS and FP8 head kernels keep theirs."""
     assert ab.kind_of("_relu2_backward_matmul_kernel") == "MLP matmuls with ReLU² epilogues (Triton)"
     assert ab.kind_of("_relu2_matmul_kernel") == "MLP matmuls with ReLU² epilogues (Triton)"  # both directions since fd230c0
     assert ab.kind_of("triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mul_relu2_backward_matmul_slice_backwa") == "Triton fused (inductor)"
     assert ab.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "bf16/fp32 GEMM"
     assert ab.kind_of("_softcap_ce_e5m2_kernel") == "fp8 head (scaled_mm, casts, copies)"
+    for fp8_product in ("nvjet_sm90_qqtst_192x192_128x4_1x2_h_bz_coopB_TNN", "nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT",
+                        "nvjet_sm90_qrsss_128x160_128x5_1x2_h_bz_coopA_algo2_TNT"):  # the head's three, 2026-12-06
+        assert ab.kind_of(fp8_product) == "fp8 head (scaled_mm, casts, copies)"
+    assert ab.kind_of("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_splitK_NTN") == "bf16/fp32 GEMM"
     assert ab.kind_of("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>") == "other"
 
 

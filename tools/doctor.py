@@ -94,15 +94,16 @@ TRACKS = {
     3: Track(3, "train_gpt_shampoo.py", "train_gpt_shampoo", 22, 34_101, 40_400, 162_354_816),
 }
 
-# Expected ms/step at the record configuration, as measured. Conditions: NVIDIA H200,
+# Expected ms/step at the record configuration, as measured. Conditions: NVIDIA H200 or H100 80GB HBM3,
 # torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention (no FA3), on the docs_proxy shards
 # (Debian documentation in the FineWeb format: the same tokens per step, but other document lengths, which
 # change attention's block sparsity a little). Each entry says when and at which commit (README Performance).
 # Key: (GPU model as torch names it, track, GPUs) -> (low, high, how it was measured).
 MEASURED_ON = "measured on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention"
 MEASURED_MS_PER_STEP: dict[tuple[str, int, int], tuple[float, float, str]] = {
-    ("NVIDIA H200", 1, 1): (576.0, 579.1, "1 GPU, 8 micro-steps; d9a82ee, 2026-12-04"),
-    ("NVIDIA H200", 1, 2): (0.49 * 576.0, 0.49 * 579.1, "2 GPUs: 0.49x the 1-GPU time, a ratio measured on 2026-11-30, before the speed work"),
+    ("NVIDIA H200", 1, 1): (578.7, 579.1, "1 GPU, 8 micro-steps; 629e1fa, 2026-12-06"),
+    ("NVIDIA H200", 1, 2): (0.49 * 578.7, 0.49 * 579.1, "2 GPUs: 0.49x the 1-GPU time, a ratio measured on 2026-11-30, before the speed work"),
+    ("NVIDIA H100 80GB HBM3", 1, 1): (610.7, 612.7, "1 GPU, 8 micro-steps; 629e1fa, 2026-12-06"),
     ("NVIDIA H200", 3, 1): (1422.9, 1422.9, "1 GPU, Shampoo roots on 8 streams, steps 11-150; 2026-11-30"),
     ("NVIDIA H200", 3, 2): (714.8, 714.8, "2 GPUs, 30 steps; 2026-11-30"),
 }
@@ -883,7 +884,8 @@ def check_expected_speed(machine: Machine, plan: Plan) -> Check:
     low, high, how = measured
     if changed:
         return Check("expected", "skip", f"measured at the record configuration only; --{', --'.join(changed)} change the work per step")
-    span = f"{low:,.0f}" if low == high else f"{low:,.0f}-{high:,.0f}"
+    low_text, high_text = f"{low:,.0f}", f"{high:,.0f}"
+    span = low_text if low_text == high_text else f"{low_text}-{high_text}"
     steps = plan.hp.train_steps
     return Check("expected", "ok", f"{span} ms/step on {name} ({how}), so {steps} steps take about "
                  f"{steps * high / 60000:.0f} min plus compilation; {MEASURED_ON}")

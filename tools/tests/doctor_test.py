@@ -347,10 +347,12 @@ def test_attention_backend_and_why(monkeypatch):
 
 def test_expected_speed_only_for_a_measured_gpu_and_the_record_configuration():
     one = dr.check_expected_speed(gpus(1), plan())
-    assert one.status == "ok" and one.detail.startswith("576-579 ms/step on NVIDIA H200 (1 GPU, 8 micro-steps; d9a82ee, 2026-12-04), so 1680 steps take about 16 min")
+    assert one.status == "ok" and one.detail.startswith("579 ms/step on NVIDIA H200 (1 GPU, 8 micro-steps; 629e1fa, 2026-12-06), so 1680 steps take about 16 min")
     assert one.detail.endswith("measured on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention")
     two = dr.check_expected_speed(gpus(2), plan(nproc=2))
-    assert two.detail.startswith("282-284 ms/step") and "0.49x" in two.detail
+    assert two.detail.startswith("284 ms/step") and "0.49x" in two.detail  # 283.6-283.8: one figure once rounded
+    h100 = dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan())
+    assert h100.status == "ok" and h100.detail.startswith("611-613 ms/step on NVIDIA H100 80GB HBM3 (1 GPU, 8 micro-steps; 629e1fa")
     assert dr.check_expected_speed(gpus(1), plan(track=3)).detail.startswith("1,423 ms/step")
     assert dr.check_expected_speed(gpus(2), plan(track=3, nproc=2)).detail.startswith("715 ms/step")
     assert dr.check_expected_speed(gpus(8), plan(nproc=8)).status == "skip"  # not measured
