@@ -407,7 +407,7 @@ KERNEL_KINDS = [  # first match wins; kernel names as they appear on Hopper with
     ("MLP matmuls with ReLU² epilogues (Triton)", r"^_relu2_(backward_)?matmul_kernel"),  # the older name: backward only
     ("flex attention (Triton templates)", r"flex|attention|triton_tem"),
     # the head's three _scaled_mm calls ran as cuBLAS's nvjet_sm90_qqtst/qrtst/qrsss kernels, once per micro-step each,
-    # in the profiles of 2026-12-06 (bench/NOTES.md); the bf16 products' names have no q there. Before, they counted as bf16
+    # in the profiles of 2026-12-06 (bench/NOTES.md), and the bf16 products' names had no q (before this, they counted as bf16)
     ("fp8 head (scaled_mm, casts, copies)", r"f8|fp8|e4m3|e5m2|softcap|^nvjet_sm\d+_q"),
     ("bf16/fp32 GEMM", r"gemm|sm90|cutlass|xmma|cublas|nvjet|mm_"),
     ("Newton-Schulz kernels", r"_symmetric_matmul"),

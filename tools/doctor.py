@@ -97,7 +97,8 @@ TRACKS = {
 # Expected ms/step at the record configuration, as measured. Conditions: NVIDIA H200 or H100 80GB HBM3,
 # torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention (no FA3), on the docs_proxy shards
 # (Debian documentation in the FineWeb format: the same tokens per step, but other document lengths, which
-# change attention's block sparsity a little). Each entry says when and at which commit (README Performance).
+# change attention's block sparsity a little). Each entry says when and at which commit (README Performance); it
+# is the span of one invocation's rounds, and calls on other machines of one model differ by a few percent.
 # Key: (GPU model as torch names it, track, GPUs) -> (low, high, how it was measured).
 MEASURED_ON = "measured on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention"
 MEASURED_MS_PER_STEP: dict[tuple[str, int, int], tuple[float, float, str]] = {
