@@ -33,6 +33,11 @@ def tiny_model(backend: str = "reference", dim: int = 64, heads: int = 2, block:
     return train_gpt.GPT(TINY_VOCAB, dim, heads, 256, block, 1, train_gpt.attention_backend(backend, block, TINY_BOS), torch.float32)
 
 
+def tiny_hyperparameters() -> train_gpt.Hyperparameters:
+    """tiny_model's settings for build_optimizers, with DistAdam's update uncompiled (no inductor on CPU)."""
+    return train_gpt.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2, compile=False)
+
+
 def random_documents(T: int, num_bos: int, seed: int) -> torch.Tensor:
     """T token ids below TINY_BOS with num_bos BOS tokens at random places."""
     g = torch.Generator().manual_seed(seed)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
-from conftest import TINY_BOS, TINY_VOCAB, random_documents, record_model, tiny_model
+from conftest import TINY_BOS, TINY_VOCAB, random_documents, record_model, tiny_hyperparameters, tiny_model
 
 
 def test_record_parameter_inventory():
@@ -60,7 +60,7 @@ def test_every_parameter_gets_a_gradient_path_after_two_updates():
     model = tiny_model()
     ids = torch.randint(0, TINY_VOCAB - 1, (128,), dtype=torch.int32)
     ids[::37] = TINY_BOS
-    hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2, compile=False)  # no inductor on CPU
+    hp = tiny_hyperparameters()
     adam, muon = tg.build_optimizers(model, hp, 0, 1)
     for _ in range(2):  # zero-initialized matrices (O, c_proj, head) only pass gradient after a first step
         model(ids, ids.long(), None, 1, 3, 128).backward()
@@ -85,7 +85,7 @@ def test_in_place_table_gradients_equal_autograds_through_three_updates():
     plain, in_place = tiny_model(), tiny_model()
     in_place.grads_into_buffers(table.weight for table in in_place.tables)
     assert in_place.state_dict().keys() == plain.state_dict().keys()
-    hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2, compile=False)  # no inductor on CPU
+    hp = tiny_hyperparameters()
     optimizers = [tg.build_optimizers(model, hp, 0, 1) for model in (plain, in_place)]
     torch.manual_seed(1)
     for step in range(3):  # zero-initialized matrices pass the tables no gradient before two updates
@@ -134,7 +134,7 @@ def test_in_place_matrix_gradients_equal_autograds_through_three_updates(cuda_dt
     assert in_place.state_dict().keys() == plain.state_dict().keys()
     matrices = in_place.matrices()
     assert len(matrices) == 10 + 11 * 2 and all(m.dtype == torch.float32 for m in matrices)
-    hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2, compile=False)  # no inductor on CPU
+    hp = tiny_hyperparameters()
     optimizers = [tg.build_optimizers(model, hp, 0, 1) for model in (plain, in_place)]
     torch.manual_seed(1)
     for step in range(3):
@@ -344,7 +344,7 @@ def test_gradient_buffers_survive_every_zero_grad_and_a_move_of_the_model():
     replaces its buffers) the next zero_grad attaches the new ones, which the backward fills."""
     model = tiny_model()
     model.grads_into_buffers([*(table.weight for table in model.tables), *model.matrices()])
-    hp = tg.Hyperparameters(vocab_size=TINY_VOCAB, bos_token=TINY_BOS, model_dim=64, num_heads=2, compile=False)  # no inductor on CPU
+    hp = tiny_hyperparameters()
     adam, muon = tg.build_optimizers(model, hp, 0, 1)
     ids = random_documents(128, num_bos=4, seed=3).to(torch.int32)
     for zero_grad in (adam.zero_grad, muon.zero_grad, model.zero_grad):
