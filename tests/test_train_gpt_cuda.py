@@ -245,7 +245,7 @@ def test_block_tables_kernel_and_the_compiled_mask_equal_the_eager_formula_on_cu
 
 
 def test_varlen_backend_agrees_with_flex_attention_and_the_reference_on_cuda() -> None:
-    """The varlen backend (torch's varlen_attn, FlashAttention-2 kernels) and the flex backend on one attention call
+    """The varlen backend (torch's varlen_attn, FlashAttention-2 kernels) and the flex backend (compiled) on one attention call
     of 4,096 tokens in documents of 1,600 and 1-900 tokens (6 heads of 128, bf16), for short and long windows: outputs and
     q/k/v gradients within a few bf16 places of the fp32 reference (dense_window_mask), as FlexAttention's are."""
     torch.manual_seed(5)
@@ -268,7 +268,9 @@ def test_varlen_backend_agrees_with_flex_attention_and_the_reference_on_cuda() -
             windows = dict(zip(("short", "long"), backend.window_args(window_blocks, window_blocks, q.device)))
             inputs = backend.prepare(ids, cu_seqlens, windows, 2048)
             attn_scale = torch.tensor(scale, device="cuda") if backend.takes_tensors else scale
-            out = backend(q, k, v, inputs, "short", attn_scale)
+            # flex compiled, as training calls it: uncompiled, flex_attention runs its unfused fallback instead
+            attend = torch.compile(backend.__call__, fullgraph=True) if name == "flex" else backend
+            out = attend(q, k, v, inputs, "short", attn_scale)
             results[name] = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
         def reference(window_tokens: int) -> tuple[torch.Tensor, ...]:
             q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
