@@ -22,6 +22,7 @@ import base64
 import binascii
 import contextlib
 import fcntl
+import glob
 import gzip
 import json
 import lzma
@@ -45,7 +46,7 @@ except ImportError as missing:  # a Python without the requirements, e.g. outsid
     sys.exit(f"data/fineweb.py: error: cannot import {missing.name or missing} in {sys.executable}; install the requirements "
              f"(pip install -r requirements.txt, README.md#install) or run the Python that has them")
 
-from shards import MAX_TOKEN, read_header, write_shard
+from shards import MAX_SHARD_TOKENS, MAX_TOKEN, read_header, write_shard
 
 DATA_DIR = Path(__file__).resolve().parent
 EOT = 50256  # <|endoftext|> in GPT-2's vocabulary
@@ -162,7 +163,20 @@ def expand_inputs(paths: Sequence[Path]) -> list[Path]:
             raise InputError(f"--input {path}: unsupported file type; supported: {SUPPORTED_INPUTS}")
         else:
             files.append(path)
+    check_each_file_once(files)
     return files
+
+
+def check_each_file_once(files: Sequence[Path]) -> None:
+    """A file reached twice (named twice, by a link, or as a file and within its folder) would be tokenized twice, and
+    its documents could land in both the validation and a training shard."""
+    first_path: dict[Path, Path] = {}
+    for path in files:
+        earlier = first_path.get(path.resolve())
+        if earlier is not None:
+            same = "" if earlier == path else f" (also reached as {earlier})"
+            raise InputError(f"--input {path}: this file is given twice{same}; pass each file or folder once")
+        first_path[path.resolve()] = path
 
 
 def open_text(path: Path) -> TextIO:
@@ -395,7 +409,7 @@ def lock_out_dir(out_dir: Path) -> TextIO:
 
 
 def check_out_dir(out_dir: Path, name: str) -> None:
-    existing = sorted(out_dir.glob(f"{name}_*.bin"))
+    existing = sorted(out_dir.glob(f"{glob.escape(name)}_*.bin"))  # escaped: a name such as run[1] is no pattern
     if existing:
         raise InputError(
             f"{out_dir} already holds {len(existing)} shards named {name}_*.bin (e.g. {existing[0].name}); "
@@ -414,8 +428,8 @@ def tokenize_corpus(
     """Tokenize `documents` in `workers` processes and write the shards; returns their paths. Empty documents are
     skipped; an input without text writes nothing and raises InputError. A refused run (InputError) removes the lock
     file and the folders it created, when they hold nothing else."""
-    if shard_size <= 0:
-        raise InputError(f"--shard-size must be positive, got {shard_size}")
+    if not 0 < shard_size <= MAX_SHARD_TOKENS:
+        raise InputError(f"--shard-size must lie in [1, {MAX_SHARD_TOKENS}] (the header's token count is an int32), got {shard_size}")
     gpt2_encoding(bpe_file)  # fail here, once, rather than in every worker
     new_folders = [folder for folder in [out_dir, *out_dir.parents] if not folder.exists()]  # innermost first
     new_lock = not (out_dir / LOCK_NAME).exists()

@@ -57,6 +57,8 @@ def needs_download(path: Path) -> bool:
     """True unless `path` already holds a valid shard; says so when a present file is invalid."""
     if not path.exists():
         return True
+    if path.is_dir():  # a download could not take its place: refused before any download starts
+        raise DownloadError(f"{path}: a folder is in the way of this shard; move it away or pass another --out-dir")
     try:
         read_header(path)
     except ShardError as error:

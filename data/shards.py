@@ -20,6 +20,7 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_BYTES = 2
 MAX_TOKEN = 2**16 - 1  # uint16 storage
+MAX_SHARD_TOKENS = 2**31 - 1  # the header stores the token count as an int32
 
 HEADER_DTYPE = np.dtype("<i4")
 TOKEN_DTYPE = np.dtype("<u2")
@@ -94,6 +95,8 @@ def write_shard(path: str | os.PathLike[str], tokens: np.ndarray) -> None:
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"{path}: tokens must be a 1-D array, got shape {tokens.shape}")
+    if tokens.size > MAX_SHARD_TOKENS:  # checked first: the header could not hold the count
+        raise ValueError(f"{path}: {tokens.size} tokens, more than a shard's header can count ({MAX_SHARD_TOKENS}); write smaller shards")
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN):
         raise ValueError(
             f"{path}: token ids must lie in [0, {MAX_TOKEN}] to fit in uint16, got "

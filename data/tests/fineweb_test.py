@@ -130,6 +130,41 @@ def test_existing_shards_are_never_overwritten(tmp_path: Path, bpe_file: Path) -
     np.testing.assert_array_equal(read_shard(out / "c_val_000000.bin"), [1, 2, 3])
 
 
+def test_a_name_with_glob_characters_still_finds_its_existing_shards(tmp_path: Path, bpe_file: Path) -> None:
+    """--name run[1]: unescaped, the check looked for run1_*.bin, and the write then failed with a FileExistsError
+    traceback after tokenizing a whole shard's worth of text."""
+    out = tmp_path / "shards"
+    out.mkdir()
+    write_shard(out / "run[1]_val_000000.bin", np.array([1, 2, 3], dtype=np.uint16))
+    with pytest.raises(InputError, match=r"already holds 1 shards named run\[1\]_"):
+        tokenize_corpus(["text"], out, "run[1]", shard_size=10, bpe_file=bpe_file, workers=1)
+    np.testing.assert_array_equal(read_shard(out / "run[1]_val_000000.bin"), [1, 2, 3])
+
+
+@pytest.mark.parametrize("how", ["named-twice", "file-and-its-folder", "symlink"])
+def test_an_input_file_reached_twice_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str) -> None:
+    """Tokenized twice, its documents went into the validation shard and again into a training shard."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = corpus / "a.txt"
+    text.write_text("some text")
+    inputs = {"named-twice": [text, text], "file-and-its-folder": [corpus, text], "symlink": [text, tmp_path / "link.txt"]}[how]
+    (tmp_path / "link.txt").symlink_to(text)
+    out = tmp_path / "out"
+    assert main(["--input", *map(str, inputs), "--out-dir", str(out), "--workers", "1"]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"error: --input {inputs[1]}: this file is given twice") and "pass each file or folder once" in error
+    assert "\n" not in error and not out.exists()
+
+
+def test_a_shard_size_beyond_the_header_is_refused_before_tokenizing(tmp_path: Path, bpe_file: Path) -> None:
+    """The header counts tokens in an int32: a larger --shard-size failed only when the first shard was written."""
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=r"--shard-size must lie in \[1, 2147483647\] .* got 2147483648"):
+        tokenize_corpus(["text"], out, "c", shard_size=2**31, bpe_file=bpe_file, workers=1)
+    assert not out.exists()
+
+
 def bad_input(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     """Broken inputs and the words their error must contain."""
     cases = {}

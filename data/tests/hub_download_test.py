@@ -144,6 +144,19 @@ def test_present_but_corrupt_shard_is_downloaded_again(
     assert f"{names[1]} is present but not a valid shard" in capsys.readouterr().out
 
 
+def test_a_folder_under_a_shard_name_is_refused_before_downloading(fake_hub: FakeHub, tmp_path: Path) -> None:
+    """It was reported as an invalid shard, downloaded, and the move onto it ended in an IsADirectoryError traceback."""
+    names = shard_names(FINEWEB10B, 1)
+    serve_repo(fake_hub, FINEWEB10B.repo_id, names, tmp_path)
+    out = tmp_path / "out"
+    (out / names[1]).mkdir(parents=True)
+    (out / names[1] / "kept.txt").write_text("kept")
+    with pytest.raises(DownloadError, match=f"{names[1]}: a folder is in the way of this shard; move it away"):
+        download_shards(FINEWEB10B, 1, out, endpoint=fake_hub.endpoint)
+    assert fake_hub.fetched() == []
+    assert (out / names[1] / "kept.txt").read_text() == "kept"
+
+
 def test_corrupt_download_is_rejected_and_not_left_under_its_name(fake_hub: FakeHub, tmp_path: Path) -> None:
     names = shard_names(FINEWEB10B, 2)
     serve_repo(fake_hub, FINEWEB10B.repo_id, names, tmp_path)

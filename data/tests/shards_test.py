@@ -93,3 +93,11 @@ def test_missing_file_raises_shard_error(tmp_path: Path) -> None:
 
 def test_shard_error_is_a_value_error() -> None:
     assert issubclass(ShardError, ValueError)
+
+
+def test_more_tokens_than_the_header_can_count_are_refused(tmp_path: Path) -> None:
+    """The header's token count is an int32: 2**31 tokens raised numpy's OverflowError (older numpy wrapped it)."""
+    too_many = np.broadcast_to(np.uint16(0), (2**31,))  # a view: no 4 GiB in memory
+    with pytest.raises(ValueError, match=r"2147483648 tokens, more than a shard's header can count \(2147483647\)"):
+        write_shard(tmp_path / "big.bin", too_many)
+    assert list(tmp_path.iterdir()) == []
