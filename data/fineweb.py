@@ -153,7 +153,7 @@ def expand_inputs(paths: Sequence[Path]) -> list[Path]:
     files: list[Path] = []
     for path in paths:
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and input_format(p) is not None)
+            found = [p for p in files_under(path) if p.is_file() and input_format(p) is not None]
             if not found:
                 raise InputError(f"--input {path}: the directory holds no {SUPPORTED_INPUTS} files")
             files.extend(found)
@@ -165,6 +165,16 @@ def expand_inputs(paths: Sequence[Path]) -> list[Path]:
             files.append(path)
     check_each_file_once(files)
     return files
+
+
+def files_under(folder: Path) -> list[Path]:
+    """Every file below `folder`, sorted. A subfolder that cannot be listed is an error: Path.rglob skips it without a
+    word, and its documents would be missing from the shards."""
+    def refuse(error: OSError) -> None:
+        raise InputError(f"--input {folder}: cannot list {error.filename} ({error.strerror}); make it readable or pass only "
+                         "the folders you can read")
+
+    return sorted(Path(root, name) for root, _, names in os.walk(folder, onerror=refuse) for name in names)
 
 
 def check_each_file_once(files: Sequence[Path]) -> None:

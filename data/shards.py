@@ -50,6 +50,8 @@ def read_header(path: str | os.PathLike[str]) -> int:
         raise ShardError(path, "no such file", "check the path, or download or tokenize the shard first") from None
     except IsADirectoryError:
         raise ShardError(path, "is a directory, not a shard file", "pass the path of a .bin shard") from None
+    except OSError as error:  # e.g. no read permission: the same one line instead of a traceback
+        raise ShardError(path, f"cannot read it ({error.strerror})", "make it readable, or delete it and download or tokenize it again") from None
     if len(header_bytes) < HEADER_BYTES:
         raise _shard_error(path, f"the file has {file_size} bytes, fewer than the {HEADER_BYTES}-byte header")
     header = np.frombuffer(header_bytes, dtype=HEADER_DTYPE)

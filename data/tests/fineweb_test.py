@@ -157,6 +157,25 @@ def test_an_input_file_reached_twice_is_refused(tmp_path: Path, capsys: pytest.C
     assert "\n" not in error and not out.exists()
 
 
+def test_a_subfolder_that_cannot_be_listed_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Path.rglob skipped it without a word, so its documents were missing from the shards. No permission is stood in
+    for (root may list any folder)."""
+    corpus = tmp_path / "corpus"
+    for folder in ("a", "b"):
+        (corpus / folder).mkdir(parents=True)
+        (corpus / folder / "doc.txt").write_text("some text")
+    real_scandir = os.scandir
+
+    def scandir_refusing_b(path: object = ".") -> object:
+        if Path(os.fsdecode(path)) == corpus / "b":
+            raise PermissionError(13, "Permission denied", os.fsdecode(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir_refusing_b)
+    with pytest.raises(InputError, match=f"--input {corpus}: cannot list {corpus / 'b'} \\(Permission denied\\); make it readable"):
+        expand_inputs([corpus])
+
+
 def test_a_shard_size_beyond_the_header_is_refused_before_tokenizing(tmp_path: Path, bpe_file: Path) -> None:
     """The header counts tokens in an int32: a larger --shard-size failed only when the first shard was written."""
     out = tmp_path / "out"

@@ -101,3 +101,19 @@ def test_more_tokens_than_the_header_can_count_are_refused(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"2147483648 tokens, more than a shard's header can count \(2147483647\)"):
         write_shard(tmp_path / "big.bin", too_many)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreadable_file_raises_shard_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No read permission (stood in for: root reads any file) was a PermissionError traceback, e.g. in the downloader."""
+    path = tmp_path / "locked.bin"
+    path.write_bytes(raw_shard())
+    real_open = Path.open
+
+    def open_refusing_locked(self: Path, *args: object, **kwargs: object) -> object:
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", open_refusing_locked)
+    with pytest.raises(ShardError, match=r"locked.bin: cannot read it \(Permission denied\); make it readable"):
+        read_header(path)
