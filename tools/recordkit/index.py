@@ -20,7 +20,7 @@ from .errors import RecordsError
 from .parse import find_logs
 from .published import PUBLISHED_COMMIT, PUBLISHED_REPOSITORY, PublishedLog, manifest_path
 from .runsets import RunSet, group_runs, parse_logs
-from .tables import history_path, load_history
+from .tables import history_path, load_history, required_history
 
 TRACK_ROOTS = {PurePosixPath("records/track_1_short"), PurePosixPath("records/track_2_medium"),
                PurePosixPath("records/track_3_optimization/results")}
@@ -45,6 +45,8 @@ def index_clone(clone: Path, records_root: Path) -> list[IndexedRecord]:
         histories = ", ".join(str(history_path(records_root, track)) for track in (1, 2, 3))
         raise RecordsError(f"{records_root}: no history row names a published log folder (read {histories}); "
                            "pass --root REPO, the checkout whose records/ holds them (nothing was written)")
+    for track in (1, 2, 3):
+        required_history(records_root, track, f"published_logs.csv's Track {track} part")
     parents = Counter(PurePosixPath(row.logs_at).parent for _, row in rows if (clone / row.logs_at).is_file())
     indexed = []
     for track, row in rows:

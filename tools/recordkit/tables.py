@@ -47,6 +47,15 @@ def history_path(records_root: Path, track: int) -> Path:
     return records_root / HISTORY_DIRS[track] / HISTORY_CSV
 
 
+def required_history(records_root: Path, track: int, lost: str) -> Path:
+    """The track's history.csv; a missing one is a RecordsError, because a writer that read it as empty would drop `lost`."""
+    path = history_path(records_root, track)
+    if not path.is_file():
+        raise RecordsError(f"{path}: missing, and {lost} would lose every row; restore it (git checkout -- {path}) "
+                           "or pass --root REPO (nothing was written)")
+    return path
+
+
 def load_history(records_root: Path, track: int) -> list[HistoryRow]:
     path = history_path(records_root, track)
     if not path.is_file():
@@ -77,6 +86,7 @@ def _folder_link(records_root: Path, track: int, folder: str, readme_dir: Path) 
 def render_timed(track: int, records_root: Path, readme_dir: Path) -> str:
     """Tracks 1 and 2: record time, description, date, our folder."""
     lines = ["| # | Record time | Description | Date | Folder here |", "|---|---|---|---|---|"]
+    required_history(records_root, track, f"the Track {track} table")
     for row in load_history(records_root, track):
         link = _folder_link(records_root, track, row.folder, readme_dir)
         lines.append(f"| {row.number} | {row.result} | {_cell(row.description)} | {row.date} | {link} |")
@@ -85,6 +95,7 @@ def render_timed(track: int, records_root: Path, readme_dir: Path) -> str:
 
 def render_track3(records_root: Path, readme_dir: Path) -> str:
     lines = ["| # | Steps to 3.28 | Evidence | Description | Date | Folder here |", "|---|---|---|---|---|---|"]
+    required_history(records_root, 3, "the Track 3 table")
     for row in load_history(records_root, 3):
         link = _folder_link(records_root, 3, row.folder, readme_dir)
         lines.append(f"| {row.number} | {row.result} | {row.evidence} | {_cell(row.description)} | {row.date} | {link} |")

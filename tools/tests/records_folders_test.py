@@ -231,6 +231,22 @@ def test_check_names_a_missing_or_garbled_history_first(root: Path, damage: str,
     assert lines[0].startswith(f"{history}: {expected}") and len(lines) == 2
 
 
+@pytest.mark.parametrize("command", [["tables", "--write"], ["new", "--track", "1", "--name", "NoHistory", "--not-a-record",
+                                     "--date", "2026-11-30", "--logs"]])
+def test_a_missing_history_never_empties_its_readme_table(root: Path, tmp_path: Path, command: list[str],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Read as empty, a missing history.csv had `tables --write` (and `new`) replace its table with the header alone."""
+    logs = [str(path) for path in harness_logs(tmp_path / "logs", [3.2790, 3.2785])] if command[0] == "new" else []
+    history = root / "records" / "track_1_short" / "history.csv"
+    history.unlink()
+    before = files_under(root)
+    assert main(["--root", str(root), *command, *logs]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"records: error: {history}: missing, and the Track 1 table would lose every row; restore it "
+                                 f"(git checkout -- {history}) or pass --root REPO (nothing was written)\n")
+    assert files_under(root) == before
+
+
 # What reads each file besides `check`; a README without markers is read by `check` only.
 READERS = {"results.json": [["tables", "--write"], ["stats", "FOLDER"]], "README.md": [], "statistics.md": [],
            "history.csv": [["tables", "--write"], ["fetch", "1:89"]], "records README": [["tables", "--write"]],

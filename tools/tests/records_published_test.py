@@ -189,6 +189,19 @@ def test_index_without_history_rows_writes_nothing(world: World, tmp_path: Path,
     assert manifest.read_text() == "logs_at,file,bytes,sha256\nx,x/run0.txt,1,0\n"
 
 
+def test_index_with_one_history_missing_keeps_the_manifest(world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    """Read as empty, a missing Track 1 history.csv had `index --write` drop Track 1's files from published_logs.csv."""
+    manifest = world.records / "published_logs.csv"
+    before = manifest.read_bytes()
+    history = world.records / "track_1_short" / "history.csv"
+    history.unlink()
+    code, out, err = run_cli(["--root", str(world.repo), "index", str(world.tree), "--write"], capsys)
+    assert (code, out) == (2, "") and err == (f"records: error: {history}: missing, and published_logs.csv's Track 1 part would "
+                                              f"lose every row; restore it (git checkout -- {history}) or pass --root REPO "
+                                              "(nothing was written)\n")
+    assert manifest.read_bytes() == before
+
+
 def test_records_are_named_by_track_and_number_name_or_latest(world: World) -> None:
     assert published.resolve_record(world.records, "1:89", None).logs_at == f"{T1_RECORD}/run0.txt"
     assert published.resolve_record(world.records, "latest", None).row.number == "89"
