@@ -27,7 +27,8 @@ SEPARATOR = "=" * 100
 LOG_SUFFIXES = (".txt", ".log", ".stdout", ".out")
 
 _NUM = r"[0-9.]+(?:[eE][-+]?\d+)?"
-_NUM_OR_NAN = rf"(?:nan|{_NUM})"
+# A diverged loss as Python formats it: nan, or inf once it overflows (our scripts then stop on the non-finite value).
+_NUM_OR_NAN = rf"(?:nan|inf|{_NUM})"
 _COLUMNS = r"(?:\s+[a-z_]+:\S+)*"
 VAL_LINE = re.compile(
     rf"^step:(?P<step>\d+)/(?P<total>\d+)\s+val_loss:(?P<loss>{_NUM_OR_NAN})(?P<pre>{_COLUMNS})"

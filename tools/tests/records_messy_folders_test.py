@@ -207,6 +207,22 @@ def test_diverged_run_is_reported_excluded_and_never_crashes(tmp_path: Path, cap
     assert code == 0 and "left out: nan.txt: diverged at step 75; excluded" in out
 
 
+def test_an_inf_loss_is_a_divergence_like_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Python formats an overflowed loss as inf, and our scripts log that line before they stop; it was read as a
+    damaged line ("cut short or malformed") instead of a divergence."""
+    folders = {}
+    for word in ("nan", "inf"):
+        folders[word] = muon_folder(tmp_path / word)
+        F.write(folders[word] / "diverged.txt", F.track1_2025(diverge_at=1000).replace("val_loss:nan", f"val_loss:{word}"))
+    reports = []
+    for word, folder in folders.items():
+        code, out, _ = run_cli(["stats", str(folder), "--track", "1"], capsys)
+        assert code == 0
+        reports.append(out.replace(str(folder), "FOLDER"))
+    assert reports[1] == reports[0]
+    assert "note: diverged.txt: diverged at step 1000; excluded (pass --allow-incomplete to include it)" in reports[1]
+
+
 def test_header_only_and_garbled_logs_are_skipped_or_warned_and_the_rest_used(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = muon_folder(tmp_path / "runs")
     F.write(folder / "failed_at_start.txt", F.header_only(F.track1_2025()))
