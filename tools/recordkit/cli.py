@@ -365,9 +365,16 @@ def _write_md(args: argparse.Namespace, reports: list[dict[str, Any]]) -> str:
         path = folder / folders.STATISTICS_MD
     else:
         path = args.md
+    _refuse_md_over_a_log(path, args.logs)
     title = args.title or (folder.resolve().name if folder is not None else "runs")
     what = folders.write_generated(path, render_statistics_md(reports[0], title), force=args.force)
     return f"{what} {path}"
+
+
+def _refuse_md_over_a_log(path: Path, logs: list[Path]) -> None:
+    """--md FILE naming one of the logs just read would replace that log (with --force, without a word)."""
+    if path.is_file() and any(path.samefile(log) for log in find_logs(logs, [])):
+        raise RecordsError(f"{path}: one of the logs these statistics were read from; pass another --md FILE (nothing written)")
 
 
 # ----- compare, diff -----

@@ -180,6 +180,19 @@ def test_stats_writes_statistics_md_only_when_asked_and_never_over_a_users_file(
     assert foreign.read_text() == "# my notes\n"
 
 
+@pytest.mark.parametrize("given", ["folder", "files"])
+def test_stats_md_force_never_replaces_a_log_it_read(tmp_path: Path, given: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--force lets --md replace a file the tool did not write; a mistyped --md naming a log replaced that log."""
+    folder = muon_folder(tmp_path / "runs")
+    log = folder / "1.txt"
+    before = {path: path.read_bytes() for path in folder.iterdir()}
+    inputs = [str(folder)] if given == "folder" else [str(path) for path in sorted(folder.iterdir())]
+    code, _, err = run_cli(["stats", *inputs, "--md", str(log), "--force"], capsys)
+    assert code == 2 and err == (f"records: error: {log}: one of the logs these statistics were read from; "
+                                 "pass another --md FILE (nothing written)\n")
+    assert {path: path.read_bytes() for path in folder.iterdir()} == before
+
+
 # ----- bad logs -----
 
 
