@@ -133,6 +133,9 @@ def paired_less(candidate: list[float], baseline: list[float]) -> PairedRatio:
     if n < 2:
         return PairedRatio(n, TTest(None, None, None, f"undefined: n={n} < 2"), geometric, None)
     if float(log_ratios.std()) == 0.0:
+        return PairedRatio(n, TTest(None, n - 1, None, "undefined: all time ratios equal"), geometric, None)
+    # The t-test is on the differences: with no spread in them its t is infinite and its p a meaningless 0.
+    if float(np.std(np.asarray(candidate, dtype=float) - np.asarray(baseline, dtype=float))) == 0.0:
         return PairedRatio(n, TTest(None, n - 1, None, "undefined: all differences equal"), geometric, None)
     with _quiet_precision_warnings():
         result = sps.ttest_rel(candidate, baseline, alternative="less")

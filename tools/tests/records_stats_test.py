@@ -82,6 +82,13 @@ def test_paired_ratio() -> None:
     assert result.test.p is None  # identical ratios: no spread
 
 
+def test_paired_test_is_undefined_when_every_difference_is_equal() -> None:
+    """Each candidate exactly 1 s faster: the differences have sd 0, so the paired t is undefined (it was -inf, p = 0)."""
+    result = stats.paired_less([99.0, 100.0, 101.0], [100.0, 101.0, 102.0])
+    assert result.test.statistic is None and result.test.p is None
+    assert result.test.reason == "undefined: all differences equal"
+
+
 def test_track3_margin_rule_and_first_passing_step() -> None:
     table = stats.track3_step_table({s: [t[s] for t in F.SHAMPOO_TRIALS] for s in (4075, 4100, 4125, 4150)})
     means = [row.mean for row in table]
