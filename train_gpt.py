@@ -2539,7 +2539,25 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == CHECKPOINT_FORMAT else None
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        return None
+    return manifest if manifest_problem(manifest) is None else None
+
+
+# The manifest's fields that resuming reads, and their types; "trial" only where the script records trials.
+MANIFEST_FIELDS: dict[str, type] = {"run_id": str, "world_size": int, "step": int, "hyperparameters": dict, "files": dict}
+
+
+def manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """Which field resuming reads is missing from a manifest or of another type (None: none), as one phrase."""
+    expected = dict(MANIFEST_FIELDS, trial=int) if "trial" in manifest else MANIFEST_FIELDS
+    for name, kind in expected.items():
+        value = manifest.get(name)
+        if name not in manifest:
+            return f"manifest.json has no {name!r}"
+        if not isinstance(value, kind) or isinstance(value, bool):  # json's true is a Python int too
+            return f"manifest.json's {name!r} is {value!r}, not {'a whole number' if kind is int else f'a JSON {kind.__name__}'}"
+    return None
 
 
 def file_sha256(path: Path) -> str:
@@ -2602,8 +2620,15 @@ def checkpoint_manifest(path_text: str, world_size: int) -> dict[str, Any]:
         raise UserError(f"--resume={path_text}: unreadable manifest.json ({error}); pass another checkpoint") from None
     found = manifest.get("format") if isinstance(manifest, dict) else None
     if found != CHECKPOINT_FORMAT:
+        writer, this = str(found).partition("/")[0], CHECKPOINT_FORMAT.partition("/")[0]
+        if writer in ("train_gpt", "train_gpt_shampoo") and writer != this:
+            raise UserError(f"--resume={path_text}: a checkpoint of {writer}.py (format {found!r}), not of {this}.py; resume "
+                            f"it with {writer}.py, or pass a checkpoint of {this}.py")
         raise UserError(f"--resume={path_text}: not a checkpoint of this script's version (format {found!r}, expected "
-                        f"{CHECKPOINT_FORMAT!r})")
+                        f"{CHECKPOINT_FORMAT!r}); resume it with the version of {this}.py that wrote it, or pass another checkpoint")
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        raise UserError(f"--resume={path_text}: {problem} (the file was edited or damaged); pass another checkpoint")
     if manifest["world_size"] != world_size:
         raise UserError(f"--resume={path_text}: written by {manifest['world_size']} processes; resume with the same "
                         f"number (this run has {world_size})")
@@ -2617,6 +2642,17 @@ def check_same_settings(path_text: str, manifest: dict[str, Any], settings: dict
                  if name not in RUNTIME_ONLY_FIELDS and saved.get(name) != value]
     if differing:
         raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
+
+
+def check_same_progress(path_text: str, manifest: dict[str, Any]) -> None:
+    """The manifest's progress (its step, which names the checkpoints still to come and the resumed_from line) is the
+    one shared.pt holds, which the run continues from: the manifest is not covered by the hashes it records. Reads
+    only shared.pt's progress (mmap: its tensors stay on disk)."""
+    saved = torch.load(Path(path_text) / "shared.pt", map_location="cpu", weights_only=True, mmap=True)["progress"]
+    differing = [f"{name}={manifest.get(name)!r} there, {value!r} in shared.pt" for name, value in saved.items() if manifest.get(name) != value]
+    if differing:
+        raise UserError(f"--resume={path_text}: manifest.json does not match the checkpoint it describes ({'; '.join(differing)}): "
+                        f"it was edited; put back its values or pass another checkpoint")
 
 
 def open_checkpoint(path_text: str, settings: dict[str, Any], rt: Runtime) -> ResumePoint:
@@ -2635,6 +2671,7 @@ def open_checkpoint(path_text: str, settings: dict[str, Any], rt: Runtime) -> Re
         advice = (f"resume from {previous[0]}, the previous complete checkpoint there" if previous[0] is not None
                   else f"{path.parent} holds no earlier complete checkpoint")
         raise UserError(f"--resume={path_text}: {problem}; {advice}")
+    run_on(rt.rank == 0, lambda: check_same_progress(path_text, manifest))
     run_on(True, lambda: check_same_settings(path_text, manifest, settings))
     return ResumePoint(path, manifest)
 

@@ -100,6 +100,65 @@ def test_track1_refuses_a_corrupt_checkpoint_before_the_log_exists(tmp_path, mon
     assert not list((tmp_path / "logs").glob("*.txt"))
 
 
+def edit_manifest(checkpoint: Path, edit) -> None:
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    edit(manifest)
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+# A field resuming reads, taken out or given another type by hand: each used to be a KeyError, ValueError or
+# AttributeError traceback (its bytes are not among the hashes the manifest records).
+EDITED_MANIFESTS = [
+    (lambda m: m.pop("world_size"), "manifest.json has no 'world_size'"),
+    (lambda m: m.pop("hyperparameters"), "manifest.json has no 'hyperparameters'"),
+    (lambda m: m.update(step="x"), "manifest.json's 'step' is 'x', not a whole number"),
+    (lambda m: m.update(world_size="1"), "manifest.json's 'world_size' is '1', not a whole number"),
+    (lambda m: m.update(trial=True), "manifest.json's 'trial' is True, not a whole number"),
+    (lambda m: m.update(hyperparameters=None), "manifest.json's 'hyperparameters' is None, not a JSON dict"),
+]
+
+
+def test_an_edited_manifest_is_refused_in_one_line_before_the_log_exists(workdir, capsys):
+    tgs.run([*QUICK, "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
+    (first_log,) = logs(workdir)
+    checkpoint = workdir / "ckpt" / "step000004"
+    original = (checkpoint / "manifest.json").read_text()
+    for edit, problem in EDITED_MANIFESTS:
+        edit_manifest(checkpoint, edit)
+        status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--resume=ckpt/step000004")
+        assert status == 2 and lines == [f"train_gpt_shampoo.py: error: --resume=ckpt/step000004: {problem} (the file was "
+                                         f"edited or damaged); pass another checkpoint"]
+        (checkpoint / "manifest.json").write_text(original)
+    # an earlier step: it used to resume silently from shared.pt's step 4 and log "at step 2"
+    edit_manifest(checkpoint, lambda m: m.update(step=2))
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--resume=ckpt/step000004")
+    assert status == 2 and lines == ["train_gpt_shampoo.py: error: --resume=ckpt/step000004: manifest.json does not match the "
+                                     "checkpoint it describes (step=2 there, 4 in shared.pt): it was edited; put back its "
+                                     "values or pass another checkpoint"]
+    # a damaged checkpoint's sibling with an edited manifest is passed over (a ValueError traceback while looking for
+    # the previous complete checkpoint)
+    edit_manifest(workdir / "ckpt" / "step000002", lambda m: m.update(step="x"))
+    flip_bytes(checkpoint / "shared.pt")
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--resume=ckpt/step000004")
+    assert status == 2 and lines[0].endswith("(the file is corrupt); ckpt holds no earlier complete checkpoint")
+    assert logs(workdir) == [first_log]
+
+
+@pytest.mark.parametrize("module, other", [(tg, tgs), (tgs, tg)], ids=["track1", "track3"])
+def test_a_checkpoint_of_the_other_script_names_the_script_that_resumes_it(module, other, tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(format=other.CHECKPOINT_FORMAT, world_size=1)))
+    this, writer = (Path(m.__file__).name for m in (module, other))
+    with pytest.raises(module.UserError) as refused:
+        module.checkpoint_manifest(str(tmp_path), world_size=1)
+    assert str(refused.value) == (f"--resume={tmp_path}: a checkpoint of {writer} (format {other.CHECKPOINT_FORMAT!r}), not of "
+                                  f"{this}; resume it with {writer}, or pass a checkpoint of {this}")
+    older = module.CHECKPOINT_FORMAT.partition("/")[0] + "/1"  # this script's, an earlier version
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(format=older)))
+    with pytest.raises(module.UserError, match=rf"format '{older}', expected .*; resume it with the version of "
+                                               rf"{re.escape(this)} that wrote it, or pass another checkpoint$"):
+        module.checkpoint_manifest(str(tmp_path), world_size=1)
+
+
 OPEN_ON_TWO_RANKS = """
 import json, sys, torch, torch.distributed as dist
 from pathlib import Path
