@@ -1634,9 +1634,9 @@ def manifest_problem(manifest: dict[str, Any]) -> str | None:
     """Which field resuming reads is missing from a manifest or of another type (None: none), as one phrase."""
     expected = dict(MANIFEST_FIELDS, trial=int) if "trial" in manifest else MANIFEST_FIELDS
     for name, kind in expected.items():
-        value = manifest.get(name)
         if name not in manifest:
             return f"manifest.json has no {name!r}"
+        value = manifest[name]
         if not isinstance(value, kind) or isinstance(value, bool):  # json's true is a Python int too
             return f"manifest.json's {name!r} is {value!r}, not {'a whole number' if kind is int else f'a JSON {kind.__name__}'}"
     return None
@@ -1726,21 +1726,28 @@ def check_same_settings(path_text: str, manifest: dict[str, Any], settings: dict
         raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
 
 
-def check_same_progress(path_text: str, manifest: dict[str, Any]) -> None:
-    """The manifest's progress (its step, which names the checkpoints still to come and the resumed_from line) is the
-    one shared.pt holds, which the run continues from: the manifest is not covered by the hashes it records. Reads
-    only shared.pt's progress (mmap: its tensors stay on disk)."""
-    saved = torch.load(Path(path_text) / "shared.pt", map_location="cpu", weights_only=True, mmap=True)["progress"]
-    differing = [f"{name}={manifest.get(name)!r} there, {value!r} in shared.pt" for name, value in saved.items() if manifest.get(name) != value]
+def check_shared_state(path_text: str, manifest: dict[str, Any]) -> None:
+    """shared.pt's progress is the manifest's (its step names the checkpoints still to come and the resumed_from line;
+    the manifest is not covered by the hashes it records), and its model weights are finite: a model that diverged
+    in the last update before a save would otherwise stop the resumed run at its first step, blaming training.
+    shared.pt is opened with mmap: only what is checked is read."""
+    shared = torch.load(Path(path_text) / "shared.pt", map_location="cpu", weights_only=True, mmap=True)
+    differing = [f"{name}={manifest.get(name)!r} there, {value!r} in shared.pt" for name, value in shared["progress"].items()
+                 if manifest.get(name) != value]
     if differing:
         raise UserError(f"--resume={path_text}: manifest.json does not match the checkpoint it describes ({'; '.join(differing)}): "
                         f"it was edited; put back its values or pass another checkpoint")
+    for name, weight in shared["model"].items():
+        if weight.is_floating_point() and not bool(torch.isfinite(weight.float()).all()):
+            raise UserError(f"--resume={path_text}: shared.pt holds non-finite model weights ({name}): the run had diverged "
+                            f"when it was saved; resume from an earlier checkpoint")
 
 
 def open_checkpoint(path_text: str, settings: dict[str, Any], rt: Runtime) -> ResumePoint:
     """Checks, before the run starts (collective), the checkpoint's manifest (checkpoint_manifest), that the files are
-    the ones it records (sizes and SHA-256; each rank checks those it loads, shared.pt and its own rank<r>.pt), and
-    that it continues these settings. At the first problem a rank finds, every rank stops with one line; a damaged
+    the ones it records (sizes and SHA-256; each rank checks those it loads, shared.pt and its own rank<r>.pt), that
+    shared.pt agrees with the manifest and holds a finite model (check_shared_state), and that it continues these
+    settings. At the first problem a rank finds, every rank stops with one line; a damaged
     file's names the previous complete checkpoint (rank 0 looks for it)."""
     path = Path(path_text)
     manifest = run_on(True, lambda: checkpoint_manifest(path_text, rt.world_size))
@@ -1753,7 +1760,7 @@ def open_checkpoint(path_text: str, settings: dict[str, Any], rt: Runtime) -> Re
         advice = (f"resume from {previous[0]}, the previous complete checkpoint there" if previous[0] is not None
                   else f"{path.parent} holds no earlier complete checkpoint")
         raise UserError(f"--resume={path_text}: {problem}; {advice}")
-    run_on(rt.rank == 0, lambda: check_same_progress(path_text, manifest))
+    run_on(rt.rank == 0, lambda: check_shared_state(path_text, manifest))
     run_on(True, lambda: check_same_settings(path_text, manifest, settings))
     return ResumePoint(path, manifest)
 

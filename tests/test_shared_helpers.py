@@ -49,7 +49,7 @@ SHARED = (
     "atomic_torch_save", "fsync_directory", "rng_state", "set_rng_state", "comparable_settings", "write_checkpoint",
     "agree_on_checkpoint_write", "stage_checkpoint_files", "publish_checkpoint", "ResumePoint", "read_manifest",
     "file_sha256", "checkpoint_problem", "checkpoint_file_names", "previous_complete_checkpoint", "checkpoint_manifest",
-    "MANIFEST_FIELDS", "manifest_problem", "check_same_progress",
+    "MANIFEST_FIELDS", "manifest_problem", "check_shared_state",
     "check_same_settings", "open_checkpoint", "checkpoint_steps",
 )
 

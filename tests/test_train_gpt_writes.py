@@ -144,6 +144,23 @@ def test_an_edited_manifest_is_refused_in_one_line_before_the_log_exists(workdir
     assert logs(workdir) == [first_log]
 
 
+def test_a_checkpoint_of_a_diverged_model_is_refused_before_the_log_exists(workdir, capsys):
+    """A NaN weight in a checkpoint whose hashes match (the last update before the save diverged) used to stop the
+    resumed run at its first step with a non-finite training loss, after its log and warm-up."""
+    tgs.run([*QUICK, "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
+    (first_log,) = logs(workdir)
+    checkpoint = workdir / "ckpt" / "step000004"
+    shared = torch.load(checkpoint / "shared.pt", map_location="cpu", weights_only=True)
+    name = next(iter(shared["model"]))
+    shared["model"][name].view(-1)[0] = float("nan")
+    entry = tgs.atomic_torch_save(shared, checkpoint / "shared.pt")
+    edit_manifest(checkpoint, lambda m: m["files"].update({"shared.pt": entry}))
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--resume=ckpt/step000004")
+    assert status == 2 and lines == [f"train_gpt_shampoo.py: error: --resume=ckpt/step000004: shared.pt holds non-finite model "
+                                     f"weights ({name}): the run had diverged when it was saved; resume from an earlier checkpoint"]
+    assert logs(workdir) == [first_log]
+
+
 @pytest.mark.parametrize("module, other", [(tg, tgs), (tgs, tg)], ids=["track1", "track3"])
 def test_a_checkpoint_of_the_other_script_names_the_script_that_resumes_it(module, other, tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(dict(format=other.CHECKPOINT_FORMAT, world_size=1)))
