@@ -120,11 +120,17 @@ def _git(*args: str) -> str:
     return result.stdout
 
 
-def _log_in_folder(folder: Path) -> Path:
+def _script_from_folder(folder: Path, target: Path) -> tuple[Path, dict[Path, bytes]]:
+    """The first run log in the folder and the files it embeds. Every log there must embed the same files: of a folder
+    of runs of several versions (e.g. logs/), the first by name would be an arbitrary one."""
     logs = sorted(p for p in folder.glob("*.txt") if p.is_file())
     if not logs:
         raise ABError(f"{folder}: no run logs (*.txt) in this folder; pass a log, a .py file or a git revision")
-    return logs[0]
+    files = _script_from_log(logs[0], target)
+    for other in logs[1:]:
+        if _script_from_log(other, target) != files:
+            raise ABError(f"{folder}: its run logs embed different scripts ({logs[0].name} and {other.name}); pass the log of the version to time")
+    return logs[0], files
 
 
 def _script_from_log(log: Path, target: Path) -> dict[Path, bytes]:
@@ -166,8 +172,7 @@ def plan_version(label: str, spec: str, folder: Path, script: str = "train_gpt.p
         files = {target: (REPO / script).read_bytes()}
         origin = f"the working tree's {script}"
     elif path.is_dir():
-        log = _log_in_folder(path)
-        files = _script_from_log(log, target)
+        log, files = _script_from_folder(path, target)
         origin = f"the script embedded in {log}"
     elif path.is_file() and path.suffix == ".py":
         files = {target: path.read_bytes()}
@@ -224,10 +229,11 @@ def _package_files(commit: str, folder: Path) -> dict[Path, bytes]:
 def classify(script: Path) -> str:
     """resident when the script has train_gpt.py's structure (run, train with the objects a round resets); trials
     when it has train_gpt_shampoo.py's (main, run_trial, train_step, evaluate); whole-run otherwise."""
-    try:
-        tree = ast.parse(script.read_text(), filename=str(script))
+    try:  # bytes: ast honours a coding declaration, and bytes it cannot decode are a SyntaxError, not a traceback
+        tree = ast.parse(script.read_bytes(), filename=str(script))
     except SyntaxError as error:
-        raise ABError(f"{script}: not valid Python ({error.msg}, line {error.lineno})") from None
+        where = f", line {error.lineno}" if error.lineno is not None else ""
+        raise ABError(f"{script}: not valid Python ({error.msg}{where}); pass a script that Python can import") from None
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
 
     def has(needs: dict[str, tuple[str, ...]]) -> bool:
@@ -281,7 +287,7 @@ def _check_script_main(script: Path, overrides: list[str]) -> None:
     if hasattr(module, "parse_args"):
         try:
             hp = module.parse_args(overrides)[0]
-        except module.UserError as error:
+        except getattr(module, "UserError", ()) as error:  # () catches nothing: a script without UserError says why itself
             raise SystemExit(f"{script}: {error}")
         steps = hp.train_steps if hasattr(hp, "train_steps") else hp.num_iterations + getattr(hp, "iteration_extension", 0)
         print(json.dumps({"train_steps": int(steps), "resume": getattr(hp, "resume", "")}))
@@ -855,7 +861,9 @@ class WholeRunVersion:
         out = self.folder / f"{self.version.label}.run{self.runs}.out"
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         with open(out, "w") as handle:
-            process = subprocess.Popen(cmd, cwd=self.version.script.parent, stdout=handle, stderr=subprocess.STDOUT, env=self.env)
+            # in the repository, as the check and the resident workers: relative paths in the overrides (and an older
+            # script's own defaults, e.g. data/fineweb10B/...) mean the same files for every version
+            process = subprocess.Popen(cmd, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, env=self.env)
             try:
                 code = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -1218,6 +1226,12 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
     for v in versions:
         if v.mode == "trials" and checks[v.label]["resume"]:
             raise ABError(f"{v.label}: --resume={checks[v.label]['resume']}: {RESUME_REFUSED}")
+    for v in versions:
+        if args.profile_steps and v.mode == "whole-run":  # its runs are not instrumented: the profile would be left empty
+            raise ABError(
+                f"--profile-steps {args.profile_steps}: the {v.label} ({v.origin}) is timed whole-run, which cannot be profiled; "
+                "drop --profile-steps, or pass versions with train_gpt.py's or train_gpt_shampoo.py's structure"
+            )
     steps = {label: check["train_steps"] for label, check in checks.items()}
     for v in versions:
         print(f"{v.label}: {v.origin}{describe_flags(v)} -> {v.script} [{v.mode}], {steps[v.label] or 'unknown'} training steps")

@@ -666,3 +666,107 @@ def test_a_results_file_without_a_folder_is_refused_before_anything_runs(tmp_pat
         "after the whole run; pass a path in an existing folder"
     )
     assert (tmp_path / "file").read_text() == "kept" and not (tmp_path / "out").exists() and not (tmp_path / "missing").exists()
+
+
+# ---------------------------------------------------------------------------------------------- versions and whole runs
+@pytest.mark.parametrize("source, why", [
+    (b'x = "\xe9"\n', "(unicode error) 'utf-8' codec can't decode byte 0xe9 in position 0: unexpected end of data, line 1"),
+    (b"x = 1\x00\n", "source code string cannot contain null bytes"),
+], ids=["not-utf8", "null-byte"])
+def test_a_script_python_cannot_read_is_one_line(tmp_path, source, why):
+    """Bytes that are not UTF-8 were a UnicodeDecodeError traceback; a null byte's line read 'line None'."""
+    script = tmp_path / "bad.py"
+    script.write_bytes(source)
+    out = tmp_path / "out"
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", str(script), "--out", str(out), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: {out.resolve() / 'baseline' / 'train_gpt.py'}: not valid Python ({why}); pass a script that Python can import"
+    )
+
+
+def test_a_script_with_a_coding_declaration_is_read_in_it(ab, tmp_path):
+    script = tmp_path / "latin.py"
+    script.write_bytes(b'# -*- coding: latin-1 -*-\nx = "\xe9"\n')
+    assert ab.classify(script) == "whole-run"
+
+
+def test_a_parse_args_without_user_error_keeps_the_scripts_own_message(tmp_path):
+    """The check's `except module.UserError` raised AttributeError for a script without UserError, which hid its message."""
+    script = tmp_path / "other.py"
+    script.write_text('def parse_args(argv):\n    raise SystemExit("other.py: unknown flag " + argv[0])\n')
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", str(script), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: baseline ({script}) does not accept the overrides: other.py: unknown flag {TINY_RUN[0]}"
+    )
+
+
+def test_a_folder_whose_logs_embed_different_scripts_is_refused(tmp_path):
+    """The first log by name was taken: of a folder of several versions' runs, an arbitrary one."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for record in ("2026-11-30_H200DocsProxy1Gpu", "2026-11-30_H200DocsProxy1GpuE5m2Cast"):
+        for log in (ROOT / "records" / "track_1_short" / record).glob("*.txt"):
+            shutil.copy(log, folder)
+    first, second = sorted(p.name for p in folder.glob("*.txt"))
+    out = tmp_path / "out"
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", str(folder), "--out", str(out), "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: {folder}: its run logs embed different scripts ({first} and {second}); pass the log of the version to time"
+    )
+    assert not (out / "baseline").exists()
+
+
+def test_a_folder_whose_logs_embed_one_script_is_that_script(tmp_path):
+    log = sorted((ROOT / "records" / "track_1_short" / "2026-11-30_H200DocsProxy1Gpu").glob("*.txt"))[0]
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    shutil.copy(log, folder / "a.txt")
+    shutil.copy(log, folder / "b.txt")
+    result = run_ab("--dry-run", "--skip", "2", "--baseline", str(folder), "--out", str(tmp_path / "out"), "--", *TINY_RUN)
+    assert result.returncode == 0, result.stderr
+    assert f"baseline: the script embedded in {folder / 'a.txt'}" in result.stdout
+
+
+def test_profile_steps_with_a_whole_run_version_is_refused(tmp_path):
+    """A whole run is not instrumented: its profile was an empty list, and the report left it out without a word."""
+    script = tmp_path / "other.py"
+    script.write_text("print('step:1/2 train_time:5ms')\n")
+    result = run_ab(
+        "--dry-run", "--skip", "2", "--profile-steps", "1", "--candidate", str(script), "--out", str(tmp_path / "out"), "--", *TINY_RUN
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"bench/ab.py: error: --profile-steps 1: the candidate ({script}) is timed whole-run, which cannot be profiled; drop "
+        "--profile-steps, or pass versions with train_gpt.py's or train_gpt_shampoo.py's structure"
+    )
+
+
+WHOLE_RUN_STANDIN = """import sys
+from pathlib import Path
+if __name__ == "__main__":
+    data = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--data=")][0]
+    if not Path(data).is_file():
+        sys.exit(f"no file {data}")
+    for step in range(7):
+        print(f"step:{step}/6 train_time:{5 * step}ms step_avg:5.00ms")
+    print("step:6/6 val_loss:4.5000 train_time:30ms")
+"""
+
+
+def test_a_whole_run_reads_relative_override_paths_from_the_repository(tmp_path):
+    """It ran in <out>/<label>/, where a relative path the check and the resident workers read from the repository (and an
+    older script's own data defaults) named nothing: the first run failed."""
+    script = tmp_path / "whole_run.py"
+    script.write_text(WHOLE_RUN_STANDIN)
+    out = tmp_path / "out"
+    result = run_ab(
+        "--baseline", str(script), "--candidate", str(script), "--rounds", "1", "--skip", "2", "--out", str(out), "--",
+        "--data=tests/conftest.py",
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads((out / "ab.json").read_text())
+    assert report["summary"]["ratios"] == [1.0] and report["summary"]["baseline_ms_median"] == 5.0
+
