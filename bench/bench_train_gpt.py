@@ -88,7 +88,9 @@ def run_training(nproc: int, steps: int, overrides: list[str], log_dir: Path) ->
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(REPO / "train_gpt.py"), f"--num_iterations={steps}", f"--log_dir={log_dir}", *overrides]
     print("bench: running", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True)
+    code = subprocess.run(cmd, cwd=REPO).returncode
+    if code != 0:
+        raise SystemExit(f"bench: the training run exited with status {code} (its output is above); fix what it names and run again")
     new_logs = sorted(set(log_dir.glob("*.txt")) - before)
     if len(new_logs) != 1:
         raise SystemExit(f"bench: expected one new log in {log_dir}, found {len(new_logs)}")
@@ -129,11 +131,15 @@ def main() -> None:
     parser.add_argument("--matmul-tflops", type=float, help="use this rate instead of measuring it")
     parser.add_argument("overrides", nargs="*", help="train_gpt.py --name=value overrides (after --)")
     args = parser.parse_args()
+    if args.matmul_tflops is not None and not args.matmul_tflops > 0:  # 0 once meant "measure it"; MFU divides by it
+        parser.error(f"--matmul-tflops {args.matmul_tflops}: give the GPU's bf16 matmul rate, a number above 0")
 
     import torch
 
+    if args.matmul_tflops is None and not torch.cuda.is_available():
+        raise SystemExit("bench: no CUDA GPU to measure the bf16 matmul rate on; pass --matmul-tflops R (e.g. to summarise a --log here)")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    tflops = args.matmul_tflops or measure_matmul_tflops()
+    tflops = args.matmul_tflops if args.matmul_tflops is not None else measure_matmul_tflops()
     print(f"bench: bf16 8192^3 matmul rate {tflops:.0f} TFLOP/s on {gpu}", flush=True)
     log = args.log or run_training(args.nproc, args.steps, args.overrides, args.log_dir)
     print(f"bench: log {log}")

@@ -34,7 +34,16 @@ def kernels_to_list() -> int:
 
 def main() -> None:
     top = kernels_to_list()
-    hp, _ = tg.parse_args(sys.argv[1:])
+    try:
+        hp, _ = tg.parse_args(sys.argv[1:])
+        if not torch.cuda.is_available():  # it profiles CUDA kernels; without a GPU it failed at its first synchronize
+            sys.exit("profile_train_gpt.py: no CUDA GPU here; run it on a machine with one")
+        profile_steps(hp, top)
+    except tg.UserError as error:  # a bad override or missing shards: train_gpt.py's own one line, not a traceback
+        sys.exit(f"profile_train_gpt.py: error: {error}")
+
+
+def profile_steps(hp: tg.Hyperparameters, top: int) -> None:
     rt = tg.setup_distributed()
     tg.configure_torch(rt.device)
     backend = tg.choose_attention_backend(hp.attention_backend, rt.device, tg.device_capability(rt.device))

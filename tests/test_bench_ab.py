@@ -770,3 +770,54 @@ def test_a_whole_run_reads_relative_override_paths_from_the_repository(tmp_path)
     report = json.loads((out / "ab.json").read_text())
     assert report["summary"]["ratios"] == [1.0] and report["summary"]["baseline_ms_median"] == 5.0
 
+
+# ---------------------------------------------------------------------------------------------- bench_train_gpt.py, profile_train_gpt.py
+RECORD_LOG = sorted((ROOT / "records" / "track_1_short" / "2026-11-30_H200DocsProxy1Gpu").glob("*.txt"))[0]
+
+
+def run_bench_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(ROOT / "bench" / name), *args], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+
+
+def test_bench_a_failed_training_run_is_one_line(tmp_path):
+    """subprocess.run(check=True): a CalledProcessError traceback after the run's own output."""
+    result = run_bench_script("bench_train_gpt.py", "--matmul-tflops", "100", "--steps", "2", "--log-dir", str(tmp_path), "--", "--no_such_flag=1")
+    assert result.returncode == 1 and "CalledProcessError" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "bench: the training run exited with status 1 (its output is above); fix what it names and run again"
+    )
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the rate is measured where there is a GPU")
+def test_bench_without_a_gpu_or_a_rate_is_one_line():
+    """The measurement's first CUDA tensor: an AssertionError traceback (Torch not compiled with CUDA enabled)."""
+    result = run_bench_script("bench_train_gpt.py", "--log", str(RECORD_LOG))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "bench: no CUDA GPU to measure the bf16 matmul rate on; pass --matmul-tflops R (e.g. to summarise a --log here)"
+    )
+
+
+def test_bench_a_matmul_rate_of_zero_is_refused():
+    """0 was taken as 'not given' (the rate was measured instead); a negative rate gave a negative MFU."""
+    for rate in ("0", "-5"):
+        result = run_bench_script("bench_train_gpt.py", "--matmul-tflops", rate, "--log", str(RECORD_LOG))
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"bench_train_gpt.py: error: --matmul-tflops {float(rate)}: give the GPU's bf16 matmul rate, a number above 0"
+        )
+
+
+def test_profile_a_bad_override_is_train_gpts_one_line():
+    """train_gpt.UserError from its parse_args was a traceback."""
+    result = run_bench_script("profile_train_gpt.py", "--no_such_flag=1")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "profile_train_gpt.py: error: unrecognized arguments: --no_such_flag=1 (see --help)"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="it profiles where there is a GPU")
+def test_profile_without_a_gpu_is_one_line():
+    result = run_bench_script("profile_train_gpt.py", "--preset=smoke")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "profile_train_gpt.py: no CUDA GPU here; run it on a machine with one"
