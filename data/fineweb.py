@@ -182,11 +182,12 @@ def check_each_file_once(files: Sequence[Path]) -> None:
     its documents could land in both the validation and a training shard."""
     first_path: dict[Path, Path] = {}
     for path in files:
-        earlier = first_path.get(path.resolve())
+        target = path.resolve()
+        earlier = first_path.get(target)
         if earlier is not None:
             same = "" if earlier == path else f" (also reached as {earlier})"
             raise InputError(f"--input {path}: this file is given twice{same}; pass each file or folder once")
-        first_path[path.resolve()] = path
+        first_path[target] = path
 
 
 def open_text(path: Path) -> TextIO:
