@@ -104,7 +104,7 @@ def read_bpe_ranks(path: Path) -> dict[bytes, int]:
 def tiktoken_gpt2() -> tiktoken.Encoding:
     try:
         return tiktoken.get_encoding("gpt2")
-    except Exception as error:  # tiktoken fetches its files over the network on first use
+    except (OSError, ValueError) as error:  # the first use downloads: requests' errors are OSErrors, a bad download's hash check a ValueError
         raise InputError(
             f"tiktoken could not load its gpt2 encoding ({type(error).__name__}); pass --bpe-file PATH "
             "to a local gpt2.tiktoken (README.md, section Data, says where to get one)"

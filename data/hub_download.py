@@ -8,6 +8,7 @@ validated before it takes its final name, so a corrupt or partial download never
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import sys
@@ -83,6 +84,18 @@ def http_status(error: HfHubHTTPError) -> str:
     return str(error.response.status_code) if error.response is not None else one_line(error)
 
 
+def connection_errors() -> tuple[type[Exception], ...]:
+    """What a request that never got an answer raises, by the HTTP client of the installed huggingface_hub:
+    requests' errors (0.x) and OfflineModeIsEnabled are OSErrors; 1.x raises httpx's RequestError, 2.x httpx2's."""
+    errors: list[type[Exception]] = [OSError]
+    for client in ("httpx", "httpx2"):
+        try:
+            errors.append(importlib.import_module(client).RequestError)
+        except ImportError:  # that client is not installed, so it cannot raise
+            continue
+    return tuple(errors)
+
+
 def check_hub_reachable(repo_id: str, filename: str, out_dir: Path, endpoint: str | None) -> None:
     """Ask the Hub for one file's metadata, so that an offline machine fails in seconds.
 
@@ -93,7 +106,7 @@ def check_hub_reachable(repo_id: str, filename: str, out_dir: Path, endpoint: st
         get_hf_file_metadata(url, timeout=PROBE_TIMEOUT_S)
     except HfHubHTTPError as error:
         raise DownloadError(f"The Hub answered {http_status(error)} for {url}; check the repo and file name") from error
-    except Exception as error:  # the network error types differ between huggingface_hub versions
+    except connection_errors() as error:
         hub = endpoint or constants.ENDPOINT
         raise DownloadError(f"Cannot reach the Hugging Face Hub at {hub} ({one_line(error)}); {offline_route(out_dir)}") from error
 

@@ -608,3 +608,26 @@ def test_the_text_column_check_runs_on_a_pyarrow_without_string_views(monkeypatc
     monkeypatch.delattr(pa.types, "is_string_view", raising=False)
     assert fineweb.holds_strings(pa.string()) and fineweb.holds_strings(pa.dictionary(pa.int32(), pa.large_string()))
     assert not fineweb.holds_strings(pa.int64())
+
+
+@pytest.mark.parametrize("error", [ConnectionError("no network"), ValueError("hash mismatch")])
+def test_tiktokens_failed_download_is_an_input_error(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    import fineweb
+
+    def failing(name: str) -> None:
+        raise error
+
+    monkeypatch.setattr(fineweb.tiktoken, "get_encoding", failing)
+    with pytest.raises(InputError, match=f"tiktoken could not load its gpt2 encoding \\({type(error).__name__}\\); pass --bpe-file PATH"):
+        fineweb.tiktoken_gpt2()
+
+
+def test_a_fault_in_tiktoken_that_is_not_a_failed_download_keeps_its_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fineweb
+
+    def failing(name: str) -> None:
+        raise KeyError("gpt2")
+
+    monkeypatch.setattr(fineweb.tiktoken, "get_encoding", failing)
+    with pytest.raises(KeyError):
+        fineweb.tiktoken_gpt2()

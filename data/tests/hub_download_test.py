@@ -215,3 +215,28 @@ def test_entry_script_honours_hf_endpoint(fake_hub: FakeHub, tmp_path: Path) -> 
     result = run_script("cached_finewebedu10B.py", "1", "--out-dir", str(out), endpoint=fake_hub.endpoint)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(names)
+
+
+def raising(error: BaseException):
+    def probe(*args: object, **kwargs: object) -> None:
+        raise error
+
+    return probe
+
+
+def test_a_connection_error_of_the_installed_client_is_one_sentence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import hub_download
+
+    client_error = hub_download.connection_errors()[-1]  # httpx2's or httpx's RequestError, else OSError
+    monkeypatch.setattr(hub_download, "get_hf_file_metadata", raising(client_error("connection refused")))
+    with pytest.raises(DownloadError, match=r"^Cannot reach the Hugging Face Hub at .*connection refused"):
+        hub_download.check_hub_reachable("kjj0/fineweb10B-gpt2", "fineweb_val_000000.bin", tmp_path, "http://127.0.0.1:9")
+
+
+def test_a_fault_that_is_not_a_connection_error_is_not_called_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Only the client's connection errors mean "offline"; a bug elsewhere keeps its own traceback."""
+    import hub_download
+
+    monkeypatch.setattr(hub_download, "get_hf_file_metadata", raising(KeyError("etag")))
+    with pytest.raises(KeyError, match="etag"):
+        hub_download.check_hub_reachable("kjj0/fineweb10B-gpt2", "fineweb_val_000000.bin", tmp_path, "http://127.0.0.1:9")
