@@ -13,12 +13,19 @@ comparison in one invocation is a comparison):
     the model re-initialised with seed r (the same seed for A and B), optimizer state reset, a fresh loader.
     With --order abba every second round trains B first, so that an effect of the slot itself (measured
     once: the second slot 0.38% slower with the same code on both sides, bench/NOTES.md) cancels over an
-    even number of rounds; the report then estimates that effect from the rounds of each order.
+    even number of rounds; the report then estimates that effect from the rounds of each order. When a time
+    limit or deadline ends the rounds after an odd number, one more round trained the baseline first: the
+    report says so (the ratio's median and mean then carry part of the slot effect) and the JSON records
+    abba_rounds (the completed rounds per order) and abba_balanced.
   * The timed segment is steps skip..T (synchronized at both ends; validation inside it is left out),
     so each round gives ms/step for A and for B, and their ratio B/A is paired by round.
   * The val losses at the end of each round are paired by seed. Their spread over seeds is the noise
     within a process; separate processes of the same code differ by more (about 0.02 at step 120 on the
     proxy data, bench/NOTES.md), so one invocation's paired difference is one draw of that noise.
+    A val loss that is not finite (a diverged round; a whole run without a val line) is shown as nan/inf in
+    its round, named in a line, and left out of the val loss figures with its round: means, sds and the
+    paired difference are over the rounds where both versions' losses are finite (the JSON's val_rounds; its
+    val_not_finite lists the others), so that both sides stand on the same seeds.
   * --profile-steps N: afterwards N steps of each version under torch.profiler: kernel time by kind and
     the top kernels, the GPU's idle time between kernels, and how much of it the GPU spent waiting for the
     host (gaps after which the next launch came only after the GPU had gone idle).
@@ -42,7 +49,9 @@ train_step() calls with the validations inside the segment left out. Hence --res
 
 A version whose script lacks either structure (e.g. an older record's own script) is timed whole-run: each round is a fresh process with the compile caches of its first (untimed) run,
 timed from its own step lines. Results: a table on stdout and a JSON file (--json, default beside the
-extracted versions in bench/out/ab/<time>/).
+extracted versions in bench/out/ab/<time>/). The JSON is strict: a value that is not finite (a NaN or inf
+val loss, an sd of one round, a second-slot effect without a round of each order) is null, and the report
+prints such a figure as "undefined" (a round's own loss as nan or inf).
 """
 
 from __future__ import annotations
@@ -1078,17 +1087,53 @@ def round_order(index: int, order: str) -> tuple[str, str]:
 
 def second_slot_effect(ratios: list[float]) -> float:
     """With abba order, the relative slowdown of whichever version trains second: if the slot costs a factor
-    (1 + e), rounds with B second measure r (1 + e) and rounds with B first r / (1 + e). NaN without both kinds."""
+    (1 + e), rounds with B second measure r (1 + e) and rounds with B first r / (1 + e). NaN without both kinds
+    (one completed round); from an odd number of rounds it is defined, one order's mean resting on one round fewer."""
     b_second, b_first = ratios[0::2], ratios[1::2]
     if not b_second or not b_first:
         return math.nan
     return math.sqrt(statistics.fmean(b_second) / statistics.fmean(b_first)) - 1
 
 
+def abba_counts(rounds: int) -> dict[str, int]:
+    """Completed abba rounds per order: round 1 (index 0) trains the baseline first, round 2 the candidate, ..."""
+    return dict(baseline_first=(rounds + 1) // 2, candidate_first=rounds // 2)
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else math.nan  # NaN: undefined, written as null
+
+
+def _sd(xs: list[float]) -> float:
+    # statistics.stdev raises AttributeError (not a ValueError) on a NaN or inf in 3.11: callers pass finite values
+    return statistics.stdev(xs) if len(xs) > 1 else math.nan
+
+
+def _finite_max(xs: list[float]) -> float:
+    """max() of the finite values: max() itself keeps or drops a NaN by its position."""
+    finite = [x for x in xs if math.isfinite(x)]
+    return max(finite) if finite else math.nan
+
+
+def val_not_finite(baseline: list[RoundResult], candidate: list[RoundResult]) -> list[dict[str, Any]]:
+    """Each round's non-finite val loss (a diverged run; a whole run without a val line), its value as text
+    ("nan", "inf"), since the JSON holds null in the round itself."""
+    return [
+        dict(round=i + 1, version=label, value=str(r.val_loss))
+        for i, pair in enumerate(zip(baseline, candidate))
+        for label, r in zip(LABELS, pair)
+        if not math.isfinite(r.val_loss)
+    ]
+
+
 def summarize(baseline: list[RoundResult], candidate: list[RoundResult]) -> dict[str, Any]:
+    """The timing and val loss statistics of paired rounds. The val loss figures are over the rounds where both
+    versions' val losses are finite (val_rounds of them; val_not_finite names the others), so that both means
+    and the paired difference stand on the same seeds; NaN (null in the JSON) where no such round, or one for an sd."""
     ratios = [c.ms_per_step / b.ms_per_step for b, c in zip(baseline, candidate)]
-    val_diffs = [c.val_loss - b.val_loss for b, c in zip(baseline, candidate)]
-    spread = lambda xs: statistics.stdev(xs) if len(xs) > 1 else math.nan
+    pairs = [(b.val_loss, c.val_loss) for b, c in zip(baseline, candidate) if math.isfinite(b.val_loss) and math.isfinite(c.val_loss)]
+    val_a, val_b = [a for a, _ in pairs], [b for _, b in pairs]
+    val_diffs = [b - a for a, b in pairs]
     return dict(
         ratio_median=statistics.median(ratios),
         ratio_min=min(ratios),
@@ -1096,19 +1141,71 @@ def summarize(baseline: list[RoundResult], candidate: list[RoundResult]) -> dict
         ratios=ratios,
         baseline_ms_median=statistics.median(r.ms_per_step for r in baseline),
         candidate_ms_median=statistics.median(r.ms_per_step for r in candidate),
-        baseline_peak_mib=max(r.peak_allocated_mib for r in baseline),
-        candidate_peak_mib=max(r.peak_allocated_mib for r in candidate),
-        baseline_val_mean=statistics.fmean(r.val_loss for r in baseline),
-        baseline_val_sd=spread([r.val_loss for r in baseline]),
-        candidate_val_mean=statistics.fmean(r.val_loss for r in candidate),
-        candidate_val_sd=spread([r.val_loss for r in candidate]),
-        val_diff_mean=statistics.fmean(val_diffs),
-        val_diff_sd=spread(val_diffs),
+        baseline_peak_mib=_finite_max([r.peak_allocated_mib for r in baseline]),
+        candidate_peak_mib=_finite_max([r.peak_allocated_mib for r in candidate]),
+        val_rounds=len(pairs),
+        val_not_finite=val_not_finite(baseline, candidate),
+        baseline_val_mean=_mean(val_a),
+        baseline_val_sd=_sd(val_a),
+        candidate_val_mean=_mean(val_b),
+        candidate_val_sd=_sd(val_b),
+        val_diff_mean=_mean(val_diffs),
+        val_diff_sd=_sd(val_diffs),
     )
+
+
+def summarize_rounds(baseline: list[RoundResult], candidate: list[RoundResult], order: str) -> dict[str, Any]:
+    """summarize() over the rounds both versions completed ({} if none); with abba order also the second-slot
+    effect, the completed rounds per order and whether they balance (a time limit or deadline can end the
+    rounds after an odd number: the slot effect then no longer cancels in the ratio's median and mean)."""
+    complete = min(len(baseline), len(candidate))
+    if not complete:
+        return {}
+    summary = summarize(baseline[:complete], candidate[:complete])
+    if order == "abba":
+        summary["second_slot_effect"] = second_slot_effect(summary["ratios"])
+        summary["abba_rounds"] = abba_counts(complete)
+        summary["abba_balanced"] = complete % 2 == 0
+    return summary
+
+
+def strict_json(value: Any) -> Any:
+    """value with every non-finite float (NaN, inf) as None: Python's json writes them as NaN and Infinity, which
+    are not JSON (jq, JavaScript and strict parsers refuse the whole file)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def write_results(path: Path, report: dict[str, Any]) -> None:
+    # allow_nan=False: a non-finite value that strict_json missed fails here, and in the tests, not in a reader
+    path.write_text(json.dumps(strict_json(report), indent=2, allow_nan=False))
 
 
 def describe_flags(version: Version) -> str:
     return f" with {' '.join(version.flags)}" if version.flags else ""
+
+
+def _stat(value: float, spec: str, undefined: str = "undefined") -> str:
+    """A summary figure, or a word where it is NaN/inf (no finite values, or one value for an sd): "+nan%" reads as
+    a number."""
+    return format(value, spec) if math.isfinite(value) else undefined
+
+
+def abba_unbalanced_line(counts: dict[str, int]) -> str:
+    return (
+        f"abba order unbalanced: {counts['baseline_first']} round(s) with the baseline (A) first, {counts['candidate_first']} with "
+        "the candidate (B) first (the rounds ended after an odd number), so the ratio B/A's median and mean carry part of the second-slot effect"
+    )
+
+
+def val_not_finite_line(entries: list[dict[str, Any]]) -> str:
+    which = ", ".join(f"round {e['round']} {e['version']} {e['value']}" for e in entries)
+    return f"val loss not finite: {which} (a diverged run, or a whole run without a val line); those rounds are left out of the final val loss figures"
 
 
 def print_report(versions: list[Version], baseline: list[RoundResult], candidate: list[RoundResult], summary: dict, profiles: dict) -> None:
@@ -1122,11 +1219,21 @@ def print_report(versions: list[Version], baseline: list[RoundResult], candidate
     print(f"median ms/step: baseline {s['baseline_ms_median']:.2f}, candidate {s['candidate_ms_median']:.2f}")
     print(f"ratio B/A: median {s['ratio_median']:.4f} (min {s['ratio_min']:.4f}, max {s['ratio_max']:.4f}, {len(s['ratios'])} rounds)")
     if "second_slot_effect" in s:
-        print(f"second slot effect (abba order): {100 * s['second_slot_effect']:+.2f}% for whichever version trains second")
-    print(f"peak allocated: baseline {s['baseline_peak_mib'] / 1024:.2f} GiB, candidate {s['candidate_peak_mib'] / 1024:.2f} GiB")
+        effect = s["second_slot_effect"]
+        print(
+            f"second slot effect (abba order): {effect:+.2%} for whichever version trains second" if math.isfinite(effect)
+            else "second slot effect (abba order): undefined, it needs a completed round with each version first"
+        )
+    if s.get("abba_balanced") is False:
+        print(abba_unbalanced_line(s["abba_rounds"]))
+    print(f"peak allocated: baseline {_stat(s['baseline_peak_mib'] / 1024, '.2f', 'not reported')} GiB, candidate {_stat(s['candidate_peak_mib'] / 1024, '.2f', 'not reported')} GiB")
+    if s["val_not_finite"]:
+        print(val_not_finite_line(s["val_not_finite"]))
+    over = "" if s["val_rounds"] == len(s["ratios"]) else f" (over the {s['val_rounds']} of {len(s['ratios'])} rounds with both finite)"
     print(
-        f"final val loss: baseline {s['baseline_val_mean']:.4f} (sd {s['baseline_val_sd']:.4f}), candidate {s['candidate_val_mean']:.4f} "
-        f"(sd {s['candidate_val_sd']:.4f}); paired difference B-A {s['val_diff_mean']:+.4f} (sd {s['val_diff_sd']:.4f})"
+        f"final val loss{over}: baseline {_stat(s['baseline_val_mean'], '.4f')} (sd {_stat(s['baseline_val_sd'], '.4f')}), "
+        f"candidate {_stat(s['candidate_val_mean'], '.4f')} (sd {_stat(s['candidate_val_sd'], '.4f')}); "
+        f"paired difference B-A {_stat(s['val_diff_mean'], '+.4f')} (sd {_stat(s['val_diff_sd'], '.4f')})"
     )
     for label, kernels in profiles.items():
         if not kernels:
@@ -1193,6 +1300,8 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             parser.error(f"--nproc={args.nproc}: use 1, 2, 4 or 8 (the record batch is split over a divisor of 8)")
         if args.rounds < 1 or args.skip < 1 or args.profile_steps < 0 or not args.time_limit >= 0 or not args.deadline >= 0:
             parser.error("--rounds and --skip must be >= 1, --profile-steps, --time-limit and --deadline >= 0")
+        if not (math.isfinite(args.time_limit) and math.isfinite(args.deadline)):  # inf passed `>= 0` and went into ab.json as Infinity
+            parser.error("--time-limit and --deadline must be finite seconds (0: none)")
         if args.order == "abba" and args.rounds % 2:
             parser.error(f"--order abba needs an even --rounds (got {args.rounds}): the slot effect cancels over pairs of rounds")
         if args.json is not None and args.json.exists():
@@ -1296,10 +1405,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
             if left_out:
                 runner.stop()
             runner.finish()
-    complete = min(len(results["baseline"]), len(results["candidate"]))  # rounds with both versions timed
-    summary = summarize(results["baseline"][:complete], results["candidate"][:complete]) if complete else {}
-    if summary and args.order == "abba":
-        summary["second_slot_effect"] = second_slot_effect(summary["ratios"])
+    summary = summarize_rounds(results["baseline"], results["candidate"], args.order)  # rounds with both versions timed
     if summary:
         print_report(versions, results["baseline"], results["candidate"], summary, profiles)
         print_clocks(clocks)
@@ -1310,10 +1416,10 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         device=next((r.device for r in runners if getattr(r, "device", None)), None) or _device_name(),
         versions=[asdict(v) | dict(script=str(v.script)) for v in versions],
         rounds={label: [asdict(r) for r in rs] for label, rs in results.items()}, summary=summary, profiles=profiles,
-        rounds_planned=args.rounds, time_limit_s=args.time_limit, left_out=left_out, hung=hung, clocks=clocks,
+        rounds_planned=args.rounds, order=args.order, time_limit_s=args.time_limit, left_out=left_out, hung=hung, clocks=clocks,
     )
     json_path = args.json or folder / "ab.json"
-    json_path.write_text(json.dumps(report, indent=2))
+    write_results(json_path, report)
     print(f"json: {json_path}")
     return HUNG_EXIT_STATUS if hung else 0
 

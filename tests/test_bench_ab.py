@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import math
 import os
 import re
 import shutil
@@ -150,6 +151,8 @@ def test_a_results_file_in_the_out_folder_this_call_makes_is_accepted(tmp_path):
         (["--skip", "6"], "--skip=6 leaves no timed steps in a 6-step run"),
         (["--", "--no_such_flag=1"], "does not accept the overrides"),
         (["--trace", "traces"], "give --profile-steps N too"),
+        (["--time-limit", "inf"], "--time-limit and --deadline must be finite seconds"),
+        (["--deadline", "inf"], "--time-limit and --deadline must be finite seconds"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message):
@@ -218,6 +221,99 @@ def test_idle_time_is_split_into_host_waits_and_queued_gaps(ab):
     idle, host_idle, gaps, host_gaps = ab.split_idle(list(reversed(kernels)))  # order of the input does not matter
     assert (idle, host_idle, gaps, host_gaps) == (13.0, 10.0, 3, 1)
     assert ab.split_idle([]) == (0.0, 0.0, 0, 0)
+
+
+def rounds_of(ab, ms_and_vals: list[tuple[float, float, float, float]]) -> tuple[list, list]:
+    """Synthetic paired rounds, as the workers report them: (baseline ms, candidate ms, baseline val, candidate val)."""
+    baseline = [ab.RoundResult(i + 1, bms, bval, 1024.0) for i, (bms, _, bval, _) in enumerate(ms_and_vals)]
+    candidate = [ab.RoundResult(i + 1, cms, cval, 1024.0) for i, (_, cms, _, cval) in enumerate(ms_and_vals)]
+    return baseline, candidate
+
+
+def report_of(ab, tmp_path, baseline, candidate, order: str) -> str:
+    """Prints the report and returns ab.json's text, both built as coordinate() builds them (no GPU, no workers)."""
+    versions = [ab.Version(label, "x.py", "x.py", tmp_path / "x.py", "resident") for label in ab.LABELS]
+    summary = ab.summarize_rounds(baseline, candidate, order)
+    ab.print_report(versions, baseline, candidate, summary, {})
+    rounds = {"baseline": [ab.asdict(r) for r in baseline], "candidate": [ab.asdict(r) for r in candidate]}
+    ab.write_results(tmp_path / "ab.json", dict(rounds=rounds, summary=summary, order=order, clocks={}, profiles={}))
+    return (tmp_path / "ab.json").read_text()
+
+
+def strict_loads(text: str):
+    """json.loads that refuses NaN and Infinity, as jq and JavaScript do."""
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_diverged_round_is_named_left_out_of_the_val_figures_and_null_in_strict_json(ab, tmp_path, capsys):
+    """A candidate round that diverged (val loss nan): statistics.stdev raised AttributeError over it, after every
+    round had run, and no ab.json was written; with one round, ab.json held NaN, which is not JSON."""
+    baseline, candidate = rounds_of(ab, [(100.0, 90.0, 3.50, 3.51), (100.0, 90.0, 3.52, math.nan), (100.0, 90.0, 3.54, 3.57)])
+    text = report_of(ab, tmp_path, baseline, candidate, "alternate")
+    out = capsys.readouterr().out
+    report = strict_loads(text)
+    assert report["rounds"]["candidate"][1]["val_loss"] is None and report["rounds"]["candidate"][0]["val_loss"] == 3.51
+    summary = report["summary"]
+    assert summary["val_rounds"] == 2 and summary["val_not_finite"] == [dict(round=2, version="candidate", value="nan")]
+    assert summary["baseline_val_mean"] == pytest.approx(3.52) and summary["candidate_val_mean"] == pytest.approx(3.54)
+    assert summary["val_diff_mean"] == pytest.approx(0.02)  # rounds 1 and 3, paired by seed
+    assert "val loss not finite: round 2 candidate nan (a diverged run" in out
+    assert "final val loss (over the 2 of 3 rounds with both finite): baseline 3.5200" in out
+    assert re.search(r"^\s+2\s+2\s+100\.00\s+90\.00\s+0\.9000\s+3\.5200\s+nan$", out, re.M)  # the round itself: nan
+
+
+def test_one_round_or_none_finite_gives_undefined_figures_and_nulls(ab, tmp_path, capsys):
+    baseline, candidate = rounds_of(ab, [(100.0, 90.0, math.inf, 3.5)])
+    text = report_of(ab, tmp_path, baseline, candidate, "alternate")
+    out = capsys.readouterr().out
+    summary = strict_loads(text)["summary"]
+    assert summary["val_rounds"] == 0 and summary["val_not_finite"] == [dict(round=1, version="baseline", value="inf")]
+    for key in ("baseline_val_mean", "baseline_val_sd", "candidate_val_mean", "val_diff_mean", "val_diff_sd"):
+        assert summary[key] is None, key
+    assert summary["ratio_median"] == pytest.approx(0.9)
+    assert "final val loss (over the 0 of 1 rounds with both finite): baseline undefined (sd undefined)" in out
+    assert "nan" not in out.splitlines()[-1]
+
+
+def test_results_are_strict_json_with_every_non_finite_value_null(ab, tmp_path):
+    ab.write_results(tmp_path / "r.json", dict(a=[math.inf, dict(b=math.nan, c=-math.inf)], d=(1.5, 2), e="nan", f=None))
+    assert strict_loads((tmp_path / "r.json").read_text()) == dict(a=[None, dict(b=None, c=None)], d=[1.5, 2], e="nan", f=None)
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 3, 4])
+def test_an_odd_number_of_abba_rounds_is_flagged_in_one_line_and_recorded(ab, tmp_path, capsys, rounds):
+    """A time limit or deadline that leaves 3 of 4 abba rounds: two trained the baseline first, one the candidate,
+    so the ratio's median (0.9036 here, the true ratio 0.9) carries the slot effect, and nothing said so."""
+    ratio, slot = 0.9, 0.004
+    ratios = [ratio * (1 + slot), ratio / (1 + slot)] * 2  # B second, B first, ...
+    baseline, candidate = rounds_of(ab, [(100.0, 100.0 * r, 3.5, 3.5) for r in ratios[:rounds]])
+    text = report_of(ab, tmp_path, baseline, candidate, "abba")
+    out = capsys.readouterr().out
+    summary = strict_loads(text)["summary"]
+    flags = [line for line in out.splitlines() if line.startswith("abba order unbalanced")]
+    assert summary["abba_rounds"] == dict(baseline_first=(rounds + 1) // 2, candidate_first=rounds // 2)
+    assert summary["abba_balanced"] is (rounds % 2 == 0)
+    if rounds % 2:
+        assert flags == [
+            f"abba order unbalanced: {(rounds + 1) // 2} round(s) with the baseline (A) first, {rounds // 2} with the candidate (B) "
+            "first (the rounds ended after an odd number), so the ratio B/A's median and mean carry part of the second-slot effect"
+        ]
+    else:
+        assert flags == []
+    if rounds == 1:  # no round with B first: the effect is undefined, said in words and null in the JSON
+        assert summary["second_slot_effect"] is None
+        assert "second slot effect (abba order): undefined, it needs a completed round with each version first" in out
+    else:
+        assert summary["second_slot_effect"] == pytest.approx(slot, rel=1e-9)
+        assert "second slot effect (abba order): +0.40% for whichever version trains second" in out
+
+
+def test_alternate_order_has_no_abba_fields(ab, tmp_path, capsys):
+    baseline, candidate = rounds_of(ab, [(100.0, 90.0, 3.5, 3.5)] * 3)
+    text = report_of(ab, tmp_path, baseline, candidate, "alternate")
+    assert "abba" not in capsys.readouterr().out and "abba_balanced" not in strict_loads(text)["summary"]
 
 
 @pytest.mark.parametrize("start, events", [
