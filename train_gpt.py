@@ -2344,15 +2344,17 @@ def prepare_outputs(log_path: Path, log_dir_file_sizes: Sequence[int], checkpoin
 
 
 # ---- checkpoints and resume ----
-CHECKPOINT_FORMAT = "train_gpt/2"  # /2: the manifest records each file's size and SHA-256
+CHECKPOINT_FORMAT = "train_gpt/3"  # /2: the manifest records each file's size and SHA-256; /3: and the train shards,
+# and shared.pt holds the settings and the train shards too
 # Settings that may differ between a checkpointed run and its resumption (the trajectory does not depend on them).
 RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"})
 
 
 # ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
 # A resumable checkpoint is a folder: rank<r>.pt from every rank (its optimizer state, RNG), shared.pt from rank 0
-# (model, loader position, progress) and manifest.json (format, run id, world size, progress, settings, and each
-# file's size and SHA-256, computed while writing and checked before anything is loaded), staged in a hidden
+# (model, loader position, progress, settings, train shards) and manifest.json (format, run id, world size, progress,
+# settings, train shards, and each file's size and SHA-256, computed while writing and checked before anything is
+# loaded; what it repeats of shared.pt is checked against shared.pt, whose hash it holds), staged in a hidden
 # .<name>.partial-<run id> folder that rank 0 renames into place: a save is all or nothing, and an existing
 # checkpoint is never replaced.
 PARTIAL_MARKER = ".partial-"
@@ -2446,21 +2448,23 @@ def comparable_settings(hp: Hyperparameters) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(hp)))
 
 
-def write_checkpoint(target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], progress: dict[str, Any],
-                     rank_state: dict[str, Any], shared_state: dict[str, Any]) -> bool:
+def write_checkpoint(target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], train_shards: list[dict[str, Any]],
+                     progress: dict[str, Any], rank_state: dict[str, Any], shared_state: dict[str, Any]) -> bool:
     """Writes the checkpoint folder `target` (collective); False, and nothing written, when it already exists. The
     files are staged in a hidden folder (stage_checkpoint_files), which rank 0 publishes as target with their
     manifest (publish_checkpoint). A write that fails on any rank (a full disk) removes the staging folder and stops
-    every rank with one line that names the last complete checkpoint."""
+    every rank with one line that names the last complete checkpoint. The settings and the train shards
+    (train_shard_record) go into shared.pt as well as the manifest: shared.pt's hash makes them the trusted copy."""
     global _last_checkpoint
     exists = [target.exists()]
     dist.broadcast_object_list(exists, 0)  # every rank takes the same branch
     if exists[0]:
         return False
     staging = target.with_name(f".{target.name}{PARTIAL_MARKER}{run_id}")
+    shared_state = dict(shared_state, hyperparameters=settings, train_shards=train_shards)
     files = stage_checkpoint_files(staging, target, rt, progress, rank_state, shared_state)
     manifest = dict(format=CHECKPOINT_FORMAT, run_id=run_id, world_size=rt.world_size, **progress,
-                    hyperparameters=settings, files=dict(sorted(files.items())))
+                    hyperparameters=settings, train_shards=train_shards, files=dict(sorted(files.items())))
     publish_checkpoint(staging, target, manifest)
     _last_checkpoint = target
     return True
@@ -2545,7 +2549,8 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
 
 
 # The manifest's fields that resuming reads, and their types; "trial" only where the script records trials.
-MANIFEST_FIELDS: dict[str, type] = {"run_id": str, "world_size": int, "step": int, "hyperparameters": dict, "files": dict}
+MANIFEST_FIELDS: dict[str, type] = {"run_id": str, "world_size": int, "step": int, "hyperparameters": dict,
+                                     "train_shards": list, "files": dict}
 
 
 def manifest_problem(manifest: dict[str, Any]) -> str | None:
@@ -2625,7 +2630,8 @@ def checkpoint_manifest(path_text: str, world_size: int) -> dict[str, Any]:
             raise UserError(f"--resume={path_text}: a checkpoint of {writer}.py (format {found!r}), not of {this}.py; resume "
                             f"it with {writer}.py, or pass a checkpoint of {this}.py")
         raise UserError(f"--resume={path_text}: not a checkpoint of this script's version (format {found!r}, expected "
-                        f"{CHECKPOINT_FORMAT!r}); resume it with the version of {this}.py that wrote it, or pass another checkpoint")
+                        f"{CHECKPOINT_FORMAT!r}); resume it with the version of {this}.py that wrote it"
+                        f"{writer_commit_note(manifest)}, or pass another checkpoint")
     problem = manifest_problem(manifest)
     if problem is not None:
         raise UserError(f"--resume={path_text}: {problem} (the file was edited or damaged); pass another checkpoint")
@@ -2644,29 +2650,94 @@ def check_same_settings(path_text: str, manifest: dict[str, Any], settings: dict
         raise UserError(f"--resume={path_text}: the checkpoint was written with other settings: {'; '.join(differing)}")
 
 
+def train_shard_record(files: Sequence[str]) -> list[dict[str, Any]]:
+    """What a checkpoint records of the train shards, in the loader's order: each file's name (the base name, which
+    moving the repository or the data folder keeps), size and token count (its header, checked by read_shard_header).
+    The loader's position (a shard number and an offset) means something only in these files."""
+    return [dict(name=os.path.basename(path), bytes=os.path.getsize(path), tokens=read_shard_header(path)) for path in files]
+
+
+def first_shard_difference(saved: list[dict[str, Any]], found: list[dict[str, Any]]) -> str | None:
+    """The first difference between the run's train shards and those the pattern matches now, as a phrase."""
+    show = lambda shard: f"{shard['name']} ({shard['tokens']} tokens, {shard['bytes']} bytes)"
+    for number, (then, now) in enumerate(zip(saved, found), 1):
+        if then != now:
+            return f"shard {number} here is {show(now)}, the run's was {show(then)}"
+    counts = f"it matches {len(found)} shard{'s' if len(found) != 1 else ''} where the run read {len(saved)}"
+    if len(found) < len(saved):
+        return f"{counts}, the first missing being {show(saved[len(found)])}"
+    if len(found) > len(saved):
+        return f"{counts}, the first new one being {show(found[len(saved)])}"
+    return None
+
+
+def check_same_train_shards(path_text: str, manifest: dict[str, Any], train_shards: list[dict[str, Any]]) -> None:
+    """The --train_files pattern matches the shards the checkpoint's run read, in its order (the manifest's record,
+    which check_shared_state found equal to shared.pt's): a resumed loader's position in other shards would
+    silently train on other data."""
+    difference = first_shard_difference(manifest["train_shards"], train_shards)
+    if difference is not None:
+        raise UserError(f"--resume={path_text}: the --train_files pattern matches other shards than the run read: "
+                        f"{difference}; resume where it matches the run's shards (the same files, DATA_PATH and "
+                        f"working folder), or start a new run")
+
+
+def writer_commit_note(manifest: Any) -> str:
+    """Where the commit that wrote a checkpoint is named, for a refusal that sends the user to that version: the
+    git_commit line of its run's log (the manifest's run id names the log, <log_dir>/<run_id>.txt)."""
+    run_id = manifest.get("run_id") if isinstance(manifest, dict) else None
+    return f" (the git_commit line of its run's log, {run_id}.txt, names it)" if isinstance(run_id, str) and run_id else ""
+
+
+def first_setting_difference(saved: dict[str, Any], found: dict[str, Any]) -> str | None:
+    """The first setting whose value differs between two settings dicts (a missing one counts), as a phrase."""
+    missing = object()
+    for name in [*saved, *(name for name in found if name not in saved)]:
+        then, now = saved.get(name, missing), found.get(name, missing)
+        if then != now:
+            show = lambda value: "absent" if value is missing else repr(value)
+            return f"{name}: {show(then)} in shared.pt, {show(now)} in manifest.json"
+    return None
+
+
 def check_shared_state(path_text: str, manifest: dict[str, Any]) -> None:
-    """shared.pt's progress is the manifest's (its step names the checkpoints still to come and the resumed_from line;
-    the manifest is not covered by the hashes it records), and its model weights are finite: a model that diverged
-    in the last update before a save would otherwise stop the resumed run at its first step, blaming training.
-    shared.pt is opened with mmap: only what is checked is read."""
+    """shared.pt's progress, settings and train shards are the manifest's (the manifest is not covered by the hashes
+    it records: its step names the checkpoints still to come and the resumed_from line, and its settings are what
+    check_same_settings compares), and its model weights are finite: a model that diverged in the last update before
+    a save would otherwise stop the resumed run at its first step, blaming training. A shared.pt without settings was
+    written before shared.pt held them. shared.pt is opened with mmap: only what is checked is read."""
     shared = torch.load(Path(path_text) / "shared.pt", map_location="cpu", weights_only=True, mmap=True)
     differing = [f"{name}={manifest.get(name)!r} there, {value!r} in shared.pt" for name, value in shared["progress"].items()
                  if manifest.get(name) != value]
     if differing:
         raise UserError(f"--resume={path_text}: manifest.json does not match the checkpoint it describes ({'; '.join(differing)}): "
                         f"it was edited; put back its values or pass another checkpoint")
+    this = CHECKPOINT_FORMAT.partition("/")[0]
+    if "hyperparameters" not in shared or "train_shards" not in shared:
+        raise UserError(f"--resume={path_text}: shared.pt records no settings: it was written by an older version of {this}.py "
+                        f"than its manifest.json's format says; resume it with the version that wrote it"
+                        f"{writer_commit_note(manifest)}, or pass another checkpoint")
+    difference = first_setting_difference(shared["hyperparameters"], manifest["hyperparameters"])
+    if difference is not None:
+        raise UserError(f"--resume={path_text}: manifest.json's settings are not those the checkpoint was trained with "
+                        f"({difference}): it was edited; put back shared.pt's values and resume with those settings, or "
+                        f"start a new run")
+    if shared["train_shards"] != manifest["train_shards"]:
+        raise UserError(f"--resume={path_text}: manifest.json's train_shards are not those shared.pt records: it was edited; "
+                        f"put back its values or pass another checkpoint")
     for name, weight in shared["model"].items():
         if weight.is_floating_point() and not bool(torch.isfinite(weight.float()).all()):
             raise UserError(f"--resume={path_text}: shared.pt holds non-finite model weights ({name}): the run had diverged "
                             f"when it was saved; resume from an earlier checkpoint")
 
 
-def open_checkpoint(path_text: str, settings: dict[str, Any], rt: Runtime) -> ResumePoint:
+def open_checkpoint(path_text: str, settings: dict[str, Any], train_shards: list[dict[str, Any]], rt: Runtime) -> ResumePoint:
     """Checks, before the run starts (collective), the checkpoint's manifest (checkpoint_manifest), that the files are
     the ones it records (sizes and SHA-256; each rank checks those it loads, shared.pt and its own rank<r>.pt), that
-    shared.pt agrees with the manifest and holds a finite model (check_shared_state), and that it continues these
-    settings. At the first problem a rank finds, every rank stops with one line; a damaged
-    file's names the previous complete checkpoint (rank 0 looks for it)."""
+    shared.pt agrees with the manifest and holds a finite model (check_shared_state), that it continues these
+    settings, and that the train shards (train_shard_record of this run's --train_files) are the run's. At the first
+    problem a rank finds, every rank stops with one line; a damaged file's names the previous complete checkpoint
+    (rank 0 looks for it)."""
     path = Path(path_text)
     manifest = run_on(True, lambda: checkpoint_manifest(path_text, rt.world_size))
     problems: list[str | None] = [None] * rt.world_size
@@ -2680,6 +2751,7 @@ def open_checkpoint(path_text: str, settings: dict[str, Any], rt: Runtime) -> Re
         raise UserError(f"--resume={path_text}: {problem}; {advice}")
     run_on(rt.rank == 0, lambda: check_shared_state(path_text, manifest))
     run_on(True, lambda: check_same_settings(path_text, manifest, settings))
+    run_on(True, lambda: check_same_train_shards(path_text, manifest, train_shards))
     return ResumePoint(path, manifest)
 
 
@@ -2713,11 +2785,12 @@ def check_checkpoints_are_new(directory: Path, hp: Hyperparameters, start_step: 
 
 
 def save_resumable(
-    target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], raw_model: GPT, adam: DistAdam, muon: Muon, loader: TrainLoader, progress: Progress
+    target: Path, run_id: str, rt: Runtime, settings: dict[str, Any], train_shards: list[dict[str, Any]], raw_model: GPT,
+    adam: DistAdam, muon: Muon, loader: TrainLoader, progress: Progress
 ) -> bool:
     rank_state = dict(adam=adam.state_dict(), muon=muon.state_dict())  # each rank's DistAdam and Muon shards
     shared_state = dict(model=raw_model.state_dict(), loader=loader.state_dict())
-    return write_checkpoint(target, run_id, rt, settings, dataclasses.asdict(progress), rank_state, shared_state)
+    return write_checkpoint(target, run_id, rt, settings, train_shards, dataclasses.asdict(progress), rank_state, shared_state)
 
 
 def state_file(log_dir: Path, run_id: str, step: int) -> Path:
@@ -2996,7 +3069,8 @@ def run(argv: list[str]) -> float:
     val_token_count = check_val_data(
         val_files, val_tokens=hp.val_tokens, val_batch_size=hp.val_batch_size, grad_accum_steps=rt.grad_accum_steps, vocab_size=hp.vocab_size
     )
-    resume = open_checkpoint(hp.resume, settings, rt) if hp.resume else None
+    train_shards = train_shard_record(train_files)  # what a checkpoint records of the shards the loader reads
+    resume = open_checkpoint(hp.resume, settings, train_shards, rt) if hp.resume else None
     if hp.checkpoint_every and hp.checkpoint_dir:  # the default folder is new: named by the run id
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume.step if resume else 0)
     _last_checkpoint = resume.path if resume is not None else None
@@ -3058,7 +3132,7 @@ def run(argv: list[str]) -> float:
 
     def save_resumable_at(progress: Progress) -> None:
         target = checkpoint_path(checkpoint_dir, progress.step)
-        if save_resumable(target, run_id, rt, settings, raw_model, adam, muon, loader, progress):
+        if save_resumable(target, run_id, rt, settings, train_shards, raw_model, adam, muon, loader, progress):
             print0(f"checkpoint: {target}", console=True)
         else:
             print0(f"checkpoint: {target} already exists; not replaced", console=True)

@@ -49,8 +49,9 @@ SHARED = (
     "atomic_torch_save", "fsync_directory", "rng_state", "set_rng_state", "comparable_settings", "write_checkpoint",
     "agree_on_checkpoint_write", "stage_checkpoint_files", "publish_checkpoint", "ResumePoint", "read_manifest",
     "file_sha256", "checkpoint_problem", "checkpoint_file_names", "previous_complete_checkpoint", "checkpoint_manifest",
-    "MANIFEST_FIELDS", "manifest_problem", "check_shared_state",
-    "check_same_settings", "open_checkpoint", "checkpoint_steps",
+    "MANIFEST_FIELDS", "manifest_problem", "writer_commit_note", "first_setting_difference", "check_shared_state",
+    "check_same_settings", "train_shard_record", "first_shard_difference", "check_same_train_shards", "open_checkpoint",
+    "checkpoint_steps",
 )
 
 DIFFERENT = {

@@ -70,7 +70,8 @@ def assert_same_tensors(a: object, b: object, where: str) -> None:
 def assert_same_checkpoint(a: Path, b: Path, processes: int) -> None:
     for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(processes)]:
         left, right = (torch.load(folder / name, map_location="cpu", weights_only=True) for folder in (a, b))
-        left.pop("progress", None), right.pop("progress", None)  # the clock differs
+        for differs in ("progress", "hyperparameters"):  # the clock, and the runtime-only settings (log_dir, resume)
+            left.pop(differs, None), right.pop(differs, None)
         assert_same_tensors(left, right, f"{a.name}/{name}")
 
 

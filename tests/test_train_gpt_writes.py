@@ -87,7 +87,7 @@ def test_track1_refuses_a_corrupt_checkpoint_before_the_log_exists(tmp_path, mon
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         rt = tg.Runtime(0, 1, 0, torch.device("cpu"))
-        assert tg.write_checkpoint(checkpoint, "r", rt, {}, dict(step=4), dict(adam={}), dict(model={"w": torch.ones(1000)}))
+        assert tg.write_checkpoint(checkpoint, "r", rt, {}, [], dict(step=4), dict(adam={}), dict(model={"w": torch.ones(1000)}))
     finally:
         dist.destroy_process_group()
     flip_bytes(checkpoint / "shared.pt")
@@ -176,6 +176,137 @@ def test_a_checkpoint_of_the_other_script_names_the_script_that_resumes_it(modul
         module.checkpoint_manifest(str(tmp_path), world_size=1)
 
 
+# ----- a checkpoint's settings and train shards are its own: an edited manifest.json or other shards are refused -----
+
+
+def write_own_shards(folder: Path, tokens: dict[str, np.ndarray]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, values in tokens.items():
+        tgs.write_shard(folder / name, values)
+
+
+def drop_from_shared_pt(checkpoint: Path, *names: str) -> None:
+    """shared.pt without those entries, its manifest's hash updated (as a checkpoint of an older version holds it)."""
+    shared = torch.load(checkpoint / "shared.pt", map_location="cpu", weights_only=True)
+    for name in names:
+        shared.pop(name)
+    entry = tgs.atomic_torch_save(shared, checkpoint / "shared.pt")
+    edit_manifest(checkpoint, lambda m: m["files"].update({"shared.pt": entry}))
+
+
+def test_track3_refuses_a_manifest_edited_to_other_settings_and_a_shared_pt_without_them(workdir, capsys):
+    """manifest.json's settings were the only ones a checkpoint held, outside the hashes it records: edited to match
+    another command line, the checkpoint resumed under settings it was not trained with."""
+    tgs.run([*QUICK, "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
+    (first_log,) = logs(workdir)
+    checkpoint = workdir / "ckpt" / "step000004"
+    assert torch.load(checkpoint / "shared.pt", weights_only=True)["hyperparameters"] == tgs.read_manifest(checkpoint)["hyperparameters"]
+    original = (checkpoint / "manifest.json").read_text()
+    edit_manifest(checkpoint, lambda m: m["hyperparameters"].update(matrix_lr=0.003))
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--matrix_lr=0.003", "--resume=ckpt/step000004")
+    assert status == 2 and lines == ["train_gpt_shampoo.py: error: --resume=ckpt/step000004: manifest.json's settings are not "
+                                     "those the checkpoint was trained with (matrix_lr: 0.0015 in shared.pt, 0.003 in "
+                                     "manifest.json): it was edited; put back shared.pt's values and resume with those "
+                                     "settings, or start a new run"]
+    (checkpoint / "manifest.json").write_text(original)
+    drop_from_shared_pt(checkpoint, "hyperparameters", "train_shards")  # written before shared.pt held them
+    run_id = json.loads(original)["run_id"]
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--resume=ckpt/step000004")
+    assert status == 2 and lines == [f"train_gpt_shampoo.py: error: --resume=ckpt/step000004: shared.pt records no settings: it "
+                                     f"was written by an older version of train_gpt_shampoo.py than its manifest.json's format "
+                                     f"says; resume it with the version that wrote it (the git_commit line of its run's log, "
+                                     f"{run_id}.txt, names it), or pass another checkpoint"]
+    assert logs(workdir) == [first_log]
+
+
+def test_a_checkpoint_of_an_older_format_is_not_offered_as_the_previous_complete_one(workdir, capsys):
+    tgs.run([*QUICK, "--train_steps=4", "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
+    older = workdir / "ckpt" / "step000002"
+    edit_manifest(older, lambda m: m.update(format="train_gpt_shampoo/4"))  # as the version before this one wrote it
+    flip_bytes(workdir / "ckpt" / "step000004" / "shared.pt")
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--resume=ckpt/step000004")
+    assert status == 2 and lines[0].endswith("(the file is corrupt); ckpt holds no earlier complete checkpoint")
+    run_id = tgs.read_manifest(workdir / "ckpt" / "step000004")["run_id"]
+    status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--resume=ckpt/step000002")
+    assert status == 2 and lines == [f"train_gpt_shampoo.py: error: --resume=ckpt/step000002: not a checkpoint of this script's "
+                                     f"version (format 'train_gpt_shampoo/4', expected {tgs.CHECKPOINT_FORMAT!r}); resume it "
+                                     f"with the version of train_gpt_shampoo.py that wrote it (the git_commit line of its "
+                                     f"run's log, {run_id}.txt, names it), or pass another checkpoint"]
+
+
+def test_track3_refuses_other_train_shards_and_resumes_from_moved_ones(workdir, monkeypatch, capsys):
+    """The loader's position (a shard number and an offset) was restored into whatever shards the pattern matched."""
+    tokens = tgs.smoke_tokens(512)
+    train = {name: values for name, values in tokens.items() if name.startswith("smoke_train_")}
+    write_own_shards(workdir / "data", tokens)
+    own = (*QUICK, "--train_files=data/smoke_train_*.bin", "--val_files=data/smoke_val_*.bin", "--train_steps=4")
+    tgs.run([*own, "--checkpoint_every=2", "--checkpoint_dir=ckpt"])
+    (first_log,) = logs(workdir)
+    checkpoint = workdir / "ckpt" / "step000002"
+    assert tgs.read_manifest(checkpoint)["train_shards"] == [
+        dict(name=name, bytes=4 * tgs.SHARD_HEADER_INTS + 2 * len(values), tokens=len(values)) for name, values in train.items()]
+    refusal = ("train_gpt_shampoo.py: error: --resume=ckpt/step000002: the --train_files pattern matches other shards than the "
+               "run read: {}; resume where it matches the run's shards (the same files, DATA_PATH and working folder), or "
+               "start a new run")
+    second = workdir / "data" / "smoke_train_000002.bin"
+    second.unlink()
+    tgs.write_shard(second, train["smoke_train_000002.bin"][:16384])  # regenerated shorter
+    status, lines = track3_main(capsys, *own, "--resume=ckpt/step000002")
+    assert status == 2 and lines == [refusal.format("shard 2 here is smoke_train_000002.bin (16384 tokens, 33792 bytes), the "
+                                                    "run's was smoke_train_000002.bin (32768 tokens, 66560 bytes)")]
+    second.unlink()
+    status, lines = track3_main(capsys, *own, "--resume=ckpt/step000002")
+    assert status == 2 and lines == [refusal.format("it matches 1 shard where the run read 2, the first missing being "
+                                                    "smoke_train_000002.bin (32768 tokens, 66560 bytes)")]
+    tgs.write_shard(second, train["smoke_train_000002.bin"])
+    tgs.write_shard(workdir / "data" / "smoke_train_000003.bin", train["smoke_train_000001.bin"])
+    status, lines = track3_main(capsys, *own, "--cycle_train_files=false", "--resume=ckpt/step000002")
+    assert status == 2 and lines == [refusal.format("it matches 3 shards where the run read 2, the first new one being "
+                                                    "smoke_train_000003.bin (32768 tokens, 66560 bytes)")]
+    assert logs(workdir) == [first_log]
+    # the same shards in a copy of the folder, run from elsewhere with the same pattern: the run resumes
+    moved = workdir / "moved"
+    write_own_shards(moved / "data", tokens)
+    monkeypatch.chdir(moved)
+    resumed = tgs.run([*own, f"--resume={checkpoint}"])
+    assert sorted(resumed.trials[0].val_losses) == [4]
+    assert f"resumed_from: {checkpoint} (run " in resumed.log_path.read_text()
+
+
+def track1(tmp_path: Path, cwd: Path, **extra: object) -> subprocess.CompletedProcess:
+    """A 4-step Track 1 run of the tiny configuration on the shards of cwd/data, named by a relative pattern."""
+    args = tiny_args("data/tiny_train_*.bin", "data/tiny_val_*.bin", tmp_path / "logs", num_iterations=4, iteration_extension=0, **extra)
+    return subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], capture_output=True, text=True, timeout=300,
+                          env=script_env(), cwd=cwd)
+
+
+def test_track1_refuses_edited_settings_and_other_train_shards_and_resumes_from_moved_ones(tmp_path):
+    make_shards(tmp_path / "data")
+    assert track1(tmp_path, tmp_path, checkpoint_every=2, checkpoint_dir="ckpt").returncode == 0
+    (first_log,) = (tmp_path / "logs").glob("*.txt")
+    checkpoint = tmp_path / "ckpt" / "step000002"
+    original = (checkpoint / "manifest.json").read_text()
+    edit_manifest(checkpoint, lambda m: m["hyperparameters"].update(muon_lr=0.1))
+    result = track1(tmp_path, tmp_path, muon_lr=0.1, resume=checkpoint)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"train_gpt.py: error: --resume={checkpoint}: manifest.json's settings are not those the checkpoint was trained with "
+        f"(muon_lr: 0.05 in shared.pt, 0.1 in manifest.json): it was edited; put back shared.pt's values and resume with "
+        f"those settings, or start a new run"]
+    (checkpoint / "manifest.json").write_text(original)
+    (tmp_path / "data" / "tiny_train_000001.bin").rename(tmp_path / "tiny_train_000001.bin")
+    result = track1(tmp_path, tmp_path, resume=checkpoint)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"train_gpt.py: error: --resume={checkpoint}: the --train_files pattern matches other shards than the run read: it "
+        f"matches 1 shard where the run read 2, the first missing being tiny_train_000001.bin (60000 tokens, 121024 bytes); "
+        f"resume where it matches the run's shards (the same files, DATA_PATH and working folder), or start a new run"]
+    assert list((tmp_path / "logs").glob("*.txt")) == [first_log]
+    # the data folder moved beside a copy of the repository's run folder: the same pattern resumes there
+    make_shards(tmp_path / "moved" / "data")
+    result = track1(tmp_path, tmp_path / "moved", resume=checkpoint)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"resumed_from: {checkpoint} (run " in max((tmp_path / "logs").glob("*.txt"), key=os.path.getmtime).read_text()
+
+
 OPEN_ON_TWO_RANKS = """
 import json, sys, torch, torch.distributed as dist
 from pathlib import Path
@@ -183,7 +314,7 @@ sys.path.insert(0, sys.argv[1])
 module, rank, target = __import__(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[5])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[4]}", rank=rank, world_size=2)
 module._is_master, rt = rank == 0, module.Runtime(rank, 2, rank, torch.device("cpu"))
-module.write_checkpoint(target, "r", rt, {}, dict(step=4), dict(state=torch.full((1000,), float(rank))), dict(model=torch.ones(1000)))
+module.write_checkpoint(target, "r", rt, {}, [], dict(step=4), dict(state=torch.full((1000,), float(rank))), dict(model=torch.ones(1000)))
 if rank == 0:  # one byte of rank 1's file flipped
     data = bytearray((target / "rank1.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -192,7 +323,7 @@ dist.barrier()
 hashed, real = [], module.file_sha256
 module.file_sha256 = lambda path: hashed.append(path.name) or real(path)
 try:
-    module.open_checkpoint(str(target), {}, rt)
+    module.open_checkpoint(str(target), {}, [], rt)
     outcome = "opened"
 except module.UserError as error:
     outcome = str(error)
