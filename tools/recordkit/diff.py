@@ -82,13 +82,17 @@ def choose_prior(records_root: Path, track: int, against: str, new: Side, source
     if against != "auto":
         path = Path(against)
         if path.exists():
-            return Prior(load_against(path, allow_incomplete, allow_mixed), str(path), "given with --against")
+            prior = Prior(load_against(path, allow_incomplete, allow_mixed), str(path), "given with --against")
+            _refuse_shared_logs(against, prior.side, new)
+            return prior
         try:
             record = published.resolve_record(records_root, against, track)
         except RecordsError:
             raise RecordsError(f"--against {against}: no such folder or log, and no published record of that name; pass a "
                                "record folder, logs, TRACK:N (e.g. 1:89) or auto") from None
-        return _published_prior(record, source, "given with --against")
+        prior = _published_prior(record, source, "given with --against")
+        _refuse_shared_logs(against, prior.side, new)
+        return prior
     new_files = {fact.run.file_sha256 for fact in new.runset.runs if fact.run is not None}
     records = _published_candidates(records_root, track)
     newest = next((record for record in reversed(records) if not new_files & {entry.sha256 for entry in record.files}), None)
@@ -104,6 +108,21 @@ def choose_prior(records_root: Path, track: int, against: str, new: Side, source
     skipped = " (the newer one holds these very logs)" if newest is not (records[-1] if records else None) else ""
     what = "the prior world record" if track != 3 else "the prior best result (fewest steps, marked (!))"
     return _published_prior(newest, source, f"{what} of Track {track}, the newest in its history.csv{skipped}")
+
+
+def _log_hashes(side: Side) -> dict[str, Path]:
+    return {fact.run.file_sha256: fact.run.path for fact in side.runset.runs if fact.run is not None and fact.run.file_sha256}
+
+
+def _refuse_shared_logs(against: str, record: Side, new: Side) -> None:
+    """A log on both sides would be compared with itself (a diff of +0.000 s, or a verdict on half-copied runs): the
+    new run's log was passed by mistake, or --against names the new runs' own folder."""
+    shared = _log_hashes(new).keys() & _log_hashes(record).keys()
+    if shared:
+        new_log = _log_hashes(new)[min(shared)]
+        more = f" (and {len(shared) - 1} more)" if len(shared) > 1 else ""
+        raise RecordsError(f"{new_log}{more}: the same log (same bytes) is among the new runs and in --against {against}; a diff "
+                           "compares new runs with another record: pass the new runs' logs and the prior record's")
 
 
 def _published_candidates(records_root: Path, track: int) -> list[published.PublishedRecord]:

@@ -371,6 +371,20 @@ def test_diff_against_a_record_of_another_track_is_refused(world: World, tmp_pat
 
 
 
+@pytest.mark.parametrize("against", ["same-log", "record-folder", "1:89"])
+def test_diff_against_a_record_holding_a_new_log_is_refused(world: World, tmp_path: Path, against: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # A new run's own log on the record's side was compared with itself: rc 0, "+0.000 s", a verdict.
+    mine = F.write(tmp_path / "n" / "mine.txt", F.track1_2025(final_loss=3.2770, final_ms=79000, steps=1390, seed=9))
+    record_log = world.tree / T1_RECORD / "run0.txt"
+    new_logs, value = {"same-log": ([mine], str(mine)), "record-folder": ([mine, record_log], str(world.tree / T1_RECORD)),
+                       "1:89": ([record_log], "1:89")}[against]
+    code, out, err = run_cli(world.argv("diff", *map(str, new_logs), "--against", value), capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert f"the same log (same bytes) is among the new runs and in --against {value}" in err
+    assert err.startswith(f"records: error: {new_logs[-1]}: ")
+
+
 @pytest.mark.parametrize("url", ["raw.example.org/modded-nanogpt", "http://[::1/modded-nanogpt", "http://127.0.0.1:99999",
                                  "ftp://mirror.example.org/modded-nanogpt"])
 def test_a_malformed_source_url_is_one_line_and_stops_nothing_the_cache_holds(world: World, tmp_path: Path, url: str,
