@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _subcommand(sub, "extract", "write the script(s) embedded in a log, ready to rerun", common)
     p.add_argument("log", type=Path)
-    p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="path of the script; appended files go next to it")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="path of the script; appended files go next to it")
     p.set_defaults(handler=cmd_extract)
 
     p = _subcommand(sub, "fetch", "download a published record's logs into the cache (checked, never overwritten)", common)
@@ -456,7 +456,7 @@ def _report_tables(changed: list[tuple[Path, list[str]]]) -> None:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    extraction = extract.extract_sources(args.log, args.output)
+    extraction = extract.extract_sources(args.log, extract.script_path(args.output))
     for path in extraction.written:
         print(f"wrote {path}")
     if extraction.invalid_bytes:

@@ -8,6 +8,7 @@ that are not valid UTF-8 are written back unchanged (decoded and encoded with `s
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -49,6 +50,18 @@ def file_plan(log: Path, output: Path) -> dict[Path, bytes]:
             raise RecordsError(f"{log}: embedded file name {name!r} points outside the output folder; not extracted")
         plan[output.parent / Path(*relative.parts)] = content
     return plan
+
+
+def script_path(text: str) -> Path:
+    """-o as typed: Path() drops a trailing slash, and `-o out/` would write the script as the file `out` and its appended
+    files into the folder above; an empty -o would be the current folder."""
+    if not text:
+        raise RecordsError("-o '': empty; pass -o FILE, the path the script is written to (e.g. -o repro/train_gpt.py)")
+    path = Path(text)
+    if text.endswith(("/", os.sep)) or path.is_dir():
+        raise RecordsError(f"-o {text}: names a folder; pass -o {text.rstrip('/' + os.sep)}/train_gpt.py, the path the "
+                           "script is written to (its appended files go next to it; nothing was written)")
+    return path
 
 
 def invalid_byte_count(content: bytes) -> int:

@@ -196,3 +196,19 @@ def test_track3_timing_detail_warns_about_different_hardware(tmp_path: Path) -> 
     assert "different hardware (record: 8× NVIDIA H200; new: cpu): these time differences say nothing about the change" in timing
     same = diff.render_diff(old, old, track=3)
     assert "different hardware" not in same
+
+
+@pytest.mark.parametrize("output", ["new/", "existing", ""])
+def test_extract_to_a_folder_is_one_line_and_writes_nothing(tmp_path: Path, output: str, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # `-o new/` wrote the script as the file `new` and triton_kernels.py into the folder above; `-o existing` (a folder)
+    # said "already exists; extract into an empty folder" of an empty folder; `-o ''` meant the current folder.
+    log = F.write(tmp_path / "log.txt", F.track1_2025())
+    (tmp_path / "existing").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["extract", str(log), "-o", output]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"records: error: -o {output or repr('')}: ")
+    if output:
+        assert f"names a folder; pass -o {output.rstrip('/')}/train_gpt.py" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing", "log.txt"] and not any((tmp_path / "existing").iterdir())
