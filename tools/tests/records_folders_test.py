@@ -330,3 +330,22 @@ def test_new_refuses_a_date_in_the_future_and_takes_today(root: Path, tmp_path: 
     eastern = [arg if arg != "Dated" else "Eastern" for arg in argv]
     assert main([*eastern, "--date", latest.isoformat()]) == 0  # and today where it is latest: a submitter east of this machine
     assert (root / "records" / "track_1_short" / f"{latest.isoformat()}_Eastern").is_dir()
+
+
+@pytest.mark.parametrize("damage", ["cut short", "deleted"])
+def test_check_names_a_cut_or_missing_log_and_says_restore_it(root: Path, tmp_path: Path, damage: str) -> None:
+    # The summary check parsed the logs again and its error ("no val line …; pass a training log") replaced these lines.
+    # One log, as in records/track_1_short/2026-11-30_H200DocsProxy1Gpu: no run is left to compute the summary from.
+    folder = create_record(root / "records", 1, "Damaged", harness_logs(tmp_path / "logs", [3.2790]), date=F_DATE,
+                           not_a_record=True)
+    write_tables(root, root / "records")
+    log = folder / "run0.txt"
+    if damage == "deleted":
+        log.unlink()
+    else:
+        data = log.read_bytes()
+        log.write_bytes(data[: data.index(b" val_loss:")])  # cut in its first val line: no val line left
+    expected = (f"{log}: listed in results.json but missing; restore the log" if damage == "deleted"
+                else f"{log}: sha256 differs from results.json; the log was edited: restore the original")
+    problems = check_all(root, root / "records")
+    assert problems[0] == expected and not any("pass a training log" in problem for problem in problems)
