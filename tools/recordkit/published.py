@@ -264,8 +264,9 @@ def _download(entry: PublishedLog, target: Path, source: str, bar: tqdm) -> None
                                f"{PUBLISHED_REPOSITORY} at {PUBLISHED_COMMIT[:12]}, or pass --against LOCAL_DIR") from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:  # refused, unreachable, timed out, cut off
             reason = getattr(exc, "reason", None) or exc
-            raise RecordsError(f"cannot download {url} ({reason}); offline? pass --against LOCAL_DIR with the record's logs, "
-                               f"or point --source-url at a mirror") from None
+            # `fetch` has no --against: the advice names what each command can do offline.
+            raise RecordsError(f"cannot download {url} ({reason}); offline? point --source-url at a mirror (file:///PATH of a clone "
+                               f"at {PUBLISHED_COMMIT[:12]} works), or with diff pass --against LOCAL_DIR with the record's logs") from None
         handle.close()
         if size != entry.size or digest.hexdigest() != entry.sha256:
             raise RecordsError(f"{url}: got {size} bytes whose sha256 differs from records/{PUBLISHED_LOGS_CSV} ({entry.size} "

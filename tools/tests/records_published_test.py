@@ -238,14 +238,16 @@ def test_fetch_cache_miss_then_hit(world: World, capsys: pytest.CaptureFixture[s
     world.server.start()  # for the fixture's teardown
 
 
-def test_fetch_with_the_server_down_names_against(world: World, capsys: pytest.CaptureFixture[str]) -> None:
+def test_fetch_with_the_server_down_names_source_url_not_a_diff_flag(world: World, capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as probe:  # a loopback port with nobody listening
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     world.url = f"http://127.0.0.1:{port}"
     code, out, err = run_cli(world.argv("fetch", "1:89"), capsys)
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert "Connection refused" in err and "offline? pass --against LOCAL_DIR" in err
+    # fetch has no --against: the line gives fetch's own way (a mirror, a file:// clone), and --against only as diff's
+    assert "Connection refused" in err and "offline? point --source-url at a mirror (file:///PATH of a clone at " in err
+    assert "or with diff pass --against LOCAL_DIR" in err
     assert not (world.cache / T1_RECORD).exists() or not list((world.cache / T1_RECORD).iterdir())
 
 
@@ -345,7 +347,7 @@ def test_diff_offline_names_against_and_against_a_local_folder_works(world: Worl
     log = F.write(tmp_path / "n.txt", F.track1_2025(steps=1380))
     world.server.stop()
     code, _, err = run_cli(world.argv("diff", str(log)), capsys)
-    assert code == 2 and err.count("\n") == 1 and "pass --against LOCAL_DIR" in err
+    assert code == 2 and err.count("\n") == 1 and "with diff pass --against LOCAL_DIR" in err
     code, out, _ = run_cli(world.argv("diff", str(log), "--against", str(world.tree / T1_RECORD)), capsys)
     assert code == 0 and out.startswith(f"against {world.tree / T1_RECORD}: given with --against")
     world.server.start()
