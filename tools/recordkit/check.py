@@ -15,7 +15,7 @@ from .errors import RecordsError
 from .folders import (RESULTS_JSON, STATISTICS_MD, SUMMARY_KEYS, TRACK_DIRS, RecordFolder, list_folders, load_folder_runset,
                       parse_folder_name, read_results, sha256_of, sign, summary_of, track_dir)
 from .newrecord import hardware_problem
-from .parse import LOG_SUFFIXES, parse_log
+from .parse import LOG_SUFFIXES, NoValLineError, parse_log
 from .published import load_manifest, manifest_path
 from .report import render_statistics_md, track_report
 from .tables import find_marked_readmes, history_path, load_history, read_readme, replace_blocks
@@ -162,7 +162,15 @@ def _checksum_missing(folder: RecordFolder, index: int, log_name: str, recorded:
 
 
 def _check_run_values(folder: RecordFolder, log: Path, entry: dict[str, Any], record: bool) -> list[str]:
-    runs = {run.trial: run for run in parse_log(log)}
+    try:
+        runs = {run.trial: run for run in parse_log(log)}
+    except NoValLineError as exc:
+        # Reached only without a sha256 to compare (else the log is reported as edited): the parse error's advice ("pass a
+        # training log") is wrong for a log filed here, and raised, it would replace the folder's other lines.
+        return [f"{log}: the log is damaged or cut ({exc.what}); a record folder holds its logs as their runs wrote them: "
+                "restore the original"]
+    except RecordsError as exc:  # unreadable (permissions): one line of its own, the other checks' lines kept
+        return [str(exc)]
     run = runs.get(entry.get("trial", 1))
     if run is None or not run.usable_val_points:
         return [f"{log}: trial {entry.get('trial')} not found in the log; regenerate results.json"]

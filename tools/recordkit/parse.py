@@ -67,6 +67,15 @@ DASH_BANNER_NAME = re.compile(r"^# (\S+\.py)\s*$")
 SHAMPOO_BANNER = re.compile(r"^# ===== (\S+) =====\s*$")
 
 
+class NoValLineError(RecordsError):
+    """A file with no usable val line; `what` says what it holds instead, without the advice, for callers (check) whose
+    file is a log damaged since its run rather than the wrong file passed."""
+
+    def __init__(self, path: Path, what: str, advice: str) -> None:
+        super().__init__(f"{path}: {what}; {advice}")
+        self.what = what
+
+
 def parse_log(path: Path) -> list[Run]:
     """Parse one log file into its runs; raise RecordsError if it holds no val line at all."""
     data = read_log_bytes(path)
@@ -88,7 +97,7 @@ def parse_text(text: str, path: Path, file_sha256: str = "") -> list[Run]:
     env = parse_environment(layout.env_lines, layout.step_lines)
     trials = split_trials(layout.step_lines, first_line_number=layout.step_start + 1)
     if not any(trial.val_points for trial in trials):
-        raise RecordsError(f"{path}: {_why_no_val_line(layout, trials)}")
+        raise NoValLineError(path, *_why_no_val_line(layout, trials))
     era = detect_era(layout, env, trials)
     program = program_hash(sources) if sources else None
     seconds = any(p.time_unit == "s" for trial in trials for p in trial.val_points)
@@ -132,15 +141,16 @@ def _fixed_stop(trial: TrialLines, sources: dict[str, str], env: Environment, se
     return (final.step, where) if where is not None else None
 
 
-def _why_no_val_line(layout: Layout, trials: list[TrialLines]) -> str:
+def _why_no_val_line(layout: Layout, trials: list[TrialLines]) -> tuple[str, str]:
+    """(what the file holds instead, what to do)."""
     lost = [warning for trial in trials for warning in trial.warnings]
     if lost:
-        return f"no readable val line ({lost[0]}); not a usable log"
+        return f"no readable val line ({lost[0]})", "not a usable log"
     if layout.code and not any(trial.train_points for trial in trials):
-        return "source and environment only, no step line (the run stopped before training); not a usable log"
+        return "source and environment only, no step line (the run stopped before training)", "not a usable log"
     if any(trial.train_points for trial in trials):
-        return "step lines but no val line (the run stopped before its first validation); not a usable log"
-    return "no val line ('step:N/T val_loss:X train_time:...' or 's:N tel:X'); pass a training log"
+        return "step lines but no val line (the run stopped before its first validation)", "not a usable log"
+    return "no val line ('step:N/T val_loss:X train_time:...' or 's:N tel:X')", "pass a training log"
 
 
 def read_log_bytes(path: Path) -> bytes:

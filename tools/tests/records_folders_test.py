@@ -349,3 +349,24 @@ def test_check_names_a_cut_or_missing_log_and_says_restore_it(root: Path, tmp_pa
                 else f"{log}: sha256 differs from results.json; the log was edited: restore the original")
     problems = check_all(root, root / "records")
     assert problems[0] == expected and not any("pass a training log" in problem for problem in problems)
+
+
+@pytest.mark.parametrize("cut, why", [
+    ("in its script", "no val line ('step:N/T val_loss:X train_time:...' or 's:N tel:X')"),
+    ("in its first val line", "source and environment only, no step line (the run stopped before training)")])
+def test_check_names_a_cut_log_without_a_checksum_and_keeps_the_other_lines(root: Path, tmp_path: Path, cut: str, why: str) -> None:
+    # With no sha256 to compare, the log was parsed for its values, and its parse error ("no val line …; pass a training
+    # log", wrong for a record folder) replaced every line of the folder, the missing checksum's among them.
+    folder = create_record(root / "records", 1, "CutNoSum", harness_logs(tmp_path / "logs", [3.2790]), date=F_DATE,
+                           not_a_record=True)
+    write_tables(root, root / "records")
+    results = json.loads((folder / "results.json").read_text())
+    del results["runs"][0]["sha256"]
+    (folder / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    log = folder / "run0.txt"
+    data = log.read_bytes()
+    log.write_bytes(data[:300] if cut == "in its script" else data[: data.index(b" val_loss:")])
+    assert check_all(root, root / "records") == [
+        f"{folder / 'results.json'}: run 1 (run0.txt) has no sha256 of its log, so check cannot tell whether the log was edited; "
+        "restore results.json from git (`records new` writes each log's sha256)",
+        f"{log}: the log is damaged or cut ({why}); a record folder holds its logs as their runs wrote them: restore the original"]
