@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from .errors import RecordsError
 from .folders import file_in_the_way
-from .parse import read_log_bytes, log_lines, parse_text, split_layout, split_sources
+from .parse import read_log_bytes, log_lines, parse_text, source_first_lines, split_layout, split_sources
 
 # surrogateescape maps each byte that is not valid UTF-8 to one code point in this range, and back.
 _ESCAPED_BYTES = range(0xDC80, 0xDD00)
@@ -72,6 +73,7 @@ def extract_sources(log: Path, output: Path) -> Extraction:
     """Write every embedded file; refuse before writing anything if one of them already exists, or a file stands where
     one of their folders should be."""
     plan = file_plan(log, output)
+    _refuse_broken_python(log, output)
     _refuse_blocked(plan)
     for path, content in plan.items():
         try:
@@ -86,6 +88,35 @@ def extract_sources(log: Path, output: Path) -> Extraction:
         except OSError as exc:
             raise _cannot_write(path, exc) from None
     return Extraction(list(plan), sum(invalid_byte_count(content) for content in plan.values()))
+
+
+def _refuse_broken_python(log: Path, output: Path) -> None:
+    """Refuse a log whose embedded script (or an appended .py file) does not compile: its code section was cut short or
+    damaged while the rest of the log followed, and the file written would not run, so it reproduces nothing."""
+    data = read_log_bytes(log)
+    layout = split_layout(log_lines(data.decode("utf-8", errors="replace")))
+    starts = source_first_lines(layout.code_text)
+    for name, source in split_sources(layout.code_text).items():
+        if name != "__script__" and not name.endswith(".py"):
+            continue
+        error = _syntax_error(source, output if name == "__script__" else output.parent / name)
+        if error is None:
+            continue
+        lines_in_file = max(source.count("\n") + (not source.endswith("\n")), 1)
+        line = layout.code_start + starts[name] + min(max(error.lineno or 1, 1), lines_in_file)  # 1-based, in the log
+        what = "the embedded script" if name == "__script__" else f"the embedded file {name}"
+        raise RecordsError(f"{log}: {what} breaks at line {line} of the log ({error.msg}): cut short or damaged, it would not run; "
+                           "extract from an intact log of the run (nothing was written)")
+
+
+def _syntax_error(source: str, path: Path) -> SyntaxError | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SyntaxWarnings (an invalid escape) are the script's business, not extract's
+        try:
+            compile(source, str(path), "exec")
+        except SyntaxError as error:
+            return error
+    return None
 
 
 def _refuse_blocked(plan: dict[Path, bytes]) -> None:

@@ -175,6 +175,7 @@ class Layout:
     separator_count: int
     leading_separator: bool
     step_start: int = 0  # index of the first step line in the file's lines
+    code_start: int = 0  # index of the first code line in the file's lines
 
     @property
     def code_text(self) -> str:
@@ -197,7 +198,7 @@ def split_layout(lines: list[str]) -> Layout:
     code_start = separators[0] + 1 if leading else 0
     first, last = body_separators[0], body_separators[-1]
     env_lines = [line for line in lines[first + 1 : last] if not is_separator(line)]
-    return Layout(lines[code_start:first], env_lines, lines[last + 1 :], len(separators), leading, last + 1)
+    return Layout(lines[code_start:first], env_lines, lines[last + 1 :], len(separators), leading, last + 1, code_start)
 
 
 # ----- embedded sources -----
@@ -206,6 +207,7 @@ def split_layout(lines: list[str]) -> Layout:
 @dataclass
 class _Part:
     name: str
+    start: int  # index, among the code's lines, of the part's first line
     lines: list[str] = field(default_factory=list)
     after_dash_banner: bool = False  # the logger wrote a blank line after the banner
     before_dash_banner: bool = False  # ... and two newlines before it
@@ -222,22 +224,7 @@ def split_sources(code_text: str) -> dict[str, str]:
     if not code_text.strip():
         return {}
     lines = code_text.split("\n")[:-1]  # code_text ends with a newline
-    parts = [_Part("__script__")]
-    index = 0
-    while index < len(lines):
-        line = lines[index]
-        if shampoo := SHAMPOO_BANNER.match(line):
-            parts.append(_Part(shampoo.group(1)))
-            index += 1
-            continue
-        if (line.rstrip() == DASH_BANNER and index + 2 < len(lines) and DASH_BANNER_NAME.match(lines[index + 1])
-                and lines[index + 2].rstrip() == DASH_BANNER):
-            parts[-1].before_dash_banner = True
-            parts.append(_Part(DASH_BANNER_NAME.match(lines[index + 1]).group(1), after_dash_banner=True))  # type: ignore[union-attr]
-            index += 3
-            continue
-        parts[-1].lines.append(line)
-        index += 1
+    parts = _split_parts(lines)
     printed = not any(SHAMPOO_BANNER.match(line) for line in lines)  # print() added a newline after the last file
     files = {}
     for number, part in enumerate(parts):
@@ -250,6 +237,37 @@ def split_sources(code_text: str) -> dict[str, str]:
             text = text.removesuffix("\n")
         files[part.name] = text
     return files
+
+
+def source_first_lines(code_text: str) -> dict[str, int]:
+    """Each file of split_sources: the index, among the code's lines, of its first line (so that a line of the file
+    can be named by its line in the log)."""
+    if not code_text.strip():
+        return {}
+    parts = _split_parts(code_text.split("\n")[:-1])
+    # split_sources drops the blank line the logger wrote after a dash banner.
+    return {part.name: part.start + (1 if part.after_dash_banner and part.lines[:1] == [""] else 0) for part in parts}
+
+
+def _split_parts(lines: list[str]) -> list[_Part]:
+    parts = [_Part("__script__", 0)]
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if shampoo := SHAMPOO_BANNER.match(line):
+            parts.append(_Part(shampoo.group(1), index + 1))
+            index += 1
+            continue
+        if (line.rstrip() == DASH_BANNER and index + 2 < len(lines) and DASH_BANNER_NAME.match(lines[index + 1])
+                and lines[index + 2].rstrip() == DASH_BANNER):
+            parts[-1].before_dash_banner = True
+            name = DASH_BANNER_NAME.match(lines[index + 1]).group(1)  # type: ignore[union-attr]
+            parts.append(_Part(name, index + 3, after_dash_banner=True))
+            index += 3
+            continue
+        parts[-1].lines.append(line)
+        index += 1
+    return parts
 
 
 def hash_sources(sources: dict[str, str]) -> str:

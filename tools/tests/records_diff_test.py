@@ -212,3 +212,22 @@ def test_extract_to_a_folder_is_one_line_and_writes_nothing(tmp_path: Path, outp
     if output:
         assert f"names a folder; pass -o {output.rstrip('/')}/train_gpt.py" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing", "log.txt"] and not any((tmp_path / "existing").iterdir())
+
+
+@pytest.mark.parametrize("cut", ["script", "kernels"])
+def test_extract_of_a_log_whose_code_is_cut_short_is_refused_naming_the_line(tmp_path: Path, cut: str,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # The code section ends early but the environment and step lines follow: extract wrote a script (or kernels file)
+    # that does not compile, rc 0 and no warning.
+    text = F.harness() if cut == "script" else F.track1_2025()
+    end = "    model = GPT(vocab" if cut == "script" else "def kernel_grid(n):"
+    code_end = text.index(end) + len(end)
+    log = F.write(tmp_path / "cut.txt", text[:code_end] + "\n" + text[text.index("=" * 100):])
+    assert log.read_text().split("\n")[19 if cut == "script" else 34] == end  # the line the error names
+    assert main(["extract", str(log), "-o", str(tmp_path / "out" / "train_gpt.py")]) == 2
+    what = ("the embedded script breaks at line 20 of the log ('(' was never closed)" if cut == "script" else
+            "the embedded file triton_kernels.py breaks at line 35 of the log (expected an indented block after function "
+            "definition on line 4)")
+    assert capsys.readouterr().err == (f"records: error: {log}: {what}: cut short or damaged, it would not run; extract from an "
+                                       "intact log of the run (nothing was written)\n")
+    assert not (tmp_path / "out").exists()
