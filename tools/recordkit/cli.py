@@ -410,6 +410,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        diff.check_plot_path(args.plot)
     new = diff.side_from_logs("new", args.logs, args.allow_incomplete, args.allow_mixed)
     track = _group_track(new.runset, args.track)
     source = diff.Source(args.cache_dir or published.default_cache_dir(), published.source_url(args.source_url))
@@ -421,8 +423,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
     print(f"against {prior.where}: {prior.why}")
     print(diff.render_diff(prior.side, new, track, full_code=args.code, verbose=args.verbose))
     if args.plot is not None:
-        if args.plot.exists():
-            raise RecordsError(f"{args.plot}: already exists; pass another --plot path")
         diff.plot_val_curves(prior.side, new, args.plot, target=stats.TARGETS[track])
         print(f"wrote {args.plot}")
     return 0

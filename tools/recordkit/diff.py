@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import datetime as dt
 import difflib
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import IO, Any
 from . import published, stats
 from .compare import loss_at_matched_steps
 from .errors import RecordsError
-from .folders import is_record_folder, list_folders, listed_logs, load_folder_runset, read_results
+from .folders import file_in_the_way, is_record_folder, list_folders, listed_logs, load_folder_runset, read_results
 from .report import format_p, rule_text, track_report
 from .runs import Environment, Run
 from .runsets import PER_RUN_SETTINGS, RESULT_NEUTRAL_SETTINGS, RunFacts, RunSet, load_logs, load_runset, losses_not_comparable
@@ -531,6 +532,21 @@ def _labels(runs: list[RunFacts], limit: int = 4) -> str:
     return ", ".join(labels[:limit]) + (f", +{len(labels) - limit} more" if len(labels) > limit else "")
 
 
+def check_plot_path(path: Path) -> None:
+    """Refuse a --plot path the PNG cannot go to; called before anything is loaded, so the error is not the last line
+    after a whole diff, and an existing file (or folder) is never overwritten."""
+    if path.exists() or path.is_symlink():
+        raise RecordsError(f"{path}: already exists; pass another --plot path (never overwritten)")
+    folder = path.parent
+    blocker = file_in_the_way(folder)
+    if blocker is not None:
+        raise RecordsError(f"{path}: cannot write it there ({blocker} is a file, not a folder); pass another --plot path")
+    if not folder.is_dir():
+        raise RecordsError(f"{path}: no folder {folder}; create it or pass another --plot path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise RecordsError(f"{path}: cannot write it there ({folder} is not writable); pass another --plot path")
+
+
 def plot_val_curves(old: Side, new: Side, path: Path, target: float = stats.TARGET_LOSS) -> None:
     """Overlay every run's val-loss curve (record in grey, new in colour); written with the Agg backend."""
     import matplotlib
@@ -558,8 +574,18 @@ def plot_val_curves(old: Side, new: Side, path: Path, target: float = stats.TARG
     ax.grid(alpha=0.3)
     fig.tight_layout()
     try:
-        fig.savefig(path, format="png")
+        handle = path.open("xb")  # "x": a file that appeared since check_plot_path is never overwritten
+    except FileExistsError:
+        plt.close(fig)
+        raise RecordsError(f"{path}: appeared while plotting; pass another --plot path (never overwritten)") from None
     except OSError as exc:
+        plt.close(fig)
+        raise RecordsError(f"{path}: cannot write the plot ({exc.strerror}); pick a writable path") from None
+    try:
+        with handle:
+            fig.savefig(handle, format="png")
+    except OSError as exc:
+        path.unlink(missing_ok=True)  # our own half-written file: it would make the next --plot PATH "already exists"
         raise RecordsError(f"{path}: cannot write the plot ({exc.strerror}); pick a writable path") from None
     finally:
         plt.close(fig)

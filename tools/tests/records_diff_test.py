@@ -231,3 +231,29 @@ def test_extract_of_a_log_whose_code_is_cut_short_is_refused_naming_the_line(tmp
     assert capsys.readouterr().err == (f"records: error: {log}: {what}: cut short or damaged, it would not run; extract from an "
                                        "intact log of the run (nothing was written)\n")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["existing file", "existing folder", "missing folder", "below a file", "unwritable folder"])
+def test_diff_plot_to_an_unusable_path_is_refused_before_the_diff(tmp_path: Path, where: str, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # The error came only after the whole diff was printed (and a missing folder was a 'cannot write the plot' line).
+    old = F.write(tmp_path / "old.txt", F.harness(final_loss=3.2796, lr=0.05))
+    new = F.write(tmp_path / "new.txt", F.harness(final_loss=3.2790, lr=0.06))
+    afile = F.write(tmp_path / "afile", "kept\n")
+    (tmp_path / "adir").mkdir()
+    plot, expected = {
+        "existing file": (afile, f"{afile}: already exists; pass another --plot path (never overwritten)"),
+        "existing folder": (tmp_path / "adir", f"{tmp_path / 'adir'}: already exists; pass another --plot path (never overwritten)"),
+        "missing folder": (tmp_path / "nodir" / "c.png", f"{tmp_path / 'nodir' / 'c.png'}: no folder {tmp_path / 'nodir'}; create "
+                                                          "it or pass another --plot path"),
+        "below a file": (afile / "c.png", f"{afile / 'c.png'}: cannot write it there ({afile} is a file, not a folder); pass "
+                                          "another --plot path"),
+        "unwritable folder": (tmp_path / "adir" / "c.png", f"{tmp_path / 'adir' / 'c.png'}: cannot write it there ({tmp_path / 'adir'} "
+                                                           "is not writable); pass another --plot path"),
+    }[where]
+    if where == "unwritable folder":  # stood in for: root may write anywhere
+        monkeypatch.setattr("os.access", lambda path, mode: Path(path) != tmp_path / "adir")
+    assert main(["diff", str(new), "--against", str(old), "--plot", str(plot)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"records: error: {expected}\n"
+    assert afile.read_text() == "kept\n" and not any((tmp_path / "adir").iterdir())
