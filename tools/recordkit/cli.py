@@ -8,7 +8,7 @@ import json
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from . import check, compare, diff, extract, folders, index, newrecord, published, stats, tables
 from .errors import RecordsError
@@ -124,7 +124,7 @@ def _add_selection_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_source_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache-dir", type=Path, metavar="DIR", help=f"where fetched logs go (default: {published.default_cache_dir()})")
+    parser.add_argument("--cache-dir", type=_path, metavar="DIR", help=f"where fetched logs go (default: {published.default_cache_dir()})")
     parser.add_argument("--source-url", metavar="URL", help=f"raw-file server of the public repository (default: ${published.SOURCE_URL_ENV}, "
                                                            "else its GitHub raw files at the pinned commit)")
 
@@ -134,26 +134,33 @@ def _track(parser: argparse.ArgumentParser, required: bool, default_help: str) -
                         help=f"1/2: t-test against 3.28/2.92; 3: margin rule ({default_help})")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as one line, like the tool's own (argparse prints the whole usage first); --help keeps it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="records", description="Parse speedrun logs, compute record statistics, manage records/.",
+    parser = _OneLineParser(prog="records", description="Parse speedrun logs, compute record statistics, manage records/.",
                                      epilog=f"`{TOOL} COMMAND --help` describes each command, with examples.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", help="full detail: every differing setting, every file behind an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = _subcommand(sub, "parse", "one structured run per log (multi-trial logs split)", common)
-    p.add_argument("logs", nargs="+", type=Path, metavar="LOG|DIR")
+    p.add_argument("logs", nargs="+", type=_path, metavar="LOG|DIR")
     p.add_argument("--json", action="store_true", help="print a JSON list (with the embedded sources)")
     p.add_argument("--no-source", action="store_true", help="leave source text out of the JSON")
     p.set_defaults(handler=cmd_parse)
 
     p = _subcommand(sub, "stats", "per configuration: n, mean/sd/min/max, and the track's significance rule", common)
-    p.add_argument("logs", nargs="+", type=Path, metavar="LOG|DIR")
+    p.add_argument("logs", nargs="+", type=_path, metavar="LOG|DIR")
     _track(p, required=False, default_help="default: each configuration's own, told from its logs (docs/records.md)")
     p.add_argument("--step", type=int, help="use the val loss at this step (default: final; Track 3: first passing step)")
     p.add_argument("--metric", default="val_loss", help="val-line column to use, e.g. val_ema_loss (default: val_loss)")
     p.add_argument("--json", action="store_true", help="print the statistics as a JSON object")
-    p.add_argument("--md", nargs="?", type=Path, const=DEFAULT_MD, metavar="FILE",
+    p.add_argument("--md", nargs="?", type=_path, const=DEFAULT_MD, metavar="FILE",
                    help="write statistics.md to FILE (put it after the logs, or use --md=FILE); bare --md: statistics.md in the one folder given")
     p.add_argument("--force", action="store_true", help="let --md replace a file this tool did not write, or one edited since")
     p.add_argument("--title", default=None, help="title of statistics.md (default: the folder's name)")
@@ -161,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_stats)
 
     p = _subcommand(sub, "compare", "candidate vs baseline: time (Welch, paired), loss, matched steps, Track 3 pairwise rule", common)
-    p.add_argument("--baseline", nargs="+", type=Path, required=True, metavar="LOG|DIR", help="logs, a folder of logs, or a record folder")
-    p.add_argument("--candidate", nargs="+", type=Path, required=True, metavar="LOG|DIR")
+    p.add_argument("--baseline", nargs="+", type=_path, required=True, metavar="LOG|DIR", help="logs, a folder of logs, or a record folder")
+    p.add_argument("--candidate", nargs="+", type=_path, required=True, metavar="LOG|DIR")
     _track(p, required=False, default_help="default: told from the logs (docs/records.md)")
     p.add_argument("--paired", action="store_true", help="runs were interleaved: pair the i-th baseline with the i-th candidate (pass files in run order)")
     p.add_argument("--json", action="store_true")
@@ -170,12 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_compare)
 
     p = _subcommand(sub, "diff", "new runs against the prior record: code, Hyperparameters, environment, losses, timing", common)
-    p.add_argument("logs", nargs="+", type=Path, metavar="NEW_LOG")
-    p.add_argument("--against", default="auto", metavar="RECORD_DIR|LOG|TRACK:N|NAME|auto",
+    p.add_argument("logs", nargs="+", type=_path, metavar="NEW_LOG")
+    p.add_argument("--against", default="auto", type=_not_empty, metavar="RECORD_DIR|LOG|TRACK:N|NAME|auto",
                    help="auto (default): the prior world record of the logs' track (fetched), or a newer record folder of ours")
     _track(p, required=False, default_help="default: the track the logs tell")
     p.add_argument("--code", action="store_true", help="also print the full source diff")
-    p.add_argument("--plot", type=Path, metavar="OUT.png", help="overlay the val-loss curves in a PNG")
+    p.add_argument("--plot", type=_path, metavar="OUT.png", help="overlay the val-loss curves in a PNG")
     _add_source_flags(p)
     _add_selection_flags(p)
     p.set_defaults(handler=cmd_diff)
@@ -183,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _subcommand(sub, "new", "create a record folder from logs (never overwrites anything)", common)
     _track(p, required=True, default_help="required")
     p.add_argument("--name", required=True, help="Track 1: CamelCase; Track 3: snake_case")
-    p.add_argument("--logs", nargs="+", type=Path, required=True, metavar="LOG|DIR")
+    p.add_argument("--logs", nargs="+", type=_path, required=True, metavar="LOG|DIR")
     p.add_argument("--date", type=_date, help="YYYY-MM-DD, today or earlier (default: today, UTC)")
     p.add_argument("--hardware", help="describe the machine (default: from the logs' environment)")
     p.add_argument("--note", help="one line saying what these runs are (e.g. 'CPU smoke run')")
@@ -193,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_new)
 
     p = _subcommand(sub, "extract", "write the script(s) embedded in a log, ready to rerun", common)
-    p.add_argument("log", type=Path)
+    p.add_argument("log", type=_path)
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="path of the script; appended files go next to it")
     p.set_defaults(handler=cmd_extract)
 
@@ -204,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_fetch)
 
     p = _subcommand(sub, "index", "rebuild records/published_logs.csv from a clone of the public repository", common)
-    p.add_argument("clone", type=Path, metavar="CLONE_DIR")
+    p.add_argument("clone", type=_path, metavar="CLONE_DIR")
     p.add_argument("--write", action="store_true", help="write records/published_logs.csv (default: print a summary)")
     p.set_defaults(handler=cmd_index)
 
@@ -216,8 +223,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", choices=tables.BLOCKS, help="print only this table")
     p.set_defaults(handler=cmd_tables)
 
-    parser.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root holding records/ (default: this checkout)")
+    parser.add_argument("--root", type=_path, default=REPO_ROOT, help="repository root holding records/ (default: this checkout)")
     return parser
+
+
+def _not_empty(text: str) -> str:
+    """An argparse type: '' names nothing, yet Path('') is the current folder (fetch --cache-dir '' would fill it) and a
+    lookup of '' fails somewhere far from the flag."""
+    if not text:
+        raise argparse.ArgumentTypeError("'' is empty, which would be read as the current folder; pass a path")
+    return text
+
+
+def _path(text: str) -> Path:
+    return Path(_not_empty(text))
 
 
 def _date(text: str) -> dt.date:

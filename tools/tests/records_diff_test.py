@@ -257,3 +257,39 @@ def test_diff_plot_to_an_unusable_path_is_refused_before_the_diff(tmp_path: Path
     out, err = capsys.readouterr()
     assert out == "" and err == f"records: error: {expected}\n"
     assert afile.read_text() == "kept\n" and not any((tmp_path / "adir").iterdir())
+
+
+EMPTY_PATH_ARGUMENTS = {  # every path option of records.py, given '' (the value LOG is a usable log)
+    "parse LOG|DIR": ["parse", ""],
+    "stats LOG|DIR": ["stats", ""],
+    "stats --md": ["stats", "LOG", "--md="],
+    "compare --baseline": ["compare", "--baseline", "", "--candidate", "LOG"],
+    "compare --candidate": ["compare", "--baseline", "LOG", "--candidate", ""],
+    "diff NEW_LOG": ["diff", ""],
+    "diff --against": ["diff", "LOG", "--against", ""],
+    "diff --plot": ["diff", "LOG", "--against", "LOG", "--plot", ""],
+    "diff --cache-dir": ["diff", "LOG", "--cache-dir", ""],
+    "fetch --cache-dir": ["fetch", "1:89", "--cache-dir", ""],
+    "new --logs": ["new", "--track", "1", "--name", "Empty", "--logs", ""],
+    "extract log": ["extract", "", "-o", "x/train_gpt.py"],
+    "index CLONE_DIR": ["index", ""],
+    "--root": ["--root", "", "check"],
+}
+
+
+@pytest.mark.parametrize("case", EMPTY_PATH_ARGUMENTS)
+def test_an_empty_path_argument_is_one_line_never_the_current_folder(tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # Path('') is '.': `fetch --cache-dir ''` filled the current folder, `diff --against ''` was a confusing error.
+    log = F.write(tmp_path / "runs" / "log.txt", F.harness())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RECORDS_SOURCE_URL", "http://127.0.0.1:9")  # never the network
+    argv = [str(log) if arg == "LOG" else arg for arg in EMPTY_PATH_ARGUMENTS[case]]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    command, _, option = case.rpartition(" ")  # the option as argparse names it (a positional by its metavar)
+    prog = f"records {command}" if command else "records"
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"{prog}: error: argument {option}: '' is empty, which would be read as the current folder; "
+                                       f"pass a path; see `{prog} --help`\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
