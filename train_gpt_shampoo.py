@@ -1739,8 +1739,9 @@ def train_shard_record(files: Sequence[str]) -> list[dict[str, Any]]:
     return [dict(name=os.path.basename(path), bytes=os.path.getsize(path), tokens=read_shard_header(path)) for path in files]
 
 
-def first_shard_difference(saved: list[dict[str, Any]], found: list[dict[str, Any]]) -> str | None:
-    """The first difference between the run's train shards and those the pattern matches now, as a phrase."""
+def first_shard_difference(saved: list[dict[str, Any]], found: list[dict[str, Any]], appended_ok: bool) -> str | None:
+    """The first difference between the run's train shards and those the pattern matches now, as a phrase; with
+    appended_ok, shards after the run's are none."""
     show = lambda shard: f"{shard['name']} ({shard['tokens']} tokens, {shard['bytes']} bytes)"
     for number, (then, now) in enumerate(zip(saved, found), 1):
         if then != now:
@@ -1748,7 +1749,7 @@ def first_shard_difference(saved: list[dict[str, Any]], found: list[dict[str, An
     counts = f"it matches {len(found)} shard{'s' if len(found) != 1 else ''} where the run read {len(saved)}"
     if len(found) < len(saved):
         return f"{counts}, the first missing being {show(saved[len(found)])}"
-    if len(found) > len(saved):
+    if len(found) > len(saved) and not appended_ok:
         return f"{counts}, the first new one being {show(found[len(saved)])}"
     return None
 
@@ -1756,12 +1757,15 @@ def first_shard_difference(saved: list[dict[str, Any]], found: list[dict[str, An
 def check_same_train_shards(path_text: str, manifest: dict[str, Any], train_shards: list[dict[str, Any]]) -> None:
     """The --train_files pattern matches the shards the checkpoint's run read, in its order (the manifest's record,
     which check_shared_state found equal to shared.pt's): a resumed loader's position in other shards would
-    silently train on other data."""
-    difference = first_shard_difference(manifest["train_shards"], train_shards)
+    silently train on other data. Shards added after the run's are allowed without cycling (the loader reaches them
+    only where the run stopped for want of data, which is what adding shards is for); with cycling they would change
+    where it starts over."""
+    cycle = bool(manifest["hyperparameters"].get("cycle_train_files"))
+    difference = first_shard_difference(manifest["train_shards"], train_shards, appended_ok=not cycle)
     if difference is not None:
         raise UserError(f"--resume={path_text}: the --train_files pattern matches other shards than the run read: "
-                        f"{difference}; resume where it matches the run's shards (the same files, DATA_PATH and "
-                        f"working folder), or start a new run")
+                        f"{difference}; make it match the run's shards{' (with --cycle_train_files, no more)' if cycle else ''} "
+                        f"(move other files out of the pattern's folder, or restore the run's), or start a new run")
 
 
 def writer_commit_note(manifest: Any) -> str:
@@ -1795,9 +1799,10 @@ def check_shared_state(path_text: str, manifest: dict[str, Any]) -> None:
         raise UserError(f"--resume={path_text}: manifest.json does not match the checkpoint it describes ({'; '.join(differing)}): "
                         f"it was edited; put back its values or pass another checkpoint")
     this = CHECKPOINT_FORMAT.partition("/")[0]
-    if "hyperparameters" not in shared or "train_shards" not in shared:
-        raise UserError(f"--resume={path_text}: shared.pt records no settings: it was written by an older version of {this}.py "
-                        f"than its manifest.json's format says; resume it with the version that wrote it"
+    missing = [key for key in ("hyperparameters", "train_shards") if key not in shared]
+    if missing:
+        raise UserError(f"--resume={path_text}: shared.pt records no {' and no '.join(missing)}, which this format holds there: it "
+                        f"was written by an older version of {this}.py than its manifest.json's format says; resume it with the version that wrote it"
                         f"{writer_commit_note(manifest)}, or pass another checkpoint")
     difference = first_setting_difference(shared["hyperparameters"], manifest["hyperparameters"])
     if difference is not None:

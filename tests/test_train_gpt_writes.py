@@ -212,8 +212,8 @@ def test_track3_refuses_a_manifest_edited_to_other_settings_and_a_shared_pt_with
     drop_from_shared_pt(checkpoint, "hyperparameters", "train_shards")  # written before shared.pt held them
     run_id = json.loads(original)["run_id"]
     status, lines = track3_main(capsys, *QUICK, "--train_steps=4", "--resume=ckpt/step000004")
-    assert status == 2 and lines == [f"train_gpt_shampoo.py: error: --resume=ckpt/step000004: shared.pt records no settings: it "
-                                     f"was written by an older version of train_gpt_shampoo.py than its manifest.json's format "
+    assert status == 2 and lines == [f"train_gpt_shampoo.py: error: --resume=ckpt/step000004: shared.pt records no hyperparameters "
+                                     f"and no train_shards, which this format holds there: it was written by an older version of train_gpt_shampoo.py than its manifest.json's format "
                                      f"says; resume it with the version that wrote it (the git_commit line of its run's log, "
                                      f"{run_id}.txt, names it), or pass another checkpoint"]
     assert logs(workdir) == [first_log]
@@ -246,7 +246,7 @@ def test_track3_refuses_other_train_shards_and_resumes_from_moved_ones(workdir, 
     assert tgs.read_manifest(checkpoint)["train_shards"] == [
         dict(name=name, bytes=4 * tgs.SHARD_HEADER_INTS + 2 * len(values), tokens=len(values)) for name, values in train.items()]
     refusal = ("train_gpt_shampoo.py: error: --resume=ckpt/step000002: the --train_files pattern matches other shards than the "
-               "run read: {}; resume where it matches the run's shards (the same files, DATA_PATH and working folder), or "
+               "run read: {}; make it match the run's shards (move other files out of the pattern's folder, or restore the run's), or "
                "start a new run")
     second = workdir / "data" / "smoke_train_000002.bin"
     second.unlink()
@@ -258,12 +258,13 @@ def test_track3_refuses_other_train_shards_and_resumes_from_moved_ones(workdir, 
     status, lines = track3_main(capsys, *own, "--resume=ckpt/step000002")
     assert status == 2 and lines == [refusal.format("it matches 1 shard where the run read 2, the first missing being "
                                                     "smoke_train_000002.bin (32768 tokens, 66560 bytes)")]
+    assert logs(workdir) == [first_log]
+    # a shard added after the run's, without cycling: the run resumes (the loader reaches it only where the run would
+    # have stopped for want of data)
     tgs.write_shard(second, train["smoke_train_000002.bin"])
     tgs.write_shard(workdir / "data" / "smoke_train_000003.bin", train["smoke_train_000001.bin"])
-    status, lines = track3_main(capsys, *own, "--cycle_train_files=false", "--resume=ckpt/step000002")
-    assert status == 2 and lines == [refusal.format("it matches 3 shards where the run read 2, the first new one being "
-                                                    "smoke_train_000003.bin (32768 tokens, 66560 bytes)")]
-    assert logs(workdir) == [first_log]
+    assert sorted(tgs.run([*own, "--resume=ckpt/step000002"]).trials[0].val_losses) == [4]
+    (workdir / "data" / "smoke_train_000003.bin").unlink()
     # the same shards in a copy of the folder, run from elsewhere with the same pattern: the run resumes
     moved = workdir / "moved"
     write_own_shards(moved / "data", tokens)
@@ -271,6 +272,19 @@ def test_track3_refuses_other_train_shards_and_resumes_from_moved_ones(workdir, 
     resumed = tgs.run([*own, f"--resume={checkpoint}"])
     assert sorted(resumed.trials[0].val_losses) == [4]
     assert f"resumed_from: {checkpoint} (run " in resumed.log_path.read_text()
+
+
+@pytest.mark.parametrize("module", [tg, tgs])
+def test_shards_added_after_the_runs_differ_only_where_the_run_cycles(module):
+    shard = lambda name, tokens: dict(name=name, bytes=4 * module.SHARD_HEADER_INTS + 2 * tokens, tokens=tokens)
+    saved = [shard("a.bin", 8), shard("b.bin", 8)]
+    added = [*saved, shard("c.bin", 4)]
+    assert module.first_shard_difference(saved, added, appended_ok=True) is None
+    assert module.first_shard_difference(saved, added, appended_ok=False) == (
+        f"it matches 3 shards where the run read 2, the first new one being c.bin (4 tokens, {added[2]['bytes']} bytes)")
+    assert module.first_shard_difference(saved, saved[:1], appended_ok=True) == (
+        f"it matches 1 shard where the run read 2, the first missing being b.bin (8 tokens, {saved[1]['bytes']} bytes)")
+    assert module.first_shard_difference(saved, [saved[1], saved[0], added[2]], appended_ok=True).startswith("shard 1 here is b.bin")
 
 
 def track1(tmp_path: Path, cwd: Path, **extra: object) -> subprocess.CompletedProcess:
@@ -298,7 +312,7 @@ def test_track1_refuses_edited_settings_and_other_train_shards_and_resumes_from_
     assert result.returncode == 2 and result.stderr.splitlines() == [
         f"train_gpt.py: error: --resume={checkpoint}: the --train_files pattern matches other shards than the run read: it "
         f"matches 1 shard where the run read 2, the first missing being tiny_train_000001.bin (60000 tokens, 121024 bytes); "
-        f"resume where it matches the run's shards (the same files, DATA_PATH and working folder), or start a new run"]
+        f"make it match the run's shards (move other files out of the pattern's folder, or restore the run's), or start a new run"]
     assert list((tmp_path / "logs").glob("*.txt")) == [first_log]
     # the data folder moved beside a copy of the repository's run folder: the same pattern resumes there
     make_shards(tmp_path / "moved" / "data")
