@@ -1226,7 +1226,8 @@ def print_report(versions: list[Version], baseline: list[RoundResult], candidate
         )
     if s.get("abba_balanced") is False:
         print(abba_unbalanced_line(s["abba_rounds"]))
-    print(f"peak allocated: baseline {_stat(s['baseline_peak_mib'] / 1024, '.2f', 'not reported')} GiB, candidate {_stat(s['candidate_peak_mib'] / 1024, '.2f', 'not reported')} GiB")
+    peak = lambda mib: f"{mib / 1024:.2f} GiB" if math.isfinite(mib) else "not reported"
+    print(f"peak allocated: baseline {peak(s['baseline_peak_mib'])}, candidate {peak(s['candidate_peak_mib'])}")
     if s["val_not_finite"]:
         print(val_not_finite_line(s["val_not_finite"]))
     over = "" if s["val_rounds"] == len(s["ratios"]) else f" (over the {s['val_rounds']} of {len(s['ratios'])} rounds with both finite)"

@@ -8,14 +8,14 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hub_download import FINEWEB10B, FINEWEBEDU10B, STAGING_DIR_NAME, DownloadError, download_shards, shard_names
+from hub_download import FINEWEB10B, FINEWEBEDU10B, STAGING_DIR_NAME, DownloadError, connection_errors, download_shards, shard_names
 from shards import read_shard, write_shard
 
 DATA_DIR = Path(__file__).resolve().parents[1]
@@ -217,17 +217,18 @@ def test_entry_script_honours_hf_endpoint(fake_hub: FakeHub, tmp_path: Path) -> 
     assert sorted(p.name for p in out.iterdir()) == sorted(names)
 
 
-def raising(error: BaseException):
+def raising(error: BaseException) -> Callable[..., None]:
     def probe(*args: object, **kwargs: object) -> None:
         raise error
 
     return probe
 
 
-def test_a_connection_error_of_the_installed_client_is_one_sentence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize("client_error", connection_errors())  # OSError (requests, offline mode), each installed httpx's RequestError
+def test_a_connection_error_of_the_installed_client_is_one_sentence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                     client_error: type[Exception]) -> None:
     import hub_download
 
-    client_error = hub_download.connection_errors()[-1]  # httpx2's or httpx's RequestError, else OSError
     monkeypatch.setattr(hub_download, "get_hf_file_metadata", raising(client_error("connection refused")))
     with pytest.raises(DownloadError, match=r"^Cannot reach the Hugging Face Hub at .*connection refused"):
         hub_download.check_hub_reachable("kjj0/fineweb10B-gpt2", "fineweb_val_000000.bin", tmp_path, "http://127.0.0.1:9")

@@ -118,9 +118,10 @@ def _log_hashes(side: Side) -> dict[str, Path]:
 def _refuse_shared_logs(against: str, record: Side, new: Side) -> None:
     """A log on both sides would be compared with itself (a diff of +0.000 s, or a verdict on half-copied runs): the
     new run's log was passed by mistake, or --against names the new runs' own folder."""
-    shared = _log_hashes(new).keys() & _log_hashes(record).keys()
+    new_logs = _log_hashes(new)
+    shared = new_logs.keys() & _log_hashes(record).keys()
     if shared:
-        new_log = _log_hashes(new)[min(shared)]
+        new_log = new_logs[min(shared)]
         more = f" (and {len(shared) - 1} more)" if len(shared) > 1 else ""
         raise RecordsError(f"{new_log}{more}: the same log (same bytes) is among the new runs and in --against {against}; a diff "
                            "compares new runs with another record: pass the new runs' logs and the prior record's")

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from .errors import RecordsError
 from .folders import file_in_the_way
-from .parse import read_log_bytes, log_lines, parse_text, source_first_lines, split_layout, split_sources
+from .parse import Layout, log_lines, parse_environment, parse_text, read_log_bytes, source_first_lines, split_layout, split_sources
 
 # surrogateescape maps each byte that is not valid UTF-8 to one code point in this range, and back.
 _ESCAPED_BYTES = range(0xDC80, 0xDD00)
@@ -25,6 +27,7 @@ _ESCAPED_BYTES = range(0xDC80, 0xDD00)
 class Extraction:
     written: list[Path]
     invalid_bytes: int  # bytes that are not valid UTF-8, kept as they were
+    python_unchecked: str | None = None  # the log's Python where it is newer than this one: its code was not compiled
 
 
 def extraction_plan(log: Path, output: Path) -> dict[Path, str]:
@@ -73,7 +76,7 @@ def extract_sources(log: Path, output: Path) -> Extraction:
     """Write every embedded file; refuse before writing anything if one of them already exists, or a file stands where
     one of their folders should be."""
     plan = file_plan(log, output)
-    _refuse_broken_python(log, output)
+    unchecked = _refuse_broken_python(log, output)
     _refuse_blocked(plan)
     for path, content in plan.items():
         try:
@@ -87,35 +90,62 @@ def extract_sources(log: Path, output: Path) -> Extraction:
             raise RecordsError(f"{path}: appeared while extracting; extract into an empty folder") from None
         except OSError as exc:
             raise _cannot_write(path, exc) from None
-    return Extraction(list(plan), sum(invalid_byte_count(content) for content in plan.values()))
+    return Extraction(list(plan), sum(invalid_byte_count(content) for content in plan.values()), unchecked)
 
 
-def _refuse_broken_python(log: Path, output: Path) -> None:
+def logged_python(layout: Layout) -> tuple[int, int] | None:
+    """The (major, minor) of the `Running Python X.Y...` line, if the log has one."""
+    match = re.match(r"(\d+)\.(\d+)", parse_environment(layout.env_lines, layout.step_lines).python or "")
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def _refuse_broken_python(log: Path, output: Path) -> str | None:
     """Refuse a log whose embedded script (or an appended .py file) does not compile: its code section was cut short or
-    damaged while the rest of the log followed, and the file written would not run, so it reproduces nothing."""
+    damaged while the rest of the log followed, and the file written would not run, so it reproduces nothing. Code of a
+    newer Python than this one may use syntax this one lacks (3.12's f-strings in 3.11): there only what looks like a
+    cut (looks_cut) is refused, and the log's Python is returned when an error was let through."""
     data = read_log_bytes(log)
     layout = split_layout(log_lines(data.decode("utf-8", errors="replace")))
+    python = logged_python(layout)
+    newer = python is not None and python > sys.version_info[:2]
     starts = source_first_lines(layout.code_text)
+    unchecked = None
     for name, source in split_sources(layout.code_text).items():
         if name != "__script__" and not name.endswith(".py"):
             continue
-        error = _syntax_error(source, output if name == "__script__" else output.parent / name)
-        if error is None:
+        problem = _compile_problem(source, output if name == "__script__" else output.parent / name)
+        if problem is None:
             continue
+        message, line_in_file = problem
         lines_in_file = max(source.count("\n") + (not source.endswith("\n")), 1)
-        line = layout.code_start + starts[name] + min(max(error.lineno or 1, 1), lines_in_file)  # 1-based, in the log
+        if newer and message != NUL_PROBLEM and not looks_cut(message, line_in_file, lines_in_file):
+            unchecked = ".".join(map(str, python))
+            continue
+        line = layout.code_start + starts[name] + min(max(line_in_file, 1), lines_in_file)  # 1-based, in the log
         what = "the embedded script" if name == "__script__" else f"the embedded file {name}"
-        raise RecordsError(f"{log}: {what} breaks at line {line} of the log ({error.msg}): cut short or damaged, it would not run; "
+        raise RecordsError(f"{log}: {what} breaks at line {line} of the log ({message}): cut short or damaged, it would not run; "
                            "extract from an intact log of the run (nothing was written)")
+    return unchecked
 
 
-def _syntax_error(source: str, path: Path) -> SyntaxError | None:
+NUL_PROBLEM = "a NUL byte"  # no Python takes one in source
+
+
+def looks_cut(message: str, line_in_file: int, lines_in_file: int) -> bool:
+    """A compile error that a file cut short gives, in any Python: at its last line, or a bracket or string left open."""
+    return line_in_file >= lines_in_file or any(sign in message for sign in ("never closed", "unterminated", "unexpected EOF"))
+
+
+def _compile_problem(source: str, path: Path) -> tuple[str, int] | None:
+    """Why the source does not compile and on which of its lines (1-based), or None."""
+    if "\0" in source:  # compile() refuses NUL bytes with a ValueError (3.10) or a SyntaxError without a line (3.11)
+        return NUL_PROBLEM, source.count("\n", 0, source.index("\0")) + 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SyntaxWarnings (an invalid escape) are the script's business, not extract's
         try:
             compile(source, str(path), "exec")
         except SyntaxError as error:
-            return error
+            return error.msg, error.lineno or 1
     return None
 
 

@@ -261,7 +261,8 @@ def _download(entry: PublishedLog, target: Path, source: str, bar: tqdm) -> None
                     bar.update(len(chunk))
         except urllib.error.HTTPError as exc:
             raise RecordsError(f"{url}: HTTP {exc.code} {exc.reason}; set --source-url (or ${SOURCE_URL_ENV}) to a server of "
-                               f"{PUBLISHED_REPOSITORY} at {PUBLISHED_COMMIT[:12]}, or pass --against LOCAL_DIR") from None
+                               f"{PUBLISHED_REPOSITORY} at {PUBLISHED_COMMIT[:12]} (file:///PATH of a clone works), or with diff "
+                               "pass --against LOCAL_DIR with the record's logs") from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:  # refused, unreachable, timed out, cut off
             reason = getattr(exc, "reason", None) or exc
             # `fetch` has no --against: the advice names what each command can do offline.

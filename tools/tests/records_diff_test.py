@@ -293,3 +293,30 @@ def test_an_empty_path_argument_is_one_line_never_the_current_folder(tmp_path: P
     assert capsys.readouterr().err == (f"{prog}: error: argument {option}: '' is empty, which would be read as the current folder; "
                                        f"pass a path; see `{prog} --help`\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+def test_extract_lets_through_a_newer_pythons_syntax_and_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 2025-04 Track 2 logs ran Python 3.12, whose f-strings 3.11 cannot compile: they were refused as cut short.
+    text = F.track1_2025().replace("Running Python 3.12.7", "Running Python 3.99.0")
+    middle = "def kernel_grid(n):"  # a line in the middle of the appended kernels: syntax no Python has yet, then the rest
+    log = F.write(tmp_path / "newer.txt", text.replace(middle, "match n with grid:\n    pass\n" + middle, 1))
+    out_dir = tmp_path / "out"
+    assert main(["extract", str(log), "-o", str(out_dir / "train_gpt.py")]) == 0
+    err = capsys.readouterr().err
+    assert err == (f"note: {log}: the run used Python 3.99, and its code does not compile in this {sys.version_info[0]}."
+                   f"{sys.version_info[1]} for a reason a cut would not give (newer syntax?); run it with Python 3.99\n")
+    assert "match n with grid:" in (out_dir / "triton_kernels.py").read_text()
+
+
+@pytest.mark.parametrize("python", ["3.12.7", "3.99.0"])
+def test_extract_refuses_a_nul_byte_in_the_code_whatever_the_python(tmp_path: Path, python: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # compile() raised ValueError on 3.10 (a traceback) and a SyntaxError without a line on 3.11 ("line 1 of the log")
+    text = F.track1_2025().replace("Running Python 3.12.7", f"Running Python {python}")
+    line = text.split("\n").index("def kernel_grid(n):") + 1
+    log = F.write(tmp_path / "nul.txt", text.replace("def kernel_grid(n):", "def kernel_\0grid(n):", 1))
+    assert main(["extract", str(log), "-o", str(tmp_path / "out" / "train_gpt.py")]) == 2
+    assert capsys.readouterr().err == (f"records: error: {log}: the embedded file triton_kernels.py breaks at line {line} of the log "
+                                       "(a NUL byte): cut short or damaged, it would not run; extract from an intact log of the "
+                                       "run (nothing was written)\n")
+    assert not (tmp_path / "out").exists()
