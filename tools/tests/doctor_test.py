@@ -352,7 +352,7 @@ def test_expected_speed_only_for_a_measured_gpu_and_the_record_configuration():
     two = dr.check_expected_speed(gpus(2), plan(nproc=2))
     assert two.detail.startswith("284 ms/step") and "0.49x" in two.detail  # 283.6-283.8: one figure once rounded
     h100 = dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan())
-    assert h100.status == "ok" and h100.detail.startswith("611-613 ms/step on NVIDIA H100 80GB HBM3 (1 GPU, 8 micro-steps; 629e1fa")
+    assert h100.status == "ok" and h100.detail.startswith("605-613 ms/step on NVIDIA H100 80GB HBM3 (1 GPU, 8 micro-steps; 629e1fa and 7fb9d5d")
     assert dr.check_expected_speed(gpus(1), plan(track=3)).detail.startswith("1,423 ms/step")
     assert dr.check_expected_speed(gpus(2), plan(track=3, nproc=2)).detail.startswith("715 ms/step")
     assert dr.check_expected_speed(gpus(8), plan(nproc=8)).status == "skip"  # not measured
