@@ -1760,12 +1760,14 @@ def check_same_train_shards(path_text: str, manifest: dict[str, Any], train_shar
     silently train on other data. Shards added after the run's are allowed without cycling (the loader reaches them
     only where the run stopped for want of data, which is what adding shards is for); with cycling they would change
     where it starts over."""
-    cycle = bool(manifest["hyperparameters"].get("cycle_train_files"))
-    difference = first_shard_difference(manifest["train_shards"], train_shards, appended_ok=not cycle)
+    saved = manifest["train_shards"]
+    difference = first_shard_difference(saved, train_shards, appended_ok=not manifest["hyperparameters"].get("cycle_train_files"))
     if difference is not None:
+        added = len(train_shards) > len(saved) and train_shards[: len(saved)] == saved  # refused only because it cycles
+        why = " (the run cycles through its shards, so added ones would change where it starts over)" if added else ""
         raise UserError(f"--resume={path_text}: the --train_files pattern matches other shards than the run read: "
-                        f"{difference}; make it match the run's shards{' (with --cycle_train_files, no more)' if cycle else ''} "
-                        f"(move other files out of the pattern's folder, or restore the run's), or start a new run")
+                        f"{difference}{why}; make it match the run's shards (move other files out of the pattern's folder, "
+                        f"or restore the run's), or start a new run")
 
 
 def writer_commit_note(manifest: Any) -> str:

@@ -1196,6 +1196,10 @@ def _stat(value: float, spec: str, undefined: str = "undefined") -> str:
     return format(value, spec) if math.isfinite(value) else undefined
 
 
+def _gib(mib: float) -> str:
+    return f"{mib / 1024:.2f} GiB" if math.isfinite(mib) else "not reported"  # no workers' peak: no unit either
+
+
 def abba_unbalanced_line(counts: dict[str, int]) -> str:
     return (
         f"abba order unbalanced: {counts['baseline_first']} round(s) with the baseline (A) first, {counts['candidate_first']} with "
@@ -1226,8 +1230,7 @@ def print_report(versions: list[Version], baseline: list[RoundResult], candidate
         )
     if s.get("abba_balanced") is False:
         print(abba_unbalanced_line(s["abba_rounds"]))
-    peak = lambda mib: f"{mib / 1024:.2f} GiB" if math.isfinite(mib) else "not reported"
-    print(f"peak allocated: baseline {peak(s['baseline_peak_mib'])}, candidate {peak(s['candidate_peak_mib'])}")
+    print(f"peak allocated: baseline {_gib(s['baseline_peak_mib'])}, candidate {_gib(s['candidate_peak_mib'])}")
     if s["val_not_finite"]:
         print(val_not_finite_line(s["val_not_finite"]))
     over = "" if s["val_rounds"] == len(s["ratios"]) else f" (over the {s['val_rounds']} of {len(s['ratios'])} rounds with both finite)"

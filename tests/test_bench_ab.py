@@ -274,6 +274,14 @@ def test_one_round_or_none_finite_gives_undefined_figures_and_nulls(ab, tmp_path
         assert summary[key] is None, key
     assert summary["ratio_median"] == pytest.approx(0.9)
     assert "final val loss (over the 0 of 1 rounds with both finite): baseline undefined (sd undefined)" in out
+    assert "peak allocated: baseline 1.00 GiB, candidate 1.00 GiB" in out
+
+
+def test_a_peak_no_round_reported_is_not_reported_without_a_unit(ab, tmp_path, capsys):
+    baseline, candidate = rounds_of(ab, [(100.0, 90.0, 3.5, 3.5)])
+    candidate = [ab.RoundResult(r.seed, r.ms_per_step, r.val_loss, math.nan) for r in candidate]
+    report_of(ab, tmp_path, baseline, candidate, "alternate")
+    assert "peak allocated: baseline 1.00 GiB, candidate not reported\n" in capsys.readouterr().out
     assert "nan" not in out.splitlines()[-1]
 
 

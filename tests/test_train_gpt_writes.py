@@ -287,6 +287,21 @@ def test_shards_added_after_the_runs_differ_only_where_the_run_cycles(module):
     assert module.first_shard_difference(saved, [saved[1], saved[0], added[2]], appended_ok=True).startswith("shard 1 here is b.bin")
 
 
+@pytest.mark.parametrize("module", [tg, tgs])
+def test_a_shard_added_to_a_cycling_run_is_refused_saying_why(module):
+    shard = dict(name="a.bin", bytes=4 * module.SHARD_HEADER_INTS + 16, tokens=8)
+    added = dict(shard, name="b.bin")
+    manifest = dict(train_shards=[shard], hyperparameters=dict(cycle_train_files=True))
+    with pytest.raises(module.UserError) as refused:
+        module.check_same_train_shards("ck/step000002", manifest, [shard, added])
+    assert str(refused.value) == (
+        f"--resume=ck/step000002: the --train_files pattern matches other shards than the run read: it matches 2 shards "
+        f"where the run read 1, the first new one being b.bin (8 tokens, {shard['bytes']} bytes) (the run cycles through its "
+        f"shards, so added ones would change where it starts over); make it match the run's shards (move other files out of "
+        f"the pattern's folder, or restore the run's), or start a new run")
+    module.check_same_train_shards("ck/step000002", dict(manifest, hyperparameters=dict(cycle_train_files=False)), [shard, added])
+
+
 def track1(tmp_path: Path, cwd: Path, **extra: object) -> subprocess.CompletedProcess:
     """A 4-step Track 1 run of the tiny configuration on the shards of cwd/data, named by a relative pattern."""
     args = tiny_args("data/tiny_train_*.bin", "data/tiny_val_*.bin", tmp_path / "logs", num_iterations=4, iteration_extension=0, **extra)

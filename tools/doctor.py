@@ -104,7 +104,7 @@ MEASURED_ON = "measured on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6
 MEASURED_MS_PER_STEP: dict[tuple[str, int, int], tuple[float, float, str]] = {
     ("NVIDIA H200", 1, 1): (578.7, 579.1, "1 GPU, 8 micro-steps; 629e1fa, 2026-12-06"),
     ("NVIDIA H200", 1, 2): (0.49 * 578.7, 0.49 * 579.1, "2 GPUs: 0.49x the 1-GPU time, a ratio measured on 2026-11-30, before the speed work"),
-    ("NVIDIA H100 80GB HBM3", 1, 1): (605.0, 612.7, "1 GPU, 8 micro-steps; 629e1fa and 7fb9d5d, 2026-12-06, four invocations on three machines"),
+    ("NVIDIA H100 80GB HBM3", 1, 1): (605.0, 612.7, "1 GPU, 8 micro-steps; 629e1fa and 7fb9d5d, 2026-12-06, four invocations"),
     ("NVIDIA H200", 3, 1): (1422.9, 1422.9, "1 GPU, Shampoo roots on 8 streams, steps 11-150; 2026-11-30"),
     ("NVIDIA H200", 3, 2): (714.8, 714.8, "2 GPUs, 30 steps; 2026-11-30"),
 }

@@ -483,7 +483,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
               "written back unchanged; Python will refuse the file until they are fixed", file=sys.stderr)
     if extraction.python_unchecked:
         print(f"note: {args.log}: the run used Python {extraction.python_unchecked}, and its code does not compile in this "
-              f"{sys.version_info[0]}.{sys.version_info[1]} for a reason a cut would not give (newer syntax?); run it with "
+              f"Python {sys.version_info[0]}.{sys.version_info[1]}, for a reason other than a cut (newer syntax?); run it with "
               f"Python {extraction.python_unchecked}", file=sys.stderr)
     return 0
 

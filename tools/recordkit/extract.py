@@ -8,9 +8,11 @@ that are not valid UTF-8 are written back unchanged (decoded and encoded with `s
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import sys
+import tokenize
 import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -119,8 +121,11 @@ def _refuse_broken_python(log: Path, output: Path) -> str | None:
         message, line_in_file = problem
         lines_in_file = max(source.count("\n") + (not source.endswith("\n")), 1)
         if newer and message != NUL_PROBLEM and not looks_cut(message, line_in_file, lines_in_file):
-            unchecked = ".".join(map(str, python))
-            continue
+            cut = cut_in_tokens(source)  # compile() names only the first error: newer syntax can hide a cut after it
+            if cut is None:
+                unchecked = ".".join(map(str, python))
+                continue
+            message, line_in_file = cut
         line = layout.code_start + starts[name] + min(max(line_in_file, 1), lines_in_file)  # 1-based, in the log
         what = "the embedded script" if name == "__script__" else f"the embedded file {name}"
         raise RecordsError(f"{log}: {what} breaks at line {line} of the log ({message}): cut short or damaged, it would not run; "
@@ -134,6 +139,23 @@ NUL_PROBLEM = "a NUL byte"  # no Python takes one in source
 def looks_cut(message: str, line_in_file: int, lines_in_file: int) -> bool:
     """A compile error that a file cut short gives, in any Python: at its last line, or a bracket or string left open."""
     return line_in_file >= lines_in_file or any(sign in message for sign in ("never closed", "unterminated", "unexpected EOF"))
+
+
+def cut_in_tokens(source: str) -> tuple[str, int] | None:
+    """A cut that this Python's tokenizer sees through syntax it cannot compile (it reads 3.12's f-strings as strings):
+    a bracket or string still open at the end, or a last line that opens a block; with the file's last line."""
+    last = max(source.count("\n") + (not source.endswith("\n")), 1)
+    try:
+        for _ in tokenize.generate_tokens(io.StringIO(source).readline):
+            pass
+    except tokenize.TokenError as error:  # "EOF in multi-line statement" / "... string"
+        return str(error.args[0]), last
+    except SyntaxError:  # an indentation or character this Python rejects: newer syntax or damage, not told apart here
+        return None
+    lines = [line for line in source.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if lines and lines[-1].rstrip().endswith(":"):
+        return "a block opened on the last line", last
+    return None
 
 
 def _compile_problem(source: str, path: Path) -> tuple[str, int] | None:

@@ -303,8 +303,8 @@ def test_extract_lets_through_a_newer_pythons_syntax_and_says_so(tmp_path: Path,
     out_dir = tmp_path / "out"
     assert main(["extract", str(log), "-o", str(out_dir / "train_gpt.py")]) == 0
     err = capsys.readouterr().err
-    assert err == (f"note: {log}: the run used Python 3.99, and its code does not compile in this {sys.version_info[0]}."
-                   f"{sys.version_info[1]} for a reason a cut would not give (newer syntax?); run it with Python 3.99\n")
+    assert err == (f"note: {log}: the run used Python 3.99, and its code does not compile in this Python {sys.version_info[0]}."
+                   f"{sys.version_info[1]}, for a reason other than a cut (newer syntax?); run it with Python 3.99\n")
     assert "match n with grid:" in (out_dir / "triton_kernels.py").read_text()
 
 
@@ -319,4 +319,19 @@ def test_extract_refuses_a_nul_byte_in_the_code_whatever_the_python(tmp_path: Pa
     assert capsys.readouterr().err == (f"records: error: {log}: the embedded file triton_kernels.py breaks at line {line} of the log "
                                        "(a NUL byte): cut short or damaged, it would not run; extract from an intact log of the "
                                        "run (nothing was written)\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cut", ["def kernel_grid(n):", "def kernel_grid(n"])
+def test_extract_of_a_newer_pythons_log_cut_after_newer_syntax_is_refused(tmp_path: Path, cut: str,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # compile() names only the first error, the newer syntax, so a cut after it passed as "newer syntax?"
+    text = F.track1_2025().replace("Running Python 3.12.7", "Running Python 3.99.0")
+    text = text.replace("def kernel_grid(n):", "match n with grid:\n    pass\ndef kernel_grid(n):", 1)
+    code_end = text.index("def kernel_grid(n):") + len(cut)
+    log = F.write(tmp_path / "cut.txt", text[:code_end] + "\n" + text[text.index("=" * 100):])
+    assert main(["extract", str(log), "-o", str(tmp_path / "out" / "train_gpt.py")]) == 2
+    err = capsys.readouterr().err
+    reason = "a block opened on the last line" if cut.endswith(":") else "('EOF in multi-line statement'"
+    assert err.startswith(f"records: error: {log}: the embedded file triton_kernels.py breaks at line ") and reason.strip("('") in err
     assert not (tmp_path / "out").exists()
