@@ -2657,6 +2657,23 @@ def train_shard_record(files: Sequence[str]) -> list[dict[str, Any]]:
     return [dict(name=os.path.basename(path), bytes=os.path.getsize(path), tokens=read_shard_header(path)) for path in files]
 
 
+def check_ranks_read_the_same_shards(train_shards: list[dict[str, Any]], rt: Runtime) -> None:
+    """Collective: every rank's --train_files matches the shards rank 0's does. Each rank resolves the pattern itself,
+    so machines without a shared file system can hold different copies; ranks reading different shards would train,
+    and a resumed run continue, on data that no log or checkpoint records."""
+    everyone: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(everyone, train_shards)
+    reference = everyone[0]
+    show = lambda shards, index: (f"{shards[index]['name']} ({shards[index]['tokens']} tokens, {shards[index]['bytes']} bytes)"
+                                  if index < len(shards) else "none")
+    for rank, shards in enumerate(everyone):
+        if shards != reference:
+            first = next((i for i, (a, b) in enumerate(zip(reference, shards)) if a != b), min(len(reference), len(shards)))
+            raise UserError(f"--train_files: rank {rank} matches {len(shards)} shards and rank 0 {len(reference)}, the first "
+                            f"difference at shard {first + 1}: {show(shards, first)} on rank {rank}, {show(reference, first)} "
+                            f"on rank 0; give every machine the same shard files")
+
+
 def first_shard_difference(saved: list[dict[str, Any]], found: list[dict[str, Any]], appended_ok: bool) -> str | None:
     """The first difference between the run's train shards and those the pattern matches now, as a phrase; with
     appended_ok, shards after the run's are none."""
@@ -3077,6 +3094,7 @@ def run(argv: list[str]) -> float:
         val_files, val_tokens=hp.val_tokens, val_batch_size=hp.val_batch_size, grad_accum_steps=rt.grad_accum_steps, vocab_size=hp.vocab_size
     )
     train_shards = train_shard_record(train_files)  # what a checkpoint records of the shards the loader reads
+    check_ranks_read_the_same_shards(train_shards, rt)
     resume = open_checkpoint(hp.resume, settings, train_shards, rt) if hp.resume else None
     if hp.checkpoint_every and hp.checkpoint_dir:  # the default folder is new: named by the run id
         check_checkpoints_are_new(Path(hp.checkpoint_dir), hp, resume.step if resume else 0)

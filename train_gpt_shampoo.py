@@ -1739,6 +1739,23 @@ def train_shard_record(files: Sequence[str]) -> list[dict[str, Any]]:
     return [dict(name=os.path.basename(path), bytes=os.path.getsize(path), tokens=read_shard_header(path)) for path in files]
 
 
+def check_ranks_read_the_same_shards(train_shards: list[dict[str, Any]], rt: Runtime) -> None:
+    """Collective: every rank's --train_files matches the shards rank 0's does. Each rank resolves the pattern itself,
+    so machines without a shared file system can hold different copies; ranks reading different shards would train,
+    and a resumed run continue, on data that no log or checkpoint records."""
+    everyone: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(everyone, train_shards)
+    reference = everyone[0]
+    show = lambda shards, index: (f"{shards[index]['name']} ({shards[index]['tokens']} tokens, {shards[index]['bytes']} bytes)"
+                                  if index < len(shards) else "none")
+    for rank, shards in enumerate(everyone):
+        if shards != reference:
+            first = next((i for i, (a, b) in enumerate(zip(reference, shards)) if a != b), min(len(reference), len(shards)))
+            raise UserError(f"--train_files: rank {rank} matches {len(shards)} shards and rank 0 {len(reference)}, the first "
+                            f"difference at shard {first + 1}: {show(shards, first)} on rank {rank}, {show(reference, first)} "
+                            f"on rank 0; give every machine the same shard files")
+
+
 def first_shard_difference(saved: list[dict[str, Any]], found: list[dict[str, Any]], appended_ok: bool) -> str | None:
     """The first difference between the run's train shards and those the pattern matches now, as a phrase; with
     appended_ok, shards after the run's are none."""
@@ -2130,6 +2147,7 @@ def run(argv: Sequence[str]) -> RunResult:
         check_val_is_held_out(train_files, val_files)
         token_counts = check_train_data(train_files, hp.vocab_size), sum(read_shard_header(path) for path in val_files)
         train_shards = train_shard_record(train_files)
+        check_ranks_read_the_same_shards(train_shards, rt)
         resume = prepare_resume(hp, settings, train_shards, rt)  # after the shards: a checkpoint names the ones it read
         _last_checkpoint = resume.path if resume is not None else None
         return train_trials(hp, settings, overrides, rt, train_files, train_shards, val_files, token_counts, resume, run_started)

@@ -361,6 +361,34 @@ dist.destroy_process_group()
 """
 
 
+SHARDS_ON_TWO_RANKS = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+module, rank = __import__(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[4]}", rank=rank, world_size=2)
+rt = module.Runtime(rank, 2, rank, torch.device("cpu"))
+shard = dict(name="a.bin", bytes=1040, tokens=8)
+try:
+    module.check_ranks_read_the_same_shards([shard, dict(shard, name="b.bin")] if rank == 1 else [shard], rt)
+    print("agreed")
+except module.UserError as error:
+    print(error)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("script", ["train_gpt", "train_gpt_shampoo"])
+def test_ranks_whose_patterns_match_other_shards_all_stop_with_one_line(script):
+    port = free_port()
+    processes = [subprocess.Popen([sys.executable, "-c", SHARDS_ON_TWO_RANKS, str(ROOT), script, str(rank), str(port)],
+                                  env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    results = [process.communicate(timeout=120) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], [stderr[-2000:] for _, stderr in results]
+    expected = ("--train_files: rank 1 matches 2 shards and rank 0 1, the first difference at shard 2: b.bin (8 tokens, "
+                "1040 bytes) on rank 1, none on rank 0; give every machine the same shard files")
+    assert [stdout.strip() for stdout, _ in results] == [expected, expected]
+
+
 @pytest.mark.parametrize("script", ["train_gpt", "train_gpt_shampoo"])
 def test_each_rank_verifies_the_files_it_loads_and_all_agree(script, tmp_path):
     """Each rank hashes shared.pt and its own rank<r>.pt, not the whole checkpoint; a damaged rank1.pt stops rank 0 as
