@@ -2664,8 +2664,7 @@ def check_ranks_read_the_same_shards(train_shards: list[dict[str, Any]], rt: Run
     everyone: list[Any] = [None] * rt.world_size
     dist.all_gather_object(everyone, train_shards)
     reference = everyone[0]
-    show = lambda shards, index: (f"{shards[index]['name']} ({shards[index]['tokens']} tokens, {shards[index]['bytes']} bytes)"
-                                  if index < len(shards) else "none")
+    show = lambda shards, index: shard_text(shards[index]) if index < len(shards) else "none"
     for rank, shards in enumerate(everyone):
         if shards != reference:
             first = next((i for i, (a, b) in enumerate(zip(reference, shards)) if a != b), min(len(reference), len(shards)))
@@ -2674,18 +2673,22 @@ def check_ranks_read_the_same_shards(train_shards: list[dict[str, Any]], rt: Run
                             f"on rank 0; give every machine the same shard files")
 
 
+def shard_text(shard: dict[str, Any]) -> str:
+    """One entry of train_shard_record as the refusals name it."""
+    return f"{shard['name']} ({shard['tokens']} tokens, {shard['bytes']} bytes)"
+
+
 def first_shard_difference(saved: list[dict[str, Any]], found: list[dict[str, Any]], appended_ok: bool) -> str | None:
     """The first difference between the run's train shards and those the pattern matches now, as a phrase; with
     appended_ok, shards after the run's are none."""
-    show = lambda shard: f"{shard['name']} ({shard['tokens']} tokens, {shard['bytes']} bytes)"
     for number, (then, now) in enumerate(zip(saved, found), 1):
         if then != now:
-            return f"shard {number} here is {show(now)}, the run's was {show(then)}"
+            return f"shard {number} here is {shard_text(now)}, the run's was {shard_text(then)}"
     counts = f"it matches {len(found)} shard{'s' if len(found) != 1 else ''} where the run read {len(saved)}"
     if len(found) < len(saved):
-        return f"{counts}, the first missing being {show(saved[len(found)])}"
+        return f"{counts}, the first missing being {shard_text(saved[len(found)])}"
     if len(found) > len(saved) and not appended_ok:
-        return f"{counts}, the first new one being {show(found[len(saved)])}"
+        return f"{counts}, the first new one being {shard_text(found[len(saved)])}"
     return None
 
 

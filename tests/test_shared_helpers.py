@@ -50,7 +50,7 @@ SHARED = (
     "agree_on_checkpoint_write", "stage_checkpoint_files", "publish_checkpoint", "ResumePoint", "read_manifest",
     "file_sha256", "checkpoint_problem", "checkpoint_file_names", "previous_complete_checkpoint", "checkpoint_manifest",
     "MANIFEST_FIELDS", "manifest_problem", "writer_commit_note", "first_setting_difference", "check_shared_state",
-    "check_same_settings", "train_shard_record", "check_ranks_read_the_same_shards", "first_shard_difference", "check_same_train_shards", "open_checkpoint",
+    "check_same_settings", "train_shard_record", "check_ranks_read_the_same_shards", "shard_text", "first_shard_difference", "check_same_train_shards", "open_checkpoint",
     "checkpoint_steps",
 )
 

@@ -119,7 +119,7 @@ def _refuse_broken_python(log: Path, output: Path) -> str | None:
         if problem is None:
             continue
         message, line_in_file = problem
-        lines_in_file = max(source.count("\n") + (not source.endswith("\n")), 1)
+        lines_in_file = line_count(source)
         if newer and message != NUL_PROBLEM and not looks_cut(message, line_in_file, lines_in_file):
             cut = cut_in_tokens(source)  # compile() names only the first error: newer syntax can hide a cut after it
             if cut is None:
@@ -133,6 +133,11 @@ def _refuse_broken_python(log: Path, output: Path) -> str | None:
     return unchecked
 
 
+def line_count(source: str) -> int:
+    """Lines in the source, a last one without a newline included (at least 1: compile() names line 1 of an empty file)."""
+    return max(source.count("\n") + (not source.endswith("\n")), 1)
+
+
 NUL_PROBLEM = "a NUL byte"  # no Python takes one in source
 
 
@@ -144,7 +149,7 @@ def looks_cut(message: str, line_in_file: int, lines_in_file: int) -> bool:
 def cut_in_tokens(source: str) -> tuple[str, int] | None:
     """A cut that this Python's tokenizer sees through syntax it cannot compile (it reads 3.12's f-strings as strings):
     a bracket or string still open at the end, or a last line that opens a block; with the file's last line."""
-    last = max(source.count("\n") + (not source.endswith("\n")), 1)
+    last = line_count(source)
     try:
         for _ in tokenize.generate_tokens(io.StringIO(source).readline):
             pass
