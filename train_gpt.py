@@ -3,8 +3,8 @@
 Implements the 2025-09-23 "MuonCustomSizing" record recipe (modded-nanogpt track 1), documented constant by
 constant in docs/track1_recipe.md:
 12 block slots with U-net skips, value embeddings, smear and attention gates, YaRN rotary, sliding-window
-document attention (FlashAttention-3 varlen, FlexAttention, torch's varlen_attn, or a plain reference), an FP8
-head, Muon with custom parameter groups, and a sharded Adam.
+document attention (FlashAttention-3 varlen, FlexAttention, flash-attn-4, torch's varlen_attn, or a plain
+reference), an FP8 head, Muon with custom parameter groups, and a sharded Adam.
 
     torchrun --standalone --nproc_per_node=8 train_gpt.py              # the record run
     python train_gpt.py --preset=smoke                                  # tiny CPU run of the whole pipeline
@@ -23,6 +23,7 @@ import fcntl
 import gc
 import glob
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -73,6 +74,19 @@ try:
     from flash_attn_interface import flash_attn_varlen_func  # FlashAttention-3 (Hopper); optional
 except ImportError:
     flash_attn_varlen_func = None
+
+
+FLASH_ATTN_4_TESTED = "4.0.0b40"  # the fa4 backend calls its private _flash_attn_fwd / _flash_attn_bwd
+
+
+def flash_attn_4_installed() -> bool:
+    """Whether the flash-attn-4 distribution is installed (its metadata; importing flash_attn.cute would load the
+    CuTe DSL compiler, seconds, and flash-attn 2 owns a package of the same name)."""
+    try:
+        importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 class UserError(Exception):
@@ -151,7 +165,7 @@ class Hyperparameters:
     seed: int = setting("runtime", -1, "torch seed (-1: unseeded like the record; parameters are broadcast from rank 0 anyway)")
     compile: bool = setting("runtime", True, "torch.compile the model")
     attention_backend: str = setting(
-        "runtime", "auto", "auto | flash3 | varlen | flex | reference (auto: flash3 when FlashAttention-3 imports, else flex; reference on CPU)"
+        "runtime", "auto", "auto | flash3 | fa4 | varlen | flex | reference (auto: flash3 when FlashAttention-3 imports, else flex; reference on CPU)"
     )
     warmup_steps: int = setting("runtime", 30, "untimed kernel warm-up steps (state restored afterwards)")
     save_checkpoint: bool = setting("runtime", False, "write the end-of-run state file, <log_dir>/<run_id>/state_step<N>.pt")
@@ -164,7 +178,7 @@ class Hyperparameters:
         return self.num_iterations + self.iteration_extension
 
 
-ATTENTION_BACKENDS = ("auto", "flash3", "varlen", "flex", "reference")
+ATTENTION_BACKENDS = ("auto", "flash3", "fa4", "varlen", "flex", "reference")
 NUM_LAYERS = 12  # block slots 0-11; the topology below is fixed for every preset
 GATE_INPUT_DIMS = 12  # smear and attention gates read the first 12 channels
 
@@ -693,6 +707,77 @@ class TorchVarlenAttention(AttentionBackend):
         return y.unsqueeze(0)
 
 
+# ---- FlashAttention-4 (flash-attn-4's CuTe kernels), opt-in ----
+# The record's varlen call on flash-attn-4's Hopper and Blackwell kernels, for machines without FA3. Its
+# autograd.Function cannot be traced by torch.compile, so forward and backward are two custom ops that the compiled
+# graphs call. Opt-in because no gain over FlexAttention is shown yet: on one H100 it trained at 603.29 and 607.67
+# ms/step in two unbalanced single rounds, where main with flex ran at 605-613 in other invocations (bench/NOTES.md,
+# 2026-12-06).
+def _flash_attn_4() -> Any:
+    from flash_attn.cute import interface  # on first use: it loads the CuTe DSL compiler
+
+    return interface
+
+
+@torch.library.custom_op("train_gpt::fa4_forward", mutates_args=())
+def fa4_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, window: int) -> tuple[Tensor, Tensor]:
+    """Attention output (T, H, d) and log-sum-exp (H, T) of document-causal attention with FA3's window (window, 0)."""
+    out, lse = _flash_attn_4()._flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0, return_lse=True,
+    )[:2]
+    return out, lse
+
+
+@fa4_forward.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, window: int) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
+
+
+@torch.library.custom_op("train_gpt::fa4_backward", mutates_args=())
+def fa4_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, window: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = _flash_attn_4()._flash_attn_bwd(
+        q, k, v, out, grad_out.contiguous(), lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
+        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+    )[:3]
+    return dq, dk, dv
+
+
+@fa4_backward.register_fake
+def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, window: int) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # flash-attn-4 allocates them so
+
+
+def _fa4_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, cu_seqlens, max_seqlen, scale, window = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
+    ctx.mark_non_differentiable(output[1])  # the log-sum-exp is for the backward only
+    ctx.numbers = (max_seqlen, scale, window)
+
+
+def _fa4_backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    return (*fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, *ctx.numbers), None, None, None, None)
+
+
+fa4_forward.register_autograd(_fa4_backward, setup_context=_fa4_setup_context)
+
+
+class FlashAttention4(AttentionBackend):
+    """fa4_forward with the loader's cu_seqlens and FA3's window (W tokens, 0): the record's call on flash-attn-4's
+    CuTe kernels. Its roundings are FlashAttention's, not FlexAttention's."""
+
+    name = "fa4"
+    takes_cu_seqlens = True
+    prepare = FlashAttention3.prepare
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, window: str, scale: float | Tensor) -> Tensor:
+        y, _ = fa4_forward(q[0], k[0], v[0], inputs.cu_seqlens, inputs.max_seqlen, float(scale), inputs.windows[window] * self.block_size)
+        return y.unsqueeze(0)
+
+
 class FlexAttentionBackend(AttentionBackend):
     """flex_attention with a token-exact block mask per window (flex_window_mask): one training graph and one eval
     graph serve the whole schedule (windows memoized per value, the scale a buffer updated in place)."""
@@ -738,12 +823,12 @@ class ReferenceAttention(AttentionBackend):
 
 
 ATTENTION_BACKEND_CLASSES: dict[str, type[AttentionBackend]] = {
-    cls.name: cls for cls in (FlashAttention3, TorchVarlenAttention, FlexAttentionBackend, ReferenceAttention)
+    cls.name: cls for cls in (FlashAttention3, FlashAttention4, TorchVarlenAttention, FlexAttentionBackend, ReferenceAttention)
 }
 
 
 def attention_backend(name: str, block_size: int, bos_token: int) -> AttentionBackend:
-    """The backend of that name (flash3, varlen, flex or reference; choose_attention_backend resolves auto)."""
+    """The backend of that name (flash3, fa4, varlen, flex or reference; choose_attention_backend resolves auto)."""
     return ATTENTION_BACKEND_CLASSES[name](block_size, bos_token)
 
 
@@ -751,9 +836,14 @@ def choose_attention_backend(requested: str, device: torch.device, capability: t
     """The backend's name for --attention_backend=requested on device (capability: the GPU's, None on CPU)."""
     if requested == "flash3" and (flash_attn_varlen_func is None or device.type != "cuda"):
         raise UserError("--attention_backend=flash3 needs CUDA and flash_attn_interface (FlashAttention-3); use auto, flex or reference")
+    if requested == "fa4" and (device.type != "cuda" or not flash_attn_4_installed()):
+        raise UserError(f"--attention_backend=fa4 needs CUDA and flash-attn-4 ({FLASH_ATTN_4_TESTED} is the tested version, README.md#install); use auto, flex or reference")
     if requested in ("flex", "varlen") and device.type != "cuda":
         why = "FlexAttention has no CPU backward" if requested == "flex" else "torch's varlen_attn has no CPU kernel"
         raise UserError(f"--attention_backend={requested} cannot train on CPU ({why}); use auto or reference")
+    if requested == "fa4" and capability is not None and capability < (9, 0):
+        raise UserError(f"--attention_backend=fa4 needs compute capability 9.0 or newer (flash-attn-4's Hopper and Blackwell kernels); "
+                        f"this GPU is sm_{capability[0]}{capability[1]}: use auto or flex")
     if requested == "varlen" and capability is not None and capability < (8, 0):
         raise UserError(f"--attention_backend=varlen needs compute capability 8.0 or newer (FlashAttention-2's kernels); this GPU "
                         f"is sm_{capability[0]}{capability[1]}: use auto or flex")

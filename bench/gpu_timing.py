@@ -5,17 +5,20 @@ from collections.abc import Callable
 import torch
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of `fn` on the current CUDA stream over `repeats` calls, after one untimed call (which
-    compiles, autotunes and allocates); each call is timed by CUDA events and synchronized on its own."""
+def median_ms(fn: Callable[[], object], repeats: int, calls: int = 1) -> float:
+    """Median milliseconds of `fn` on the current CUDA stream over `repeats` timings, after one untimed call (which
+    compiles, autotunes and allocates). Each timing is `calls` back-to-back calls between two CUDA events, then
+    synchronized, divided by `calls`: with more than one, the host can run ahead of the GPU, so a call whose Python
+    work outlasts its kernels shows that as a time that no longer grows with the work (bench/probe_fa4.py)."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return sorted(times)[repeats // 2]

@@ -2,6 +2,7 @@
 docs/track1_recipe.md#attention-windows), YaRN and bad-input errors of train_gpt.py."""
 
 import dataclasses
+import importlib.metadata
 import math
 import subprocess
 import sys
@@ -187,9 +188,43 @@ def test_attention_backend_choice_and_errors():
     assert str(turing.value) == ("--attention_backend=varlen needs compute capability 8.0 or newer (FlashAttention-2's kernels); "
                                  "this GPU is sm_75: use auto or flex")
     assert tg.device_capability(cpu) is None
-    for name, backend in (("flash3", tg.FlashAttention3), ("flex", tg.FlexAttentionBackend), ("reference", tg.ReferenceAttention)):
+    for name, backend in (("flash3", tg.FlashAttention3), ("fa4", tg.FlashAttention4), ("flex", tg.FlexAttentionBackend), ("reference", tg.ReferenceAttention)):
         attention = tg.attention_backend(name, 16, 1)
         assert type(attention) is backend and attention.name == name and attention.takes_tensors == (name == "flex")
+
+
+def test_fa4_is_opt_in_and_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(tg, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(tg, "flash_attn_4_installed", lambda: False)
+    with pytest.raises(tg.UserError) as missing:
+        tg.choose_attention_backend("fa4", cuda, (9, 0))
+    assert str(missing.value) == ("--attention_backend=fa4 needs CUDA and flash-attn-4 (4.0.0b40 is the tested version, "
+                                  "README.md#install); use auto, flex or reference")
+    monkeypatch.setattr(tg, "flash_attn_4_installed", lambda: True)
+    assert tg.choose_attention_backend("fa4", cuda, (9, 0)) == tg.choose_attention_backend("fa4", cuda, (10, 0)) == "fa4"
+    assert tg.choose_attention_backend("auto", cuda, (9, 0)) == "flex"  # installed, still opt-in
+    with pytest.raises(tg.UserError, match="needs CUDA"):
+        tg.choose_attention_backend("fa4", cpu, None)
+    with pytest.raises(tg.UserError) as ampere:
+        tg.choose_attention_backend("fa4", cuda, (8, 0))
+    assert str(ampere.value) == ("--attention_backend=fa4 needs compute capability 9.0 or newer (flash-attn-4's Hopper and Blackwell "
+                                 "kernels); this GPU is sm_80: use auto or flex")
+
+
+def test_flash_attn_4_installed_reads_the_distribution_metadata(monkeypatch: pytest.MonkeyPatch):
+    asked = []
+
+    def version(name: str) -> str:
+        asked.append(name)
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(tg.importlib.metadata, "version", version)
+    for installed, expected in ((tg.FLASH_ATTN_4_TESTED, True), ("4.0.0b41", True), (None, False)):
+        assert tg.flash_attn_4_installed() is expected
+    assert asked == ["flash-attn-4"] * 3
 
 
 @pytest.mark.parametrize(

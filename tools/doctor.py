@@ -448,9 +448,9 @@ def _fa3_import_error() -> str | None:
     return None
 
 
-def _tiny_windowed_call_fails(device_index: int, attend: Callable[..., object]) -> str | None:
+def _tiny_windowed_call_fails(device_index: int, attend: Callable[..., object], also: tuple[type[Exception], ...] = ()) -> str | None:
     """Runs attend(q, k, v, cu_seqlens) once on two 128-token documents of this GPU; the error's first line when
-    it cannot."""
+    it cannot (a RuntimeError or TypeError, or one of `also`)."""
     import torch
 
     device = torch.device("cuda", device_index)
@@ -459,7 +459,7 @@ def _tiny_windowed_call_fails(device_index: int, attend: Callable[..., object]) 
     try:
         attend(q, k, v, cu_seqlens)
         torch.cuda.synchronize(device)
-    except (RuntimeError, TypeError) as error:  # "no kernel image", an architecture check; another signature
+    except (RuntimeError, TypeError, *also) as error:  # "no kernel image", an architecture check; another signature
         return (str(error).strip().splitlines() or [type(error).__name__])[0]
     return None
 
@@ -477,6 +477,22 @@ def _varlen_runs(device_index: int) -> str | None:
     from torch.nn.attention.varlen import varlen_attn
 
     return _tiny_windowed_call_fails(device_index, lambda q, k, v, cu: varlen_attn(q, k, v, cu, cu, 128, 128, window_size=(64, 0)))
+
+
+def _fa4_runs(device_index: int) -> str | None:
+    """train_gpt.py's fa4_forward (flash-attn-4's kernels) on a tiny input (_tiny_windowed_call_fails)."""
+    tg = training_module(TRACKS[1])
+    # flash-attn-4 checks the architecture and head sizes with assert
+    return _tiny_windowed_call_fails(device_index, lambda q, k, v, cu: tg.fa4_forward(q, k, v, cu, 128, 0.125, 64), also=(AssertionError,))
+
+
+# backends only taken when asked for: what runs them, the check of their kernel (looked up when called), the fix
+# when it fails (the version train_gpt.FLASH_ATTN_4_TESTED names; tools/tests/doctor_test.py)
+OPT_IN_KERNELS: dict[str, tuple[str, Callable[[int], str | None], str]] = {
+    "varlen": ("torch's varlen_attn, FlashAttention-2 kernels", lambda index: _varlen_runs(index), "pass --attention_backend=flex"),
+    "fa4": ("flash-attn-4's kernels", lambda index: _fa4_runs(index),
+            "pass --attention_backend=flex, or install flash-attn-4 4.0.0b40 (README.md#install)"),
+}
 
 
 def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
@@ -498,14 +514,14 @@ def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
     if backend == "flex":
         why = "asked for" if requested == "flex" else f"FlashAttention-3 does not import ({_fa3_import_error()})"
         return Check("attention", "ok", f"{chosen} (FlexAttention): {why}; our H200 measurements use it too")
-    if backend == "varlen":
-        chosen += " (torch's varlen_attn, FlashAttention-2 kernels): asked for"
+    if backend in OPT_IN_KERNELS:  # tried on a tiny input unless --quick
+        kernels, runs, fix = OPT_IN_KERNELS[backend]
+        chosen += f" ({kernels}): asked for"
         if quick:
             return Check("attention", "ok", f"{chosen} (kernel not tried with --quick)")
-        failure = _varlen_runs(0)
+        failure = runs(0)
         if failure is not None:
-            return Check("attention", "fail", f"{chosen}, but its kernel fails on this GPU (sm_{capability[0]}{capability[1]}): {failure}",
-                         "pass --attention_backend=flex")
+            return Check("attention", "fail", f"{chosen}, but its kernel fails on this GPU (sm_{capability[0]}{capability[1]}): {failure}", fix)
         return Check("attention", "ok", f"{chosen}, and its kernel runs on this GPU")
     if backend == "reference":
         return Check("attention", "warn", f"{chosen}: asked for; a dense mask, far slower than flex", "drop --attention_backend")

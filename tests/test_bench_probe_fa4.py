@@ -1,0 +1,15 @@
+"""bench/probe_fa4.py on a machine it cannot measure on (no CUDA GPU or no flash-attn-4): one line, no traceback."""
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_probe_fa4_refuses_in_one_line_without_a_gpu_or_the_package(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU even where one is, so that it never runs the bench here
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "probe_fa4.py"), "--site", str(tmp_path)], capture_output=True,
+                            text=True, cwd=ROOT, timeout=300, env=env)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == "probe_fa4.py: needs a CUDA GPU and flash-attn-4 (installed, or unpacked into --site)\n"
