@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,14 +80,17 @@ except ImportError:
 FLASH_ATTN_4_TESTED = "4.0.0b40"  # the fa4 backend calls its private _flash_attn_fwd / _flash_attn_bwd
 
 
-def flash_attn_4_installed() -> bool:
-    """Whether the flash-attn-4 distribution is installed (its metadata; importing flash_attn.cute would load the
-    CuTe DSL compiler, seconds, and flash-attn 2 owns a package of the same name)."""
+def flash_attn_4_version() -> str | None:
+    """The installed flash-attn-4 distribution's version, None without it (its metadata: importing flash_attn.cute
+    would load the CuTe DSL compiler, seconds, and flash-attn 2 owns a package of the same name)."""
     try:
-        importlib.metadata.version("flash-attn-4")
+        return importlib.metadata.version("flash-attn-4")
     except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+        return None
+
+
+def flash_attn_4_installed() -> bool:
+    return flash_attn_4_version() is not None
 
 
 class UserError(Exception):
@@ -713,8 +717,9 @@ class TorchVarlenAttention(AttentionBackend):
 # graphs call. Opt-in because no gain over FlexAttention is shown yet: on one H100 it trained at 603.29 and 607.67
 # ms/step in two unbalanced single rounds, where main with flex ran at 605-613 in other invocations (bench/NOTES.md,
 # 2026-12-06).
-def _flash_attn_4() -> Any:
-    from flash_attn.cute import interface  # on first use: it loads the CuTe DSL compiler
+def _fa4_interface() -> types.ModuleType:
+    """flash_attn.cute.interface, imported on first use (it loads the CuTe DSL compiler, seconds)."""
+    from flash_attn.cute import interface
 
     return interface
 
@@ -722,7 +727,7 @@ def _flash_attn_4() -> Any:
 @torch.library.custom_op("train_gpt::fa4_forward", mutates_args=())
 def fa4_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, window: int) -> tuple[Tensor, Tensor]:
     """Attention output (T, H, d) and log-sum-exp (H, T) of document-causal attention with FA3's window (window, 0)."""
-    out, lse = _flash_attn_4()._flash_attn_fwd(
+    out, lse = _fa4_interface()._flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
         softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0, return_lse=True,
     )[:2]
@@ -738,7 +743,8 @@ def _(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scal
 def fa4_backward(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, window: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = _flash_attn_4()._flash_attn_bwd(
+    """Gradients (dq, dk, dv) of fa4_forward's output from its output, log-sum-exp and the output's gradient."""
+    dq, dk, dv = _fa4_interface()._flash_attn_bwd(
         q, k, v, out, grad_out.contiguous(), lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
     )[:3]
@@ -754,12 +760,12 @@ def _fa4_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, 
     q, k, v, cu_seqlens, max_seqlen, scale, window = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
     ctx.mark_non_differentiable(output[1])  # the log-sum-exp is for the backward only
-    ctx.numbers = (max_seqlen, scale, window)
+    ctx.scalars = (max_seqlen, scale, window)
 
 
 def _fa4_backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    return (*fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, *ctx.numbers), None, None, None, None)
+    return (*fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, *ctx.scalars), None, None, None, None)
 
 
 fa4_forward.register_autograd(_fa4_backward, setup_context=_fa4_setup_context)
@@ -832,18 +838,32 @@ def attention_backend(name: str, block_size: int, bos_token: int) -> AttentionBa
     return ATTENTION_BACKEND_CLASSES[name](block_size, bos_token)
 
 
+def check_fa4_can_run(device: torch.device, capability: tuple[int, int] | None) -> None:
+    """One UserError line for what --attention_backend=fa4 lacks here: CUDA, sm_90, the package, or its import."""
+    if device.type != "cuda":
+        raise UserError("--attention_backend=fa4 cannot train on CPU (flash-attn-4's kernels are CUDA only); use auto or reference")
+    if capability is not None and capability < (9, 0):
+        raise UserError(f"--attention_backend=fa4 needs compute capability 9.0 or newer (flash-attn-4's Hopper and Blackwell kernels); "
+                        f"this GPU is sm_{capability[0]}{capability[1]}: use auto or flex")
+    if not flash_attn_4_installed():
+        raise UserError(f"--attention_backend=fa4 needs flash-attn-4 ({FLASH_ATTN_4_TESTED} is the tested version, README.md#install); use auto or flex")
+    try:
+        _fa4_interface()
+    except (ImportError, OSError) as error:  # a missing dependency or shared library of an installed flash-attn-4
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UserError(f"--attention_backend=fa4: flash-attn-4 is installed but does not import ({first_line}); "
+                        f"reinstall it (README.md#install) or use auto or flex") from None
+
+
 def choose_attention_backend(requested: str, device: torch.device, capability: tuple[int, int] | None) -> str:
     """The backend's name for --attention_backend=requested on device (capability: the GPU's, None on CPU)."""
     if requested == "flash3" and (flash_attn_varlen_func is None or device.type != "cuda"):
         raise UserError("--attention_backend=flash3 needs CUDA and flash_attn_interface (FlashAttention-3); use auto, flex or reference")
-    if requested == "fa4" and (device.type != "cuda" or not flash_attn_4_installed()):
-        raise UserError(f"--attention_backend=fa4 needs CUDA and flash-attn-4 ({FLASH_ATTN_4_TESTED} is the tested version, README.md#install); use auto, flex or reference")
+    if requested == "fa4":
+        check_fa4_can_run(device, capability)
     if requested in ("flex", "varlen") and device.type != "cuda":
         why = "FlexAttention has no CPU backward" if requested == "flex" else "torch's varlen_attn has no CPU kernel"
         raise UserError(f"--attention_backend={requested} cannot train on CPU ({why}); use auto or reference")
-    if requested == "fa4" and capability is not None and capability < (9, 0):
-        raise UserError(f"--attention_backend=fa4 needs compute capability 9.0 or newer (flash-attn-4's Hopper and Blackwell kernels); "
-                        f"this GPU is sm_{capability[0]}{capability[1]}: use auto or flex")
     if requested == "varlen" and capability is not None and capability < (8, 0):
         raise UserError(f"--attention_backend=varlen needs compute capability 8.0 or newer (FlashAttention-2's kernels); this GPU "
                         f"is sm_{capability[0]}{capability[1]}: use auto or flex")

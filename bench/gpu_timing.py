@@ -10,6 +10,8 @@ def median_ms(fn: Callable[[], object], repeats: int, calls: int = 1) -> float:
     compiles, autotunes and allocates). Each timing is `calls` back-to-back calls between two CUDA events, then
     synchronized, divided by `calls`: with more than one, the host can run ahead of the GPU, so a call whose Python
     work outlasts its kernels shows that as a time that no longer grows with the work (bench/probe_fa4.py)."""
+    if repeats < 1 or calls < 1:
+        raise ValueError(f"median_ms: repeats={repeats} and calls={calls} must both be at least 1")
     fn()
     torch.cuda.synchronize()
     times = []

@@ -18,6 +18,7 @@ come from --site, a folder of unpacked wheels, for machines where they are not i
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +68,7 @@ def main() -> None:
         )
         return (out[0] if isinstance(out, tuple) else out).unsqueeze(0)
 
-    def with_grads(forward) -> tuple[torch.Tensor, ...]:
+    def with_grads(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, ...]:
         out = forward()
         return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
 

@@ -193,23 +193,32 @@ def test_attention_backend_choice_and_errors():
         assert type(attention) is backend and attention.name == name and attention.takes_tensors == (name == "flex")
 
 
-def test_fa4_is_opt_in_and_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch):
+def test_fa4_is_opt_in_and_refused_in_one_line_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(tg, "flash_attn_varlen_func", None)
     monkeypatch.setattr(tg, "flash_attn_4_installed", lambda: False)
-    with pytest.raises(tg.UserError) as missing:
-        tg.choose_attention_backend("fa4", cuda, (9, 0))
-    assert str(missing.value) == ("--attention_backend=fa4 needs CUDA and flash-attn-4 (4.0.0b40 is the tested version, "
-                                  "README.md#install); use auto, flex or reference")
+
+    def refusal(device: torch.device, capability: tuple[int, int] | None) -> str:
+        with pytest.raises(tg.UserError) as error:
+            tg.choose_attention_backend("fa4", device, capability)
+        return str(error.value)
+
+    assert refusal(cuda, (9, 0)) == "--attention_backend=fa4 needs flash-attn-4 (4.0.0b40 is the tested version, README.md#install); use auto or flex"
+    assert refusal(cpu, None) == "--attention_backend=fa4 cannot train on CPU (flash-attn-4's kernels are CUDA only); use auto or reference"
+    assert refusal(cuda, (8, 0)) == ("--attention_backend=fa4 needs compute capability 9.0 or newer (flash-attn-4's Hopper and Blackwell "
+                                     "kernels); this GPU is sm_80: use auto or flex")
     monkeypatch.setattr(tg, "flash_attn_4_installed", lambda: True)
+
+    def broken_install() -> None:
+        raise ImportError("libtvm_ffi_testing.so: cannot open shared object file: No such file or directory\nmore")
+
+    monkeypatch.setattr(tg, "_fa4_interface", broken_install)
+    assert refusal(cuda, (9, 0)) == ("--attention_backend=fa4: flash-attn-4 is installed but does not import (libtvm_ffi_testing.so: "
+                                     "cannot open shared object file: No such file or directory); reinstall it (README.md#install) "
+                                     "or use auto or flex")
+    monkeypatch.setattr(tg, "_fa4_interface", lambda: tg.types.ModuleType("flash_attn.cute.interface"))
     assert tg.choose_attention_backend("fa4", cuda, (9, 0)) == tg.choose_attention_backend("fa4", cuda, (10, 0)) == "fa4"
     assert tg.choose_attention_backend("auto", cuda, (9, 0)) == "flex"  # installed, still opt-in
-    with pytest.raises(tg.UserError, match="needs CUDA"):
-        tg.choose_attention_backend("fa4", cpu, None)
-    with pytest.raises(tg.UserError) as ampere:
-        tg.choose_attention_backend("fa4", cuda, (8, 0))
-    assert str(ampere.value) == ("--attention_backend=fa4 needs compute capability 9.0 or newer (flash-attn-4's Hopper and Blackwell "
-                                 "kernels); this GPU is sm_80: use auto or flex")
 
 
 def test_flash_attn_4_installed_reads_the_distribution_metadata(monkeypatch: pytest.MonkeyPatch):
@@ -223,8 +232,8 @@ def test_flash_attn_4_installed_reads_the_distribution_metadata(monkeypatch: pyt
 
     monkeypatch.setattr(tg.importlib.metadata, "version", version)
     for installed, expected in ((tg.FLASH_ATTN_4_TESTED, True), ("4.0.0b41", True), (None, False)):
-        assert tg.flash_attn_4_installed() is expected
-    assert asked == ["flash-attn-4"] * 3
+        assert tg.flash_attn_4_installed() is expected and tg.flash_attn_4_version() == installed
+    assert asked == ["flash-attn-4"] * 6
 
 
 @pytest.mark.parametrize(

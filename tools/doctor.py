@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -482,16 +482,23 @@ def _varlen_runs(device_index: int) -> str | None:
 def _fa4_runs(device_index: int) -> str | None:
     """train_gpt.py's fa4_forward (flash-attn-4's kernels) on a tiny input (_tiny_windowed_call_fails)."""
     tg = training_module(TRACKS[1])
-    # flash-attn-4 checks the architecture and head sizes with assert
+    # flash-attn-4 checks the architecture and head sizes with assert; its kernels compile on the first call
     return _tiny_windowed_call_fails(device_index, lambda q, k, v, cu: tg.fa4_forward(q, k, v, cu, 128, 0.125, 64), also=(AssertionError,))
 
 
-# backends only taken when asked for: what runs them, the check of their kernel (looked up when called), the fix
-# when it fails (the version train_gpt.FLASH_ATTN_4_TESTED names; tools/tests/doctor_test.py)
-OPT_IN_KERNELS: dict[str, tuple[str, Callable[[int], str | None], str]] = {
-    "varlen": ("torch's varlen_attn, FlashAttention-2 kernels", lambda index: _varlen_runs(index), "pass --attention_backend=flex"),
-    "fa4": ("flash-attn-4's kernels", lambda index: _fa4_runs(index),
-            "pass --attention_backend=flex, or install flash-attn-4 4.0.0b40 (README.md#install)"),
+class OptInKernel(NamedTuple):
+    """A backend taken only when asked for: what runs it, the check of its kernel (looked up when called, so that
+    tests can stand in for it) and the fix when that fails ({tested}: train_gpt.FLASH_ATTN_4_TESTED)."""
+
+    kernels: str
+    runs: Callable[[int], str | None]
+    fix: str
+
+
+OPT_IN_KERNELS = {
+    "varlen": OptInKernel("torch's varlen_attn, FlashAttention-2 kernels", lambda index: _varlen_runs(index), "pass --attention_backend=flex"),
+    "fa4": OptInKernel("flash-attn-4's kernels", lambda index: _fa4_runs(index),
+                       "pass --attention_backend=flex, or install flash-attn-4 {tested} (README.md#install)"),
 }
 
 
@@ -515,14 +522,19 @@ def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
         why = "asked for" if requested == "flex" else f"FlashAttention-3 does not import ({_fa3_import_error()})"
         return Check("attention", "ok", f"{chosen} (FlexAttention): {why}; our H200 measurements use it too")
     if backend in OPT_IN_KERNELS:  # tried on a tiny input unless --quick
-        kernels, runs, fix = OPT_IN_KERNELS[backend]
-        chosen += f" ({kernels}): asked for"
+        opt_in = OPT_IN_KERNELS[backend]
+        fix = opt_in.fix.format(tested=tg.FLASH_ATTN_4_TESTED)
+        chosen += f" ({opt_in.kernels}): asked for"
+        status: Status = "ok"
+        if backend == "fa4" and (version := tg.flash_attn_4_version()) != tg.FLASH_ATTN_4_TESTED:
+            chosen += f"; flash-attn-4 {version} is installed, and {tg.FLASH_ATTN_4_TESTED} is the version its private functions were tested with"
+            status = "warn"
         if quick:
-            return Check("attention", "ok", f"{chosen} (kernel not tried with --quick)")
-        failure = runs(0)
+            return Check("attention", status, f"{chosen} (kernel not tried with --quick)", fix if status == "warn" else "")
+        failure = opt_in.runs(0)
         if failure is not None:
             return Check("attention", "fail", f"{chosen}, but its kernel fails on this GPU (sm_{capability[0]}{capability[1]}): {failure}", fix)
-        return Check("attention", "ok", f"{chosen}, and its kernel runs on this GPU")
+        return Check("attention", status, f"{chosen}, and its kernel runs on this GPU", fix if status == "warn" else "")
     if backend == "reference":
         return Check("attention", "warn", f"{chosen}: asked for; a dense mask, far slower than flex", "drop --attention_backend")
     origin = getattr(sys.modules.get("flash_attn_interface"), "__file__", "?")

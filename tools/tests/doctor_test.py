@@ -341,9 +341,17 @@ def test_attention_backend_and_why(monkeypatch):
     assert broken.status == "fail" and broken.detail.endswith("but its kernel fails on this GPU (sm_86): FlashAttention only "
                                                               "supports Ampere GPUs or newer.")
     monkeypatch.setattr(tg, "flash_attn_4_installed", lambda: True)
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: tg.FLASH_ATTN_4_TESTED)
+    monkeypatch.setattr(tg, "_fa4_interface", lambda: types.ModuleType("flash_attn.cute.interface"))
     monkeypatch.setattr(dr, "_fa4_runs", lambda index: None)
     fa4 = dr.check_attention(gpus(1), plan("--attention_backend=fa4"), quick=False)
     assert fa4.status == "ok" and fa4.detail.endswith("will use fa4 (flash-attn-4's kernels): asked for, and its kernel runs on this GPU")
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: "4.0.0b41")
+    other = dr.check_attention(gpus(1), plan("--attention_backend=fa4"), quick=True)
+    assert other.status == "warn" and other.fix.startswith("pass --attention_backend=flex, or install flash-attn-4 4.0.0b40")
+    assert other.detail.endswith("asked for; flash-attn-4 4.0.0b41 is installed, and 4.0.0b40 is the version its private functions "
+                                 "were tested with (kernel not tried with --quick)")
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: tg.FLASH_ATTN_4_TESTED)
     assert dr.check_attention(gpus(1), plan("--attention_backend=fa4"), quick=True).detail.endswith("(kernel not tried with --quick)")
     monkeypatch.setattr(dr, "_fa4_runs", lambda index: "Unsupported compute capability")
     broken = dr.check_attention(gpus(1), plan("--attention_backend=fa4"), quick=False)
@@ -351,7 +359,7 @@ def test_attention_backend_and_why(monkeypatch):
     assert broken.fix == f"pass --attention_backend=flex, or install flash-attn-4 {tg.FLASH_ATTN_4_TESTED} (README.md#install)"
     monkeypatch.setattr(tg, "flash_attn_4_installed", lambda: False)
     missing = dr.check_attention(gpus(1), plan("--attention_backend=fa4"), quick=True)
-    assert missing.status == "fail" and "needs CUDA and flash-attn-4" in missing.detail
+    assert missing.status == "fail" and "needs flash-attn-4 (4.0.0b40 is the tested version" in missing.detail
     turing = dr.check_attention(gpus(1, capability=(7, 5)), plan("--attention_backend=varlen"), quick=True)
     assert turing.status == "fail" and "needs compute capability 8.0 or newer" in turing.detail
     assert torch.cuda.is_available() or dr.check_attention(CPU, plan(gpu_mode=False), quick=True).status == "ok"
