@@ -63,6 +63,17 @@ ATOL, RTOL = 0.02, 0.02
 WINDOWS = ((1, 3), (3, 7), (5, 11))  # (short, long) in blocks at the three schedule stages
 
 
+def differences(results: tuple[torch.Tensor, ...], references: tuple[torch.Tensor, ...]) -> tuple[int, float, float]:
+    """(non-finite values in results, largest |result - reference|, largest excess of that over ATOL + RTOL |reference|,
+    > 0 meaning outside the tolerance), over the pairs of tensors; a NaN difference counts as infinite."""
+    nonfinite, worst_diff, worst_excess = sum(int((~t.isfinite()).sum()) for t in results), 0.0, -1.0
+    for t, r in zip(results, references):
+        diff = (t.float() - r.float()).abs().nan_to_num(float("inf"))
+        worst_diff = max(worst_diff, float(diff.max()))
+        worst_excess = max(worst_excess, float((diff - ATOL - RTOL * r.float().abs()).max()))
+    return nonfinite, worst_diff, worst_excess
+
+
 def record_inputs() -> tuple[torch.Tensor, ...]:
     """One attention call's inputs at the record's shapes on the GPU: document ids (lengths 100-1500), q, k, v
     bf16 needing gradients in the model's memory layout (1, tokens, heads, head_dim), which FlexAttentionBackend
@@ -124,11 +135,8 @@ def main() -> None:
                     results = step()
                     if name == "default":
                         references[window] = results
-                    worst_nonfinite = max(worst_nonfinite, sum(int((~t.isfinite()).sum()) for t in results))
-                    for t, r in zip(results, references[window]):
-                        diff = (t.float() - r.float()).abs().nan_to_num(float("inf"))
-                        worst_diff = max(worst_diff, float(diff.max()))
-                        worst_excess = max(worst_excess, float((diff - ATOL - RTOL * r.float().abs()).max()))
+                    nonfinite, diff, excess = differences(results, references[window])
+                    worst_nonfinite, worst_diff, worst_excess = max(worst_nonfinite, nonfinite), max(worst_diff, diff), max(worst_excess, excess)
                     figures.append(f"{window:>2} blocks {median_ms(step, repeats=20):6.2f} ms")
             checked = True  # every window ran
         except (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError) as error:

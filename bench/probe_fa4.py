@@ -36,7 +36,7 @@ def main() -> None:
     from torch.nn.attention.flex_attention import flex_attention
 
     import train_gpt as tg
-    from bench.bench_flex import ATOL, BLOCK, BOS, RTOL, TOKENS, WINDOWS, record_inputs
+    from bench.bench_flex import BLOCK, BOS, TOKENS, WINDOWS, differences, record_inputs
     from bench.gpu_timing import median_ms
 
     if not torch.cuda.is_available() or not tg.flash_attn_4_installed():
@@ -79,9 +79,7 @@ def main() -> None:
         results = {name: with_grads(f) for name, f in forwards.items()}
         checks = []
         for name in ("fa4", "fa4 op"):
-            pairs = list(zip(results[name], results["flex"]))
-            excess = max(float(((g.float() - r.float()).abs() - ATOL - RTOL * r.float().abs()).max()) for g, r in pairs)
-            nonfinite = sum(int((~g.isfinite()).sum()) for g, _ in pairs)
+            nonfinite, _, excess = differences(results[name], results["flex"])
             checks.append(f"{name} {'ok' if excess <= 0 and not nonfinite else 'WRONG'}")
         times: dict[str, list[float]] = {name: [] for name in forwards}
         for _ in range(3):  # interleaved

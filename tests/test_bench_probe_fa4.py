@@ -1,5 +1,5 @@
 """bench/probe_fa4.py on a machine it cannot measure on (no CUDA GPU or no flash-attn-4): one line, no traceback; and
-bench/gpu_timing.median_ms's refusal of no calls."""
+bench/gpu_timing.median_ms's refusal of no calls; bench_flex.differences, the tolerance check both use."""
 
 import os
 import subprocess
@@ -25,3 +25,19 @@ def test_median_ms_refuses_no_calls_before_touching_the_gpu():
     for repeats, calls in ((0, 1), (3, 0)):
         with pytest.raises(ValueError, match=f"median_ms: repeats={repeats} and calls={calls} must both be at least 1"):
             median_ms(lambda: None, repeats, calls)
+
+
+def test_bench_flex_differences_counts_nonfinite_and_the_tolerance_excess():
+    import pytest
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from bench.bench_flex import ATOL, RTOL, differences
+
+    inside = (torch.tensor([1.0, 2.0]),)
+    outside = (torch.tensor([1.0, 2.0 + 2 * (ATOL + RTOL * 2.0)]),)
+    nonfinite, diff, excess = differences(inside, inside)
+    assert (nonfinite, diff) == (0, 0.0) and excess == pytest.approx(-ATOL - RTOL * 1.0, rel=1e-6)  # fp32: |ref| 1 is the tightest
+    nonfinite, diff, excess = differences(outside, inside)
+    assert nonfinite == 0 and diff > 0 and excess > 0
+    assert differences((torch.tensor([float("nan")]),), (torch.tensor([0.0]),)) == (1, float("inf"), float("inf"))
