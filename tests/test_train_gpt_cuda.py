@@ -1,6 +1,6 @@
 """train_gpt.py's CUDA-only code paths, on a GPU (skipped without one): the fused soft-capped CE kernel's
 hardware instructions (casts, reciprocal) against its integer casts and division, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
-check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, the MLP's fused ReLU² forward and backward kernels against cuBLAS + the unfused formulas, eager and compiled, the tables' sorted-ids gradient kernels against their eager formula and compiled autograd, the matrices' in-place gradients (add_into_grad, CastIntoGrad compiled) against the eager sum and compiled autograd, and the FlexAttention block tables compiled against eager, and the varlen and flex attention backends against the fp32 reference.
+check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, the MLP's fused ReLU² forward and backward kernels against cuBLAS + the unfused formulas, eager and compiled, the tables' sorted-ids gradient kernels against their eager formula and compiled autograd, the matrices' in-place gradients (add_into_grad, CastIntoGrad compiled) against the eager sum and compiled autograd, and the FlexAttention block tables compiled against eager, and the varlen, flex and fa4 (with flash-attn-4 installed) attention backends against the fp32 reference.
 
     python -m pytest -q tests/test_train_gpt_cuda.py      # on a CUDA machine
 """
@@ -244,10 +244,18 @@ def test_block_tables_kernel_and_the_compiled_mask_equal_the_eager_formula_on_cu
     torch._dynamo.reset()
 
 
-def test_varlen_backend_agrees_with_flex_attention_and_the_reference_on_cuda() -> None:
-    """The varlen backend (torch's varlen_attn, FlashAttention-2 kernels) and the flex backend (compiled) on one attention call
-    of 4,096 tokens in documents of 1,600 and 1-900 tokens (6 heads of 128, bf16), for short and long windows: outputs and
-    q/k/v gradients within a few bf16 places of the fp32 reference (dense_window_mask), as FlexAttention's are."""
+FA4_RUNS_HERE = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) and tg.flash_attn_4_installed()
+
+
+@pytest.mark.parametrize("names", [
+    ("varlen", "flex"),
+    pytest.param(("fa4",), marks=pytest.mark.skipif(not FA4_RUNS_HERE, reason="fa4 needs flash-attn-4 and sm_90 or newer")),
+])
+def test_varlen_backends_agree_with_flex_attention_and_the_reference_on_cuda(names: tuple[str, ...]) -> None:
+    """The varlen backend (torch's varlen_attn, FlashAttention-2 kernels), the flex backend and the fa4 backend (both
+    compiled, as training calls them; fa4 through its custom ops' fake kernels) on one attention call of 4,096 tokens in
+    documents of 1,600 and 1-900 tokens (6 heads of 128, bf16), for short and long windows: outputs and q/k/v gradients
+    within a few bf16 places of the fp32 reference (dense_window_mask), as FlexAttention's are."""
     torch.manual_seed(5)
     tokens, heads, block, bos = 4096, 6, 128, 50256
     ids = torch.randint(0, bos, (tokens,), device="cuda")
@@ -263,13 +271,14 @@ def test_varlen_backend_agrees_with_flex_attention_and_the_reference_on_cuda() -
     docs = tg.document_ids(ids, bos)
     for window_blocks in (1, 3, 11):
         results = {}
-        for name in ("varlen", "flex"):
+        for name in names:
             backend = tg.attention_backend(name, block, bos)
             windows = dict(zip(("short", "long"), backend.window_args(window_blocks, window_blocks, q.device)))
             inputs = backend.prepare(ids, cu_seqlens, windows, 2048)
             attn_scale = torch.tensor(scale, device="cuda") if backend.takes_tensors else scale
-            # flex compiled, as training calls it: uncompiled, flex_attention runs its unfused fallback instead
-            attend = torch.compile(backend.__call__, fullgraph=True) if name == "flex" else backend
+            # compiled as training calls them: uncompiled, flex_attention runs its unfused fallback instead, and fa4's
+            # fake kernels would go unused
+            attend = torch.compile(backend.__call__, fullgraph=True) if name in ("flex", "fa4") else backend
             out = attend(q, k, v, inputs, "short", attn_scale)
             results[name] = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
         def reference(window_tokens: int) -> tuple[torch.Tensor, ...]:
