@@ -78,6 +78,7 @@ except ImportError:
 
 
 FLASH_ATTN_4_TESTED = "4.0.0b40"  # the fa4 backend calls its private _flash_attn_fwd / _flash_attn_bwd
+FA4_MEASURED_CAPABILITY = (9, 0)  # Hopper: where fa4 was measured faster than flex, so where auto takes it
 
 
 def flash_attn_4_version() -> str | None:
@@ -169,7 +170,8 @@ class Hyperparameters:
     seed: int = setting("runtime", -1, "torch seed (-1: unseeded like the record; parameters are broadcast from rank 0 anyway)")
     compile: bool = setting("runtime", True, "torch.compile the model")
     attention_backend: str = setting(
-        "runtime", "auto", "auto | flash3 | fa4 | varlen | flex | reference (auto: flash3 when FlashAttention-3 imports, else flex; reference on CPU)"
+        "runtime", "auto", "auto | flash3 | fa4 | varlen | flex | reference (auto: flash3 when FlashAttention-3 imports, "
+        f"else fa4 on sm_90 with flash-attn-4 {FLASH_ATTN_4_TESTED} installed, else flex; reference on CPU)",
     )
     warmup_steps: int = setting("runtime", 30, "untimed kernel warm-up steps (state restored afterwards)")
     save_checkpoint: bool = setting("runtime", False, "write the end-of-run state file, <log_dir>/<run_id>/state_step<N>.pt")
@@ -711,12 +713,12 @@ class TorchVarlenAttention(AttentionBackend):
         return y.unsqueeze(0)
 
 
-# ---- FlashAttention-4 (flash-attn-4's CuTe kernels), opt-in ----
+# ---- FlashAttention-4 (flash-attn-4's CuTe kernels) ----
 # The record's varlen call on flash-attn-4's Hopper and Blackwell kernels, for machines without FA3. Its
 # autograd.Function cannot be traced by torch.compile, so forward and backward are two custom ops that the compiled
-# graphs call. Opt-in because no gain over FlexAttention is shown yet: on one H100 it trained at 603.29 and 607.67
-# ms/step in two unbalanced single rounds, where main with flex ran at 605-613 in other invocations (bench/NOTES.md,
-# 2026-12-06).
+# graphs call. auto takes it on sm_90 when the tested version is installed: there the whole step trained at 0.9686
+# of flex's ms/step (one H100, bench/ab.py, 2 rounds, bench/NOTES.md 2026-12-06), its attention kernels 61.8 ms per
+# step against flex's 77.9. Other versions and other GPUs (Blackwell's kernels are others) only when asked for.
 def _fa4_interface() -> types.ModuleType:
     """flash_attn.cute.interface, imported on first use (it loads the CuTe DSL compiler, seconds)."""
     from flash_attn.cute import interface
@@ -838,8 +840,8 @@ def attention_backend(name: str, block_size: int, bos_token: int) -> AttentionBa
     return ATTENTION_BACKEND_CLASSES[name](block_size, bos_token)
 
 
-def check_fa4_can_run(device: torch.device, capability: tuple[int, int] | None) -> None:
-    """One UserError line for what --attention_backend=fa4 lacks here: CUDA, sm_90, the package, or its import."""
+def check_fa4_can_run(device: torch.device, capability: tuple[int, int] | None, requested: str = "fa4") -> None:
+    """One UserError line for what fa4 (asked for, or auto's choice) lacks here: CUDA, sm_90, the package, or its import."""
     if device.type != "cuda":
         raise UserError("--attention_backend=fa4 cannot train on CPU (flash-attn-4's kernels are CUDA only); use auto or reference")
     if capability is not None and capability < (9, 0):
@@ -851,8 +853,8 @@ def check_fa4_can_run(device: torch.device, capability: tuple[int, int] | None) 
         _fa4_interface()
     except (ImportError, OSError) as error:  # a missing dependency or shared library of an installed flash-attn-4
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise UserError(f"--attention_backend=fa4: flash-attn-4 is installed but does not import ({first_line}); "
-                        f"reinstall it (README.md#install) or use auto or flex") from None
+        raise UserError(f"--attention_backend={requested}: flash-attn-4 is installed but does not import ({first_line}); "
+                        f"reinstall it (README.md#install) or pass --attention_backend=flex") from None
 
 
 def choose_attention_backend(requested: str, device: torch.device, capability: tuple[int, int] | None) -> str:
@@ -869,9 +871,19 @@ def choose_attention_backend(requested: str, device: torch.device, capability: t
                         f"is sm_{capability[0]}{capability[1]}: use auto or flex")
     if requested != "auto":
         return requested
-    if device.type == "cuda":
-        return "flash3" if flash_attn_varlen_func is not None else "flex"
-    return "reference"
+    if device.type != "cuda":
+        return "reference"
+    if flash_attn_varlen_func is not None:
+        return "flash3"
+    if capability == FA4_MEASURED_CAPABILITY and flash_attn_4_version() == FLASH_ATTN_4_TESTED:
+        check_fa4_can_run(device, capability, requested)  # installed but broken: one line, not a silent flex
+        return "fa4"
+    return "flex"
+
+
+def attention_backend_line(backend: str) -> str:
+    """The log's attention_backend line; fa4's names the installed flash-attn-4, on whose version auto's choice depends."""
+    return f"attention_backend: {backend}" + (f" (flash-attn-4 {flash_attn_4_version()})" if backend == "fa4" else "")
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -3232,7 +3244,7 @@ def run(argv: list[str]) -> float:
                                                checkpoint_dir if hp.checkpoint_every else None, checkpoint_file_sizes, run_started))
     open_run_log(hp, run_id, rt)
     print0("=" * 100)
-    track_lines = [f"attention_backend: {backend}", f"fp8_head: {'on' if fp8 else 'off'}"]
+    track_lines = [attention_backend_line(backend), f"fp8_head: {'on' if fp8 else 'off'}"]
     for line in environment_lines(rt, hp, overrides, track_lines, train_files, train_token_count, val_files, val_token_count):
         print0(line)
     log_model_and_muon(raw_model, muon, hp, rt)

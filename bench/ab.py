@@ -420,7 +420,9 @@ class RoundTimer:
 KERNEL_KINDS = [  # first match wins; kernel names as they appear on Hopper with torch 2.11
     # (inductor's fused kernels next to it carry the op's name too, hence the anchor)
     ("MLP matmuls with ReLU² epilogues (Triton)", r"^_relu2_(backward_)?matmul_kernel"),  # the older name: backward only
-    ("flex attention (Triton templates)", r"flex|attention|triton_tem"),
+    # flex's templates, flash-attn-4's CuTe kernels (FlashAttentionForwardSm90, ...) and the reduction inductor fuses
+    # onto either backward (named after flex_attention_backward or train_gpt's fa4_backward), so both count alike
+    ("attention (flex templates, flash-attn kernels)", r"flex|attention|triton_tem|fa4_"),
     # the head's three _scaled_mm calls ran as cuBLAS's nvjet_sm90_qqtst/qrtst/qrsss kernels, once per micro-step each,
     # in the profiles of 2026-12-06 (bench/NOTES.md), and the bf16 products' names had no q (before this, they counted as bf16)
     ("fp8 head (scaled_mm, casts, copies)", r"f8|fp8|e4m3|e5m2|softcap|^nvjet_sm\d+_q"),

@@ -620,6 +620,13 @@ def test_kernel_kinds_of_the_profiles(ab) -> None:
         assert ab.kind_of(fp8_product) == "fp8 head (scaled_mm, casts, copies)"
     assert ab.kind_of("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_splitK_NTN") == "bf16/fp32 GEMM"
     assert ab.kind_of("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>") == "other"
+    attention = "attention (flex templates, flash-attn kernels)"  # names from the profiles of 2026-12-06 (bench/NOTES.md)
+    for kernel in ("triton_tem_fused__unsafe_view_flex_attention_backward_mul_sigmoid_transpose_unsqueeze_view_4",
+                   "triton_per_fused__unsafe_view_flex_attention_backward_mul_sigmoid_sigmoid_backward_squeeze_sum_transpose_unsqu",
+                   "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at__tensor000o111012",
+                   "kernel_cutlass_kernel_flash_attncuteflash_bwd_preprocessFlashAttentionBackwardPreprocess_object_at__tensorp",
+                   "triton_per_fused__unsafe_view_fa4_backward_mul_sigmoid_sigmoid_backward_squeeze_sum_unsqueeze_view_3"):
+        assert ab.kind_of(kernel) == attention, kernel
 
 
 # ---------------------------------------------------------------------------------------------- Track 3 mode

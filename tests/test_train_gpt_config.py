@@ -193,32 +193,46 @@ def test_attention_backend_choice_and_errors():
         assert type(attention) is backend and attention.name == name and attention.takes_tensors == (name == "flex")
 
 
-def test_fa4_is_opt_in_and_refused_in_one_line_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch):
+def test_fa4_is_refused_in_one_line_where_it_cannot_run_and_auto_takes_it_on_sm90(monkeypatch: pytest.MonkeyPatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(tg, "flash_attn_varlen_func", None)
-    monkeypatch.setattr(tg, "flash_attn_4_installed", lambda: False)
+    installed: str | None = None
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: installed)
 
-    def refusal(device: torch.device, capability: tuple[int, int] | None) -> str:
+    def refusal(device: torch.device, capability: tuple[int, int] | None, requested: str = "fa4") -> str:
         with pytest.raises(tg.UserError) as error:
-            tg.choose_attention_backend("fa4", device, capability)
+            tg.choose_attention_backend(requested, device, capability)
         return str(error.value)
 
     assert refusal(cuda, (9, 0)) == "--attention_backend=fa4 needs flash-attn-4 (4.0.0b40 is the tested version, README.md#install); use auto or flex"
     assert refusal(cpu, None) == "--attention_backend=fa4 cannot train on CPU (flash-attn-4's kernels are CUDA only); use auto or reference"
     assert refusal(cuda, (8, 0)) == ("--attention_backend=fa4 needs compute capability 9.0 or newer (flash-attn-4's Hopper and Blackwell "
                                      "kernels); this GPU is sm_80: use auto or flex")
-    monkeypatch.setattr(tg, "flash_attn_4_installed", lambda: True)
+    assert tg.choose_attention_backend("auto", cuda, (9, 0)) == "flex"  # not installed
+    installed = tg.FLASH_ATTN_4_TESTED
 
     def broken_install() -> None:
         raise ImportError("libtvm_ffi_testing.so: cannot open shared object file: No such file or directory\nmore")
 
     monkeypatch.setattr(tg, "_fa4_interface", broken_install)
-    assert refusal(cuda, (9, 0)) == ("--attention_backend=fa4: flash-attn-4 is installed but does not import (libtvm_ffi_testing.so: "
-                                     "cannot open shared object file: No such file or directory); reinstall it (README.md#install) "
-                                     "or use auto or flex")
+    for requested in ("fa4", "auto"):  # auto would take it here, so a broken install is refused, not silently replaced
+        assert refusal(cuda, (9, 0), requested) == (
+            f"--attention_backend={requested}: flash-attn-4 is installed but does not import (libtvm_ffi_testing.so: "
+            "cannot open shared object file: No such file or directory); reinstall it (README.md#install) or pass --attention_backend=flex")
+    assert tg.choose_attention_backend("auto", cuda, (10, 0)) == "flex"  # not measured there: fa4 is not imported
     monkeypatch.setattr(tg, "_fa4_interface", lambda: tg.types.ModuleType("flash_attn.cute.interface"))
     assert tg.choose_attention_backend("fa4", cuda, (9, 0)) == tg.choose_attention_backend("fa4", cuda, (10, 0)) == "fa4"
-    assert tg.choose_attention_backend("auto", cuda, (9, 0)) == "flex"  # installed, still opt-in
+    assert tg.choose_attention_backend("auto", cuda, (9, 0)) == "fa4"  # the measured GPU and version
+    assert tg.choose_attention_backend("auto", cuda, (10, 0)) == "flex"  # Blackwell: other kernels, not measured
+    assert tg.choose_attention_backend("auto", cpu, None) == "reference"
+    installed = "4.0.0b41"  # its private functions may differ: only when asked for
+    assert tg.choose_attention_backend("auto", cuda, (9, 0)) == "flex"
+    assert tg.choose_attention_backend("fa4", cuda, (9, 0)) == "fa4"
+    monkeypatch.setattr(tg, "flash_attn_varlen_func", lambda *args, **kwargs: None)  # FA3 imports: the record's kernel first
+    installed = tg.FLASH_ATTN_4_TESTED
+    assert tg.choose_attention_backend("auto", cuda, (9, 0)) == "flash3"
+    assert tg.attention_backend_line("fa4") == "attention_backend: fa4 (flash-attn-4 4.0.0b40)"
+    assert tg.attention_backend_line("flex") == "attention_backend: flex"
 
 
 def test_flash_attn_4_installed_reads_the_distribution_metadata(monkeypatch: pytest.MonkeyPatch):

@@ -1,4 +1,4 @@
-"""The FlashAttention-3 backend (the one record runs use), the opt-in flash-attn-4 backend and torch's varlen
+"""The FlashAttention-3 backend (the one record runs use), the flash-attn-4 backend and torch's varlen
 backend against the reference backend, on CPU.
 
 Stand-ins are installed before train_gpt is imported: a `flash_attn_interface` module whose plain-PyTorch
@@ -113,9 +113,9 @@ BACKEND = "%(backend)s"
 
 BOS, VOCAB, BLOCK, T = %(bos)d, %(vocab)d, 16, 128
 results = {"auto_on_cuda": tg.choose_attention_backend("auto", torch.device("cuda"), (9, 0))}
-if BACKEND == "fa4":  # opt-in: auto never picks it, with or without FA3
+if BACKEND == "fa4":  # auto takes it on sm_90 without FA3, the tested version installed
     tg.flash_attn_varlen_func = None
-    tg.flash_attn_4_installed = lambda: True  # the stand-in has no distribution metadata
+    tg.flash_attn_4_version = lambda: tg.FLASH_ATTN_4_TESTED  # the stand-in has no distribution metadata
     results["auto_on_cuda"] = [tg.choose_attention_backend("auto", torch.device("cuda"), c) for c in ((9, 0), (10, 0))]
     results["fa4_on_cuda"] = tg.choose_attention_backend("fa4", torch.device("cuda"), (9, 0))
 RETURN_LSE = False
@@ -176,7 +176,7 @@ def test_varlen_backends_equal_the_reference_backend(backend: str, cases: int):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(result.stdout.strip().splitlines()[-1])
-    assert results.pop("auto_on_cuda") == (["flex", "flex"] if backend == "fa4" else "flash3")
+    assert results.pop("auto_on_cuda") == (["fa4", "flex"] if backend == "fa4" else "flash3")
     if backend == "fa4":
         assert results.pop("fa4_on_cuda") == "fa4"
     assert len(results) == cases

@@ -95,24 +95,27 @@ TRACKS = {
 }
 
 # Expected ms/step at the record configuration, as measured. Conditions: NVIDIA H200 or H100 80GB HBM3,
-# torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention (no FA3), on the docs_proxy shards
-# (Debian documentation in the FineWeb format: the same tokens per step, but other document lengths, which
-# change attention's block sparsity a little). Each entry says when and at which commit (README Performance); it
-# is the span of one invocation's rounds, and calls on other machines of one model differ by a few percent.
-# Key: (GPU model as torch names it, track, GPUs) -> (low, high, how it was measured).
-MEASURED_ON = "measured on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention"
-MEASURED_MS_PER_STEP: dict[tuple[str, int, int], tuple[float, float, str]] = {
-    ("NVIDIA H200", 1, 1): (578.7, 579.1, "1 GPU, 8 micro-steps; 629e1fa, 2026-12-06"),
-    ("NVIDIA H200", 1, 2): (0.49 * 578.7, 0.49 * 579.1, "2 GPUs: 0.49x the 1-GPU time, a ratio measured on 2026-11-30, before the speed work"),
-    ("NVIDIA H100 80GB HBM3", 1, 1): (605.0, 612.7, "1 GPU, 8 micro-steps; 629e1fa and 7fb9d5d, 2026-12-06, four invocations"),
-    ("NVIDIA H200", 3, 1): (1422.9, 1422.9, "1 GPU, Shampoo roots on 8 streams, steps 11-150; 2026-11-30"),
-    ("NVIDIA H200", 3, 2): (714.8, 714.8, "2 GPUs, 30 steps; 2026-11-30"),
+# torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, no FA3, on the docs_proxy shards (Debian documentation in
+# the FineWeb format: the same tokens per step, but other document lengths, which change attention's block
+# sparsity a little). Each entry says when and at which commit (README Performance); it is the span of the rounds
+# of the invocations it names, and calls on other machines of one model differ by a few percent.
+# Key: (GPU model as torch names it, track, GPUs, attention backend: Track 1's choice, "sdpa" for Track 3)
+# -> (low, high, how it was measured).
+MEASURED_ON = "measured on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04"
+MEASURED_MS_PER_STEP: dict[tuple[str, int, int, str], tuple[float, float, str]] = {
+    ("NVIDIA H200", 1, 1, "flex"): (578.7, 579.1, "1 GPU, 8 micro-steps, FlexAttention; 629e1fa, 2026-12-06"),
+    ("NVIDIA H200", 1, 2, "flex"): (0.49 * 578.7, 0.49 * 579.1, "2 GPUs, FlexAttention: 0.49x the 1-GPU time, a ratio measured on 2026-11-30, before the speed work"),
+    ("NVIDIA H100 80GB HBM3", 1, 1, "flex"): (605.0, 615.2, "1 GPU, 8 micro-steps, FlexAttention; 629e1fa, 7fb9d5d and 853a9e0, 2026-12-06, six invocations"),
+    ("NVIDIA H100 80GB HBM3", 1, 1, "fa4"): (595.3, 596.9, "1 GPU, 8 micro-steps, flash-attn-4 4.0.0b40; 853a9e0, 2026-12-06, three invocations"),
+    ("NVIDIA H200", 3, 1, "sdpa"): (1422.9, 1422.9, "1 GPU, Shampoo roots on 8 streams, steps 11-150; 2026-11-30"),
+    ("NVIDIA H200", 3, 2, "sdpa"): (714.8, 714.8, "2 GPUs, 30 steps; 2026-11-30"),
 }
 # Overrides that leave the work of a step unchanged (paths, logging, how long, checkpoints).
 STEP_NEUTRAL_FLAGS = frozenset({
     "train_files", "val_files", "cycle_train_files", "log_dir", "run_id", "seed", "save_checkpoint",
     "checkpoint_every", "checkpoint_dir", "resume", "val_loss_every", "val_every", "val_every_late", "late_frac",
     "num_iterations", "iteration_extension", "train_steps", "warmup_steps", "num_trials", "val_tokens", "val_batch_size",
+    "attention_backend",  # the measurements are keyed by the backend the run will use
 })
 # `time python <script> --preset=smoke` on this project's 2-core machines (shared with other work), the fastest of
 # several runs, 2026-12-04 (README "First 10 minutes").
@@ -486,20 +489,30 @@ def _fa4_runs(device_index: int) -> str | None:
     return _tiny_windowed_call_fails(device_index, lambda q, k, v, cu: tg.fa4_forward(q, k, v, cu, 128, 0.125, 64), also=(AssertionError,))
 
 
-class OptInKernel(NamedTuple):
-    """A backend taken only when asked for: what runs it, the check of its kernel (looked up when called, so that
-    tests can stand in for it) and the fix when that fails ({tested}: train_gpt.FLASH_ATTN_4_TESTED)."""
+class TriedKernel(NamedTuple):
+    """A backend other than FA3 and flex whose kernel doctor tries on a tiny input: what runs it, the trial (looked up
+    when called, so that tests can stand in for it) and the fix when that fails ({tested}: train_gpt.FLASH_ATTN_4_TESTED)."""
 
     kernels: str
     runs: Callable[[int], str | None]
     fix: str
 
 
-OPT_IN_KERNELS = {
-    "varlen": OptInKernel("torch's varlen_attn, FlashAttention-2 kernels", lambda index: _varlen_runs(index), "pass --attention_backend=flex"),
-    "fa4": OptInKernel("flash-attn-4's kernels", lambda index: _fa4_runs(index),
+TRIED_KERNELS = {
+    "varlen": TriedKernel("torch's varlen_attn, FlashAttention-2 kernels", lambda index: _varlen_runs(index), "pass --attention_backend=flex"),
+    "fa4": TriedKernel("flash-attn-4's kernels", lambda index: _fa4_runs(index),
                        "pass --attention_backend=flex, or install flash-attn-4 {tested} (README.md#install)"),
 }
+
+
+def _why_not_fa4(tg: Any, capability: tuple[int, int]) -> str:
+    """Why auto did not take fa4 (train_gpt.choose_attention_backend's rule)."""
+    version = tg.flash_attn_4_version()
+    if version is None:
+        return "flash-attn-4 is not installed"
+    if version != tg.FLASH_ATTN_4_TESTED:
+        return f"flash-attn-4 {version} is not the tested {tg.FLASH_ATTN_4_TESTED} (--attention_backend=fa4 takes it anyway)"
+    return f"fa4 is measured on sm_90 only, this GPU is sm_{capability[0]}{capability[1]} (--attention_backend=fa4 takes it anyway)"
 
 
 def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
@@ -513,25 +526,26 @@ def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
     capability = machine.gpus[0].capability if machine.gpu_mode else None
     try:
         backend = tg.choose_attention_backend(requested, device, capability)  # train_gpt.py's own decision
-    except tg.UserError as error:
-        return Check("attention", "fail", str(error), "pass --attention_backend=auto")
+    except tg.UserError as error:  # its line says what to install; auto's own choice can only fall back to flex
+        return Check("attention", "fail", str(error), "pass --attention_backend=" + ("flex" if requested == "auto" else "auto"))
     chosen = f"train_gpt.py will use {backend}"
     if not machine.gpu_mode:
         return Check("attention", "ok", f"{chosen}: a CPU run (FlexAttention has no CPU backward)")
     if backend == "flex":
-        why = "asked for" if requested == "flex" else f"FlashAttention-3 does not import ({_fa3_import_error()})"
+        why = "asked for" if requested == "flex" else f"FlashAttention-3 does not import ({_fa3_import_error()}) and {_why_not_fa4(tg, capability)}"
         return Check("attention", "ok", f"{chosen} (FlexAttention): {why}; our H200 measurements use it too")
-    if backend in OPT_IN_KERNELS:  # tried on a tiny input unless --quick
-        opt_in = OPT_IN_KERNELS[backend]
-        fix = opt_in.fix.format(tested=tg.FLASH_ATTN_4_TESTED)
-        chosen += f" ({opt_in.kernels}): asked for"
+    if backend in TRIED_KERNELS:  # tried on a tiny input unless --quick
+        tried = TRIED_KERNELS[backend]
+        fix = tried.fix.format(tested=tg.FLASH_ATTN_4_TESTED)
+        why = "asked for" if requested == backend else f"flash-attn-4 {tg.FLASH_ATTN_4_TESTED} is installed and FA3 is not, on sm_90 (measured faster than flex there)"
+        chosen += f" ({tried.kernels}): {why}"
         status: Status = "ok"
         if backend == "fa4" and (version := tg.flash_attn_4_version()) != tg.FLASH_ATTN_4_TESTED:
             chosen += f"; flash-attn-4 {version} is installed, and {tg.FLASH_ATTN_4_TESTED} is the version its private functions were tested with"
             status = "warn"
         if quick:
             return Check("attention", status, f"{chosen} (kernel not tried with --quick)", fix if status == "warn" else "")
-        failure = opt_in.runs(0)
+        failure = tried.runs(0)
         if failure is not None:
             return Check("attention", "fail", f"{chosen}, but its kernel fails on this GPU (sm_{capability[0]}{capability[1]}): {failure}", fix)
         return Check("attention", status, f"{chosen}, and its kernel runs on this GPU", fix if status == "warn" else "")
@@ -898,16 +912,33 @@ def work_changing_flags(plan: Plan) -> list[str]:
     return sorted(set(plan.overrides) - STEP_NEUTRAL_FLAGS)
 
 
+def attention_measured_as(machine: Machine, plan: Plan) -> str | None:
+    """MEASURED_MS_PER_STEP's attention key for this run on GPU 0: Track 1's backend as train_gpt.py chooses it
+    (None when it refuses), "sdpa" for Track 3."""
+    if plan.track.number != 1:
+        return "sdpa"
+    import torch
+
+    tg = training_module(plan.track)
+    try:
+        return tg.choose_attention_backend(plan.hp.attention_backend, torch.device("cuda", 0), machine.gpus[0].capability)
+    except tg.UserError:  # check_attention reports it
+        return None
+
+
 def check_expected_speed(machine: Machine, plan: Plan) -> Check:
     if not machine.gpu_mode:
         if not is_smoke_run(plan):
             return Check("expected", "skip", "CPU mode: measured for the smoke preset only")
         return Check("expected", "skip", f"CPU mode: the smoke run took about {SMOKE_SECONDS_ON_2_CORES[plan.track.number]} s on 2 shared cores")
     name = machine.gpus[0].name
-    measured = MEASURED_MS_PER_STEP.get((name, plan.track.number, plan.world_size))
+    attention = attention_measured_as(machine, plan)
+    if attention is None:
+        return Check("expected", "skip", "the attention backend cannot run here (see attention)")
+    measured = MEASURED_MS_PER_STEP.get((name, plan.track.number, plan.world_size, attention))
     if measured is None or plan.nnodes > 1:
-        known = sorted({f"{gpu} x{n}" for gpu, track, n in MEASURED_MS_PER_STEP if track == plan.track.number})
-        return Check("expected", "skip", f"no measurement for {plan.world_size} x {name}"
+        known = sorted({f"{gpu} x{n} {backend}" for gpu, track, n, backend in MEASURED_MS_PER_STEP if track == plan.track.number})
+        return Check("expected", "skip", f"no measurement for {plan.world_size} x {name} with {attention}"
                      + (f" over {plan.nnodes} nodes" if plan.nnodes > 1 else "") + f" (we have: {', '.join(known)})")
     changed = work_changing_flags(plan)
     low, high, how = measured

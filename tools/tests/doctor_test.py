@@ -311,9 +311,11 @@ def test_attention_backend_and_why(monkeypatch):
     tg = dr.training_module(dr.TRACKS[1])
     monkeypatch.setattr(tg, "flash_attn_varlen_func", None)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # import fails, as where FA3 is not installed
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: None)
     flex = dr.check_attention(gpus(1), plan(), quick=False)
     assert flex.status == "ok"
     assert flex.detail.startswith("train_gpt.py will use flex (FlexAttention): FlashAttention-3 does not import (")
+    assert flex.detail.endswith(") and flash-attn-4 is not installed; our H200 measurements use it too")
 
     fake_fa3 = types.ModuleType("flash_attn_interface")
     fake_fa3.__file__ = "/opt/fa3/flash_attn_interface.py"
@@ -365,14 +367,56 @@ def test_attention_backend_and_why(monkeypatch):
     assert torch.cuda.is_available() or dr.check_attention(CPU, plan(gpu_mode=False), quick=True).status == "ok"
 
 
-def test_expected_speed_only_for_a_measured_gpu_and_the_record_configuration():
+def test_attention_auto_takes_fa4_on_sm90_with_the_tested_version(monkeypatch):
+    tg = dr.training_module(dr.TRACKS[1])
+    monkeypatch.setattr(tg, "flash_attn_varlen_func", None)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    version = tg.FLASH_ATTN_4_TESTED
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: version)
+    monkeypatch.setattr(tg, "_fa4_interface", lambda: types.ModuleType("flash_attn.cute.interface"))
+    monkeypatch.setattr(dr, "_fa4_runs", lambda index: None)
+    auto = dr.check_attention(gpus(1), plan(), quick=False)
+    assert auto.status == "ok" and auto.detail == ("train_gpt.py will use fa4 (flash-attn-4's kernels): flash-attn-4 4.0.0b40 is "
+                                                   "installed and FA3 is not, on sm_90 (measured faster than flex there), and its kernel runs on this GPU")
+    blackwell = dr.check_attention(gpus(1, name="NVIDIA B200", capability=(10, 0)), plan(), quick=True)
+    assert blackwell.status == "ok" and blackwell.detail.endswith(
+        ") and fa4 is measured on sm_90 only, this GPU is sm_100 (--attention_backend=fa4 takes it anyway); our H200 measurements use it too")
+    version = "4.0.0b41"
+    other = dr.check_attention(gpus(1), plan(), quick=True)
+    assert other.status == "ok" and "will use flex" in other.detail
+    assert "and flash-attn-4 4.0.0b41 is not the tested 4.0.0b40 (--attention_backend=fa4 takes it anyway)" in other.detail
+    version = tg.FLASH_ATTN_4_TESTED
+
+    def broken_install() -> None:
+        raise ImportError("libcute_dsl_runtime.so: cannot open shared object file")
+
+    monkeypatch.setattr(tg, "_fa4_interface", broken_install)
+    refused = dr.check_attention(gpus(1), plan(), quick=True)
+    assert refused.status == "fail" and refused.fix == "pass --attention_backend=flex"
+    assert refused.detail.startswith("--attention_backend=auto: flash-attn-4 is installed but does not import (libcute_dsl_runtime.so")
+    assert dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan()).detail == "the attention backend cannot run here (see attention)"
+
+
+def test_expected_speed_only_for_a_measured_gpu_and_the_record_configuration(monkeypatch):
+    tg = dr.training_module(dr.TRACKS[1])
+    monkeypatch.setattr(tg, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: None)
     one = dr.check_expected_speed(gpus(1), plan())
-    assert one.status == "ok" and one.detail.startswith("579 ms/step on NVIDIA H200 (1 GPU, 8 micro-steps; 629e1fa, 2026-12-06), so 1680 steps take about 16 min")
-    assert one.detail.endswith("measured on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04, FlexAttention")
+    assert one.status == "ok" and one.detail.startswith("579 ms/step on NVIDIA H200 (1 GPU, 8 micro-steps, FlexAttention; 629e1fa, 2026-12-06), "
+                                                        "so 1680 steps take about 16 min")
+    assert one.detail.endswith("measured on the docs_proxy shards, torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04")
     two = dr.check_expected_speed(gpus(2), plan(nproc=2))
     assert two.detail.startswith("284 ms/step") and "0.49x" in two.detail  # 283.6-283.8: one figure once rounded
     h100 = dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan())
-    assert h100.status == "ok" and h100.detail.startswith("605-613 ms/step on NVIDIA H100 80GB HBM3 (1 GPU, 8 micro-steps; 629e1fa and 7fb9d5d")
+    assert h100.status == "ok" and h100.detail.startswith("605-615 ms/step on NVIDIA H100 80GB HBM3 (1 GPU, 8 micro-steps, FlexAttention; 629e1fa")
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: tg.FLASH_ATTN_4_TESTED)  # auto takes fa4 on sm_90
+    monkeypatch.setattr(tg, "_fa4_interface", lambda: types.ModuleType("flash_attn.cute.interface"))
+    fa4 = dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan())
+    assert fa4.status == "ok" and fa4.detail.startswith("595-597 ms/step on NVIDIA H100 80GB HBM3 (1 GPU, 8 micro-steps, flash-attn-4 4.0.0b40; 853a9e0")
+    assert dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan("--attention_backend=flex")).detail.startswith("605-615 ms/step")
+    h200_fa4 = dr.check_expected_speed(gpus(1), plan())
+    assert h200_fa4.status == "skip" and h200_fa4.detail.startswith("no measurement for 1 x NVIDIA H200 with fa4 (we have: ")
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: None)
     assert dr.check_expected_speed(gpus(1), plan(track=3)).detail.startswith("1,423 ms/step")
     assert dr.check_expected_speed(gpus(2), plan(track=3, nproc=2)).detail.startswith("715 ms/step")
     assert dr.check_expected_speed(gpus(8), plan(nproc=8)).status == "skip"  # not measured
