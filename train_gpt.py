@@ -78,7 +78,7 @@ except ImportError:
 
 
 FLASH_ATTN_4_TESTED = "4.0.0b40"  # the fa4 backend calls its private _flash_attn_fwd / _flash_attn_bwd
-FA4_MEASURED_CAPABILITY = (9, 0)  # Hopper: where fa4 was measured faster than flex, so where auto takes it
+FA4_MEASURED_CAPABILITY = (9, 0)  # Hopper: fa4 was measured faster than flex on an H100, so auto takes it on sm_90
 
 
 def flash_attn_4_version() -> str | None:
@@ -717,8 +717,8 @@ class TorchVarlenAttention(AttentionBackend):
 # The record's varlen call on flash-attn-4's Hopper and Blackwell kernels, for machines without FA3. Its
 # autograd.Function cannot be traced by torch.compile, so forward and backward are two custom ops that the compiled
 # graphs call. auto takes it on sm_90 when the tested version is installed: there the whole step trained at 0.9686
-# of flex's ms/step (one H100, bench/ab.py, 2 rounds, bench/NOTES.md 2026-12-06), its attention kernels 61.8 ms per
-# step against flex's 77.9. Other versions and other GPUs (Blackwell's kernels are others) only when asked for.
+# of flex's ms/step (one H100, bench/ab.py, 2 rounds, bench/NOTES.md 2026-12-06), its attention kernels 67.8 ms per
+# step against flex's 78.6. Other versions and other GPUs (Blackwell's kernels are others) only when asked for.
 def _fa4_interface() -> types.ModuleType:
     """flash_attn.cute.interface, imported on first use (it loads the CuTe DSL compiler, seconds)."""
     from flash_attn.cute import interface
@@ -843,12 +843,12 @@ def attention_backend(name: str, block_size: int, bos_token: int) -> AttentionBa
 def check_fa4_can_run(device: torch.device, capability: tuple[int, int] | None, requested: str = "fa4") -> None:
     """One UserError line for what fa4 (asked for, or auto's choice) lacks here: CUDA, sm_90, the package, or its import."""
     if device.type != "cuda":
-        raise UserError("--attention_backend=fa4 cannot train on CPU (flash-attn-4's kernels are CUDA only); use auto or reference")
+        raise UserError(f"--attention_backend={requested} cannot train on CPU (flash-attn-4's kernels are CUDA only); use auto or reference")
     if capability is not None and capability < (9, 0):
-        raise UserError(f"--attention_backend=fa4 needs compute capability 9.0 or newer (flash-attn-4's Hopper and Blackwell kernels); "
+        raise UserError(f"--attention_backend={requested} needs compute capability 9.0 or newer (flash-attn-4's Hopper and Blackwell kernels); "
                         f"this GPU is sm_{capability[0]}{capability[1]}: use auto or flex")
     if not flash_attn_4_installed():
-        raise UserError(f"--attention_backend=fa4 needs flash-attn-4 ({FLASH_ATTN_4_TESTED} is the tested version, README.md#install); use auto or flex")
+        raise UserError(f"--attention_backend={requested} needs flash-attn-4 ({FLASH_ATTN_4_TESTED} is the tested version, README.md#install); use auto or flex")
     try:
         _fa4_interface()
     except (ImportError, OSError) as error:  # a missing dependency or shared library of an installed flash-attn-4

@@ -173,7 +173,8 @@ def test_open_log_never_overwrites(tmp_path):
     assert path.read_text() == "precious"
 
 
-def test_attention_backend_choice_and_errors():
+def test_attention_backend_choice_and_errors(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: None)  # auto's fa4 case: the test below
     cpu, cuda, hopper = torch.device("cpu"), torch.device("cuda", 0), (9, 0)
     assert tg.choose_attention_backend("auto", cpu, None) == "reference"
     assert tg.choose_attention_backend("auto", cuda, hopper) == ("flex" if tg.flash_attn_varlen_func is None else "flash3")

@@ -501,7 +501,7 @@ class TriedKernel(NamedTuple):
 TRIED_KERNELS = {
     "varlen": TriedKernel("torch's varlen_attn, FlashAttention-2 kernels", lambda index: _varlen_runs(index), "pass --attention_backend=flex"),
     "fa4": TriedKernel("flash-attn-4's kernels", lambda index: _fa4_runs(index),
-                       "pass --attention_backend=flex, or install flash-attn-4 {tested} (README.md#install)"),
+                       "pass --attention_backend=flex, or (re)install flash-attn-4 {tested} (README.md#install)"),
 }
 
 
@@ -510,6 +510,8 @@ def _why_not_fa4(tg: Any, capability: tuple[int, int]) -> str:
     version = tg.flash_attn_4_version()
     if version is None:
         return "flash-attn-4 is not installed"
+    if capability < (9, 0):
+        return f"flash-attn-4's kernels need sm_90 or newer, this GPU is sm_{capability[0]}{capability[1]}"
     if version != tg.FLASH_ATTN_4_TESTED:
         return f"flash-attn-4 {version} is not the tested {tg.FLASH_ATTN_4_TESTED} (--attention_backend=fa4 takes it anyway)"
     return f"fa4 is measured on sm_90 only, this GPU is sm_{capability[0]}{capability[1]} (--attention_backend=fa4 takes it anyway)"
@@ -526,8 +528,8 @@ def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
     capability = machine.gpus[0].capability if machine.gpu_mode else None
     try:
         backend = tg.choose_attention_backend(requested, device, capability)  # train_gpt.py's own decision
-    except tg.UserError as error:  # its line says what to install; auto's own choice can only fall back to flex
-        return Check("attention", "fail", str(error), "pass --attention_backend=" + ("flex" if requested == "auto" else "auto"))
+    except tg.UserError as error:  # its line says what to install; flex runs on every GPU (auto may take a broken fa4)
+        return Check("attention", "fail", str(error), "pass --attention_backend=" + ("flex" if machine.gpu_mode else "auto"))
     chosen = f"train_gpt.py will use {backend}"
     if not machine.gpu_mode:
         return Check("attention", "ok", f"{chosen}: a CPU run (FlexAttention has no CPU backward)")
@@ -537,7 +539,7 @@ def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
     if backend in TRIED_KERNELS:  # tried on a tiny input unless --quick
         tried = TRIED_KERNELS[backend]
         fix = tried.fix.format(tested=tg.FLASH_ATTN_4_TESTED)
-        why = "asked for" if requested == backend else f"flash-attn-4 {tg.FLASH_ATTN_4_TESTED} is installed and FA3 is not, on sm_90 (measured faster than flex there)"
+        why = "asked for" if requested == backend else f"flash-attn-4 {tg.FLASH_ATTN_4_TESTED} is installed and FA3 is not, on sm_90 (measured faster than flex on an H100)"
         chosen += f" ({tried.kernels}): {why}"
         status: Status = "ok"
         if backend == "fa4" and (version := tg.flash_attn_4_version()) != tg.FLASH_ATTN_4_TESTED:
@@ -914,16 +916,19 @@ def work_changing_flags(plan: Plan) -> list[str]:
 
 def attention_measured_as(machine: Machine, plan: Plan) -> str | None:
     """MEASURED_MS_PER_STEP's attention key for this run on GPU 0: Track 1's backend as train_gpt.py chooses it
-    (None when it refuses), "sdpa" for Track 3."""
+    (None when it refuses; fa4 with its version when that is not the tested one), "sdpa" for Track 3."""
     if plan.track.number != 1:
         return "sdpa"
     import torch
 
     tg = training_module(plan.track)
     try:
-        return tg.choose_attention_backend(plan.hp.attention_backend, torch.device("cuda", 0), machine.gpus[0].capability)
+        backend = tg.choose_attention_backend(plan.hp.attention_backend, torch.device("cuda", 0), machine.gpus[0].capability)
     except tg.UserError:  # check_attention reports it
         return None
+    if backend == "fa4" and (version := tg.flash_attn_4_version()) != tg.FLASH_ATTN_4_TESTED:
+        return f"fa4 {version}"  # measured with the tested version only
+    return backend
 
 
 def check_expected_speed(machine: Machine, plan: Plan) -> Check:

@@ -350,7 +350,7 @@ def test_attention_backend_and_why(monkeypatch):
     assert fa4.status == "ok" and fa4.detail.endswith("will use fa4 (flash-attn-4's kernels): asked for, and its kernel runs on this GPU")
     monkeypatch.setattr(tg, "flash_attn_4_version", lambda: "4.0.0b41")
     other = dr.check_attention(gpus(1), plan("--attention_backend=fa4"), quick=True)
-    assert other.status == "warn" and other.fix.startswith("pass --attention_backend=flex, or install flash-attn-4 4.0.0b40")
+    assert other.status == "warn" and other.fix.startswith("pass --attention_backend=flex, or (re)install flash-attn-4 4.0.0b40")
     assert other.detail.endswith("asked for; flash-attn-4 4.0.0b41 is installed, and 4.0.0b40 is the version its private functions "
                                  "were tested with (kernel not tried with --quick)")
     monkeypatch.setattr(tg, "flash_attn_4_version", lambda: tg.FLASH_ATTN_4_TESTED)
@@ -358,7 +358,7 @@ def test_attention_backend_and_why(monkeypatch):
     monkeypatch.setattr(dr, "_fa4_runs", lambda index: "Unsupported compute capability")
     broken = dr.check_attention(gpus(1), plan("--attention_backend=fa4"), quick=False)
     assert broken.status == "fail" and broken.detail.endswith("but its kernel fails on this GPU (sm_90): Unsupported compute capability")
-    assert broken.fix == f"pass --attention_backend=flex, or install flash-attn-4 {tg.FLASH_ATTN_4_TESTED} (README.md#install)"
+    assert broken.fix == f"pass --attention_backend=flex, or (re)install flash-attn-4 {tg.FLASH_ATTN_4_TESTED} (README.md#install)"
     monkeypatch.setattr(tg, "flash_attn_4_installed", lambda: False)
     missing = dr.check_attention(gpus(1), plan("--attention_backend=fa4"), quick=True)
     assert missing.status == "fail" and "needs flash-attn-4 (4.0.0b40 is the tested version" in missing.detail
@@ -377,23 +377,28 @@ def test_attention_auto_takes_fa4_on_sm90_with_the_tested_version(monkeypatch):
     monkeypatch.setattr(dr, "_fa4_runs", lambda index: None)
     auto = dr.check_attention(gpus(1), plan(), quick=False)
     assert auto.status == "ok" and auto.detail == ("train_gpt.py will use fa4 (flash-attn-4's kernels): flash-attn-4 4.0.0b40 is "
-                                                   "installed and FA3 is not, on sm_90 (measured faster than flex there), and its kernel runs on this GPU")
+                                                   "installed and FA3 is not, on sm_90 (measured faster than flex on an H100), and its kernel runs on this GPU")
     blackwell = dr.check_attention(gpus(1, name="NVIDIA B200", capability=(10, 0)), plan(), quick=True)
     assert blackwell.status == "ok" and blackwell.detail.endswith(
         ") and fa4 is measured on sm_90 only, this GPU is sm_100 (--attention_backend=fa4 takes it anyway); our H200 measurements use it too")
+    ada = dr.check_attention(gpus(1, name="NVIDIA L40S", capability=(8, 9)), plan(), quick=True)
+    assert ada.detail.endswith(") and flash-attn-4's kernels need sm_90 or newer, this GPU is sm_89; our H200 measurements use it too")
     version = "4.0.0b41"
     other = dr.check_attention(gpus(1), plan(), quick=True)
     assert other.status == "ok" and "will use flex" in other.detail
     assert "and flash-attn-4 4.0.0b41 is not the tested 4.0.0b40 (--attention_backend=fa4 takes it anyway)" in other.detail
+    untested = dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan("--attention_backend=fa4"))
+    assert untested.status == "skip" and untested.detail.startswith("no measurement for 1 x NVIDIA H100 80GB HBM3 with fa4 4.0.0b41")
     version = tg.FLASH_ATTN_4_TESTED
 
     def broken_install() -> None:
         raise ImportError("libcute_dsl_runtime.so: cannot open shared object file")
 
     monkeypatch.setattr(tg, "_fa4_interface", broken_install)
-    refused = dr.check_attention(gpus(1), plan(), quick=True)
-    assert refused.status == "fail" and refused.fix == "pass --attention_backend=flex"
-    assert refused.detail.startswith("--attention_backend=auto: flash-attn-4 is installed but does not import (libcute_dsl_runtime.so")
+    for requested in ("auto", "fa4"):  # auto would fail the same way: the fix is flex, which runs on every GPU
+        refused = dr.check_attention(gpus(1), plan(f"--attention_backend={requested}"), quick=True)
+        assert refused.status == "fail" and refused.fix == "pass --attention_backend=flex"
+        assert refused.detail.startswith(f"--attention_backend={requested}: flash-attn-4 is installed but does not import (libcute_dsl_runtime.so")
     assert dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan()).detail == "the attention backend cannot run here (see attention)"
 
 
