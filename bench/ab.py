@@ -28,7 +28,9 @@ comparison in one invocation is a comparison):
     val_not_finite lists the others), so that both sides stand on the same seeds.
   * --profile-steps N: afterwards N steps of each version under torch.profiler: kernel time by kind and
     the top kernels, the GPU's idle time between kernels, and how much of it the GPU spent waiting for the
-    host (gaps after which the next launch came only after the GPU had gone idle).
+    host (gaps after which the next launch came only after the GPU had gone idle). The profiled steps are
+    S+1..S+N with --profile-from S (default: --skip); the window schedule widens attention over the run, so
+    the timed segment's first steps are not its typical ones (bench/NOTES.md, 2026-12-06).
   * --time-limit S: on a machine that limits each command to S seconds, a round (or the profile) that the last round's
     duration says would not fit is left out, and the rounds run so far are reported rather than lost.
   * --deadline S: a worker still busy S seconds after the start (hung, or far slower than planned) is
@@ -410,11 +412,20 @@ class RoundTimer:
     segment_open: bool = False
     eval_inside_s: float = 0.0
     profile: Any = None
+    profile_from: int = 0  # profiling starts after this step (--profile-from)
     profile_steps: int = 0
 
     def reset(self) -> None:
         """Before a round: no marks, no evaluation time, the segment closed."""
         self.marks, self.eval_inside_s, self.segment_open = {}, 0.0, False
+
+    def profiler_action(self, steps_done: int) -> str | None:
+        """With steps_done training steps done: "start" the profiler at profile_from, "stop" it profile_steps later."""
+        if self.profile is None:
+            return None
+        if steps_done == self.profile_from:
+            return "start"
+        return "stop" if steps_done == self.profile_from + self.profile_steps else None
 
 
 KERNEL_KINDS = [  # first match wins; kernel names as they appear on Hopper with torch 2.11
@@ -596,7 +607,7 @@ def profiled_round(
     start_round(args.seeds[0])
     timer.reset()
     timer.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-    timer.profile_steps = args.profile_steps
+    timer.profile_from, timer.profile_steps = args.profile_from, args.profile_steps
     try:
         train()
     except _EndRound:
@@ -677,13 +688,13 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
             synchronize()
             timer.marks[step] = time.perf_counter()
             timer.segment_open = step == timer.first_step
-        if timer.profile is not None:
-            if step == timer.first_step:
-                timer.profile.start()
-            elif step == timer.first_step + timer.profile_steps:
-                synchronize()
-                timer.profile.stop()
-                raise _EndRound()
+        action = timer.profiler_action(step)
+        if action == "start":
+            timer.profile.start()
+        elif action == "stop":
+            synchronize()
+            timer.profile.stop()
+            raise _EndRound()
 
     def reinitialise(raw_model: Any, seed: int) -> None:
         torch.manual_seed(seed)
@@ -734,11 +745,11 @@ def trials_worker(module: Any, args: argparse.Namespace, overrides: list[str], c
             synchronize()
             timer.marks[timer.first_step] = time.perf_counter()
             timer.segment_open = True
-            if timer.profile is not None:
-                timer.profile.start()
+        if timer.profiler_action(progress["steps"]) == "start":
+            timer.profile.start()
         result = original_train_step(*a, **k)
         progress["steps"] += 1
-        if timer.profile is not None and progress["steps"] == timer.first_step + timer.profile_steps:
+        if timer.profiler_action(progress["steps"]) == "stop":
             synchronize()
             timer.profile.stop()
             raise _EndRound()
@@ -803,7 +814,7 @@ class ResidentVersion:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
             str(Path(__file__).resolve()), "--worker", "--script", str(version.script), "--control", str(folder),
-            "--label", version.label, "--skip", str(args.skip), "--profile-steps", str(args.profile_steps),
+            "--label", version.label, "--skip", str(args.skip), "--profile-steps", str(args.profile_steps), "--profile-from", str(args.profile_from),
             "--seeds", ",".join(map(str, args.seeds)), *(["--trace", str(args.trace.resolve())] if args.trace else []), "--", *overrides, f"--log_dir={folder / version.label / 'logs'}",
         ]
         self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.output, stderr=subprocess.STDOUT)
@@ -1214,7 +1225,8 @@ def val_not_finite_line(entries: list[dict[str, Any]]) -> str:
     return f"val loss not finite: {which} (a diverged run, or a whole run without a val line); those rounds are left out of the final val loss figures"
 
 
-def print_report(versions: list[Version], baseline: list[RoundResult], candidate: list[RoundResult], summary: dict, profiles: dict) -> None:
+def print_report(versions: list[Version], baseline: list[RoundResult], candidate: list[RoundResult], summary: dict, profiles: dict,
+                 profiled_steps: str = "") -> None:
     for v in versions:
         print(f"{v.label}: {v.origin}{describe_flags(v)} [{v.mode}]")
     print(f"{'round':>5} {'seed':>5} {'baseline ms/step':>17} {'candidate ms/step':>18} {'B/A':>7} {'val A':>8} {'val B':>8}")
@@ -1244,9 +1256,15 @@ def print_report(versions: list[Version], baseline: list[RoundResult], candidate
     for label, kernels in profiles.items():
         if not kernels:
             continue
-        print(f"profile of {label}: top kernels, ms per training step (sum over its micro-steps)")
+        print(f"profile of {label}: top kernels, ms per training step (sum over its micro-steps{profiled_steps})")
         for row in kernels:
             print(f"  {row['ms_per_step']:8.2f} ms  x{row['calls_per_step']:<6.0f} {row['kind'][:22]:<22} {row['kernel'][:100]}")
+
+
+def profiled_steps_text(args: argparse.Namespace) -> str:
+    """The profiled steps as the log numbers them: the ones after step --profile-from."""
+    first, last = args.profile_from + 1, args.profile_from + args.profile_steps
+    return str(first) if first == last else f"{first}-{last}"
 
 
 def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -1289,6 +1307,8 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--skip", type=int, default=10, help="steps before the timed segment (default 10)")
     parser.add_argument("--profile-steps", type=int, default=0, help="after the rounds, profile this many steps of each version")
+    parser.add_argument("--profile-from", type=int, help="profile the steps after this one (default: --skip, the timed segment's first steps; "
+                        "the window schedule makes early and late steps differ)")
     parser.add_argument("--trace", type=Path, help="with --profile-steps: write each version's profiled timeline there (<label>.trace.json.gz)")
     parser.add_argument("--out", type=Path, help="working folder (default bench/out/ab/<time>)")
     parser.add_argument("--json", type=Path, help="results file (default <out>/ab.json)")
@@ -1316,6 +1336,10 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             parser.error(refusal)
         if args.trace is not None and not args.profile_steps:
             parser.error("--trace writes the profiled steps' timeline: give --profile-steps N too")
+        if args.profile_from is not None and not args.profile_steps:
+            parser.error("--profile-from says where the profiled steps start: give --profile-steps N too")
+        if args.profile_from is not None and args.profile_from < 1:  # as --skip: the step lines begin at step 1
+            parser.error(f"--profile-from={args.profile_from}: give a step >= 1 (profiling starts after it)")
         if args.trace is not None and (refusal := trace_refusal(args.trace)):
             parser.error(refusal)
         for name in ("baseline_flags", "candidate_flags"):
@@ -1324,6 +1348,8 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             except ValueError as error:
                 parser.error(f"--{name.replace('_', '-')}: {error}")
         args.seeds = list(range(1, args.rounds + 1))
+    if args.profile_from is None:
+        args.profile_from = args.skip
     return args, overrides
 
 
@@ -1355,6 +1381,9 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ABError(f"the versions train different schedules ({steps}); time the same steps with the same overrides")
     if known and max(known) <= args.skip:
         raise ABError(f"--skip={args.skip} leaves no timed steps in a {max(known)}-step run; lower --skip or raise --num_iterations")
+    if args.profile_steps and known and args.profile_from + args.profile_steps > max(known):
+        raise ABError(f"--profile-from={args.profile_from} with --profile-steps={args.profile_steps} runs past the {max(known)}-step run; "
+                      "lower them or raise --num_iterations")
     order = [f"round {i + 1} (seed {seed}): {', '.join(round_order(i, args.order))}" for i, seed in enumerate(args.seeds)]
     started = "started together" if args.start == "together" else "started in turn"
     limit = f" time limit {args.time_limit:.0f} s;" if args.time_limit else ""
@@ -1387,8 +1416,9 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
                 print(f"round {index + 1} {runner.version.label}: {result.ms_per_step:.2f} ms/step, val {result.val_loss:.4f}", flush=True)
             round_s = time.monotonic() - round_started
         if args.profile_steps:
-            # a profiled run stops after skip + profile steps of the round's train_steps
-            profile_s = round_s * min(1.0, (args.skip + args.profile_steps) / (steps["baseline"] or args.skip + args.profile_steps))
+            # a profiled run stops after profile_from + profile steps of the round's train_steps
+            profiled_until = args.profile_from + args.profile_steps
+            profile_s = round_s * min(1.0, profiled_until / (steps["baseline"] or profiled_until))
             if left_out or not fits(time.monotonic() - started_at, profile_s, args.time_limit):
                 left_out.append(f"the profile (about {profile_s:.0f} s)")
             else:
@@ -1413,7 +1443,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
             runner.finish()
     summary = summarize_rounds(results["baseline"], results["candidate"], args.order)  # rounds with both versions timed
     if summary:
-        print_report(versions, results["baseline"], results["candidate"], summary, profiles)
+        print_report(versions, results["baseline"], results["candidate"], summary, profiles, f", steps {profiled_steps_text(args)}")
         print_clocks(clocks)
     else:
         print("no round was completed by both versions: nothing to compare")
@@ -1422,6 +1452,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         device=next((r.device for r in runners if getattr(r, "device", None)), None) or _device_name(),
         versions=[asdict(v) | dict(script=str(v.script)) for v in versions],
         rounds={label: [asdict(r) for r in rs] for label, rs in results.items()}, summary=summary, profiles=profiles,
+        profiled_steps=profiled_steps_text(args) if args.profile_steps else None,
         rounds_planned=args.rounds, order=args.order, time_limit_s=args.time_limit, left_out=left_out, hung=hung, clocks=clocks,
     )
     json_path = args.json or folder / "ab.json"

@@ -1,5 +1,6 @@
 """bench/ab.py, the paired A/B timing runner: its plan and version handling on CPU, and one real (tiny) run."""
 
+import argparse
 import gzip
 import json
 import math
@@ -151,6 +152,10 @@ def test_a_results_file_in_the_out_folder_this_call_makes_is_accepted(tmp_path):
         (["--skip", "6"], "--skip=6 leaves no timed steps in a 6-step run"),
         (["--", "--no_such_flag=1"], "does not accept the overrides"),
         (["--trace", "traces"], "give --profile-steps N too"),
+        (["--profile-from", "3"], "--profile-from says where the profiled steps start: give --profile-steps N too"),
+        (["--profile-from", "0", "--profile-steps", "1"], "--profile-from=0: give a step >= 1 (profiling starts after it)"),
+        (["--profile-from", "5", "--profile-steps", "2"], "--profile-from=5 with --profile-steps=2 runs past the 6-step run; lower them"),
+        (["--profile-steps", "5"], "--profile-from=2 with --profile-steps=5 runs past the 6-step run"),  # the default: --skip
         (["--time-limit", "inf"], "--time-limit and --deadline must be finite seconds"),
         (["--deadline", "inf"], "--time-limit and --deadline must be finite seconds"),
     ],
@@ -171,7 +176,7 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
     between rounds (seeds 1 and 2)."""
     result = run_ab(
         "--baseline", "train_gpt.py", "--candidate", "train_gpt.py", "--rounds", "2", "--skip", "2", "--profile-steps", "1",
-        "--trace", str(tmp_path / "trace"), "--out", str(tmp_path), "--", *TINY_RUN,
+        "--profile-from", "4", "--trace", str(tmp_path / "trace"), "--out", str(tmp_path), "--", *TINY_RUN,
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -179,6 +184,7 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
         with gzip.open(tmp_path / "trace" / f"{label}.trace.json.gz", "rt") as trace:
             assert any(event.get("name", "").startswith("aten::") for event in json.load(trace)["traceEvents"])
     report = json.loads((tmp_path / "ab.json").read_text())
+    assert report["profiled_steps"] == "5"
     baseline, candidate = report["rounds"]["baseline"], report["rounds"]["candidate"]
     assert [r["seed"] for r in baseline] == [r["seed"] for r in candidate] == [1, 2]
     for b, c in zip(baseline, candidate):
@@ -605,6 +611,16 @@ def test_a_sampler_deaf_to_sigterm_is_killed_not_waited_for(ab, tmp_path):
     sampler.stop()
     assert time.monotonic() - started < 15
     assert sampler.process.poll() is not None  # killed
+
+
+def test_the_profiler_starts_after_profile_from_and_stops_profile_steps_later(ab) -> None:
+    timer = ab.RoundTimer(first_step=10)
+    assert [timer.profiler_action(step) for step in (10, 40, 42)] == [None, None, None]  # no profile this round
+    timer.profile, timer.profile_from, timer.profile_steps = object(), 40, 2
+    actions = {step: timer.profiler_action(step) for step in range(0, 60)}
+    assert {step: a for step, a in actions.items() if a} == {40: "start", 42: "stop"}  # not at the timed segment's start
+    assert ab.profiled_steps_text(argparse.Namespace(profile_from=40, profile_steps=2)) == "41-42"
+    assert ab.profiled_steps_text(argparse.Namespace(profile_from=10, profile_steps=1)) == "11"
 
 
 def test_kernel_kinds_of_the_profiles(ab) -> None:
