@@ -414,6 +414,8 @@ class RoundTimer:
     profile: Any = None
     profile_from: int = 0  # profiling starts after this step (--profile-from)
     profile_steps: int = 0
+    profiling: bool = False
+    validations_profiled: int = 0  # validation passes that ran while profiling (their kernels land in the table)
 
     def reset(self) -> None:
         """Before a round: no marks, no evaluation time, the segment closed."""
@@ -426,6 +428,15 @@ class RoundTimer:
         if steps_done == self.profile_from:
             return "start"
         return "stop" if steps_done == self.profile_from + self.profile_steps else None
+
+    def start_profile(self) -> None:
+        self.profile.start()
+        self.profiling = True
+
+    def stop_profile(self) -> None:
+        synchronize()
+        self.profile.stop()
+        self.profiling = False
 
 
 KERNEL_KINDS = [  # first match wins; kernel names as they appear on Hopper with torch 2.11
@@ -552,6 +563,8 @@ def timed_evaluate(original_evaluate: Callable[..., Any], timer: RoundTimer) -> 
         synchronize()
         if timer.segment_open:
             timer.eval_inside_s += time.perf_counter() - start
+        if timer.profiling:
+            timer.validations_profiled += 1
         return result
 
     return evaluate
@@ -607,7 +620,7 @@ def profiled_round(
     start_round(args.seeds[0])
     timer.reset()
     timer.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-    timer.profile_from, timer.profile_steps = args.profile_from, args.profile_steps
+    timer.profile_from, timer.profile_steps, timer.validations_profiled = args.profile_from, args.profile_steps, 0
     try:
         train()
     except _EndRound:
@@ -616,7 +629,11 @@ def profiled_round(
         if args.trace is not None:  # the timeline itself, for chrome://tracing or Perfetto
             args.trace.mkdir(parents=True, exist_ok=True)
             timer.profile.export_chrome_trace(str(trace_path(args.trace, args.label)))
-        control.signal("profile", dict(kernels=_kernel_table(timer.profile, args.profile_steps) if torch.cuda.is_available() else []))
+        kernels = _kernel_table(timer.profile, args.profile_steps) if torch.cuda.is_available() else []
+        if timer.validations_profiled:  # a step the user profiled validates: say so rather than leave it in silently
+            kernels.insert(0, dict(kernel=f"{timer.validations_profiled} validation pass(es) ran inside the profiled steps, "
+                                   "and their kernels are in these figures; move --profile-from", kind="note", ms_per_step=0.0, calls_per_step=0))
+        control.signal("profile", dict(kernels=kernels))
 
 
 def trace_path(folder: Path, label: str) -> Path:
@@ -690,10 +707,9 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
             timer.segment_open = step == timer.first_step
         action = timer.profiler_action(step)
         if action == "start":
-            timer.profile.start()
+            timer.start_profile()
         elif action == "stop":
-            synchronize()
-            timer.profile.stop()
+            timer.stop_profile()
             raise _EndRound()
 
     def reinitialise(raw_model: Any, seed: int) -> None:
@@ -746,12 +762,11 @@ def trials_worker(module: Any, args: argparse.Namespace, overrides: list[str], c
             timer.marks[timer.first_step] = time.perf_counter()
             timer.segment_open = True
         if timer.profiler_action(progress["steps"]) == "start":
-            timer.profile.start()
+            timer.start_profile()
         result = original_train_step(*a, **k)
         progress["steps"] += 1
         if timer.profiler_action(progress["steps"]) == "stop":
-            synchronize()
-            timer.profile.stop()
+            timer.stop_profile()
             raise _EndRound()
         if progress["steps"] == progress["total"]:
             synchronize()
@@ -1258,6 +1273,9 @@ def print_report(versions: list[Version], baseline: list[RoundResult], candidate
             continue
         print(f"profile of {label}: top kernels, ms per training step (sum over its micro-steps{profiled_steps})")
         for row in kernels:
+            if row["kind"] == "note":
+                print(f"  note: {row['kernel']}")
+                continue
             print(f"  {row['ms_per_step']:8.2f} ms  x{row['calls_per_step']:<6.0f} {row['kind'][:22]:<22} {row['kernel'][:100]}")
 
 
@@ -1348,6 +1366,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             except ValueError as error:
                 parser.error(f"--{name.replace('_', '-')}: {error}")
         args.seeds = list(range(1, args.rounds + 1))
+    args.profile_from_given = args.profile_from is not None
     if args.profile_from is None:
         args.profile_from = args.skip
     return args, overrides
@@ -1381,8 +1400,12 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ABError(f"the versions train different schedules ({steps}); time the same steps with the same overrides")
     if known and max(known) <= args.skip:
         raise ABError(f"--skip={args.skip} leaves no timed steps in a {max(known)}-step run; lower --skip or raise --num_iterations")
-    if args.profile_steps and known and args.profile_from + args.profile_steps > max(known):
-        raise ABError(f"--profile-from={args.profile_from} with --profile-steps={args.profile_steps} runs past the {max(known)}-step run; "
+    if args.profile_steps and not known:  # the workers would train past the profile's end and never stop it
+        raise ABError(f"--profile-steps {args.profile_steps}: neither version's step count is known, so the profiled steps cannot be "
+                      "checked; drop --profile-steps")
+    if args.profile_steps and args.profile_from + args.profile_steps > max(known):
+        start = f"--profile-from={args.profile_from}" if args.profile_from_given else f"--skip={args.skip} (where profiling starts by default)"
+        raise ABError(f"{start} with --profile-steps={args.profile_steps} runs past the {max(known)}-step run; "
                       "lower them or raise --num_iterations")
     order = [f"round {i + 1} (seed {seed}): {', '.join(round_order(i, args.order))}" for i, seed in enumerate(args.seeds)]
     started = "started together" if args.start == "together" else "started in turn"
@@ -1443,7 +1466,8 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
             runner.finish()
     summary = summarize_rounds(results["baseline"], results["candidate"], args.order)  # rounds with both versions timed
     if summary:
-        print_report(versions, results["baseline"], results["candidate"], summary, profiles, f", steps {profiled_steps_text(args)}")
+        print_report(versions, results["baseline"], results["candidate"], summary, profiles,
+                     f", steps {profiled_steps_text(args)}" if args.profile_steps else "")
         print_clocks(clocks)
     else:
         print("no round was completed by both versions: nothing to compare")
@@ -1452,7 +1476,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         device=next((r.device for r in runners if getattr(r, "device", None)), None) or _device_name(),
         versions=[asdict(v) | dict(script=str(v.script)) for v in versions],
         rounds={label: [asdict(r) for r in rs] for label, rs in results.items()}, summary=summary, profiles=profiles,
-        profiled_steps=profiled_steps_text(args) if args.profile_steps else None,
+        profiled_steps=profiled_steps_text(args) if profiles else None,
         rounds_planned=args.rounds, order=args.order, time_limit_s=args.time_limit, left_out=left_out, hung=hung, clocks=clocks,
     )
     json_path = args.json or folder / "ab.json"

@@ -155,7 +155,7 @@ def test_a_results_file_in_the_out_folder_this_call_makes_is_accepted(tmp_path):
         (["--profile-from", "3"], "--profile-from says where the profiled steps start: give --profile-steps N too"),
         (["--profile-from", "0", "--profile-steps", "1"], "--profile-from=0: give a step >= 1 (profiling starts after it)"),
         (["--profile-from", "5", "--profile-steps", "2"], "--profile-from=5 with --profile-steps=2 runs past the 6-step run; lower them"),
-        (["--profile-steps", "5"], "--profile-from=2 with --profile-steps=5 runs past the 6-step run"),  # the default: --skip
+        (["--profile-steps", "5"], "--skip=2 (where profiling starts by default) with --profile-steps=5 runs past the 6-step run"),
         (["--time-limit", "inf"], "--time-limit and --deadline must be finite seconds"),
         (["--deadline", "inf"], "--time-limit and --deadline must be finite seconds"),
     ],
@@ -176,7 +176,7 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
     between rounds (seeds 1 and 2)."""
     result = run_ab(
         "--baseline", "train_gpt.py", "--candidate", "train_gpt.py", "--rounds", "2", "--skip", "2", "--profile-steps", "1",
-        "--profile-from", "4", "--trace", str(tmp_path / "trace"), "--out", str(tmp_path), "--", *TINY_RUN,
+        "--profile-from", "4", "--trace", str(tmp_path / "trace"), "--out", str(tmp_path), "--", *TINY_RUN, "--val_loss_every=4",
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -185,6 +185,11 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
             assert any(event.get("name", "").startswith("aten::") for event in json.load(trace)["traceEvents"])
     report = json.loads((tmp_path / "ab.json").read_text())
     assert report["profiled_steps"] == "5"
+    for label in ("baseline", "candidate"):  # the profiled run, the log's last, stopped after step 5 (--profile-from 4)
+        log = next((tmp_path / label / "logs").glob("*.txt")).read_text()
+        assert re.findall(r"^step:(\d+)/6 train_time", log, re.MULTILINE)[-1] == "5"
+    # step 4's validation (--val_loss_every=4) runs after step 4's line, inside the profile, and the report says so
+    assert result.stdout.count("note: 1 validation pass(es) ran inside the profiled steps") == 2
     baseline, candidate = report["rounds"]["baseline"], report["rounds"]["candidate"]
     assert [r["seed"] for r in baseline] == [r["seed"] for r in candidate] == [1, 2]
     for b, c in zip(baseline, candidate):
@@ -611,6 +616,11 @@ def test_a_sampler_deaf_to_sigterm_is_killed_not_waited_for(ab, tmp_path):
     sampler.stop()
     assert time.monotonic() - started < 15
     assert sampler.process.poll() is not None  # killed
+
+
+def test_a_profile_that_ends_at_the_last_step_is_accepted(tmp_path):
+    result = run_ab("--dry-run", "--skip", "2", "--profile-from", "4", "--profile-steps", "2", "--out", str(tmp_path), "--", *TINY_RUN)
+    assert result.returncode == 0, result.stderr
 
 
 def test_the_profiler_starts_after_profile_from_and_stops_profile_steps_later(ab) -> None:
