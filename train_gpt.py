@@ -1024,6 +1024,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(layer, dim, num_heads) for layer in range(NUM_LAYERS))
         self.rotary = Rotary(dim // num_heads, max_seq_len, block_size, table_dtype)
         self.lm_head = LMHead(dim, padded_vocab)
+        self.world_size = world_size  # the scalars' padding (Scalars.initial)
         self.scalars = nn.Parameter(Scalars.initial(world_size))  # read through Scalars.of
         for table in (self.embed, *self.value_embeds):
             tag(table.weight, lr_mul=75.0)
@@ -1066,7 +1067,10 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Every parameter as a fresh model has it, the random ones drawn from torch's generator: so that a reset model
+        equals a new one built after the same seed (bench/ab.py starts each round this way)."""
         dim = self.embed.embedding_dim
+        self.scalars.copy_(Scalars.initial(self.world_size))
         bound = math.sqrt(3) * 0.5 * dim**-0.5  # uniform with std 0.5/sqrt(dim): 1/32 at dim 768
         for table in (self.embed, *self.value_embeds):
             nn.init.normal_(table.weight)

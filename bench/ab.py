@@ -712,7 +712,10 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
             timer.stop_profile()
             raise _EndRound()
 
-    def reinitialise(raw_model: Any, seed: int) -> None:
+    def reinitialise(raw_model: Any, initial: dict[str, Any], seed: int) -> None:
+        # the state train() started from first, so that what the script's reset_parameters leaves alone (da5641d's
+        # left the learned scalars) cannot carry one round's training into the next; then the round's random draws
+        raw_model.load_state_dict(initial)
         torch.manual_seed(seed)
         raw_model.reset_parameters()
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -724,10 +727,12 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
         raw_model = bound.arguments["raw_model"]
         stateful, records = round_start_arguments(bound.arguments)
         start_states = {n: copy.deepcopy(v.state_dict()) for n, v in stateful.items()}
+        # on the host: a copy on the GPU would add the model's size to every round's peak allocated memory
+        initial_model = {name: value.detach().to("cpu", copy=True) for name, value in raw_model.state_dict().items()}
         signal_ready(control, rank)
 
         def start_round(seed: int) -> None:
-            reinitialise(raw_model, seed)
+            reinitialise(raw_model, initial_model, seed)
             for name, value in stateful.items():
                 value.load_state_dict(copy.deepcopy(start_states[name]))
             for name, value in records.items():

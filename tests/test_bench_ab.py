@@ -20,6 +20,7 @@ AB = [sys.executable, str(ROOT / "bench" / "ab.py")]
 TINY_RUN = ["--preset=smoke", "--num_iterations=6", "--iteration_extension=0", "--warmup_steps=1", "--val_tokens=2048"]
 TRACK3 = ["--train-script", "train_gpt_shampoo.py"]
 TINY_TRACK3_RUN = ["--preset=smoke", "--train_steps=6"]
+SCALARS_RESET = "        self.scalars.copy_(Scalars.initial(self.world_size))\n"  # train_gpt.GPT.reset_parameters' line
 
 
 def run_ab(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -172,10 +173,15 @@ def test_bad_input_is_one_line(tmp_path, args, message):
 @pytest.mark.slow
 def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
     """Two resident workers (one gloo process each), two rounds, then one profiled step each written as a trace.
-    The same script on both sides: the val losses of a round are equal bitwise (same seed, same code) and differ
-    between rounds (seeds 1 and 2)."""
+    The same computation on both sides: the val losses of a round are equal bitwise (same seed) and differ between
+    rounds (seeds 1 and 2). The baseline's reset_parameters leaves the learned scalars alone, as da5641d's did: each
+    round must still start from a fresh model, so the profiled run (seed 1 again, after round 2) replays round 1."""
+    forgetful = tmp_path / "train_gpt_forgetful_reset.py"
+    source = (ROOT / "train_gpt.py").read_text()
+    assert source.count(SCALARS_RESET) == 1
+    forgetful.write_text(source.replace(SCALARS_RESET, ""))
     result = run_ab(
-        "--baseline", "train_gpt.py", "--candidate", "train_gpt.py", "--rounds", "2", "--skip", "2", "--profile-steps", "1",
+        "--baseline", str(forgetful), "--candidate", "train_gpt.py", "--rounds", "2", "--skip", "2", "--profile-steps", "1",
         "--profile-from", "4", "--trace", str(tmp_path / "trace"), "--out", str(tmp_path), "--", *TINY_RUN, "--val_loss_every=4",
         timeout=600,
     )
@@ -188,6 +194,8 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
     for label in ("baseline", "candidate"):  # the profiled run, the log's last, stopped after step 5 (--profile-from 4)
         log = next((tmp_path / label / "logs").glob("*.txt")).read_text()
         assert re.findall(r"^step:(\d+)/6 train_time", log, re.MULTILINE)[-1] == "5"
+        round_1, round_2, profiled = re.findall(r"^step:4/6 val_loss:(\S+)", log, re.MULTILINE)
+        assert profiled == round_1 != round_2
     # step 4's validation (--val_loss_every=4) runs after step 4's line, inside the profile, and the report says so
     assert result.stdout.count("note: 1 validation pass(es) ran inside the profiled steps") == 2
     baseline, candidate = report["rounds"]["baseline"], report["rounds"]["candidate"]

@@ -47,6 +47,25 @@ def test_scalar_views_name_the_record_layout():
 
 
 
+@pytest.mark.parametrize("world_size", [1, 5])
+def test_reset_parameters_gives_every_parameter_its_fresh_value(world_size: int) -> None:
+    """bench/ab.py starts each round with manual_seed(round) and reset_parameters(); a parameter the reset forgot
+    (the scalars once) would carry the previous round's training into the next."""
+    def built() -> tg.GPT:
+        return tg.GPT(TINY_VOCAB, 64, 2, 256, 16, world_size, tg.attention_backend("reference", 16, TINY_BOS), torch.float32)
+
+    trained, fresh = built(), built()
+    with torch.no_grad():
+        for param in trained.parameters():  # every value moved, as a round of training moves them
+            param.add_(torch.rand_like(param) + 0.5)
+    for model in (trained, fresh):
+        torch.manual_seed(7)
+        model.reset_parameters()
+    for (name, a), b in zip(trained.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(fresh.scalars, tg.Scalars.initial(world_size))
+
+
 def test_initial_loss_is_uniform_over_the_padded_vocabulary():
     model = tiny_model().eval()
     ids = torch.randint(0, TINY_VOCAB, (128,), dtype=torch.int32)
