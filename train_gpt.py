@@ -1067,8 +1067,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Every parameter as a fresh model has it, the random ones drawn from torch's generator: so that a reset model
-        equals a new one built after the same seed (bench/ab.py starts each round this way)."""
+        """Every parameter as a fresh model has it, the random ones drawn from torch's generator: so that any model
+        reset after the same seed is the same model (bench/ab.py starts each round this way)."""
         dim = self.embed.embedding_dim
         self.scalars.copy_(Scalars.initial(self.world_size))
         bound = math.sqrt(3) * 0.5 * dim**-0.5  # uniform with std 0.5/sqrt(dim): 1/32 at dim 768
