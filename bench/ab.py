@@ -301,9 +301,17 @@ def _check_script_main(script: Path, overrides: list[str]) -> None:
         except getattr(module, "UserError", ()) as error:  # () catches nothing: a script without UserError says why itself
             raise SystemExit(f"{script}: {error}")
         steps = hp.train_steps if hasattr(hp, "train_steps") else hp.num_iterations + getattr(hp, "iteration_extension", 0)
-        print(json.dumps({"train_steps": int(steps), "resume": getattr(hp, "resume", "")}))
-    else:
-        print(json.dumps({"train_steps": None, "resume": ""}))
+        print(json.dumps({"train_steps": int(steps), "resume": getattr(hp, "resume", ""), "settings": _setting_names(hp)}))
+    else:  # settings None: the script parses no overrides here (flags such as --seed may never reach it)
+        print(json.dumps({"train_steps": None, "resume": "", "settings": None}))
+
+
+def _setting_names(hp: Any) -> list[str]:
+    """The parsed hyperparameters' field names (a dataclass's fields, else its attributes): which flags the script
+    takes, e.g. whether --seed reaches it."""
+    if dataclasses.is_dataclass(hp):
+        return sorted(f.name for f in dataclasses.fields(hp))
+    return sorted(name for name in getattr(hp, "__dict__", {}) if not name.startswith("_"))
 
 
 def _import_path_for(script: Path) -> None:
@@ -889,6 +897,44 @@ def train_time_ms(match: re.Match) -> float:
     return float(match[1]) * (1.0 if match[2] == "ms" else 1000.0)
 
 
+@dataclass
+class ValLine:
+    step: int
+    total: int
+    loss: float  # NaN or inf as printed
+
+
+def last_val_and_peak(text: str) -> tuple[ValLine | None, float]:
+    """A whole run's output: its last val line (None: none) and its last peak memory line's MiB (NaN: none). A line
+    whose loss float() refuses (the pattern's letters admit words) is not a val line."""
+    last = None
+    for line in text.splitlines():
+        if (match := VAL_LINE.match(line)) is not None:
+            try:
+                last = ValLine(int(match[1]), int(match[2]), float(match[3]))
+            except ValueError:
+                continue
+    peaks = PEAK_LINE.findall(text)
+    return last, float(peaks[-1]) if peaks else math.nan
+
+
+STOP_GRACE_S = 40.0  # after SIGTERM: torchrun's own 30 s to end its ranks, and some
+
+
+def stop_processes(processes: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to each, which torchrun passes on to its ranks (a SIGKILL would orphan them), then SIGKILL to any still
+    running after grace_s, all in parallel (grace_s in all, not each)."""
+    for process in processes:
+        process.terminate()
+    give_up = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, give_up - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class WholeRunVersion:
     """Each round a fresh run of the script (compile caches kept from its untimed first run)."""
 
@@ -909,13 +955,7 @@ class WholeRunVersion:
             try:
                 code = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                # SIGTERM, which torchrun passes on to its ranks (a SIGKILL would orphan them), then its own 30 s
-                process.terminate()
-                try:
-                    process.wait(timeout=40)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+                stop_processes([process])
                 raise WorkerTimeout(f"{self.version.label}: run {self.runs} had not finished by the deadline; see {out}") from None
         if code != 0:
             raise ABError(f"{self.version.label}: run exited with status {code}; see {out}")
@@ -927,13 +967,12 @@ class WholeRunVersion:
     def run_round(self, index: int) -> RoundResult:
         text = self._run()
         times = {int(m[1]): train_time_ms(t) for line in text.splitlines() if (m := STEP_LINE.match(line)) and (t := TRAIN_TIME.search(line))}
-        vals = [float(m[3]) for line in text.splitlines() if (m := VAL_LINE.match(line))]
-        peaks = PEAK_LINE.findall(text)
+        last_val, peak = last_val_and_peak(text)
         last = max(times, default=0)
         if self.args.skip not in times or last <= self.args.skip:
             raise ABError(f"{self.version.label}: no step lines from step {self.args.skip} on in its output; cannot time it")
         ms = (times[last] - times[self.args.skip]) / (last - self.args.skip)
-        return RoundResult(None, ms, vals[-1] if vals else math.nan, float(peaks[-1]) if peaks else math.nan)
+        return RoundResult(None, ms, math.nan if last_val is None else last_val.loss, peak)
 
     def profile(self) -> list[dict]:
         return []

@@ -16,27 +16,36 @@ bench/NOTES.md). Here every run is a fresh process, and both versions' noise is 
             --log_dir=<out>/<label>/seed<s>/logs
     its stdout and stderr in <out>/<label>.seed<s>.out. Both versions get the same seeds, so their losses pair by seed.
   * The runs start interleaved (baseline seed 1, candidate seed 1, baseline seed 2, ...), at most --concurrent at
-    once, all with the default inductor and Triton caches (only the first run compiles cold). Two at once hide one
-    run's mostly-CPU start-up behind the other's training: six 120-step runs then fit in one 600-second command.
-  * From each run: the loss of its last val line and its peak memory line. The report gives both losses and B-A per
-    seed, each version's mean and sd over processes, the paired difference's mean and sd, and a paired t-test
-    (scipy.stats.ttest_rel). A val loss that is not finite (a diverged run) is shown as nan/inf and left out of the
-    figures with its seed (both versions' runs of it), as bench/ab.py does, so both sides stand on the same seeds.
+    once, all with the default inductor and Triton caches: each version's first run compiles cold, and so does any
+    run started before an earlier run of its version had filled the caches (with --concurrent 2 or more, several
+    may). Two at once hide one run's mostly-CPU start-up behind the other's training: six 120-step runs then fit in
+    one 600-second command.
+  * From each run: the loss of its final val line (step N/N) and its peak memory line. The report gives both losses
+    and B-A per seed, each version's mean and sd over processes, the paired difference's mean and sd, and a paired
+    t-test (scipy.stats.ttest_rel). A diverged run is a finished run with a loss that is not finite, whatever its
+    exit status (train_gpt.py exits 3 after it, torchrun then 1): its last val line is nan/inf, or it printed
+    train_gpt.py's "step K: non-finite training loss (...); stopping" (its loss is then nan). It is shown as nan/inf
+    and left out of the figures with its seed (both versions' runs of it), as bench/ab.py does, so both sides stand
+    on the same seeds.
 
 It times nothing: concurrent runs share the GPU and each run's start-up is part of it. Time with bench/ab.py.
 
-A run that exits with a non-zero status or prints no val line is an error naming its .out file (exit status 2):
-the runs still going are stopped and no further one starts. --deadline S: runs still going S seconds after the
-start are stopped (SIGTERM to torchrun, then SIGKILL after a grace period), those not started never start, and
-what finished is reported (exit status 3). Results: the report on stdout and a strict JSON file (non-finite values
-as null), --json or <out>/val_noise.json.
+A run that did not diverge and exits with a non-zero status or prints no final val line is an error naming its
+.out file (exit status 2): the runs still going are stopped, no further one starts, and what finished is reported
+and written to the JSON file first (the error line names it). --deadline S: runs still going S seconds after the
+start are stopped (SIGTERM to torchrun, then SIGKILL after a 40-s grace period), those not started never start,
+and what finished is reported (exit status 3). Results: the report on stdout and a strict JSON file (non-finite
+values as null), --json or <out>/val_noise.json, never written over an existing file. --resume is refused: each
+process starts from its seed's fresh model.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -51,14 +60,17 @@ from typing import Any, Callable, NoReturn, Protocol
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the repository root (bench/ab.py)
 from bench import ab  # noqa: E402
-from bench.ab import LABELS, PEAK_LINE, VAL_LINE, WORKTREE, ABError, Version  # noqa: E402
+from bench.ab import LABELS, WORKTREE, ABError, Version  # noqa: E402
 
 PROG = "bench/val_noise.py"
 JSON_NAME = "val_noise.json"
 DEADLINE_EXIT_STATUS = ab.HUNG_EXIT_STATUS
-GRACE_S = 40.0  # after SIGTERM: torchrun's own 30 s to end its ranks, and some (as bench/ab.py's whole runs)
+GRACE_S = ab.STOP_GRACE_S  # after SIGTERM: torchrun's own 30 s to end its ranks, and some (as bench/ab.py's whole runs)
 POLL_S = 0.05
 TOOL_FLAGS = ("seed", "log_dir")  # set per run by this tool
+RESUME_REFUSED = f"{PROG} starts each process from its seed's fresh model; drop --resume"
+# train_gpt.py's line (stderr) when a non-finite loss stops the run (RunStopped, exit status 3)
+STOP_LINE = re.compile(r"^step (\d+): non-finite (training|validation) loss \(([^)]*)\); stopping$", re.MULTILINE)
 
 
 @dataclass
@@ -74,14 +86,15 @@ class Run:
 class RunResult:
     label: str
     seed: int
-    # finished, failed (non-zero exit or no val line), deadline (stopped by it), cancelled (stopped after another
-    # run failed), not started
+    # finished (a diverged run too: its val loss not finite), failed (non-zero exit or no final val line, not
+    # diverged), deadline (stopped by it), cancelled (stopped after another run failed), not started
     status: str
     out: str
     val_loss: float = math.nan
     peak_allocated_mib: float = math.nan
     exit_status: int | None = None
     problem: str = ""  # why it failed, in words
+    stop_line: str = ""  # a diverged run's stop line from train_gpt.py, when it printed one
 
 
 class Process(Protocol):
@@ -116,18 +129,31 @@ def plan_runs(versions: list[Version], overrides: list[str], folder: Path, proce
     return runs
 
 
-def parse_output(text: str) -> tuple[float | None, float]:
-    """The last val line's loss (None: no val line; NaN or inf as printed) and the last peak memory line's MiB
-    (NaN: none), by bench/ab.py's patterns."""
-    vals = []
-    for line in text.splitlines():
-        if (match := VAL_LINE.match(line)) is not None:
-            try:
-                vals.append(float(match[3]))
-            except ValueError:  # the pattern's letters admit words float() refuses
-                continue
-    peaks = PEAK_LINE.findall(text)
-    return (vals[-1] if vals else None), (float(peaks[-1]) if peaks else math.nan)
+@dataclass
+class Output:
+    """What a run's output says: its last val line (bench/ab.py's pattern; None: none), its last peak memory line's
+    MiB (NaN: none) and train_gpt.py's non-finite stop line (empty: none)."""
+
+    last_val: ab.ValLine | None
+    peak_mib: float
+    stop_line: str = ""
+
+    @property
+    def diverged(self) -> bool:
+        """A non-finite loss ended the run: its last val line is not finite, or train_gpt.py said it stopped for one."""
+        return bool(self.stop_line) or (self.last_val is not None and not math.isfinite(self.last_val.loss))
+
+    @property
+    def final(self) -> bool:
+        """The last val line is the final step's (step N/N): a run stopped earlier printed only mid-run ones."""
+        return self.last_val is not None and self.last_val.step == self.last_val.total
+
+
+def parse_output(text: str) -> Output:
+    last_val, peak = ab.last_val_and_peak(text)
+    stops = STOP_LINE.findall(text)
+    stop_line = f"step {stops[-1][0]}: non-finite {stops[-1][1]} loss ({stops[-1][2]}); stopping" if stops else ""
+    return Output(last_val, peak, stop_line)
 
 
 def exit_words(code: int) -> str:
@@ -135,14 +161,23 @@ def exit_words(code: int) -> str:
 
 
 def read_result(run: Run, code: int) -> RunResult:
-    """A run that exited: finished with its val loss, or failed (a non-zero exit, or no val line) with why."""
+    """A run that exited: finished with its final val loss; finished with a non-finite loss when it diverged, whatever
+    its exit status (train_gpt.py exits 3, torchrun then 1); else failed (a non-zero exit, or no final val line)
+    with why."""
     text = run.out.read_text(errors="replace") if run.out.is_file() else ""
-    val, peak = parse_output(text)
-    result = RunResult(run.label, run.seed, "finished", str(run.out), math.nan if val is None else val, peak, code)
-    if code != 0:
+    output = parse_output(text)
+    result = RunResult(run.label, run.seed, "finished", str(run.out), peak_allocated_mib=output.peak_mib, exit_status=code)
+    if output.diverged:
+        last = output.last_val
+        result.val_loss = last.loss if last is not None and not math.isfinite(last.loss) else math.nan
+        result.stop_line = output.stop_line
+    elif code != 0:
         result.status, result.problem = "failed", exit_words(code)
-    elif val is None:
-        result.status, result.problem = "failed", "exited with status 0 but printed no val line"
+    elif not output.final:
+        last = "" if output.last_val is None else f" (its last was step {output.last_val.step}/{output.last_val.total})"
+        result.status, result.problem = "failed", f"exited with status 0 but printed no final val line{last}"
+    else:
+        result.val_loss = output.last_val.loss
     return result
 
 
@@ -156,20 +191,6 @@ def start_run(run: Run) -> subprocess.Popen:
         return subprocess.Popen(run.cmd, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT)
 
 
-def stop_processes(processes: list[Process], grace_s: float) -> None:
-    """SIGTERM to each (torchrun passes it on to its ranks; a SIGKILL would orphan them), then SIGKILL to any still
-    running after grace_s, all in parallel: the time after a deadline is short."""
-    for process in processes:
-        process.terminate()
-    give_up = time.monotonic() + grace_s
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.0, give_up - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def run_pool(
     runs: list[Run], concurrent: int, deadline: float | None, start: Callable[[Run], Process] = start_run,
     grace_s: float = GRACE_S, poll_s: float = POLL_S,
@@ -177,22 +198,31 @@ def run_pool(
     """Starts the runs in their order, at most `concurrent` at once, and returns their results in that order. One
     thread polls them all, so the start order is the plan's. At the deadline (time.monotonic()) or after a failed run
     the runs in flight are stopped and the rest never start: a failure ends the invocation, and its GPU time is
-    better spent on the fix."""
+    better spent on the fix. Before stopping, the runs in flight are polled once more: one that exited since its
+    last poll keeps its result."""
     pending = deque(enumerate(runs))
     active: dict[int, tuple[Run, Process]] = {}
     results: dict[int, RunResult] = {}
     stopping: str | None = None
-    while pending or active:
+
+    def poll_all() -> bool:
+        """Reads the runs that exited; True when one failed."""
+        failed = False
         for index, (run, process) in list(active.items()):
             if (code := process.poll()) is not None:
                 results[index] = read_result(run, code)
                 del active[index]
-                if results[index].status == "failed":
-                    stopping = "cancelled"
+                failed = failed or results[index].status == "failed"
+        return failed
+
+    while pending or active:
+        if poll_all():
+            stopping = "cancelled"
         if stopping is None and deadline is not None and time.monotonic() >= deadline:
             stopping = "deadline"
         if stopping is not None:
-            stop_processes([process for _, process in active.values()], grace_s)
+            poll_all()  # a run that exited between its poll and the deadline's check finished
+            ab.stop_processes([process for _, process in active.values()], grace_s)
             results |= {index: RunResult(run.label, run.seed, stopping, str(run.out)) for index, (run, _) in active.items()}
             results |= {index: RunResult(run.label, run.seed, "not started", str(run.out)) for index, run in pending}
             break
@@ -321,6 +351,8 @@ def tool_flag_refusal(overrides: list[str]) -> str | None:
         for name in TOOL_FLAGS:
             if word == f"--{name}" or word.startswith(f"--{name}="):
                 return f"{word}: {PROG} sets --{name} of each run itself (seeds 1..--processes, logs under --out); drop it"
+        if word == "--resume" or word.startswith("--resume="):
+            return f"{word}: {RESUME_REFUSED}"
     return None
 
 
@@ -345,10 +377,11 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument(
         "--deadline", type=float, default=0.0,
-        help="seconds after which the runs still going are stopped and what finished is reported (exit status 3; "
-        "default 0: none); give the call's limit less a minute",
+        help="seconds after the start at which the runs still going are stopped and what finished is reported (exit "
+        "status 3; default 0: none); give the call's limit less about 90 s (a stopped run gets up to 40 s to end, "
+        "then the report and JSON follow)",
     )
-    parser.add_argument("--out", type=Path, help="working folder (default bench/out/val_noise/<time>)")
+    parser.add_argument("--out", type=Path, help="working folder (default bench/out/val_noise/<time>-<pid>, created new)")
     parser.add_argument("--json", type=Path, help=f"results file (default <out>/{JSON_NAME})")
     parser.add_argument("--dry-run", action="store_true", help="resolve, extract and check both versions, print the plan, run nothing")
     args = parser.parse_args(argv)
@@ -388,7 +421,25 @@ def prepare_versions(args: argparse.Namespace, overrides: list[str], folder: Pat
     versions = [extraction.write() for extraction in extractions]
     tool_flags = [f"--seed={args.processes}", f"--log_dir={folder / 'check' / 'logs'}"]
     checks = {v.label: ab.check_version(v, [*overrides, *tool_flags]) for v in versions}
+    for v in versions:
+        if refusal := check_refusal(v, checks[v.label]):
+            raise ABError(refusal)
     return versions, checks
+
+
+def check_refusal(version: Version, check: dict[str, Any]) -> str | None:
+    """Why a checked version cannot be run here, or None: a script whose parsed settings lack seed or log_dir (or
+    that parses no overrides at all) would run unseeded, into the repository's logs/, while the report pairs by
+    seed; and one that resumes a checkpoint (a preset's --resume) would not start from its seed's fresh model."""
+    settings = check.get("settings")
+    missing = [f"--{name}" for name in TOOL_FLAGS if settings is None or name not in settings]
+    if missing:
+        how = "parses no overrides (no parse_args)" if settings is None else f"has no {' or '.join(n[2:] for n in missing)} setting"
+        return (f"{version.label} ({version.origin}): {version.script} {how}, so {' and '.join(missing)} would not reach its runs "
+                f"(unseeded, unpaired runs); pass a version of train_gpt.py that takes --seed and --log_dir")
+    if check.get("resume"):
+        return f"{version.label} ({version.origin}): its settings resume {check['resume']!r}; {RESUME_REFUSED}"
+    return None
 
 
 def version_record(version: Version) -> dict[str, Any]:
@@ -401,7 +452,7 @@ def version_record(version: Version) -> dict[str, Any]:
 
 def run_invocation(args: argparse.Namespace, overrides: list[str]) -> int:
     started_at = time.monotonic()
-    folder = (args.out or REPO / "bench" / "out" / "val_noise" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    folder = (args.out or new_default_folder()).resolve()
     versions, checks = prepare_versions(args, overrides, folder)
     for v in versions:
         print(f"{v.label}: {v.origin}{ab.describe_flags(v)} -> {v.script}, {checks[v.label]['train_steps'] or 'unknown'} training steps")
@@ -412,24 +463,49 @@ def run_invocation(args: argparse.Namespace, overrides: list[str]) -> int:
           f"order {', '.join(f'{r.label} {r.seed}' for r in runs)}; nothing is timed", flush=True)
     if args.dry_run:
         return 0
+    device = device_name()  # before the runs: nothing slow follows the deadline
     results = run_pool(runs, args.concurrent, started_at + args.deadline if args.deadline else None)
-    if (failed := first_failure(results)) is not None:
-        raise ABError(f"{failed.label} seed {failed.seed}: the run {failed.problem}; see {failed.out}")
     summary = summarize(results, seeds)
     print("\n".join(report_lines(results, seeds, summary)))
-    stopped = [r for r in results if r.status in ("deadline", "not started")]
+    failed = first_failure(results)
+    stopped = [] if failed else [r for r in results if r.status in ("deadline", "not started")]  # else the failure stopped them
     if stopped:
         print(f"deadline {args.deadline:.0f} s: stopped {', '.join(f'{r.label} seed {r.seed} ({r.status})' for r in stopped)}", flush=True)
     report = dict(
-        command=sys.argv, overrides=overrides, device=device_name(), processes=args.processes, concurrent=args.concurrent,
+        command=sys.argv, overrides=overrides, device=device, processes=args.processes, concurrent=args.concurrent,
         deadline_s=args.deadline, elapsed_s=time.monotonic() - started_at,  # wall time with start-ups: for planning, not a timing
         versions=[version_record(v) for v in versions],
         runs=[asdict(r) for r in results], summary=summary,
     )
     json_path = args.json or folder / JSON_NAME
-    ab.write_results(json_path, report)
+    write_new_results(json_path, report)  # a failure's too: the finished runs' results are never lost
+    if failed is not None:
+        raise ABError(f"{failed.label} seed {failed.seed}: the run {failed.problem}; see {failed.out}; what finished is in {json_path}")
     print(f"json: {json_path}")
     return DEADLINE_EXIT_STATUS if stopped else 0
+
+
+def new_default_folder() -> Path:
+    """bench/out/val_noise/<time>-<pid>, created here and new: two invocations started in the same second get
+    folders of their own (mkdir refuses one that exists)."""
+    folder = REPO / "bench" / "out" / "val_noise" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        raise ABError(f"{folder} exists already (another invocation's); pass --out") from None
+    return folder
+
+
+def write_new_results(path: Path, report: dict[str, Any]) -> None:
+    """The strict JSON (non-finite values as null) into a new file: one that appeared since the start (another
+    invocation's) is never replaced."""
+    text = json.dumps(ab.strict_json(report), indent=2, allow_nan=False)
+    try:
+        with open(path, "x") as handle:
+            handle.write(text)
+    except FileExistsError:
+        raise ABError(f"{path} appeared during the runs (another invocation's?) and is kept; the report above was not written") from None
 
 
 def main() -> None:

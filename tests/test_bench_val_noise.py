@@ -117,10 +117,14 @@ def test_the_last_val_line_and_peak_line_are_read(vn):
         "step:0/6 val_loss:10.8258 train_time:0ms step_avg:0.03ms\nstep:6/6 train_time:9256ms step_avg:1542.71ms\n"
         "step:6/6 val_loss:7.7110 train_time:9257ms step_avg:1542.81ms\npeak memory allocated: 2048 MiB reserved: 3000 MiB\n"
     )
-    assert vn.parse_output(text) == (7.7110, 2048.0)
-    val, peak = vn.parse_output("step:6/6 val_loss:nan train_time:1ms\n")
-    assert math.isnan(val) and math.isnan(peak)
-    assert vn.parse_output("step:6/6 train_time:1ms\n")[0] is None
+    output = vn.parse_output(text)
+    assert (output.last_val, output.peak_mib, output.final, output.diverged) == (vn.ab.ValLine(6, 6, 7.7110), 2048.0, True, False)
+    output = vn.parse_output("step:6/6 val_loss:nan train_time:1ms\n")
+    assert math.isnan(output.last_val.loss) and math.isnan(output.peak_mib) and output.diverged
+    assert vn.parse_output("step:6/6 train_time:1ms\nstep:6/6 val_loss:nane train_time:1ms\n").last_val is None  # float() refuses "nane"
+    assert not vn.parse_output("step:3/6 val_loss:7.9000 train_time:1ms\n").final
+    stopped = vn.parse_output("step:2/6 val_loss:9.1 train_time:1ms\nstep 4: non-finite training loss (inf); stopping\n")
+    assert stopped.stop_line == "step 4: non-finite training loss (inf); stopping" and stopped.diverged
 
 
 def test_a_run_is_finished_or_failed_by_its_exit_and_its_val_line(vn, tmp_path):
@@ -131,12 +135,31 @@ def test_a_run_is_finished_or_failed_by_its_exit_and_its_val_line(vn, tmp_path):
 
     finished = result("step:6/6 val_loss:3.2500 train_time:1ms\n", 0)
     assert (finished.status, finished.val_loss, finished.exit_status) == ("finished", 3.25, 0)
-    diverged = result("step:6/6 val_loss:nan train_time:1ms\n", 0)
-    assert diverged.status == "finished" and math.isnan(diverged.val_loss)
     assert (result("step:6/6 val_loss:3.2500\n", 1).status, result("", 1).problem) == ("failed", "exited with status 1")
     assert result("", -9).problem == "was killed by signal 9"
     silent = result("step:6/6 train_time:1ms\n", 0)
-    assert silent.status == "failed" and silent.problem == "exited with status 0 but printed no val line"
+    assert silent.status == "failed" and silent.problem == "exited with status 0 but printed no final val line"
+    # a mid-run val line is no final loss
+    mid = result("step:3/6 val_loss:7.9000 train_time:1ms\n", 0)
+    assert mid.status == "failed" and mid.problem == "exited with status 0 but printed no final val line (its last was step 3/6)"
+    assert math.isnan(mid.val_loss)
+
+
+@pytest.mark.parametrize("text, code, value", [
+    # train_gpt.py exits 3 after a non-finite val line (RunStopped), torchrun then 1
+    ("step:6/6 val_loss:nan train_time:1ms\nstep 6: non-finite validation loss (nan); stopping\n", 1, "nan"),
+    ("step:6/6 val_loss:inf train_time:1ms\n", 3, "inf"),
+    ("step:6/6 val_loss:nan train_time:1ms\n", 0, "nan"),
+    ("step:2/6 val_loss:nan train_time:1ms\n", 1, "nan"),  # a mid-run validation (--val_loss_every) diverged
+    # a non-finite training loss: the stop line and no final val line
+    ("step:2/6 val_loss:9.1000 train_time:1ms\nstep 4: non-finite training loss (nan); stopping\n", 1, "nan"),
+])
+def test_a_diverged_run_is_finished_with_a_non_finite_loss_whatever_its_exit_status(vn, tmp_path, text, code, value):
+    out = tmp_path / "candidate.seed2.out"
+    out.write_text(text)
+    result = vn.read_result(vn.Run("candidate", 2, [], out, tmp_path / "logs"), code)
+    assert (result.status, str(result.val_loss), result.exit_status, result.problem) == ("finished", value, code, "")
+    assert result.stop_line == (text.splitlines()[-1] if "stopping" in text else "")
 
 
 def test_runs_are_planned_interleaved_with_the_seed_and_log_folder_last(vn, tmp_path):
@@ -228,6 +251,25 @@ def test_the_deadline_stops_the_runs_in_flight_and_the_rest_never_start(vn, tmp_
     assert [r.status for r in results] == ["finished", "finished", "deadline", "not started"]
 
 
+def test_a_run_that_exits_just_before_the_deadline_keeps_its_result(vn, tmp_path):
+    """The first poll after the deadline says 'running', the process having exited just after it: the pool polls
+    once more before stopping, so the run is finished, not stopped by the deadline."""
+    runs, events = fake_runs(vn, tmp_path, 1), []
+    deadline = time.monotonic() + 0.3
+
+    class JustInTime(FakeProcess):
+        polls_after = 0
+
+        def poll(self):
+            if time.monotonic() < deadline:
+                return None
+            self.polls_after += 1
+            return None if self.polls_after == 1 else 0
+
+    results = vn.run_pool(runs, 2, deadline, start=lambda run: JustInTime(run, 0, 0, events), poll_s=0.01)
+    assert [r.status for r in results] == ["finished", "finished"]
+
+
 def test_a_run_deaf_to_sigterm_is_killed_after_the_grace_period(vn, tmp_path):
     """Real processes: torchrun's SIGTERM path, and the SIGKILL after it for one that ignores it."""
     deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
@@ -253,6 +295,8 @@ def test_help_says_it_times_nothing():
     (["--deadline", "-1"], "--deadline=-1.0: give finite seconds >= 0 (0: none)"),
     (["--", "--seed=4"], "--seed=4: bench/val_noise.py sets --seed of each run itself (seeds 1..--processes, logs under --out); drop it"),
     (["--candidate-flags=--log_dir=x"], "--log_dir=x: bench/val_noise.py sets --log_dir of each run itself"),
+    (["--", "--resume=logs/ckpt"], "--resume=logs/ckpt: bench/val_noise.py starts each process from its seed's fresh model; drop --resume"),
+    (["--baseline-flags=--resume"], "--resume: bench/val_noise.py starts each process from its seed's fresh model; drop --resume"),
     (["--", "--no_such_flag=1"], "does not accept the overrides"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, message):
@@ -289,16 +333,69 @@ def test_a_dry_run_plans_interleaved_runs_and_runs_nothing(tmp_path):
     assert not list(tmp_path.glob("*.out"))
 
 
+def test_the_check_refuses_a_version_the_seed_or_log_folder_would_not_reach(vn, tmp_path):
+    version = vn.Version("candidate", "old.py", "old.py", tmp_path / "old.py", "", [])
+    assert vn.check_refusal(version, dict(train_steps=6, resume="", settings=["log_dir", "seed", "train_steps"])) is None
+    assert vn.check_refusal(version, dict(train_steps=None, resume="", settings=None)) == (
+        f"candidate (old.py): {tmp_path / 'old.py'} parses no overrides (no parse_args), so --seed and --log_dir would not "
+        "reach its runs (unseeded, unpaired runs); pass a version of train_gpt.py that takes --seed and --log_dir"
+    )
+    assert "has no seed setting, so --seed would not reach its runs" in vn.check_refusal(version, dict(train_steps=6, resume="", settings=["log_dir"]))
+    assert vn.check_refusal(version, dict(train_steps=6, resume="ckpt", settings=["log_dir", "seed"])) == (
+        "candidate (old.py): its settings resume 'ckpt'; bench/val_noise.py starts each process from its seed's fresh model; drop --resume"
+    )
+
+
+def test_the_default_folder_is_new_and_the_results_file_never_replaced(vn, tmp_path, monkeypatch):
+    monkeypatch.setattr(vn, "REPO", tmp_path)
+    folder = vn.new_default_folder()
+    assert folder.is_dir() and folder.parent == tmp_path / "bench" / "out" / "val_noise" and folder.name.endswith(f"-{os.getpid()}")
+    monkeypatch.setattr(vn.time, "strftime", lambda _: folder.name.rsplit("-", 1)[0])  # the same second, the same process
+    with pytest.raises(vn.ABError, match="exists already"):
+        vn.new_default_folder()
+    (folder / "r.json").write_text("another invocation's")
+    with pytest.raises(vn.ABError, match="appeared during the runs"):
+        vn.write_new_results(folder / "r.json", dict(x=math.nan))
+    assert (folder / "r.json").read_text() == "another invocation's"
+    vn.write_new_results(folder / "s.json", dict(x=math.nan))
+    assert json.loads((folder / "s.json").read_text()) == dict(x=None)
+
+
 # ---------------------------------------------------------------------------------------------- stand-in scripts
-STANDIN = """import sys, time
+# A stand-in for train_gpt.py: its parse_args (which the check calls) and its outputs by seed: a val loss, "sleep",
+# "fail" (exit 1), a non-finite val loss (printed, then train_gpt.py's stop line and exit status 3) or "train-nan" (a
+# non-finite training loss: the stop line, no val line, exit status 3). Run through torchrun as the tool runs them.
+STANDIN = """import dataclasses, math, sys, time
+
+@dataclasses.dataclass
+class Hyperparameters:
+    train_steps: int = 6
+    seed: int = -1
+    log_dir: str = "logs"
+    resume: str = ""
+
+def parse_args(argv):
+    hp = Hyperparameters()
+    for word in argv:
+        name, value = word[2:].split("=", 1)
+        setattr(hp, name, type(getattr(hp, name))(value))  # an unknown setting fails, as train_gpt.py's parser
+    return hp, {{}}
+
 if __name__ == "__main__":
-    seed = int([a for a in sys.argv if a.startswith("--seed=")][0].split("=", 1)[1])
-    value = {values}[seed]
+    hp = parse_args(sys.argv[1:])[0]
+    value = {values}[hp.seed]
     if value == "sleep":
         time.sleep(60)
     if value == "fail":
         sys.exit(1)
-    print(f"step:6/6 val_loss:{{value}} train_time:1ms step_avg:1.00ms")
+    if value == "train-nan":
+        print("step:3/6 val_loss:9.1000 train_time:1ms step_avg:1.00ms", flush=True)
+        print("step 5: non-finite training loss (nan); stopping", file=sys.stderr, flush=True)
+        sys.exit(3)
+    print(f"step:6/6 val_loss:{{value}} train_time:1ms step_avg:1.00ms", flush=True)
+    if not math.isfinite(float(value)):
+        print(f"step 6: non-finite validation loss ({{value}}); stopping", file=sys.stderr, flush=True)
+        sys.exit(3)
     print("peak memory allocated: 2048 MiB reserved: 3000 MiB")
 """
 
@@ -309,37 +406,60 @@ def standin(tmp_path, name: str, values: dict) -> str:
     return str(path)
 
 
-def test_stand_ins_through_the_whole_tool_with_a_diverged_seed(tmp_path):
-    baseline = standin(tmp_path, "a", {1: "3.5000", 2: "3.6000", 3: "3.5500"})
-    candidate = standin(tmp_path, "b", {1: "3.5100", 2: "nan", 3: "3.5700"})
+@pytest.mark.parametrize("script, message", [
+    ("import sys\nif __name__ == '__main__':\n    print('step:6/6 val_loss:3.0')\n", "parses no overrides (no parse_args), so --seed and --log_dir would not reach its runs"),
+    ("import argparse\ndef parse_args(argv):\n    return argparse.Namespace(train_steps=6, log_dir='logs'), {}\n", "has no seed setting, so --seed would not reach its runs"),
+])
+def test_a_version_that_does_not_take_the_seed_is_refused(tmp_path, script, message):
+    """Through the tool: bench/ab.py's check reports the parsed settings' names (None without parse_args)."""
+    (tmp_path / "old.py").write_text(script)
+    result = run_val_noise("--dry-run", "--baseline", standin(tmp_path, "a", {}), "--candidate", str(tmp_path / "old.py"), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stdout + result.stderr
+    assert result.stderr.startswith(f"bench/val_noise.py: error: candidate (") and message in result.stderr
+
+
+@pytest.mark.slow
+def test_stand_ins_through_the_whole_tool_with_diverged_seeds(tmp_path):
+    """Seed 2's candidate prints a nan val line and seed 4's baseline a non-finite training loss's stop line; both
+    exit 3 as train_gpt.py does (torchrun then 1), and both are finished runs left out with their seeds."""
+    baseline = standin(tmp_path, "a", {1: "3.5000", 2: "3.6000", 3: "3.5500", 4: "train-nan"})
+    candidate = standin(tmp_path, "b", {1: "3.5100", 2: "nan", 3: "3.5700", 4: "3.5"})
     out = tmp_path / "out"
-    result = run_val_noise("--baseline", baseline, "--candidate", candidate, "--processes", "3", "--concurrent", "3", "--out", str(out))
+    result = run_val_noise("--baseline", baseline, "--candidate", candidate, "--processes", "4", "--concurrent", "4", "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "   2         3.6000             nan         -" in result.stdout
+    assert "   2         3.6000             nan         -" in result.stdout and "   4            nan          3.5000         -" in result.stdout
     assert "baseline: mean 3.5250, sd over processes 0.0354 (2 processes, seeds 1, 3)" in result.stdout
     assert "paired difference B-A: mean +0.0150, sd 0.0071;" in result.stdout
     report = json.loads((out / "val_noise.json").read_text())
     assert [(r["label"], r["seed"], r["status"]) for r in report["runs"]] == [
-        (label, seed, "finished") for seed in (1, 2, 3) for label in ("baseline", "candidate")
+        (label, seed, "finished") for seed in (1, 2, 3, 4) for label in ("baseline", "candidate")
     ]
-    assert report["runs"][3]["val_loss"] is None and report["summary"]["val_not_finite"] == [dict(seed=2, version="candidate", value="nan")]
+    assert report["runs"][3]["val_loss"] is None and report["runs"][3]["exit_status"] != 0
+    assert report["runs"][6]["stop_line"] == "step 5: non-finite training loss (nan); stopping"
+    assert report["summary"]["val_not_finite"] == [dict(seed=2, version="candidate", value="nan"), dict(seed=4, version="baseline", value="nan")]
     assert report["device"] == "cpu" and report["overrides"] == [] and report["summary"]["baseline_peak_mib"] == 2048.0
-    assert all((out / f"{label}.seed{seed}.out").is_file() for seed in (1, 2, 3) for label in ("baseline", "candidate"))
+    assert all((out / f"{label}.seed{seed}.out").is_file() for seed in (1, 2, 3, 4) for label in ("baseline", "candidate"))
 
 
-def test_a_failed_run_is_one_line_naming_its_output_and_stops_the_others(tmp_path):
-    baseline = standin(tmp_path, "a", {1: "sleep", 2: "3.6"})
-    candidate = standin(tmp_path, "b", {1: "fail", 2: "3.6"})
+def test_a_failed_run_is_one_line_naming_its_output_and_the_results_of_what_finished(tmp_path):
+    baseline = standin(tmp_path, "a", {1: "3.5", 2: "sleep", 3: "3.6"})
+    candidate = standin(tmp_path, "b", {1: "3.6", 2: "fail", 3: "3.6"})
     out = tmp_path / "out"
     begun = time.monotonic()
-    result = run_val_noise("--baseline", baseline, "--candidate", candidate, "--processes", "2", "--concurrent", "2", "--out", str(out))
+    result = run_val_noise("--baseline", baseline, "--candidate", candidate, "--processes", "3", "--concurrent", "2", "--out", str(out))
     assert result.returncode == 2 and result.stderr.strip() == (
-        f"bench/val_noise.py: error: candidate seed 1: the run exited with status 1; see {out.resolve() / 'candidate.seed1.out'}"
-    )
+        f"bench/val_noise.py: error: candidate seed 2: the run exited with status 1; see {out.resolve() / 'candidate.seed2.out'}; "
+        f"what finished is in {out.resolve() / 'val_noise.json'}"
+    ), result.stdout + result.stderr
     assert time.monotonic() - begun < 50  # the baseline's 60-s run was stopped
-    assert not (out / "baseline.seed2.out").exists()
+    assert not (out / "baseline.seed3.out").exists()
+    assert "   1         3.5000          3.6000   +0.1000" in result.stdout and "deadline" not in result.stdout
+    report = json.loads((out / "val_noise.json").read_text())
+    assert [r["status"] for r in report["runs"]] == ["finished", "finished", "cancelled", "failed", "not started", "not started"]
+    assert report["runs"][3]["problem"] == "exited with status 1" and report["summary"]["val_seeds"] == [1]
 
 
+@pytest.mark.slow
 def test_the_deadline_reports_what_finished_with_exit_status_3(tmp_path):
     baseline = standin(tmp_path, "a", {1: "3.5", 2: "sleep", 3: "3.5"})
     candidate = standin(tmp_path, "b", {1: "3.6", 2: "sleep", 3: "3.6"})
