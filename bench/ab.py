@@ -1329,6 +1329,14 @@ def profiled_steps_text(args: argparse.Namespace) -> str:
     return str(first) if first == last else f"{first}-{last}"
 
 
+def add_version_arguments(parser: argparse.ArgumentParser) -> None:
+    """The two versions and their own overrides, as every tool that compares versions of a script takes them."""
+    parser.add_argument("--baseline-flags", default="", help="overrides for the baseline only, after the common ones (quoted, e.g. --baseline-flags=--matrix_optimizer=adamw)")
+    parser.add_argument("--candidate-flags", default="", help="overrides for the candidate only, after the common ones")
+    parser.add_argument("--baseline", default="HEAD", help="git revision, .py file, log or record folder (default: HEAD)")
+    parser.add_argument("--candidate", default=WORKTREE, help=f"same kinds, or {WORKTREE} (default: the working tree)")
+
+
 def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     overrides: list[str] = []
     if "--" in argv:
@@ -1342,10 +1350,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--train-script", default="train_gpt.py",
         help="the training script the versions are taken from (default train_gpt.py; train_gpt_shampoo.py for Track 3)",
     )
-    parser.add_argument("--baseline-flags", default="", help="overrides for the baseline only, after the common ones (quoted, e.g. --baseline-flags=--matrix_optimizer=adamw)")
-    parser.add_argument("--candidate-flags", default="", help="overrides for the candidate only, after the common ones")
-    parser.add_argument("--baseline", default="HEAD", help="git revision, .py file, log or record folder (default: HEAD)")
-    parser.add_argument("--candidate", default=WORKTREE, help=f"same kinds, or {WORKTREE} (default: the working tree)")
+    add_version_arguments(parser)
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per version: 1, 2, 4 or 8 (default 1)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds, each A then B (default 3)")
     parser.add_argument(

@@ -18,8 +18,9 @@ bench/NOTES.md). Here every run is a fresh process, and both versions' noise is 
   * The runs start interleaved (baseline seed 1, candidate seed 1, baseline seed 2, ...), at most --concurrent at
     once, all with the default inductor and Triton caches: each version's first run compiles cold, and so does any
     run started before an earlier run of its version had filled the caches (with --concurrent 2 or more, several
-    may). Two at once hide one run's mostly-CPU start-up behind the other's training: six 120-step runs then fit in
-    one 600-second command.
+    may). Two at once hide one run's mostly-CPU start-up behind the other's training; even so, six 120-step runs of
+    the record batch took more than 583 s on one H100 (bench/NOTES.md, 2026-12-06): give them more (about 700 s,
+    an estimate).
   * From each run: the loss of its final val line (step N/N) and its peak memory line. The report gives both losses
     and B-A per seed, each version's mean and sd over processes, the paired difference's mean and sd, and a paired
     t-test (scipy.stats.ttest_rel). A diverged run is a finished run with a loss that is not finite, whatever its
@@ -365,10 +366,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage=f"python {PROG} [--baseline V] [--candidate V] [--processes N] [--concurrent K] [options] -- <train_gpt.py overrides>",
     )
-    parser.add_argument("--baseline", default="HEAD", help="git revision, .py file, log or record folder (default: HEAD)")
-    parser.add_argument("--candidate", default=WORKTREE, help=f"same kinds, or {WORKTREE} (default: the working tree)")
-    parser.add_argument("--baseline-flags", default="", help="overrides for the baseline only, after the common ones (quoted)")
-    parser.add_argument("--candidate-flags", default="", help="overrides for the candidate only, after the common ones")
+    ab.add_version_arguments(parser)
     parser.add_argument("--processes", type=int, default=3, help="fresh processes per version, seeds 1..N (default 3; at least 2)")
     parser.add_argument(
         "--concurrent", type=int, default=1,

@@ -46,6 +46,24 @@ def random_documents(T: int, num_bos: int, seed: int) -> torch.Tensor:
     return ids
 
 
+def run_bench_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """bench/<name> in a subprocess from the repository root, one thread per process (2-core CI)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(ROOT / "bench" / name), *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+
+
+def import_bench_script(monkeypatch: pytest.MonkeyPatch, name: str, module_name: str):
+    """bench/<name> imported as a module (the bench scripts are not a package), registered in sys.modules for the
+    test, where its dataclasses look their module up."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(module_name, ROOT / "bench" / name)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, module_name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_under_interpreter(script: str, timeout: int = 300) -> dict:
     """The JSON object that `script` prints last, run in a fresh process with TRITON_INTERPRET=1 (which must be set
     before any kernel is decorated, so never in the test process itself)."""

@@ -14,9 +14,8 @@ import uuid
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, import_bench_script, run_bench_script
 
-AB = [sys.executable, str(ROOT / "bench" / "ab.py")]
 TINY_RUN = ["--preset=smoke", "--num_iterations=6", "--iteration_extension=0", "--warmup_steps=1", "--val_tokens=2048"]
 TRACK3 = ["--train-script", "train_gpt_shampoo.py"]
 TINY_TRACK3_RUN = ["--preset=smoke", "--train_steps=6"]
@@ -24,20 +23,13 @@ SCALARS_RESET = "        self.scalars.copy_(Scalars.initial(self.world_size))\n"
 
 
 def run_ab(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([*AB, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+    return run_bench_script("ab.py", *args, timeout=timeout)
 
 
 @pytest.fixture
 def ab(monkeypatch):
     """bench/ab.py imported as a module (it is a script, not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_ab", ROOT / "bench" / "ab.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_ab", module)  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return import_bench_script(monkeypatch, "ab.py", "bench_ab")
 
 
 def test_help_describes_the_method():
@@ -918,11 +910,6 @@ def test_a_whole_run_reads_relative_override_paths_from_the_repository(tmp_path)
 
 # ---------------------------------------------------------------------------------------------- bench_train_gpt.py, profile_train_gpt.py
 RECORD_LOG = sorted((ROOT / "records" / "track_1_short" / "2026-11-30_H200DocsProxy1Gpu").glob("*.txt"))[0]
-
-
-def run_bench_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(ROOT / "bench" / name), *args], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
 
 
 def test_bench_a_failed_training_run_is_one_line(tmp_path):

@@ -13,27 +13,19 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import import_bench_script, run_bench_script
 
-VAL_NOISE = [sys.executable, str(ROOT / "bench" / "val_noise.py")]
 TINY_RUN = ["--preset=smoke", "--num_iterations=6", "--iteration_extension=0", "--warmup_steps=1", "--val_tokens=2048"]  # as test_bench_ab.py's
 
 
 def run_val_noise(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([*VAL_NOISE, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+    return run_bench_script("val_noise.py", *args, timeout=timeout)
 
 
 @pytest.fixture
 def vn(monkeypatch):
     """bench/val_noise.py imported as a module (it is a script, not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_val_noise", ROOT / "bench" / "val_noise.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_val_noise", module)  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return import_bench_script(monkeypatch, "val_noise.py", "bench_val_noise")
 
 
 def results_of(vn, baseline: dict, candidate: dict, status: str = "finished") -> list:
