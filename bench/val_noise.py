@@ -66,6 +66,7 @@ from bench.ab import LABELS, WORKTREE, ABError, Version  # noqa: E402
 PROG = "bench/val_noise.py"
 JSON_NAME = "val_noise.json"
 DEADLINE_EXIT_STATUS = ab.HUNG_EXIT_STATUS
+INTERRUPTED_EXIT_STATUS = 128 + 2  # SIGINT's, as train_gpt.py exits after one
 GRACE_S = ab.STOP_GRACE_S  # after SIGTERM: torchrun's own 30 s to end its ranks, and some (as bench/ab.py's whole runs)
 POLL_S = 0.05
 TOOL_FLAGS = ("seed", "log_dir")  # set per run by this tool
@@ -88,7 +89,8 @@ class RunResult:
     label: str
     seed: int
     # finished (a diverged run too: its val loss not finite), failed (non-zero exit or no final val line, not
-    # diverged), deadline (stopped by it), cancelled (stopped after another run failed), not started
+    # diverged), deadline (stopped by it), cancelled (stopped after another run failed), interrupted (stopped
+    # by Ctrl-C), not started
     status: str
     out: str
     val_loss: float = math.nan
@@ -217,20 +219,24 @@ def run_pool(
         return failed
 
     while pending or active:
-        if poll_all():
-            stopping = "cancelled"
-        if stopping is None and deadline is not None and time.monotonic() >= deadline:
-            stopping = "deadline"
-        if stopping is not None:
-            poll_all()  # a run that exited between its poll and the deadline's check finished
-            ab.stop_processes([process for _, process in active.values()], grace_s)
-            results |= {index: RunResult(run.label, run.seed, stopping, str(run.out)) for index, (run, _) in active.items()}
-            results |= {index: RunResult(run.label, run.seed, "not started", str(run.out)) for index, run in pending}
-            break
-        while pending and len(active) < concurrent:
-            index, run = pending.popleft()
-            active[index] = (run, start(run))
-        time.sleep(poll_s)
+        try:
+            if poll_all():
+                stopping = "cancelled"
+            if stopping is None and deadline is not None and time.monotonic() >= deadline:
+                stopping = "deadline"
+            if stopping is None:
+                while pending and len(active) < concurrent:
+                    index, run = pending.popleft()
+                    active[index] = (run, start(run))
+                time.sleep(poll_s)
+                continue
+        except KeyboardInterrupt:  # Ctrl-C: the runs in flight are stopped as at the deadline, not left running
+            stopping = "interrupted"
+        poll_all()  # a run that exited between its poll and the stop finished
+        ab.stop_processes([process for _, process in active.values()], grace_s)
+        results |= {index: RunResult(run.label, run.seed, stopping, str(run.out)) for index, (run, _) in active.items()}
+        results |= {index: RunResult(run.label, run.seed, "not started", str(run.out)) for index, run in pending}
+        break
     return [results[index] for index in range(len(runs))]
 
 
@@ -290,7 +296,7 @@ def cell(result: RunResult | None) -> str:
     if result is None or result.status == "not started":
         return "not run"
     if result.status != "finished":
-        return "stopped" if result.status in ("deadline", "cancelled") else result.status
+        return "stopped" if result.status in ("deadline", "cancelled", "interrupted") else result.status
     return f"{result.val_loss:.4f}" if math.isfinite(result.val_loss) else str(result.val_loss)
 
 
@@ -466,9 +472,11 @@ def run_invocation(args: argparse.Namespace, overrides: list[str]) -> int:
     summary = summarize(results, seeds)
     print("\n".join(report_lines(results, seeds, summary)))
     failed = first_failure(results)
-    stopped = [] if failed else [r for r in results if r.status in ("deadline", "not started")]  # else the failure stopped them
+    stopped = [] if failed else [r for r in results if r.status in ("deadline", "interrupted", "not started")]  # else the failure stopped them
+    interrupted = any(r.status == "interrupted" for r in results)
     if stopped:
-        print(f"deadline {args.deadline:.0f} s: stopped {', '.join(f'{r.label} seed {r.seed} ({r.status})' for r in stopped)}", flush=True)
+        cause = "interrupted (Ctrl-C)" if interrupted else f"deadline {args.deadline:.0f} s"
+        print(f"{cause}: stopped {', '.join(f'{r.label} seed {r.seed} ({r.status})' for r in stopped)}", flush=True)
     report = dict(
         command=sys.argv, overrides=overrides, device=device, processes=args.processes, concurrent=args.concurrent,
         deadline_s=args.deadline, elapsed_s=time.monotonic() - started_at,  # wall time with start-ups: for planning, not a timing
@@ -480,7 +488,7 @@ def run_invocation(args: argparse.Namespace, overrides: list[str]) -> int:
     if failed is not None:
         raise ABError(f"{failed.label} seed {failed.seed}: the run {failed.problem}; see {failed.out}; what finished is in {json_path}")
     print(f"json: {json_path}")
-    return DEADLINE_EXIT_STATUS if stopped else 0
+    return INTERRUPTED_EXIT_STATUS if interrupted else DEADLINE_EXIT_STATUS if stopped else 0
 
 
 def new_default_folder() -> Path:

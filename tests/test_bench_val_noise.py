@@ -243,6 +243,30 @@ def test_the_deadline_stops_the_runs_in_flight_and_the_rest_never_start(vn, tmp_
     assert [r.status for r in results] == ["finished", "finished", "deadline", "not started"]
 
 
+def test_ctrl_c_stops_the_runs_in_flight_and_reports_what_finished(vn, tmp_path):
+    """A KeyboardInterrupt while the pool waits: the runs in flight are stopped (never left running), the finished
+    keep their results."""
+    runs, events, started = fake_runs(vn, tmp_path, 2), [], []
+    interrupt_at = time.monotonic() + 0.3
+
+    class Interrupting(FakeProcess):
+        interrupted = False  # one Ctrl-C
+
+        def poll(self):
+            if self.duration > 1 and time.monotonic() >= interrupt_at and not Interrupting.interrupted:
+                Interrupting.interrupted = True
+                raise KeyboardInterrupt
+            return super().poll()
+
+    def start(run):
+        started.append(Interrupting(run, 0.05 if run.seed == 1 else 30.0, 0, events))
+        return started[-1]
+
+    results = vn.run_pool(runs, 1, None, start=start, poll_s=0.01)
+    assert [r.status for r in results] == ["finished", "finished", "interrupted", "not started"]
+    assert started[2].terminated and len(started) == 3
+
+
 def test_a_run_that_exits_just_before_the_deadline_keeps_its_result(vn, tmp_path):
     """The first poll after the deadline says 'running', the process having exited just after it: the pool polls
     once more before stopping, so the run is finished, not stopped by the deadline."""
