@@ -1,7 +1,7 @@
 """Final val loss of two versions of train_gpt.py over N fresh processes each, in one invocation.
 
-    python bench/val_noise.py --baseline REV_OR_PY --candidate WORKTREE --processes 3 [--concurrent 2] [--out DIR]
-        [--json PATH] [--deadline S] -- <train_gpt.py overrides>
+    python bench/val_noise.py --baseline REV_OR_PY --candidate WORKTREE --processes 3 [--concurrent 2] [--stagger S]
+        [--out DIR] [--json PATH] [--deadline S] -- <train_gpt.py overrides>
 
 Why: "the candidate's val loss is within main's run-to-run noise" needs that noise measured across processes.
 bench/ab.py cannot give it: each of its versions trains in one resident process, so its rounds differ by seed only,
@@ -18,9 +18,10 @@ bench/NOTES.md). Here every run is a fresh process, and both versions' noise is 
   * The runs start interleaved (baseline seed 1, candidate seed 1, baseline seed 2, ...), at most --concurrent at
     once, all with the default inductor and Triton caches: each version's first run compiles cold, and so does any
     run started before an earlier run of its version had filled the caches (with --concurrent 2 or more, several
-    may). Two at once hide one run's mostly-CPU start-up behind the other's training; even so, six 120-step runs of
-    the record batch took more than 583 s on one H100 (bench/NOTES.md, 2026-12-06): give them more (about 700 s,
-    an estimate).
+    may). Two at once can hide one run's mostly-CPU start-up behind the other's training, but only if they do not
+    start together: six 120-step runs of the record batch, two at once and started in pairs, took more than 583 s
+    on one H100 (bench/NOTES.md, 2026-12-06). --stagger S starts each run at least S seconds after the one before,
+    so that later runs start while another trains. The report gives each run's start and end (also in the JSON).
   * From each run: the loss of its final val line (step N/N) and its peak memory line. The report gives both losses
     and B-A per seed, each version's mean and sd over processes, the paired difference's mean and sd, and a paired
     t-test (scipy.stats.ttest_rel). A diverged run is a finished run with a loss that is not finite, whatever its
@@ -98,6 +99,8 @@ class RunResult:
     exit_status: int | None = None
     problem: str = ""  # why it failed, in words
     stop_line: str = ""  # a diverged run's stop line from train_gpt.py, when it printed one
+    started_s: float | None = None  # seconds after the pool began: when it started (None: never) and ended
+    ended_s: float | None = None
 
 
 class Process(Protocol):
@@ -196,17 +199,23 @@ def start_run(run: Run) -> subprocess.Popen:
 
 def run_pool(
     runs: list[Run], concurrent: int, deadline: float | None, start: Callable[[Run], Process] = start_run,
-    grace_s: float = GRACE_S, poll_s: float = POLL_S,
+    grace_s: float = GRACE_S, poll_s: float = POLL_S, stagger_s: float = 0.0,
 ) -> list[RunResult]:
-    """Starts the runs in their order, at most `concurrent` at once, and returns their results in that order. One
-    thread polls them all, so the start order is the plan's. At the deadline (time.monotonic()) or after a failed run
-    the runs in flight are stopped and the rest never start: a failure ends the invocation, and its GPU time is
-    better spent on the fix. Before stopping, the runs in flight are polled once more: one that exited since its
-    last poll keeps its result."""
+    """Starts the runs in their order, at most `concurrent` at once and each at least `stagger_s` after the one before,
+    and returns their results in that order. One thread polls them all, so the start order is the plan's. At the
+    deadline (time.monotonic()) or after a failed run the runs in flight are stopped and the rest never start: a
+    failure ends the invocation, and its GPU time is better spent on the fix. Before stopping, the runs in flight are
+    polled once more: one that exited since its last poll keeps its result."""
     pending = deque(enumerate(runs))
     active: dict[int, tuple[Run, Process]] = {}
     results: dict[int, RunResult] = {}
+    started: dict[int, float] = {}
     stopping: str | None = None
+    began = time.monotonic()
+    last_start = -math.inf
+
+    def since_began() -> float:
+        return time.monotonic() - began
 
     def poll_all() -> bool:
         """Reads the runs that exited; True when one failed."""
@@ -214,6 +223,7 @@ def run_pool(
         for index, (run, process) in list(active.items()):
             if (code := process.poll()) is not None:
                 results[index] = read_result(run, code)
+                results[index].started_s, results[index].ended_s = started[index], since_began()
                 del active[index]
                 failed = failed or results[index].status == "failed"
         return failed
@@ -225,8 +235,9 @@ def run_pool(
             if stopping is None and deadline is not None and time.monotonic() >= deadline:
                 stopping = "deadline"
             if stopping is None:
-                while pending and len(active) < concurrent:
+                while pending and len(active) < concurrent and time.monotonic() - last_start >= stagger_s:
                     index, run = pending.popleft()
+                    last_start, started[index] = time.monotonic(), since_began()
                     active[index] = (run, start(run))
                 time.sleep(poll_s)
                 continue
@@ -234,7 +245,8 @@ def run_pool(
             stopping = "interrupted"
         poll_all()  # a run that exited between its poll and the stop finished
         ab.stop_processes([process for _, process in active.values()], grace_s)
-        results |= {index: RunResult(run.label, run.seed, stopping, str(run.out)) for index, (run, _) in active.items()}
+        for index, (run, _) in active.items():
+            results[index] = RunResult(run.label, run.seed, stopping, str(run.out), started_s=started[index], ended_s=since_began())
         results |= {index: RunResult(run.label, run.seed, "not started", str(run.out)) for index, run in pending}
         break
     return [results[index] for index in range(len(runs))]
@@ -323,6 +335,8 @@ def report_lines(results: list[RunResult], seeds: list[int], summary: dict[str, 
         f"paired t-test (scipy.stats.ttest_rel) t={ab._stat(s['t_statistic'], '+.3f')}, p={ab._stat(s['p_value'], '.3g')}"
     )
     lines.append(f"peak allocated: baseline {ab._gib(s['baseline_peak_mib'])}, candidate {ab._gib(s['candidate_peak_mib'])}")
+    spans = [f"{r.label} {r.seed} {r.started_s:.0f}-{r.ended_s:.0f}" for r in results if r.started_s is not None]
+    lines.append(f"runs, seconds after the first start (for planning an invocation): {', '.join(spans) or 'none started'}")
     lines.append("nothing was timed: concurrent runs share the GPU and each run's start-up is part of it (time with bench/ab.py)")
     return lines
 
@@ -380,6 +394,11 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "Nothing is timed, so sharing is harmless to the val losses compared",
     )
     parser.add_argument(
+        "--stagger", type=float, default=0.0, metavar="S",
+        help="start each run at least S seconds after the one before (default 0). Runs started together spend their "
+        "start-up together, with the GPU idle; staggered by about one start-up, one compiles while another trains",
+    )
+    parser.add_argument(
         "--deadline", type=float, default=0.0,
         help="seconds after the start at which the runs still going are stopped and what finished is reported (exit "
         "status 3; default 0: none); give the call's limit less about 90 s (a stopped run gets up to 40 s to end, "
@@ -393,6 +412,8 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--processes={args.processes}: give at least 2 (an sd over processes needs 2)")
     if args.concurrent < 1:
         parser.error(f"--concurrent={args.concurrent}: give at least 1")
+    if not (math.isfinite(args.stagger) and args.stagger >= 0):
+        parser.error(f"--stagger={args.stagger}: give finite seconds >= 0 (0: none)")
     if not (math.isfinite(args.deadline) and args.deadline >= 0):
         parser.error(f"--deadline={args.deadline}: give finite seconds >= 0 (0: none)")
     if args.json is not None and args.json.exists():
@@ -463,12 +484,13 @@ def run_invocation(args: argparse.Namespace, overrides: list[str]) -> int:
     seeds = list(range(1, args.processes + 1))
     runs = plan_runs(versions, overrides, folder, args.processes)
     deadline = f"; deadline {args.deadline:.0f} s" if args.deadline else ""
-    print(f"plan: {len(runs)} fresh processes, seeds 1..{args.processes} per version, at most {args.concurrent} at once{deadline}; "
+    stagger = f", each at least {args.stagger:.0f} s after the one before" if args.stagger else ""
+    print(f"plan: {len(runs)} fresh processes, seeds 1..{args.processes} per version, at most {args.concurrent} at once{stagger}{deadline}; "
           f"order {', '.join(f'{r.label} {r.seed}' for r in runs)}; nothing is timed", flush=True)
     if args.dry_run:
         return 0
     device = device_name()  # before the runs: nothing slow follows the deadline
-    results = run_pool(runs, args.concurrent, started_at + args.deadline if args.deadline else None)
+    results = run_pool(runs, args.concurrent, started_at + args.deadline if args.deadline else None, stagger_s=args.stagger)
     summary = summarize(results, seeds)
     print("\n".join(report_lines(results, seeds, summary)))
     failed = first_failure(results)
@@ -479,7 +501,7 @@ def run_invocation(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"{cause}: stopped {', '.join(f'{r.label} seed {r.seed} ({r.status})' for r in stopped)}", flush=True)
     report = dict(
         command=sys.argv, overrides=overrides, device=device, processes=args.processes, concurrent=args.concurrent,
-        deadline_s=args.deadline, elapsed_s=time.monotonic() - started_at,  # wall time with start-ups: for planning, not a timing
+        stagger_s=args.stagger, deadline_s=args.deadline, elapsed_s=time.monotonic() - started_at,  # wall time with start-ups: for planning, not a timing
         versions=[version_record(v) for v in versions],
         runs=[asdict(r) for r in results], summary=summary,
     )

@@ -220,6 +220,26 @@ def test_the_pool_starts_runs_in_plan_order_at_most_k_at_once(vn, tmp_path, conc
     assert [(r.label, r.seed, r.status, r.val_loss) for r in results] == [(r.label, r.seed, "finished", pytest.approx(3 + r.seed / 10)) for r in runs]
 
 
+def test_a_stagger_spaces_the_starts_and_the_results_say_when_each_ran(vn, tmp_path):
+    """With room for all four at once, --stagger still starts each run at least S after the one before; each
+    result carries its start and end, seconds after the pool began, and a stopped run its stop."""
+    runs, events = fake_runs(vn, tmp_path, 2), []
+    start_times = []
+
+    def start(run):
+        start_times.append(time.monotonic())
+        return FakeProcess(run, 30.0 if (run.label, run.seed) == ("candidate", 2) else 0.05, 0, events)
+
+    results = vn.run_pool(runs, 4, time.monotonic() + 1.2, start=start, poll_s=0.01, stagger_s=0.25)
+    gaps = [later - earlier for earlier, later in zip(start_times, start_times[1:])]
+    assert len(start_times) == 4 and min(gaps) >= 0.25 and max(gaps) < 0.5
+    assert [r.status for r in results] == ["finished", "finished", "finished", "deadline"]
+    assert [r.started_s for r in results] == sorted(r.started_s for r in results) and results[0].started_s < 0.1
+    assert all(r.started_s < r.ended_s for r in results) and results[3].ended_s >= 1.2
+    lines = vn.report_lines(results, [1, 2], vn.summarize(results, [1, 2]))
+    assert any(line.startswith("runs, seconds after the first start (for planning an invocation): baseline 1 0-") for line in lines)
+
+
 def test_a_failed_run_stops_the_runs_in_flight_and_starts_no_more(vn, tmp_path):
     runs, events = fake_runs(vn, tmp_path, 3), []
     started = []
@@ -309,6 +329,7 @@ def test_help_says_it_times_nothing():
     (["--processes", "1"], "--processes=1: give at least 2 (an sd over processes needs 2)"),
     (["--concurrent", "0"], "--concurrent=0: give at least 1"),
     (["--deadline", "-1"], "--deadline=-1.0: give finite seconds >= 0 (0: none)"),
+    (["--stagger", "inf"], "--stagger=inf: give finite seconds >= 0 (0: none)"),
     (["--", "--seed=4"], "--seed=4: bench/val_noise.py sets --seed of each run itself (seeds 1..--processes, logs under --out); drop it"),
     (["--candidate-flags=--log_dir=x"], "--log_dir=x: bench/val_noise.py sets --log_dir of each run itself"),
     (["--", "--resume=logs/ckpt"], "--resume=logs/ckpt: bench/val_noise.py starts each process from its seed's fresh model; drop --resume"),
