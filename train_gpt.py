@@ -3487,8 +3487,8 @@ if triton is not None:
     ):
         # Rows of logits (M, N) bf16 -> loss per row (fp32) and the e5m2 gradient in grad (M, N) and grad_t (N, M),
         # for the soft cap CAP * sigmoid(logits / CAP_DIVISOR) (SOFTCAP, SOFTCAP_DIVISOR; the comments say 30 and 7.5).
-        # Two passes over the row block: the log-sum-exp, then the gradient. The capped logits lie in (0, 30),
-        # so exp() cannot overflow and needs no running maximum. Nsight Compute on an H200 (bench/ncu_kernels.sh,
+        # Two passes over the row block: the log-sum-exp, then the gradient (columns in reverse). The capped logits lie
+        # in (0, 30), so exp() cannot overflow and needs no running maximum. Nsight Compute on an H200 (bench/ncu_kernels.sh,
         # bench/NOTES.md, 2026-12-01, commit f4e4aca) found the XU pipe (exp2, reciprocals, one-value casts) 76% busy and loads
         # waiting on memory the largest stall, hence: exponentials as exp2 with the constants folded in, the
         # bare reciprocal and the two-value casts (HARDWARE), each tile's load issued one tile ahead, the target
@@ -3522,18 +3522,22 @@ if triton is not None:
         # after each rounding, which the wrapper checks); then autograd's bf16 gradient, the division by the gradient
         # scale in bf16 (torch multiplies by the fp32 reciprocal) and the e5m2 cast
         inv_scale_times_cap_ratio = grad_inv_scale * (CAP / CAP_DIVISOR)
+        # The gradient pass walks the columns backwards, from the tiles the first pass read last: those may still be
+        # in L2 (each element's bytes are the same in either order).
+        last_col0: tl.constexpr = N - BLOCK_N
         block_grad = grad_ptr + row0.to(tl.int64) * N
-        block_grad_t = grad_t_ptr + row0  # advanced by BLOCK_N rows of grad_t per tile: col0 * M needs 64 bits
-        ahead = tl.load(block_logits + tile_offsets, mask=tile_mask, other=0.0)
-        for col0 in range(0, N, BLOCK_N):
+        block_grad_t = grad_t_ptr + row0 + tl.full((), last_col0, tl.int64) * M  # moved back BLOCK_N rows of grad_t per tile
+        ahead = tl.load(block_logits + last_col0 + tile_offsets, mask=tile_mask, other=0.0)
+        for col_back in range(0, N, BLOCK_N):
+            col0 = last_col0 - col_back
             logits = ahead.to(tl.float32)
-            ahead = tl.load(block_logits + tl.minimum(col0 + BLOCK_N, N - BLOCK_N) + tile_offsets, mask=tile_mask, other=0.0)
+            ahead = tl.load(block_logits + tl.maximum(col0 - BLOCK_N, 0) + tile_offsets, mask=tile_mask, other=0.0)
             sig = _cap_sigmoid(logits, CAP_DIVISOR, HARDWARE)
             prob = tl.exp2(sig * CAP_LOG2E - log2_sum_exp[:, None])  # the softmax; the target's "- 1" comes below
             code = _scaled_e5m2_codes(prob * (sig - sig * sig), inv_scale_times_cap_ratio, HARDWARE)
             tl.store(block_grad + col0 + tile_offsets, code, mask=tile_mask)
             tl.store(block_grad_t + tile_offsets_t, tl.trans(code), mask=tl.trans(tile_mask))
-            block_grad_t += BLOCK_N * M
+            block_grad_t -= BLOCK_N * M
         # the target columns again, softmax - 1, over the loop's bytes: the barrier orders this block's stores
         tl.debug_barrier()
         target_prob = tl.exp2(target_sig * CAP_LOG2E - log2_sum_exp)

@@ -8,7 +8,7 @@ On a record-sized micro-step (49,152 tokens x 50,304 padded vocabulary, bf16 log
 and prints the median time of:
   * the kernel, for a few tile sizes and pipeline depths, and with the integer casts;
   * with --compare FILE, another train_gpt.py's kernel on the same input (e.g. `git show 029d93e:train_gpt.py`),
-    and how many of the two kernels' losses and codes differ;
+    timed in turn with this one over interleaved rounds, and how many of the two kernels' losses and codes differ;
   * the path it replaces: the compiled soft-capped CE forward + backward (torch.compile, as the model was
     compiled) giving a bf16 logit gradient, then the division and cast to e5m2 and the transposed copy.
 
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root (bench/scripts.py)
 
 import train_gpt as tg  # noqa: E402
-from bench.gpu_timing import median_ms  # noqa: E402
+from bench.gpu_timing import interleaved_median_ms, median_ms  # noqa: E402
 from bench.scripts import load_script  # noqa: E402
 
 TOKENS, VOCAB = 49152, 50304
@@ -91,7 +91,13 @@ def main() -> None:
     compiled_loss = torch.compile(lambda l, t: tg.softcapped_cross_entropy(l, t, "sum"), fullgraph=True)
     print(f"replaced path (compiled CE forward + backward, cast, transposed copy): {median_ms(replaced, repeats=10):.2f} ms")
     if args.compare:
-        print(f"{args.compare} kernel: {median_ms(lambda: other.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE), repeats=10):.2f} ms")
+        both = interleaved_median_ms(
+            {"this": lambda: tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE),
+             "other": lambda: other.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE)},
+            rounds=11,
+        )
+        print(f"this kernel against {args.compare}, 11 interleaved rounds: {both['this']:.3f} against {both['other']:.3f} ms, "
+              f"ratio {both['this'] / both['other']:.4f}")
     for tile in TILES:
         ms = median_ms(lambda: tg.softcap_ce_e5m2(logits, targets, tg.FP8_GRAD_SCALE, tile), repeats=10)
         stages = f", {tile[3]} stages" if len(tile) > 3 else ""

@@ -1,5 +1,5 @@
 """bench/probe_fa4.py on a machine it cannot measure on (no CUDA GPU or no flash-attn-4): one line, no traceback; and
-bench/gpu_timing.median_ms's refusal of no calls; bench_flex.differences, the tolerance check both use."""
+bench/gpu_timing: median_ms's refusal of no calls and interleaved_median_ms's order; bench_flex.differences, the tolerance check both use."""
 
 import os
 import subprocess
@@ -41,3 +41,19 @@ def test_bench_flex_differences_counts_nonfinite_and_the_tolerance_excess():
     nonfinite, diff, excess = differences(outside, inside)
     assert nonfinite == 0 and diff > 0 and excess > 0
     assert differences((torch.tensor([float("nan")]),), (torch.tensor([0.0]),)) == (1, float("inf"), float("inf"))
+
+
+def test_interleaved_median_ms_alternates_the_order_and_takes_each_functions_median(monkeypatch):
+    """The GPU timer replaced by a stand-in that records who was timed: the first function goes first in odd rounds
+    and last in even ones, and each function's figure is the median of its own rounds."""
+    import pytest
+
+    sys.path.insert(0, str(ROOT))
+    from bench import gpu_timing
+
+    order, figures = [], {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+    monkeypatch.setattr(gpu_timing, "median_ms", lambda fn, repeats: (order.append(fn()), next(figures[fn()]))[1])
+    assert gpu_timing.interleaved_median_ms({"a": lambda: "a", "b": lambda: "b"}, rounds=3) == {"a": 3.0, "b": 4.0}
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    with pytest.raises(ValueError, match="rounds=0 must be at least 1"):
+        gpu_timing.interleaved_median_ms({"a": lambda: None}, rounds=0)
