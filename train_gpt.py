@@ -3546,9 +3546,11 @@ if triton is not None:
         tl.store(grad_ptr + rows.to(tl.int64) * N + targets, target_code, mask=row_ok)
         tl.store(grad_t_ptr + targets.to(tl.int64) * M + rows, target_code, mask=row_ok)
 
-# rows x columns per tile, warps: the fastest of bench/bench_softcap_ce.py's tiles on an H200 (bench/NOTES.md,
-# 2026-12-01); 32 rows store 32-byte runs of the transposed gradient
-SOFTCAP_CE_TILE = (32, 128, 8)
+# rows x columns per tile, warps. 128 rows store the transposed gradient in 128-byte runs, whole cache lines: on one
+# H100, timed in turn with the earlier 32 x 128 x 8 over 7 rounds on a record micro-step, 5.73 against 6.76 ms
+# (256 rows: 7.33), every byte the same (bench/NOTES.md, 2026-12-07); on an H200 the 32- and 64-row tiles were
+# within 0.1 ms of each other (2026-12-02) and 128 rows were not tried there.
+SOFTCAP_CE_TILE = (128, 128, 16)
 
 
 def softcap_ce_e5m2(

@@ -30,7 +30,7 @@ from bench.scripts import load_script  # noqa: E402
 
 TOKENS, VOCAB = 49152, 50304
 # rows, columns, warps[, pipeline stages]
-TILES = ((32, 128, 8), (32, 128, 8, 2), (32, 128, 4), (64, 128, 8), (32, 128, 16))
+TILES = ((128, 128, 16), (128, 128, 32), (64, 128, 8), (32, 128, 8), (32, 128, 4), (256, 128, 16))
 
 
 def load_module(path: str) -> types.ModuleType:
