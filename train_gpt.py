@@ -3548,8 +3548,8 @@ if triton is not None:
 
 # rows x columns per tile, warps. 128 rows store the transposed gradient in 128-byte runs, whole cache lines: on one
 # H100, timed in turn with the earlier 32 x 128 x 8 over 7 rounds on a record micro-step, 5.73 against 6.76 ms
-# (256 rows: 7.33), every byte the same (bench/NOTES.md, 2026-12-07); on an H200 the 32- and 64-row tiles were
-# within 0.1 ms of each other (2026-12-02) and 128 rows were not tried there.
+# (256 rows: 7.33), every byte the same (bench/NOTES.md, 2026-12-07). On an H200 64 rows were 0.29 ms slower than
+# 32 on 2026-12-01 and 0.11 ms faster on 2026-12-02 (one call each); 128 rows were not tried there.
 SOFTCAP_CE_TILE = (128, 128, 16)
 
 

@@ -6,7 +6,7 @@ On a record-sized micro-step (49,152 tokens x 50,304 padded vocabulary, bf16 log
     tests): loss and both e5m2 layouts must be bitwise equal over the whole micro-step;
   * against its eager reference on a slice of rows (loss per row; e5m2 codes);
 and prints the median time of:
-  * the kernel, for a few tile sizes and pipeline depths, and with the integer casts;
+  * the kernel, for a few tile sizes and warp counts, and with the integer casts;
   * with --compare FILE, another train_gpt.py's kernel on the same input (e.g. `git show 029d93e:train_gpt.py`),
     timed in turn with this one over interleaved rounds, and how many of the two kernels' losses and codes differ;
   * the path it replaces: the compiled soft-capped CE forward + backward (torch.compile, as the model was

@@ -247,6 +247,9 @@ def run_pool(
         ab.stop_processes([process for _, process in active.values()], grace_s)
         for index, (run, _) in active.items():
             results[index] = RunResult(run.label, run.seed, stopping, str(run.out), started_s=started[index], ended_s=since_began())
+        for index in started.keys() - results.keys():  # a Ctrl-C inside start(): popped, never made active
+            run = runs[index]
+            results[index] = RunResult(run.label, run.seed, stopping, str(run.out), started_s=started[index], ended_s=since_began())
         results |= {index: RunResult(run.label, run.seed, "not started", str(run.out)) for index, run in pending}
         break
     return [results[index] for index in range(len(runs))]

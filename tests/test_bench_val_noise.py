@@ -285,6 +285,21 @@ def test_ctrl_c_stops_the_runs_in_flight_and_reports_what_finished(vn, tmp_path)
     results = vn.run_pool(runs, 1, None, start=start, poll_s=0.01)
     assert [r.status for r in results] == ["finished", "finished", "interrupted", "not started"]
     assert started[2].terminated and len(started) == 3
+    assert results[2].started_s < results[2].ended_s and results[3].started_s is None and results[3].ended_s is None
+
+
+def test_ctrl_c_while_a_run_starts_reports_it_interrupted(vn, tmp_path):
+    """A KeyboardInterrupt inside start() itself (the run taken from the queue, no process handed back): the run is
+    reported interrupted and the rest not started, not lost from the results."""
+    runs, events = fake_runs(vn, tmp_path, 1), []
+
+    def start(run):
+        if run.label == "candidate":
+            raise KeyboardInterrupt
+        return FakeProcess(run, 30.0, 0, events)
+
+    results = vn.run_pool(runs, 2, None, start=start, poll_s=0.01, grace_s=1.0)
+    assert [r.status for r in results] == ["interrupted", "interrupted"]
 
 
 def test_a_run_that_exits_just_before_the_deadline_keeps_its_result(vn, tmp_path):
