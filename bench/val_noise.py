@@ -245,9 +245,7 @@ def run_pool(
             stopping = "interrupted"
         poll_all()  # a run that exited between its poll and the stop finished
         ab.stop_processes([process for _, process in active.values()], grace_s)
-        for index, (run, _) in active.items():
-            results[index] = RunResult(run.label, run.seed, stopping, str(run.out), started_s=started[index], ended_s=since_began())
-        for index in started.keys() - results.keys():  # a Ctrl-C inside start(): popped, never made active
+        for index in started.keys() - results.keys():  # those in flight, and one a Ctrl-C caught inside start()
             run = runs[index]
             results[index] = RunResult(run.label, run.seed, stopping, str(run.out), started_s=started[index], ended_s=since_began())
         results |= {index: RunResult(run.label, run.seed, "not started", str(run.out)) for index, run in pending}
