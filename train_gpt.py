@@ -1637,7 +1637,12 @@ class PinnedStaging:
     copy, 2-10 of a step's batch copies took 7-15 ms each on an H200 host, and a profile had the GPU idle for
     11.9 ms between two copies of one batch (bench/host_pauses.py, bench/NOTES.md, 2026-12-02, commit 7e9fd34). On a CPU device
     the returned tensor is the buffer itself, valid until its turn comes again (tests only; _to_device does not
-    stage CPU batches)."""
+    stage CPU batches).
+    The cast from the shard's uint16 into a buffer is numpy's, on this thread, not torch's copy_ (which may hand it
+    to torch's intra-op thread pool): in a profile of main at d3d1a44 on one H100, copy_ took 2.8-6.4 ms of host
+    time for each micro-step's inputs and targets, against at most 0.94 ms at da5641d in the same A/B; why was not
+    found (bench/NOTES.md, 2026-12-07). An array that does not cast safely (int64 into an int32 buffer, say) is
+    refused (TypeError) rather than truncated."""
 
     def __init__(self, slots: int = 16, pin: bool = True, new_event: Callable[[], Any] | None = None):
         self.slots, self.pin = slots, pin
@@ -1653,7 +1658,7 @@ class PinnedStaging:
         turn = self.turns[key]
         buffer, copied = self.rings[key][turn]
         copied.synchronize()  # its last copy has left (an event never recorded counts as done)
-        buffer.copy_(torch.from_numpy(array))
+        np.copyto(buffer.numpy(), array, casting="safe")
         on_device = buffer.to(device, non_blocking=True)
         copied.record(torch.cuda.current_stream(device) if device.type == "cuda" else None)  # the copy's stream
         self.turns[key] = (turn + 1) % self.slots

@@ -1,5 +1,6 @@
 """Shard format, the BOS-aligned training loader and the validation loader of train_gpt.py."""
 
+import types
 from pathlib import Path
 
 import numpy as np
@@ -257,3 +258,14 @@ def test_pinned_staging_waits_for_a_buffer_before_refilling_it() -> None:
     assert [held for what, _, held in log if what == "wait"][2:] == [0, 1, 2]  # refilled only after the wait
     staging.to_device(np.zeros(7, dtype=np.uint16), torch.int64, torch.device("cpu"))  # another length: its own ring
     assert len(events) == 4 and [(what, number) for what, number, _ in log[-2:]] == [("wait", 2), ("record", 2)]
+
+
+def test_pinned_staging_casts_exactly_and_refuses_a_narrowing_cast() -> None:
+    """uint16 token ids above int16's range arrive unchanged in int32 and int64; an int64 array is not truncated
+    into an int32 buffer."""
+    staging = tg.PinnedStaging(slots=1, pin=False, new_event=lambda: types.SimpleNamespace(synchronize=lambda: None, record=lambda stream=None: None))
+    tokens = np.array([0, 1, 32767, 32768, 50256, 65535], dtype=np.uint16)
+    for dtype in (torch.int32, torch.int64):
+        assert staging.to_device(tokens, dtype, torch.device("cpu")).tolist() == tokens.tolist()
+    with pytest.raises(TypeError):
+        staging.to_device(np.array([2**40, 0, 0, 0, 0, 0], dtype=np.int64), torch.int32, torch.device("cpu"))
