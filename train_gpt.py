@@ -1639,7 +1639,7 @@ class PinnedStaging:
     the returned tensor is the buffer itself, valid until its turn comes again (tests only; _to_device does not
     stage CPU batches).
     The cast from the shard's uint16 into a buffer is numpy's, on this thread, not torch's copy_ (which may hand it
-    to torch's intra-op thread pool): in a profile of main at d3d1a44 on one H100, copy_ took 2.8-6.4 ms of host
+    to torch's intra-op thread pool): in a profile of main at a740140 on one H100, copy_ took 2.8-6.4 ms of host
     time for each micro-step's inputs and targets, against at most 0.94 ms at da5641d in the same A/B; why was not
     found (bench/NOTES.md, 2026-12-07). An array that does not cast safely (int64 into an int32 buffer, say) is
     refused (TypeError) rather than truncated."""
