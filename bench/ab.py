@@ -53,7 +53,9 @@ A version whose script lacks either structure (e.g. an older record's own script
 timed from its own step lines. Results: a table on stdout and a JSON file (--json, default beside the
 extracted versions in bench/out/ab/<time>/). The JSON is strict: a value that is not finite (a NaN or inf
 val loss, an sd of one round, a second-slot effect without a round of each order) is null, and the report
-prints such a figure as "undefined" (a round's own loss as nan or inf).
+prints such a figure as "undefined" (a round's own loss as nan or inf). It is never written over a file:
+one that appeared at --json during the run is kept, and the results go to a new file in --out, named in the
+error. --out is a new or empty folder, or one that holds only this tool's own files of a --dry-run.
 """
 
 from __future__ import annotations
@@ -74,11 +76,12 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the repository root (bench/scripts.py)
@@ -86,6 +89,7 @@ from bench.scripts import load_script  # noqa: E402
 
 WORKTREE = "WORKTREE"
 LABELS = ("baseline", "candidate")
+MOST_COUNT = 1000  # rounds, steps, processes: a bound far above any invocation (a round takes minutes)
 RESIDENT_NEEDS = {"run": (), "train": ("raw_model", "adam", "muon", "rt"), "print0": (), "evaluate": ()}
 # train_gpt_shampoo.py: main() runs trials, each run_trial() calls train_step() per step and evaluate()
 TRIALS_NEEDS = {"main": (), "run_trial": ("trial", "resume"), "train_step": (), "evaluate": ()}
@@ -167,7 +171,7 @@ class Extraction:
             path.parent.mkdir(parents=True, exist_ok=True)
             if not path.is_file() or path.read_bytes() != content:  # an identical earlier copy is left as it is
                 path.write_bytes(content)
-        self.version.mode = classify(self.version.script)
+        self.version.mode = classify(self.version.script, self.version.origin)
         return self.version
 
 
@@ -177,6 +181,8 @@ def plan_version(label: str, spec: str, folder: Path, script: str = "train_gpt.p
     Its mode is known once written (Extraction.write)."""
     target = folder / label / script
     path = Path(spec)
+    if not spec.strip():  # Path("") is the current folder: the repository root's files would be read as logs
+        raise ABError(f"--{label} is empty; pass a git revision, a .py file, a run log or a record folder")
     if spec == WORKTREE:
         if not (REPO / script).is_file():
             raise ABError(f"--train-script={script}: no such file in the working tree {REPO}")
@@ -186,7 +192,7 @@ def plan_version(label: str, spec: str, folder: Path, script: str = "train_gpt.p
         log, files = _script_from_folder(path, target)
         origin = f"the script embedded in {log}"
     elif path.is_file() and path.suffix == ".py":
-        files = {target: path.read_bytes()}
+        files = {target: read_script(label, path)}
         origin = str(path)
     elif path.is_file():
         files = _script_from_log(path, target)
@@ -199,6 +205,13 @@ def plan_version(label: str, spec: str, folder: Path, script: str = "train_gpt.p
             files |= _package_files(commit, target.parent)
             origin += " with its distributed_shampoo"
     return Extraction(Version(label, spec, origin, target, "", list(flags or [])), files)
+
+
+def read_script(label: str, path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise ABError(f"--{label} {path}: cannot read it ({error.strerror}); check its permissions or pass another file") from None
 
 
 def resolve_version(label: str, spec: str, folder: Path, script: str = "train_gpt.py", flags: list[str] | None = None) -> Version:
@@ -215,10 +228,10 @@ def _revision(label: str, spec: str) -> str:
 
     try:
         return _git("rev-parse", "--short", f"{spec}^{{commit}}").strip()
-    except ABError:
+    except ABError as error:
         path_like = Path(spec).suffix in (".py", *LOG_SUFFIXES) or os.sep in spec or "/" in spec
         if not path_like or os.path.exists(spec):  # (a dangling link does not exist: it is named as missing)
-            raise
+            raise ABError(f"--{label} {spec}: not a git revision ({error}); pass a revision, or a script, run log or record folder") from None
         raise ABError(
             f"--{label} {spec}: no such file or folder, and not a git revision; pass an existing script, run log or "
             "record folder, or a git revision"
@@ -237,14 +250,16 @@ def _package_files(commit: str, folder: Path) -> dict[Path, bytes]:
         return {folder / member.name: archive.extractfile(member).read() for member in archive.getmembers() if member.isfile()}
 
 
-def classify(script: Path) -> str:
+def classify(script: Path, origin: str | None = None) -> str:
     """resident when the script has train_gpt.py's structure (run, train with the objects a round resets); trials
-    when it has train_gpt_shampoo.py's (main, run_trial, train_step, evaluate); whole-run otherwise."""
+    when it has train_gpt_shampoo.py's (main, run_trial, train_step, evaluate); whole-run otherwise. origin: what the
+    user passed, named in the refusal of a script that is not Python (script is then the copy in --out)."""
     try:  # bytes: ast honours a coding declaration, and bytes it cannot decode are a SyntaxError, not a traceback
         tree = ast.parse(script.read_bytes(), filename=str(script))
     except SyntaxError as error:
         where = f", line {error.lineno}" if error.lineno is not None else ""
-        raise ABError(f"{script}: not valid Python ({error.msg}{where}); pass a script that Python can import") from None
+        shown = f"{origin} (copied to {script})" if origin is not None else str(script)
+        raise ABError(f"{shown}: not valid Python ({error.msg}{where}); pass a script that Python can import") from None
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
 
     def has(needs: dict[str, tuple[str, ...]]) -> bool:
@@ -663,13 +678,20 @@ def trace_refusal(folder: Path) -> str | None:
     return None
 
 
-def json_folder_refusal(path: Path, out: Path | None) -> str | None:
+def json_folder_refusal(path: Path, out: Path | None, own_names: tuple[str, ...] = ()) -> str | None:
     """Why --json's folder cannot take the results, or None. Asked before anything runs: the results are written only
-    after every round. --out itself is made before anything runs, so it will be there."""
+    after every round. --out itself is made (and checked) before anything runs, so it will be there; inside it the
+    names the tool gives its own files (tool_entry) are refused, as the results would replace one of them."""
     from tools.recordkit.folders import file_in_the_way
 
-    if path.parent.is_dir() or (out is not None and path.parent.resolve() == out.resolve()):
-        return None
+    if out is not None and path.resolve().is_relative_to(out.resolve()) and path.resolve() != out.resolve():
+        first = path.resolve().relative_to(out.resolve()).parts[0]
+        if tool_entry(first, own_names):
+            return f"--json {path}: inside --out, where the tool writes {first} itself; pass another name or folder"
+        if path.parent.resolve() == out.resolve():
+            return None
+    if path.parent.is_dir():
+        return unwritable_folder_refusal(path.parent, f"--json {path}")
     blocked = file_in_the_way(path.parent)
     why = f"{blocked} is a file, not a folder" if blocked is not None else f"the folder {path.parent} does not exist"
     return f"--json {path}: {why}, and the results are written there only after the whole run; pass a path in an existing folder"
@@ -994,20 +1016,50 @@ class WholeRunVersion:
 
 
 def make_out_folder(folder: Path) -> None:
-    """Creates --out and the folders above it; a file in the way is one line (mkdir raised it as a traceback)."""
+    """Creates --out and the folders above it, and checks that files can be made there; each failure is one line
+    (mkdir raised them as tracebacks)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise ABError(f"--out {folder}: a file is in the way (that path or a folder above it is a file); pass a folder") from None
+    except OSError as error:
+        raise ABError(f"--out {folder}: cannot create it ({error.strerror}); pass a folder you can write") from None
+    if (refusal := unwritable_folder_refusal(folder, "--out")) is not None:
+        raise ABError(refusal)
 
 
-def check_fresh(folder: Path, extractions: list[Extraction]) -> None:
+def unwritable_folder_refusal(folder: Path, flag: str) -> str | None:
+    """Why no file can be made in folder, or None: a file made there and removed at once, as the tool's own
+    writes would be (a permission bit alone does not say it: root, read-only mounts, ACLs)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as error:
+        return f"{flag}: cannot write in {folder} ({error.strerror}); pass a folder you can write"
+
+
+def tool_entry(name: str, own_names: tuple[str, ...]) -> bool:
+    """Whether a top-level entry of --out is one this tool makes: a version's folder or file (<label>, <label>.*)
+    or one of own_names (its results file, its check folder)."""
+    return name in own_names or any(name == label or name.startswith(f"{label}.") for label in LABELS)
+
+
+def foreign_entries(folder: Path, own_names: tuple[str, ...]) -> list[str]:
+    """The top-level entries of --out that this tool would never make (a record folder, the repository root)."""
+    return sorted(entry.name for entry in folder.iterdir() if not tool_entry(entry.name, own_names))
+
+
+def check_fresh(folder: Path, extractions: list[Extraction], own_names: tuple[str, ...] = ("ab.json",)) -> None:
     """Refuses a folder holding an earlier invocation's files, before anything is written: its worker files, whose
     signals and results would be read as this invocation's (a reused --out once reported an earlier call's round and
     stopped a new worker at once), its ab.json, and files under <label>/ that this invocation would not write (the
     workers' logs, another version's package; not the bytecode that the check's imports leave). An extracted file
     that this invocation writes again is accepted when its bytes are the same (a --dry-run, then the run; a retry
-    after a bad --candidate) and refused, by name, when they differ."""
+    after a bad --candidate) and refused, by name, when they differ. A folder holding anything this tool would not
+    make (own_names: its files beside the versions') is refused too: the versions' folders would be written into it."""
+    if foreign := foreign_entries(folder, own_names):
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ABError(f"--out {folder} holds files that are not this tool's ({shown}); pass a new or empty folder")
     earlier = sorted(p.relative_to(folder).as_posix() for p in earlier_files(folder, extractions))
     if earlier:
         raise ABError(f"--out {folder} holds an earlier invocation's files ({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}); pass a new or empty folder")
@@ -1253,9 +1305,23 @@ def strict_json(value: Any) -> Any:
     return value
 
 
-def write_results(path: Path, report: dict[str, Any]) -> None:
+def write_new_results(path: Path, report: dict[str, Any], folder: Path) -> Path:
+    """The strict JSON (non-finite values as null) into a new file, and where it went. A file that appeared at path
+    since the start (another invocation's) is never replaced, and a path that can no longer be written (its folder
+    removed or made read-only during the run) does not lose the results: they go to a new file in the working
+    folder instead, and the error says where."""
     # allow_nan=False: a non-finite value that strict_json missed fails here, and in the tests, not in a reader
-    path.write_text(json.dumps(strict_json(report), indent=2, allow_nan=False))
+    text = json.dumps(strict_json(report), indent=2, allow_nan=False)
+    try:
+        with open(path, "x") as handle:
+            handle.write(text)
+        return path
+    except OSError as error:
+        why = "appeared during the run and is kept" if isinstance(error, FileExistsError) else f"could not be written ({error.strerror})"
+    spare = folder / f"results-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+    with open(spare, "x") as handle:
+        handle.write(text)
+    raise ABError(f"{path} {why}; the results are in {spare}")
 
 
 def describe_flags(version: Version) -> str:
@@ -1329,6 +1395,22 @@ def profiled_steps_text(args: argparse.Namespace) -> str:
     return str(first) if first == last else f"{first}-{last}"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's refusals in one line, as the tools' other refusals (no usage line; --help still gives it)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def count_refusal(flag: str, value: int, least: int, most: int) -> str | None:
+    """Why a count flag's value cannot be taken, or None. The bound above keeps a typo (--rounds 1000000000) from
+    planning a billion rounds in memory before anything runs."""
+    if least <= value <= most:
+        return None
+    return f"{flag}={value}: give {least} to {most}"
+
+
 def add_version_arguments(parser: argparse.ArgumentParser) -> None:
     """The two versions and their own overrides, as every tool that compares versions of a script takes them."""
     parser.add_argument("--baseline-flags", default="", help="overrides for the baseline only, after the common ones (quoted, e.g. --baseline-flags=--matrix_optimizer=adamw)")
@@ -1342,7 +1424,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         cut = argv.index("--")
         argv, overrides = argv[:cut], argv[cut + 1 :]
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="bench/ab.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="python bench/ab.py [--baseline V] [--candidate V] [--nproc N] [--rounds R] [options] -- <train_gpt.py overrides>",
     )
@@ -1391,10 +1473,12 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if not args.worker and not args.check_script:
         if args.nproc < 1 or 8 % args.nproc:
             parser.error(f"--nproc={args.nproc}: use 1, 2, 4 or 8 (the record batch is split over a divisor of 8)")
-        if args.rounds < 1 or args.skip < 1 or args.profile_steps < 0 or not args.time_limit >= 0 or not args.deadline >= 0:
-            parser.error("--rounds and --skip must be >= 1, --profile-steps, --time-limit and --deadline >= 0")
-        if not (math.isfinite(args.time_limit) and math.isfinite(args.deadline)):  # inf passed `>= 0` and went into ab.json as Infinity
-            parser.error("--time-limit and --deadline must be finite seconds (0: none)")
+        for flag, value, least in (("--rounds", args.rounds, 1), ("--skip", args.skip, 1), ("--profile-steps", args.profile_steps, 0)):
+            if refusal := count_refusal(flag, value, least, MOST_COUNT):
+                parser.error(refusal)
+        for flag, seconds in (("--time-limit", args.time_limit), ("--deadline", args.deadline)):
+            if not (math.isfinite(seconds) and seconds >= 0):  # inf passed `>= 0` and went into ab.json as Infinity
+                parser.error(f"{flag}={seconds}: give finite seconds >= 0 (0: none)")
         if args.order == "abba" and args.rounds % 2:
             parser.error(f"--order abba needs an even --rounds (got {args.rounds}): the slot effect cancels over pairs of rounds")
         if args.json is not None and args.json.exists():
@@ -1528,8 +1612,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         profiled_steps=profiled_steps_text(args) if profiles else None,
         rounds_planned=args.rounds, order=args.order, time_limit_s=args.time_limit, left_out=left_out, hung=hung, clocks=clocks,
     )
-    json_path = args.json or folder / "ab.json"
-    write_results(json_path, report)
+    json_path = write_new_results(args.json or folder / "ab.json", report, folder)
     print(f"json: {json_path}")
     return HUNG_EXIT_STATUS if hung else 0
 

@@ -44,7 +44,6 @@ process starts from its seed's fresh model.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -57,15 +56,16 @@ import warnings
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Protocol
+from typing import Any, Callable, Protocol
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the repository root (bench/ab.py)
 from bench import ab  # noqa: E402
-from bench.ab import LABELS, WORKTREE, ABError, Version  # noqa: E402
+from bench.ab import LABELS, ABError, Version  # noqa: E402
 
 PROG = "bench/val_noise.py"
 JSON_NAME = "val_noise.json"
+CHECK_FOLDER = "check"  # in --out: the version check's run logs
 DEADLINE_EXIT_STATUS = ab.HUNG_EXIT_STATUS
 INTERRUPTED_EXIT_STATUS = 128 + 2  # SIGINT's, as train_gpt.py exits after one
 GRACE_S = ab.STOP_GRACE_S  # after SIGTERM: torchrun's own 30 s to end its ranks, and some (as bench/ab.py's whole runs)
@@ -360,12 +360,6 @@ def device_name() -> str:
 # =============================================================================================
 # Command line
 # =============================================================================================
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, as the tool's other refusals (no usage line)
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def tool_flag_refusal(overrides: list[str]) -> str | None:
     """Why the overrides cannot be taken, or None: this tool sets --seed (the pairing) and --log_dir (one folder per
     run) itself, and train_gpt.py would take whichever comes last."""
@@ -383,7 +377,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         cut = argv.index("--")
         argv, overrides = argv[:cut], argv[cut + 1 :]
-    parser = OneLineParser(
+    parser = ab.OneLineParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage=f"python {PROG} [--baseline V] [--candidate V] [--processes N] [--concurrent K] [options] -- <train_gpt.py overrides>",
     )
@@ -409,17 +403,17 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--json", type=Path, help=f"results file (default <out>/{JSON_NAME})")
     parser.add_argument("--dry-run", action="store_true", help="resolve, extract and check both versions, print the plan, run nothing")
     args = parser.parse_args(argv)
-    if args.processes < 2:
-        parser.error(f"--processes={args.processes}: give at least 2 (an sd over processes needs 2)")
-    if args.concurrent < 1:
-        parser.error(f"--concurrent={args.concurrent}: give at least 1")
+    if refusal := ab.count_refusal("--processes", args.processes, 2, ab.MOST_COUNT):
+        parser.error(f"{refusal} (an sd over processes needs 2)")
+    if refusal := ab.count_refusal("--concurrent", args.concurrent, 1, ab.MOST_COUNT):
+        parser.error(refusal)
     if not (math.isfinite(args.stagger) and args.stagger >= 0):
         parser.error(f"--stagger={args.stagger}: give finite seconds >= 0 (0: none)")
     if not (math.isfinite(args.deadline) and args.deadline >= 0):
         parser.error(f"--deadline={args.deadline}: give finite seconds >= 0 (0: none)")
     if args.json is not None and args.json.exists():
         parser.error(f"--json {args.json}: the file exists, and results are never overwritten; pass another path")
-    if args.json is not None and (refusal := ab.json_folder_refusal(args.json, args.out)):
+    if args.json is not None and (refusal := ab.json_folder_refusal(args.json, args.out, own_names=(CHECK_FOLDER,))):
         parser.error(refusal)
     for name in ("baseline_flags", "candidate_flags"):
         try:
@@ -443,9 +437,9 @@ def prepare_versions(args: argparse.Namespace, overrides: list[str], folder: Pat
     ]
     if (folder / JSON_NAME).exists():
         raise ABError(f"--out {folder} holds an earlier invocation's files ({JSON_NAME}); pass a new or empty folder")
-    ab.check_fresh(folder, extractions)
+    ab.check_fresh(folder, extractions, own_names=(JSON_NAME, CHECK_FOLDER))
     versions = [extraction.write() for extraction in extractions]
-    tool_flags = [f"--seed={args.processes}", f"--log_dir={folder / 'check' / 'logs'}"]
+    tool_flags = [f"--seed={args.processes}", f"--log_dir={folder / CHECK_FOLDER / 'logs'}"]
     checks = {v.label: ab.check_version(v, [*overrides, *tool_flags]) for v in versions}
     for v in versions:
         if refusal := check_refusal(v, checks[v.label]):
@@ -506,8 +500,7 @@ def run_invocation(args: argparse.Namespace, overrides: list[str]) -> int:
         versions=[version_record(v) for v in versions],
         runs=[asdict(r) for r in results], summary=summary,
     )
-    json_path = args.json or folder / JSON_NAME
-    write_new_results(json_path, report)  # a failure's too: the finished runs' results are never lost
+    json_path = ab.write_new_results(args.json or folder / JSON_NAME, report, folder)  # a failure's too: the finished runs' results are never lost
     if failed is not None:
         raise ABError(f"{failed.label} seed {failed.seed}: the run {failed.problem}; see {failed.out}; what finished is in {json_path}")
     print(f"json: {json_path}")
@@ -524,17 +517,6 @@ def new_default_folder() -> Path:
     except FileExistsError:
         raise ABError(f"{folder} exists already (another invocation's); pass --out") from None
     return folder
-
-
-def write_new_results(path: Path, report: dict[str, Any]) -> None:
-    """The strict JSON (non-finite values as null) into a new file: one that appeared since the start (another
-    invocation's) is never replaced."""
-    text = json.dumps(ab.strict_json(report), indent=2, allow_nan=False)
-    try:
-        with open(path, "x") as handle:
-            handle.write(text)
-    except FileExistsError:
-        raise ABError(f"{path} appeared during the runs (another invocation's?) and is kept; the report above was not written") from None
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -149,8 +150,15 @@ def test_a_results_file_in_the_out_folder_this_call_makes_is_accepted(tmp_path):
         (["--profile-from", "0", "--profile-steps", "1"], "--profile-from=0: give a step >= 1 (profiling starts after it)"),
         (["--profile-from", "5", "--profile-steps", "2"], "--profile-from=5 with --profile-steps=2 runs past the 6-step run; lower them"),
         (["--profile-steps", "5"], "--skip=2 (where profiling starts by default) with --profile-steps=5 runs past the 6-step run"),
-        (["--time-limit", "inf"], "--time-limit and --deadline must be finite seconds"),
-        (["--deadline", "inf"], "--time-limit and --deadline must be finite seconds"),
+        (["--time-limit", "inf"], "--time-limit=inf: give finite seconds >= 0"),
+        (["--deadline", "-1"], "--deadline=-1.0: give finite seconds >= 0"),
+        (["--rounds", "0"], "--rounds=0: give 1 to 1000"),
+        (["--rounds", "1000000000"], "--rounds=1000000000: give 1 to 1000"),  # planned in memory before: killed for it
+        (["--skip", "0"], "--skip=0: give 1 to 1000"),
+        (["--profile-steps", "-1"], "--profile-steps=-1: give 0 to 1000"),
+        (["--rounds", "x"], "argument --rounds: invalid int value: 'x'"),
+        (["--baseline", ""], "--baseline is empty; pass a git revision"),
+        (["--baseline", "deadbeef"], "--baseline deadbeef: not a git revision (git rev-parse"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message):
@@ -159,7 +167,78 @@ def test_bad_input_is_one_line(tmp_path, args, message):
     result = run_ab("--dry-run", "--out", str(tmp_path), *skip, *args, *overrides)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) <= 2  # argparse adds its usage line
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_an_unreadable_script_or_out_folder_is_one_line(ab, tmp_path):
+    """As root, permission bits are no refusal; the OSErrors the tool meets are raised here instead."""
+    script = tmp_path / "train_gpt_x.py"
+    script.write_text("x = 1\n")
+    real_read_bytes = Path.read_bytes
+
+    def denied(path: Path) -> bytes:
+        if path == script:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read_bytes(path)
+
+    def refused(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "read_bytes", denied)
+        with pytest.raises(ab.ABError, match=r"--baseline .*train_gpt_x.py: cannot read it \(Permission denied\); check its permissions"):
+            ab.plan_version("baseline", str(script), tmp_path / "out")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "mkdir", refused)
+        with pytest.raises(ab.ABError, match=r"--out .*ro/o: cannot create it \(Permission denied\); pass a folder you can write"):
+            ab.make_out_folder(tmp_path / "ro" / "o")
+    (tmp_path / "ro").mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ab.tempfile, "TemporaryFile", read_only)
+        with pytest.raises(ab.ABError, match=r"--out: cannot write in .*ro \(Read-only file system\)"):
+            ab.make_out_folder(tmp_path / "ro")
+        assert ab.json_folder_refusal(tmp_path / "ro" / "r.json", None) == (
+            f"--json {tmp_path / 'ro' / 'r.json'}: cannot write in {tmp_path / 'ro'} (Read-only file system); pass a folder you can write"
+        )
+
+
+def test_a_script_that_is_not_python_is_named_as_passed(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("def (:\n")
+    result = run_ab("--dry-run", "--out", str(tmp_path / "out"), "--baseline", str(bad), "--skip", "2", "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{bad} (copied to " in result.stderr and "not valid Python" in result.stderr
+
+
+@pytest.mark.parametrize("tool_file", ["baseline.out", "candidate", "baseline/seed1/logs/r.txt"])
+def test_results_never_go_where_the_tool_writes_its_own_files(tmp_path, tool_file):
+    """--json inside --out under a name the tool gives its own files would replace one of them at the end."""
+    result = run_ab("--dry-run", "--out", str(tmp_path / "out"), "--json", str(tmp_path / "out" / tool_file), "--skip", "2", "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"--json {tmp_path / 'out' / tool_file}: inside --out, where the tool writes {tool_file.split('/')[0]} itself" in result.stderr
+
+
+def test_an_out_folder_with_files_not_the_tools_is_refused_untouched(tmp_path):
+    """A record folder, or the repository root, passed as --out once got baseline/ and candidate/ written into it."""
+    record = tmp_path / "record"
+    record.mkdir()
+    (record / "README.md").write_text("a record")
+    result = run_ab("--dry-run", "--out", str(record), "--skip", "2", "--", *TINY_RUN)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"--out {record} holds files that are not this tool's (README.md); pass a new or empty folder" in result.stderr
+    assert sorted(p.name for p in record.iterdir()) == ["README.md"]
+
+
+def test_results_that_cannot_go_where_asked_go_to_a_new_file_in_the_out_folder(ab, tmp_path):
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone").rmdir()  # the --json folder removed during the run
+    with pytest.raises(ab.ABError, match=r"could not be written \(No such file or directory\); the results are in (\S+)") as refused:
+        ab.write_new_results(tmp_path / "gone" / "r.json", dict(x=1.5), tmp_path)
+    spare = Path(re.search(r"the results are in (\S+)", str(refused.value)).group(1))
+    assert spare.parent == tmp_path and json.loads(spare.read_text()) == dict(x=1.5)
 
 
 @pytest.mark.slow
@@ -174,17 +253,17 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
     forgetful.write_text(source.replace(SCALARS_RESET, ""))
     result = run_ab(
         "--baseline", str(forgetful), "--candidate", "train_gpt.py", "--rounds", "2", "--skip", "2", "--profile-steps", "1",
-        "--profile-from", "4", "--trace", str(tmp_path / "trace"), "--out", str(tmp_path), "--", *TINY_RUN, "--val_loss_every=4",
+        "--profile-from", "4", "--trace", str(tmp_path / "trace"), "--out", str(tmp_path / "out"), "--", *TINY_RUN, "--val_loss_every=4",
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     for label in ("baseline", "candidate"):  # --trace: each version's profiled step as a Chrome trace
         with gzip.open(tmp_path / "trace" / f"{label}.trace.json.gz", "rt") as trace:
             assert any(event.get("name", "").startswith("aten::") for event in json.load(trace)["traceEvents"])
-    report = json.loads((tmp_path / "ab.json").read_text())
+    report = json.loads((tmp_path / "out" / "ab.json").read_text())
     assert report["profiled_steps"] == "5"
     for label in ("baseline", "candidate"):  # the profiled run, the log's last, stopped after step 5 (--profile-from 4)
-        log = next((tmp_path / label / "logs").glob("*.txt")).read_text()
+        log = next((tmp_path / "out" / label / "logs").glob("*.txt")).read_text()
         assert re.findall(r"^step:(\d+)/6 train_time", log, re.MULTILINE)[-1] == "5"
         round_1, round_2, profiled = re.findall(r"^step:4/6 val_loss:(\S+)", log, re.MULTILINE)
         assert profiled == round_1 != round_2
@@ -247,7 +326,7 @@ def report_of(ab, tmp_path, baseline, candidate, order: str) -> str:
     summary = ab.summarize_rounds(baseline, candidate, order)
     ab.print_report(versions, baseline, candidate, summary, {})
     rounds = {"baseline": [ab.asdict(r) for r in baseline], "candidate": [ab.asdict(r) for r in candidate]}
-    ab.write_results(tmp_path / "ab.json", dict(rounds=rounds, summary=summary, order=order, clocks={}, profiles={}))
+    ab.write_new_results(tmp_path / "ab.json", dict(rounds=rounds, summary=summary, order=order, clocks={}, profiles={}), tmp_path)
     return (tmp_path / "ab.json").read_text()
 
 
@@ -297,7 +376,7 @@ def test_a_peak_no_round_reported_is_not_reported_without_a_unit(ab, tmp_path, c
 
 
 def test_results_are_strict_json_with_every_non_finite_value_null(ab, tmp_path):
-    ab.write_results(tmp_path / "r.json", dict(a=[math.inf, dict(b=math.nan, c=-math.inf)], d=(1.5, 2), e="nan", f=None))
+    ab.write_new_results(tmp_path / "r.json", dict(a=[math.inf, dict(b=math.nan, c=-math.inf)], d=(1.5, 2), e="nan", f=None), tmp_path)
     assert strict_loads((tmp_path / "r.json").read_text()) == dict(a=[None, dict(b=None, c=None)], d=[1.5, 2], e="nan", f=None)
 
 
@@ -389,7 +468,6 @@ def test_a_time_limit_leaves_out_what_does_not_fit_and_reports_the_rest(tmp_path
 def test_an_out_folder_with_an_earlier_invocations_files_is_refused(tmp_path):
     """A reused --out once fed a new invocation the earlier one's 'result0' and 'stop' files."""
     (tmp_path / "baseline.result0").write_text('{"ms_per_step": 1.0}')
-    (tmp_path / "notes.txt").write_text("kept")
     result = run_ab("--dry-run", "--skip", "2", "--out", str(tmp_path), "--", *TINY_RUN)
     assert result.returncode != 0
     assert "holds an earlier invocation's files (baseline.result0)" in result.stderr and "new or empty folder" in result.stderr
@@ -818,7 +896,8 @@ def test_a_script_python_cannot_read_is_one_line(tmp_path, source, why):
     result = run_ab("--dry-run", "--skip", "2", "--baseline", str(script), "--out", str(out), "--", *TINY_RUN)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (
-        f"bench/ab.py: error: {out.resolve() / 'baseline' / 'train_gpt.py'}: not valid Python ({why}); pass a script that Python can import"
+        f"bench/ab.py: error: {script} (copied to {out.resolve() / 'baseline' / 'train_gpt.py'}): not valid Python ({why}); "
+        "pass a script that Python can import"
     )
 
 

@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -80,7 +81,7 @@ def test_equal_losses_give_an_undefined_test_written_as_null(vn, tmp_path):
     assert summary["val_diff_mean"] == 0.0 and summary["val_diff_sd"] == 0.0
     lines = vn.report_lines(results, [1, 2], summary)
     assert "paired difference B-A: mean +0.0000, sd 0.0000; paired t-test (scipy.stats.ttest_rel) t=undefined, p=undefined" in lines
-    vn.ab.write_results(tmp_path / "r.json", dict(summary=summary))
+    vn.ab.write_new_results(tmp_path / "r.json", dict(summary=summary), tmp_path)
     written = json.loads((tmp_path / "r.json").read_text())["summary"]
     assert written["t_statistic"] is None and written["p_value"] is None and written["val_diffs"] == [0.0, 0.0]
 
@@ -341,8 +342,12 @@ def test_help_says_it_times_nothing():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--processes", "1"], "--processes=1: give at least 2 (an sd over processes needs 2)"),
-    (["--concurrent", "0"], "--concurrent=0: give at least 1"),
+    (["--processes", "1"], "--processes=1: give 2 to 1000 (an sd over processes needs 2)"),
+    (["--processes", "100000000"], "--processes=100000000: give 2 to 1000"),  # its plan was built in memory: 120 s and more
+    (["--concurrent", "0"], "--concurrent=0: give 1 to 1000"),
+    (["--baseline", "deadbeef"], "--baseline deadbeef: not a git revision"),
+    (["--json", "OUT/candidate.seed1.out"], "inside --out, where the tool writes candidate.seed1.out itself"),
+    (["--json", "OUT/check/r.json"], "inside --out, where the tool writes check itself"),
     (["--deadline", "-1"], "--deadline=-1.0: give finite seconds >= 0 (0: none)"),
     (["--stagger", "inf"], "--stagger=inf: give finite seconds >= 0 (0: none)"),
     (["--", "--seed=4"], "--seed=4: bench/val_noise.py sets --seed of each run itself (seeds 1..--processes, logs under --out); drop it"),
@@ -353,6 +358,7 @@ def test_help_says_it_times_nothing():
 ])
 def test_bad_input_is_one_line(tmp_path, args, message):
     overrides = [] if "--" in args else ["--", *TINY_RUN]
+    args = [arg.replace("OUT", str(tmp_path / "out")) for arg in args]
     result = run_val_noise("--dry-run", "--out", str(tmp_path / "out"), *args, *overrides)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("bench/val_noise.py: error: ")
@@ -406,10 +412,12 @@ def test_the_default_folder_is_new_and_the_results_file_never_replaced(vn, tmp_p
     with pytest.raises(vn.ABError, match="exists already"):
         vn.new_default_folder()
     (folder / "r.json").write_text("another invocation's")
-    with pytest.raises(vn.ABError, match="appeared during the runs"):
-        vn.write_new_results(folder / "r.json", dict(x=math.nan))
+    with pytest.raises(vn.ABError, match=r"appeared during the run and is kept; the results are in (\S+)") as refused:
+        vn.ab.write_new_results(folder / "r.json", dict(x=math.nan), folder)
     assert (folder / "r.json").read_text() == "another invocation's"
-    vn.write_new_results(folder / "s.json", dict(x=math.nan))
+    spare = Path(re.search(r"the results are in (\S+)", str(refused.value)).group(1))
+    assert spare.parent == folder and json.loads(spare.read_text()) == dict(x=None)  # not lost
+    assert vn.ab.write_new_results(folder / "s.json", dict(x=math.nan), folder) == folder / "s.json"
     assert json.loads((folder / "s.json").read_text()) == dict(x=None)
 
 

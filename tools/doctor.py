@@ -1020,11 +1020,13 @@ def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, list[st
         parser.error(f"unexpected argument {bad[0]!r}: training flags are --name=value")
     if args.nnodes is None:
         nnodes = os.environ.get("NNODES", "") or "1"
-        if not nnodes.isdigit():
+        if not nnodes.isdigit() or int(nnodes) < 1:
             parser.error(f"NNODES={nnodes!r}: give the number of machines in the run, e.g. NNODES=2")
         args.nnodes = int(nnodes)
-    if args.nproc is not None and args.nproc < 1 or args.nnodes < 1:
-        parser.error("--nproc and --nnodes must be at least 1")
+    if args.nproc is not None and args.nproc < 1:
+        parser.error(f"--nproc={args.nproc}: give at least 1 process per machine")
+    if args.nnodes < 1:
+        parser.error(f"--nnodes={args.nnodes}: give at least 1 machine")
     return args, training_flags
 
 

@@ -592,7 +592,7 @@ def test_versions_and_torchs_triton_pin(monkeypatch):
     assert dr.required_triton() is None  # a CPU build pins none
 
 
-@pytest.mark.parametrize("nnodes", ["abc", "-1", "2.5"])
+@pytest.mark.parametrize("nnodes", ["abc", "-1", "2.5", "0"])  # 0 once got "--nproc and --nnodes must be at least 1"
 def test_a_bad_nnodes_variable_is_one_line(tmp_path: Path, nnodes: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DATA_PATH"}
     env.update(CUDA_VISIBLE_DEVICES="", NNODES=nnodes)
