@@ -475,7 +475,7 @@ def test_a_version_that_does_not_take_the_seed_is_refused(tmp_path, script, mess
     (tmp_path / "old.py").write_text(script)
     result = run_val_noise("--dry-run", "--baseline", standin(tmp_path, "a", {}), "--candidate", str(tmp_path / "old.py"), "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stdout + result.stderr
-    assert result.stderr.startswith(f"bench/val_noise.py: error: candidate (") and message in result.stderr
+    assert result.stderr.startswith("bench/val_noise.py: error: candidate (") and message in result.stderr
 
 
 @pytest.mark.slow
