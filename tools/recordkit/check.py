@@ -19,7 +19,7 @@ from .parse import LOG_SUFFIXES, NoValLineError, parse_log
 from .published import load_manifest, manifest_path
 from .report import render_statistics_md, track_report
 from .tables import find_marked_readmes, history_path, load_history, read_readme, replace_blocks
-from .textfiles import SAVE_AS_UTF8, read_utf8
+from .textfiles import SAVE_AS_UTF8, folder_entries, is_file, is_folder, read_utf8
 
 PUBLISHED_README_PHRASE = "not included"
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -29,9 +29,12 @@ def check_all(repo_root: Path, records_root: Path) -> list[str]:
     problems = check_history_files(records_root)  # first: the other checks read them
     history_usable = not problems
     for track in TRACK_DIRS:
-        problems += check_track_dir(records_root, track)
-        for folder in list_folders(records_root, track):
-            problems += check_folder(folder)
+        try:
+            problems += check_track_dir(records_root, track)
+            for folder in list_folders(records_root, track):
+                problems += check_folder(folder)
+        except RecordsError as exc:  # the track's folder cannot be listed: one line, and the other tracks still checked
+            problems.append(str(exc))
     if history_usable:  # otherwise every table and row check would only repeat the line above
         problems += check_history(records_root)
         problems += check_published_logs(records_root)
@@ -39,15 +42,26 @@ def check_all(repo_root: Path, records_root: Path) -> list[str]:
     return list(dict.fromkeys(problems))  # a file that several checks read (a broken results.json) is named once
 
 
+def folder_count(records_root: Path) -> int:
+    """The record folders check_all looked at; a track folder that cannot be listed adds none (check_all names it)."""
+    count = 0
+    for track in TRACK_DIRS:
+        try:
+            count += len(list_folders(records_root, track))
+        except RecordsError:
+            continue
+    return count
+
+
 def check_history_files(records_root: Path) -> list[str]:
     """Each track's history.csv is there and has the columns the tables and `diff` read."""
     problems = []
     for track in (1, 2, 3):
         path = history_path(records_root, track)
-        if not path.is_file():
-            problems.append(f"{path}: missing; restore it from git (git checkout -- {path})")
-            continue
         try:
+            if not is_file(path):
+                problems.append(f"{path}: missing; restore it from git (git checkout -- {path})")
+                continue
             load_history(records_root, track)
         except RecordsError as exc:
             problems.append(str(exc))
@@ -56,20 +70,20 @@ def check_history_files(records_root: Path) -> list[str]:
 
 def check_track_dir(records_root: Path, track: int) -> list[str]:
     base = track_dir(records_root, track)
-    if not base.is_dir():
+    if not is_folder(base):
         return []
     return [
         f"{path}: folder name does not follow the Track {track} convention; rename it (see records/README.md)"
-        for path in sorted(base.iterdir())
+        for path in folder_entries(base)
         if path.is_dir() and parse_folder_name(track, path.name) is None
     ]
 
 
 def check_folder(folder: RecordFolder) -> list[str]:
-    for required in ("README.md", RESULTS_JSON, STATISTICS_MD):
-        if not (folder.path / required).is_file():
-            return [f"{folder.path / required}: missing; recreate the folder with `records new` or add the file"]
     try:
+        for required in ("README.md", RESULTS_JSON, STATISTICS_MD):
+            if not is_file(folder.path / required):
+                return [f"{folder.path / required}: missing; recreate the folder with `records new` or add the file"]
         readme = read_utf8(folder.path / "README.md", f"{SAVE_AS_UTF8}, or restore it from git")
         results = read_results(folder.results_path)
         problems = _check_header(folder, results)
@@ -122,7 +136,7 @@ def _check_published(folder: RecordFolder, results: dict[str, Any], readme: str)
         problems.append(f"{folder.results_path}: runs without logs need kind 'published'; fix it")
     if PUBLISHED_README_PHRASE not in readme:
         problems.append(f"{folder.path / 'README.md'}: a folder of published figures must say its logs are {PUBLISHED_README_PHRASE}; add that sentence")
-    stray = [p.name for p in folder.path.iterdir() if p.suffix in LOG_SUFFIXES]
+    stray = [p.name for p in folder_entries(folder.path) if p.suffix in LOG_SUFFIXES]
     if stray:
         problems.append(f"{folder.path}: logs {', '.join(stray)} are not listed in results.json; add them with `records new` in a new folder")
     return problems
@@ -147,7 +161,7 @@ def _check_logged(folder: RecordFolder, results: dict[str, Any]) -> list[str]:
             problems.append(f"{log}: sha256 differs from results.json; the log was edited: restore the original")
             continue
         problems += _check_run_values(folder, log, entry, results.get("record") is True)
-    stray = sorted(p.name for p in folder.path.iterdir() if p.suffix in LOG_SUFFIXES and p.name not in listed)
+    stray = [p.name for p in folder_entries(folder.path) if p.suffix in LOG_SUFFIXES and p.name not in listed]
     if stray:
         problems.append(f"{folder.path}: logs {', '.join(stray)} are not listed in results.json; remove them or recreate the folder")
     if results.get("kind") != "ours":
@@ -228,14 +242,13 @@ def check_history(records_root: Path) -> list[str]:
             if not row.folder:
                 continue
             path = track_dir(records_root, track) / row.folder
-            parsed = parse_folder_name(track, row.folder)
-            if parsed is None or not (path / RESULTS_JSON).is_file():
-                problems.append(f"{records_root}: history row #{row.number} (Track {track}) links {row.folder}, which is not a record folder; fix the folder column")
-                continue
             try:
+                if parse_folder_name(track, row.folder) is None or not is_file(path / RESULTS_JSON):
+                    problems.append(f"{records_root}: history row #{row.number} (Track {track}) links {row.folder}, which is not a record folder; fix the folder column")
+                    continue
                 summary = read_results(path / RESULTS_JSON).get("summary") or {}
             except RecordsError:
-                continue  # check_folder reports the file
+                continue  # check_folder reports the file or the folder that cannot be read
             problems += _row_against_summary(track, row.number, row.result, row.evidence, summary, path)
     return problems
 
@@ -290,8 +303,8 @@ def check_published_logs(records_root: Path) -> list[str]:
 
 
 def check_readmes(repo_root: Path, records_root: Path) -> list[str]:
-    problems = []
-    for readme in find_marked_readmes(repo_root):
+    problems: list[str] = []
+    for readme in find_marked_readmes(repo_root, problems):
         try:
             text = read_readme(readme)
             if replace_blocks(text, readme, records_root) != text:

@@ -259,22 +259,35 @@ def _existing_records_root(args: argparse.Namespace) -> Path:
 
 
 def cmd_parse(args: argparse.Namespace) -> int:
-    runs = []
+    parsed: list[tuple[Path, list[Run]]] = []
     unreadable: list[str] = []
     for log in find_logs(args.logs, unreadable):
         try:
-            runs += parse_log(log)
+            parsed.append((log, parse_log(log)))
         except RecordsError as exc:
             if log in args.logs:  # named on the command line: an error; found in a folder: skipped
                 raise
             print(f"skipped {exc}", file=sys.stderr)
+            parsed.append((log, []))
     for problem in unreadable:
         print(f"warning: {problem}", file=sys.stderr)
+    _refuse_folders_without_a_run(args.logs, parsed)
+    runs = [run for _, log_runs in parsed for run in log_runs]
     if args.json:
         print(json.dumps([run_to_json(r, include_source=not args.no_source) for r in runs], indent=1))
     else:
         print("\n".join(run_to_text(r) for r in runs))
     return 0
+
+
+def _refuse_folders_without_a_run(paths: list[Path], parsed: list[tuple[Path, list[Run]]]) -> None:
+    """A folder given whose every log was skipped is an error, as that log named alone is: otherwise parse printed only the
+    skips (--json: an empty list) and exited 0. A folder with a usable log keeps its skips as notes."""
+    for folder in (path for path in paths if path.is_dir()):
+        found = [runs for log, runs in parsed if log.is_relative_to(folder)]
+        if found and not any(found):
+            raise RecordsError(f"{folder}: none of its {len(found)} log file(s) is usable (each is skipped above, with the reason); "
+                               "pass a folder that holds training logs")
 
 
 # ----- stats -----
@@ -512,8 +525,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     problems = check.check_all(args.root, _existing_records_root(args))
     for problem in problems:
         print(problem)
-    counted = sum(len(folders.list_folders(_records_root(args), t)) for t in folders.TRACK_DIRS)
-    readmes = len(tables.find_marked_readmes(args.root))
+    counted = check.folder_count(_records_root(args))
+    readmes = len(tables.find_marked_readmes(args.root, []))  # one that cannot be read is among the problems
     print(f"check: {counted} record folder(s), {readmes} README(s) with tables: "
           + (f"{len(problems)} problem(s)" if problems else "ok"))
     return 1 if problems else 0
@@ -529,8 +542,11 @@ def cmd_tables(args: argparse.Namespace) -> int:
         if not changed:
             print("tables already up to date")
         return 0
-    for block in [args.block] if args.block else list(tables.BLOCKS):
-        print(tables.render_block(block, records_root, readme_dir=records_root))  # links as seen from records/
+    # All rendered before any is printed: a file that cannot be read leaves its error line alone, not half the tables.
+    rendered = [tables.render_block(block, records_root, readme_dir=records_root)  # links as seen from records/
+                for block in ([args.block] if args.block else tables.BLOCKS)]
+    for text in rendered:
+        print(text)
         print()
     return 0
 

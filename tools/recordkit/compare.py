@@ -12,7 +12,7 @@ from typing import Any
 from . import stats
 from .errors import RecordsError
 from .report import format_p, shared_steps, track_report
-from .runsets import RunFacts, RunSet, losses_not_comparable
+from .runsets import RunFacts, RunSet, losses_not_comparable, refuse_shared_logs
 
 
 def _times(runs: list[RunFacts]) -> list[float] | None:
@@ -28,6 +28,8 @@ def compare_runsets(baseline: RunSet, candidate: RunSet, track: int, paired: boo
     for side, runset in (("baseline", baseline), ("candidate", candidate)):
         if not runset.runs:
             raise RecordsError(f"{side} ({runset.description}): no usable run ({'; '.join(runset.notes) or 'none given'})")
+    refuse_shared_logs(candidate, baseline, "in both --baseline and --candidate",
+                       "a comparison needs other runs on each side: pass the baseline's logs and the candidate's")
     result: dict[str, Any] = {
         "track": track,
         "baseline": {"n": len(baseline.runs), "labels": [r.label for r in baseline.runs], "configuration": baseline.description},

@@ -24,7 +24,8 @@ from .errors import RecordsError
 from .folders import file_in_the_way, is_record_folder, list_folders, listed_logs, load_folder_runset, read_results
 from .report import format_p, rule_text, track_report
 from .runs import Environment, Run
-from .runsets import PER_RUN_SETTINGS, RESULT_NEUTRAL_SETTINGS, RunFacts, RunSet, load_logs, load_runset, losses_not_comparable
+from .runsets import (PER_RUN_SETTINGS, RESULT_NEUTRAL_SETTINGS, RunFacts, RunSet, load_logs, load_runset, losses_not_comparable,
+                      refuse_shared_logs)
 from .tables import load_history
 
 ENV_FIELDS = ("python", "torch", "cuda", "triton", "driver", "hardware", "world_size", "device")
@@ -111,20 +112,10 @@ def choose_prior(records_root: Path, track: int, against: str, new: Side, source
     return _published_prior(newest, source, f"{what} of Track {track}, the newest in its history.csv{skipped}")
 
 
-def _log_hashes(side: Side) -> dict[str, Path]:
-    return {fact.run.file_sha256: fact.run.path for fact in side.runset.runs if fact.run is not None and fact.run.file_sha256}
-
-
 def _refuse_shared_logs(against: str, record: Side, new: Side) -> None:
-    """A log on both sides would be compared with itself (a diff of +0.000 s, or a verdict on half-copied runs): the
-    new run's log was passed by mistake, or --against names the new runs' own folder."""
-    new_logs = _log_hashes(new)
-    shared = new_logs.keys() & _log_hashes(record).keys()
-    if shared:
-        new_log = new_logs[min(shared)]
-        more = f" (and {len(shared) - 1} more)" if len(shared) > 1 else ""
-        raise RecordsError(f"{new_log}{more}: the same log (same bytes) is among the new runs and in --against {against}; a diff "
-                           "compares new runs with another record: pass the new runs' logs and the prior record's")
+    """The new run's log passed by mistake on the record's side too, or --against naming the new runs' own folder."""
+    refuse_shared_logs(new.runset, record.runset, f"among the new runs and in --against {against}",
+                       "a diff compares new runs with another record: pass the new runs' logs and the prior record's")
 
 
 def _published_candidates(records_root: Path, track: int) -> list[published.PublishedRecord]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import RecordsError
 from .runsets import LoadedLogs, RunFacts, RunSet, load_logs, pool, single_configuration
-from .textfiles import SAVE_AS_UTF8, read_utf8
+from .textfiles import SAVE_AS_UTF8, folder_entries, is_file, is_folder, read_bytes, read_utf8
 
 RESULTS_JSON = "results.json"
 STATISTICS_MD = "statistics.md"
@@ -73,10 +73,10 @@ def parse_folder_name(track: int, folder: str) -> tuple[dt.date, str] | None:
 def list_folders(records_root: Path, track: int) -> list[RecordFolder]:
     """Record folders of a track, oldest first (folders not named by the convention are skipped here; check reports them)."""
     base = track_dir(records_root, track)
-    if not base.is_dir():
+    if not is_folder(base):
         return []
     found = []
-    for path in sorted(p for p in base.iterdir() if p.is_dir()):
+    for path in (p for p in folder_entries(base) if p.is_dir()):
         parsed = parse_folder_name(track, path.name)
         if parsed is not None:
             found.append(RecordFolder(track, path, parsed[0], parsed[1]))
@@ -84,7 +84,7 @@ def list_folders(records_root: Path, track: int) -> list[RecordFolder]:
 
 
 def is_record_folder(path: Path) -> bool:
-    return path.is_dir() and (path / RESULTS_JSON).is_file()
+    return is_folder(path) and is_file(path / RESULTS_JSON)
 
 
 # ----- results.json -----
@@ -215,7 +215,7 @@ def results_from_logs(track: int, date: dt.date, name: str, runset: RunSet, repo
 
 
 def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashlib.sha256(read_bytes(path)).hexdigest()
 
 
 # ----- generated files -----

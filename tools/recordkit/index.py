@@ -18,13 +18,12 @@ from pathlib import Path, PurePosixPath
 
 from .errors import RecordsError
 from .parse import find_logs
-from .published import PUBLISHED_COMMIT, PUBLISHED_REPOSITORY, PublishedLog, manifest_path
+from .published import MANIFEST_COLUMNS, PUBLISHED_COMMIT, PUBLISHED_REPOSITORY, PublishedLog, manifest_path
 from .runsets import RunSet, group_runs, parse_logs
 from .tables import history_path, load_history, required_history
 
 TRACK_ROOTS = {PurePosixPath("records/track_1_short"), PurePosixPath("records/track_2_medium"),
                PurePosixPath("records/track_3_optimization/results")}
-COLUMNS = ("logs_at", "file", "bytes", "sha256")
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ def _entry(clone: Path, path: Path) -> PublishedLog:
 def render_manifest(indexed: list[IndexedRecord]) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(COLUMNS)
+    writer.writerow(MANIFEST_COLUMNS)
     for record in indexed:
         for entry in record.files:
             writer.writerow([record.logs_at, entry.path, entry.size, entry.sha256])

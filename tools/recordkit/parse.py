@@ -21,6 +21,7 @@ from typing import Any, Sequence
 from .errors import RecordsError
 from .program import program_hash
 from .runs import Environment, PeakMemory, Run, TrainPoint, ValPoint
+from .textfiles import cannot_read, exists, is_folder
 from .tracks import fixed_stop_steps, recognize_track
 
 SEPARATOR = "=" * 100
@@ -161,7 +162,7 @@ def read_log_bytes(path: Path) -> bytes:
     except IsADirectoryError:
         raise RecordsError(f"{path}: is a directory; pass log files (or use a command that accepts folders)") from None
     except OSError as exc:
-        raise RecordsError(f"{path}: cannot read ({exc.strerror}); check permissions") from None
+        raise cannot_read(path, exc) from None
 
 
 # ----- layout: code / environment / steps -----
@@ -622,9 +623,9 @@ def find_logs(paths: list[Path], unreadable: list[str] | None = None) -> list[Pa
     found: list[Path] = []
     problems: list[str] = []
     for path in paths:
-        if path.is_dir():
+        if is_folder(path):
             found.extend(_logs_under(path, problems))
-        elif path.exists():
+        elif exists(path):
             found.append(path)
         else:
             raise RecordsError(f"{path}: no such file or folder; check the path")

@@ -10,11 +10,9 @@ moved into place, atomically, and a file already there is never overwritten.
 
 from __future__ import annotations
 
-import csv
 import errno
 import hashlib
 import http.client
-import io
 import os
 import re
 import sys
@@ -32,13 +30,14 @@ from tqdm import tqdm
 from .errors import RecordsError
 from .parse import LOG_SUFFIXES, parse_text
 from .tables import HistoryRow, history_path, load_history
-from .textfiles import read_utf8
+from .textfiles import csv_rows, is_file, read_utf8
 
 PUBLISHED_REPOSITORY = "KellerJordan/modded-nanogpt"
 PUBLISHED_COMMIT = "f411b3d346aa52d3504324ca93c230fd84c6c07f"  # 2026-08-01, the snapshot the paths and checksums describe
 DEFAULT_SOURCE_URL = f"https://raw.githubusercontent.com/{PUBLISHED_REPOSITORY}/{PUBLISHED_COMMIT}"
 SOURCE_URL_ENV = "RECORDS_SOURCE_URL"
 PUBLISHED_LOGS_CSV = "published_logs.csv"
+MANIFEST_COLUMNS = ("logs_at", "file", "bytes", "sha256")  # of published_logs.csv
 CACHE_SUBDIR = "nanogpt-speedrun-records"
 DOWNLOAD_TIMEOUT_S = 60
 _CHUNK = 1 << 16
@@ -89,16 +88,18 @@ def manifest_path(records_root: Path) -> Path:
 def load_manifest(records_root: Path) -> dict[str, list[PublishedLog]]:
     """logs_at -> its files, from records/published_logs.csv."""
     path = manifest_path(records_root)
-    if not path.is_file():
+    if not is_file(path):
         return {}
     found: dict[str, list[PublishedLog]] = {}
     text = read_utf8(path, "restore it from git, or rebuild it with `records index CLONE --write`", translate_newlines=False)
-    for number, row in enumerate(csv.DictReader(io.StringIO(text, newline="")), start=2):
+    restore = f"git checkout -- {path}, or `records index CLONE --write`"
+    for number, row in csv_rows(path, text, MANIFEST_COLUMNS, restore):
         try:
             entry = PublishedLog(row["file"], int(row["bytes"]), row["sha256"])
-            found.setdefault(row["logs_at"], []).append(entry)
-        except (KeyError, TypeError, ValueError):
-            raise RecordsError(f"{path}: line {number} is malformed (columns logs_at,file,bytes,sha256); restore it from git") from None
+        except ValueError:
+            raise RecordsError(f"{path}: line {number} is malformed (bytes {row['bytes']!r} is not a whole number); "
+                               "restore it from git") from None
+        found.setdefault(row["logs_at"], []).append(entry)
     return found
 
 

@@ -193,6 +193,20 @@ def single_configuration(loaded: LoadedLogs, allow_mixed: bool) -> RunSet:
     return runset
 
 
+def refuse_shared_logs(runs: RunSet, other: RunSet, where: str, fix: str) -> None:
+    """A log on both sides of a comparison would be compared with itself (+0.000 s, a speed ratio of 1.0000x, a verdict on
+    half-copied runs): refused, naming the first such log of `runs`, `where` the same bytes are (both sides), and `fix`."""
+    mine = _log_hashes(runs)
+    shared = mine.keys() & _log_hashes(other).keys()
+    if shared:
+        more = f" (and {len(shared) - 1} more)" if len(shared) > 1 else ""
+        raise RecordsError(f"{mine[min(shared)]}{more}: the same log (same bytes) is {where}; {fix}")
+
+
+def _log_hashes(runset: RunSet) -> dict[str, Path]:
+    return {fact.run.file_sha256: fact.run.path for fact in runset.runs if fact.run is not None and fact.run.file_sha256}
+
+
 def no_run_left(notes: list[str]) -> RecordsError:
     """The error when every run was left out: the first reason, and the flag that would change it, if one would."""
     reasons = [note.removesuffix(EXCLUDED_HINT) for note in notes]

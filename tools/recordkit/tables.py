@@ -6,18 +6,19 @@ in any README.md of the repository; `tables --write` fills them and `check` comp
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import RecordsError
 from .folders import RESULTS_JSON, list_folders, read_results, replace_files, track_dir
-from .textfiles import SAVE_AS_UTF8, read_utf8
+from .textfiles import SAVE_AS_UTF8, csv_rows, is_file, read_bytes, read_utf8
 
 HISTORY_CSV = "history.csv"
 HISTORY_DIRS = {1: Path("track_1_short"), 2: Path("track_2_medium"), 3: Path("track_3_optimization")}
+HISTORY_COLUMNS = {1: ("record", "time", "date", "description", "folder", "logs_at"),
+                   2: ("record", "time", "date", "description", "folder", "logs_at"),
+                   3: ("result", "steps", "evidence", "date", "description", "folder", "logs_at")}
 BLOCKS = ("track1", "track2", "track3", "folders")
 SKIP_DIRS = {".git", "logs", "checkpoints", "node_modules", "__pycache__", ".proxy", ".whl", "data"}
 
@@ -50,7 +51,7 @@ def history_path(records_root: Path, track: int) -> Path:
 def required_history(records_root: Path, track: int, lost: str) -> Path:
     """The track's history.csv; a missing one is a RecordsError, because a writer that read it as empty would drop `lost`."""
     path = history_path(records_root, track)
-    if not path.is_file():
+    if not is_file(path):
         raise RecordsError(f"{path}: missing, and {lost} would lose every row; restore it (git checkout -- {path}) "
                            "or pass --root REPO (nothing was written)")
     return path
@@ -58,17 +59,13 @@ def required_history(records_root: Path, track: int, lost: str) -> Path:
 
 def load_history(records_root: Path, track: int) -> list[HistoryRow]:
     path = history_path(records_root, track)
-    if not path.is_file():
+    if not is_file(path):
         return []
     text = read_utf8(path, f"{SAVE_AS_UTF8}, or restore it from git (git checkout -- {path})", translate_newlines=False)
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    try:
-        if track in (1, 2):
-            return [HistoryRow(r["record"], r["time"], "", r["date"], r["description"], r["folder"], r["logs_at"]) for r in reader]
-        return [HistoryRow(r["result"], r["steps"], r["evidence"], r["date"], r["description"], r["folder"], r["logs_at"])
-                for r in reader]
-    except KeyError as exc:
-        raise RecordsError(f"{path}: missing column {exc}; restore the header line (git checkout -- {path})") from None
+    rows = [row for _, row in csv_rows(path, text, HISTORY_COLUMNS[track], f"git checkout -- {path}")]
+    if track in (1, 2):
+        return [HistoryRow(r["record"], r["time"], "", r["date"], r["description"], r["folder"], r["logs_at"]) for r in rows]
+    return [HistoryRow(r["result"], r["steps"], r["evidence"], r["date"], r["description"], r["folder"], r["logs_at"]) for r in rows]
 
 
 def _cell(text: str) -> str:
@@ -109,7 +106,7 @@ def render_folders(records_root: Path, readme_dir: Path) -> str:
     ]
     for track in (1, 2, 3):
         for folder in list_folders(records_root, track):
-            if not (folder.path / RESULTS_JSON).is_file():
+            if not is_file(folder.path / RESULTS_JSON):
                 continue  # check reports it
             results = read_results(folder.path / RESULTS_JSON)
             summary = results.get("summary") or {}
@@ -146,7 +143,7 @@ def read_readme(readme: Path) -> str:
 def _holds_markers(readme: Path) -> bool:
     """Whether the file holds a start marker; read as bytes, so that a README without markers is never decoded: its
     encoding is not ours to judge (the markers are ASCII)."""
-    data = readme.read_bytes()
+    data = read_bytes(readme)
     return any(start_marker(block).encode() in data for block in BLOCKS)
 
 
@@ -163,12 +160,20 @@ def replace_blocks(text: str, readme: Path, records_root: Path) -> str:
     return text
 
 
-def find_marked_readmes(repo_root: Path) -> list[Path]:
+def find_marked_readmes(repo_root: Path, unreadable: list[str] | None = None) -> list[Path]:
+    """The README.md files that hold markers. One that cannot be read may hold some: its line is an error, or, when the
+    caller collects them in `unreadable` (check, among its problems), goes there (as parse.find_logs does)."""
     found = []
     for directory, subdirs, files in os.walk(repo_root):
         subdirs[:] = sorted(d for d in subdirs if d not in SKIP_DIRS and not d.startswith("."))
-        if "README.md" in files and _holds_markers(Path(directory) / "README.md"):
-            found.append(Path(directory) / "README.md")
+        readme = Path(directory) / "README.md"
+        try:
+            if "README.md" in files and _holds_markers(readme):
+                found.append(readme)
+        except RecordsError as exc:
+            if unreadable is None:
+                raise
+            unreadable.append(str(exc))
     return sorted(found)
 
 

@@ -102,11 +102,12 @@ def test_our_shampoo_150_folder_is_one_configuration(capsys: pytest.CaptureFixtu
 # ----- mixed folders are grouped -----
 
 
-def mixed_logs(directory: Path) -> Path:
-    """What the README's two CPU smoke runs leave in logs/: a Track 1 log (ms) and a Track 3 log (seconds)."""
-    F.write(directory / "t1.txt", F.harness(final_loss=2.93, steps=32, final_ms=145354, device="cpu", smi=False))
-    F.write(directory / "t3.txt", F.harness(final_loss=4.69931, steps=20, final_ms=27791, device="cpu", smi=False, seconds=True,
-                                            settings={"matrix_optimizer": "shampoo"}))
+def mixed_logs(directory: Path, run: int = 0) -> Path:
+    """What the README's two CPU smoke runs leave in logs/: a Track 1 log (ms) and a Track 3 log (seconds); another
+    `run` of the same configurations took a second longer (other bytes: one log on both sides of a compare is refused)."""
+    F.write(directory / "t1.txt", F.harness(final_loss=2.93, steps=32, final_ms=145354 + 1000 * run, device="cpu", smi=False))
+    F.write(directory / "t3.txt", F.harness(final_loss=4.69931, steps=20, final_ms=27791 + 1000 * run, device="cpu", smi=False,
+                                            seconds=True, settings={"matrix_optimizer": "shampoo"}))
     return directory
 
 
@@ -125,7 +126,7 @@ def test_mixed_logs_folder_gives_one_block_per_configuration(tmp_path: Path, cap
 
 
 def test_compare_of_mixed_folders_pairs_configurations_of_one_track(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    base, cand = mixed_logs(tmp_path / "base"), mixed_logs(tmp_path / "cand")
+    base, cand = mixed_logs(tmp_path / "base"), mixed_logs(tmp_path / "cand", run=1)
     code, out, _ = run_cli(["compare", "--baseline", str(base), "--candidate", str(cand), "--json"], capsys)
     assert code == 0
     comparisons = json.loads(out)["comparisons"]
@@ -213,7 +214,8 @@ def test_diverged_run_is_reported_excluded_and_never_crashes(tmp_path: Path, cap
                                       settings={"train_steps": 150, "shampoo_root_streams": 8, "log_dir": "x"}))
     code, out, _ = run_cli(["stats", str(t3), "--track", "3"], capsys)
     assert code == 0 and "n=2" in out and "nan.txt: diverged at step 75; excluded" in out
-    code, out, _ = run_cli(["compare", "--baseline", str(t3), "--candidate", str(t3 / "0.txt")], capsys)
+    other = F.write(tmp_path / "t3_other" / "0.txt", shampoo_log(3.2774, streams=8, log_dir="x"))
+    code, out, _ = run_cli(["compare", "--baseline", str(t3), "--candidate", str(other)], capsys)
     assert code == 0
     root = tmp_path / "repo"
     code, out, _ = run_cli(["--root", str(root), "new", "--track", "3", "--name", "nan_run", "--date", "2026-11-30", "--logs", str(t3)], capsys)

@@ -281,8 +281,10 @@ def test_compare_of_proxy_logs_with_fineweb_logs_says_not_comparable_instead_of_
     assert set(result["loss"]) == {"not_comparable"} and result["matched_steps"] == []
     assert result["track3"]["passes"] is None and result["track3"]["value"] is None
     assert result["track3"]["not_comparable"] == f"the losses are not comparable: candidate: {PROXY_LINE}; baseline: FineWeb's (or not logged)"
-    code, out, _ = run_cli(["compare", "--baseline", str(proxy[0].parent), "--candidate", str(proxy[0].parent), "--track", "3"], capsys)
-    assert code == 0 and "not comparable" not in out and "track 3 pairwise: baseline " in out  # one set on both sides
+    other_proxy = proxy_track3(tmp_path / "proxy2", losses=(3.2605, 3.2615))
+    code, out, _ = run_cli(["compare", "--baseline", str(proxy[0].parent), "--candidate", str(other_proxy[0].parent), "--track", "3"],
+                           capsys)
+    assert code == 0 and "not comparable" not in out and "track 3 pairwise: baseline " in out  # one validation set on both sides
 
 
 def test_new_refuses_proxy_logs_as_a_record(root: Path, tmp_path: Path) -> None:
