@@ -1049,18 +1049,19 @@ def foreign_entries(folder: Path, own_names: tuple[str, ...]) -> list[str]:
     return sorted(entry.name for entry in folder.iterdir() if not tool_entry(entry.name, own_names))
 
 
-def check_fresh(folder: Path, extractions: list[Extraction], own_names: tuple[str, ...] = ("ab.json",)) -> None:
+def check_fresh(folder: Path, extractions: list[Extraction], results_name: str = "ab.json", tool_folders: tuple[str, ...] = ()) -> None:
     """Refuses a folder holding an earlier invocation's files, before anything is written: its worker files, whose
     signals and results would be read as this invocation's (a reused --out once reported an earlier call's round and
-    stopped a new worker at once), its ab.json, and files under <label>/ that this invocation would not write (the
+    stopped a new worker at once), its results file (results_name), and files under <label>/ that this invocation would not write (the
     workers' logs, another version's package; not the bytecode that the check's imports leave). An extracted file
     that this invocation writes again is accepted when its bytes are the same (a --dry-run, then the run; a retry
     after a bad --candidate) and refused, by name, when they differ. A folder holding anything this tool would not
-    make (own_names: its files beside the versions') is refused too: the versions' folders would be written into it."""
-    if foreign := foreign_entries(folder, own_names):
+    make (besides the versions' files: results_name and tool_folders, which a --dry-run may leave) is refused too: the
+    versions' folders would be written into it."""
+    if foreign := foreign_entries(folder, (results_name, *tool_folders)):
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise ABError(f"--out {folder} holds files that are not this tool's ({shown}); pass a new or empty folder")
-    earlier = sorted(p.relative_to(folder).as_posix() for p in earlier_files(folder, extractions))
+    earlier = sorted(p.relative_to(folder).as_posix() for p in earlier_files(folder, extractions, results_name))
     if earlier:
         raise ABError(f"--out {folder} holds an earlier invocation's files ({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}); pass a new or empty folder")
     for extraction in extractions:
@@ -1072,12 +1073,12 @@ def check_fresh(folder: Path, extractions: list[Extraction], own_names: tuple[st
                 )
 
 
-def earlier_files(folder: Path, extractions: list[Extraction] = ()) -> list[Path]:
+def earlier_files(folder: Path, extractions: list[Extraction] = (), results_name: str = "ab.json") -> list[Path]:
     """What an invocation leaves in its folder, less the extracted files this one writes again (check_fresh compares
-    those): <label>.* (worker files), <label>/ (the extracted scripts, the workers' logs) and ab.json (the default
-    results file)."""
+    those): <label>.* (worker files), <label>/ (the extracted scripts, the workers' logs) and its default results
+    file (results_name)."""
     ours = {path for extraction in extractions for path in extraction.files}
-    found = [folder / "ab.json"] if (folder / "ab.json").exists() else []
+    found = [folder / results_name] if (folder / results_name).exists() else []
     for label in LABELS:
         found += folder.glob(f"{label}.*")
         extracted = folder / label

@@ -435,9 +435,7 @@ def prepare_versions(args: argparse.Namespace, overrides: list[str], folder: Pat
         ab.plan_version("baseline", args.baseline, folder, flags=shlex.split(args.baseline_flags)),
         ab.plan_version("candidate", args.candidate, folder, flags=shlex.split(args.candidate_flags)),
     ]
-    if (folder / JSON_NAME).exists():
-        raise ABError(f"--out {folder} holds an earlier invocation's files ({JSON_NAME}); pass a new or empty folder")
-    ab.check_fresh(folder, extractions, own_names=(JSON_NAME, CHECK_FOLDER))
+    ab.check_fresh(folder, extractions, results_name=JSON_NAME, tool_folders=(CHECK_FOLDER,))
     versions = [extraction.write() for extraction in extractions]
     tool_flags = [f"--seed={args.processes}", f"--log_dir={folder / CHECK_FOLDER / 'logs'}"]
     checks = {v.label: ab.check_version(v, [*overrides, *tool_flags]) for v in versions}
