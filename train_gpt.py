@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import errno
 import fcntl
+import functools
 import gc
 import glob
 import hashlib
@@ -92,6 +93,19 @@ def flash_attn_4_version() -> str | None:
 
 def flash_attn_4_installed() -> bool:
     return flash_attn_4_version() is not None
+
+
+QUACK_TESTED = "0.6.5"  # the quack MLP kernel writes its epilogues for quack-kernels' epilogue frontend, which is young
+QUACK_MEASURED_CAPABILITY = (9, 0)  # Hopper: measured faster than the Triton kernel on an H100, so auto takes it on sm_90
+
+
+def quack_version() -> str | None:
+    """The installed quack-kernels distribution's version (flash-attn-4 installs it), None without it (from its
+    metadata: importing quack loads the CuTe DSL compiler, seconds)."""
+    try:
+        return importlib.metadata.version("quack-kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 class UserError(Exception):
@@ -173,6 +187,10 @@ class Hyperparameters:
         "runtime", "auto", "auto | flash3 | fa4 | varlen | flex | reference (auto: flash3 when FlashAttention-3 imports, "
         f"else fa4 on sm_90 with flash-attn-4 {FLASH_ATTN_4_TESTED} installed, else flex; reference on CPU)",
     )
+    mlp_kernel: str = setting(
+        "runtime", "auto", f"auto | quack | triton: the MLP's matmuls with ReLU² epilogues (auto: quack on sm_90 with quack-kernels "
+        f"{QUACK_TESTED} installed, else triton; both give the same bytes, and the eager formula runs where neither kernel can)",
+    )
     warmup_steps: int = setting("runtime", 30, "untimed kernel warm-up steps (state restored afterwards)")
     save_checkpoint: bool = setting("runtime", False, "write the end-of-run state file, <log_dir>/<run_id>/state_step<N>.pt")
     checkpoint_every: int = setting("runtime", 0, "resumable checkpoint every K steps and at an interrupt (0: never)")
@@ -185,6 +203,7 @@ class Hyperparameters:
 
 
 ATTENTION_BACKENDS = ("auto", "flash3", "fa4", "varlen", "flex", "reference")
+MLP_KERNELS = ("auto", "quack", "triton")
 NUM_LAYERS = 12  # block slots 0-11; the topology below is fixed for every preset
 GATE_INPUT_DIMS = 12  # smear and attention gates read the first 12 channels
 
@@ -366,6 +385,7 @@ def validate_hyperparameters(hp: Hyperparameters) -> None:
         hp.attention_backend in ATTENTION_BACKENDS,
         f"--attention_backend={hp.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}",
     )
+    need(hp.mlp_kernel in MLP_KERNELS, f"--mlp_kernel={hp.mlp_kernel!r}: choose one of {', '.join(MLP_KERNELS)}")
     need(hp.num_heads >= 1, f"--num_heads={hp.num_heads} must be >= 1")
     need(hp.model_dim % hp.num_heads == 0, f"--model_dim={hp.model_dim} must be a multiple of --num_heads={hp.num_heads}")
     need(
@@ -886,6 +906,40 @@ def attention_backend_line(backend: str) -> str:
     return f"attention_backend: {backend}" + (f" (flash-attn-4 {flash_attn_4_version()})" if backend == "fa4" else "")
 
 
+def check_quack_can_run(device: torch.device, capability: tuple[int, int] | None, requested: str = "quack") -> None:
+    """One UserError line for what the quack MLP kernel (asked for, or auto's choice) lacks here: CUDA, sm_90, the
+    package, or its import."""
+    if device.type != "cuda":
+        raise UserError(f"--mlp_kernel={requested} cannot train on CPU (quack-kernels' GEMMs are CUDA only); use auto or triton")
+    if capability is not None and capability < (9, 0):
+        raise UserError(f"--mlp_kernel={requested} needs compute capability 9.0 or newer (quack-kernels' Hopper and Blackwell GEMMs); "
+                        f"this GPU is sm_{capability[0]}{capability[1]}: use auto or triton")
+    if quack_version() is None:
+        raise UserError(f"--mlp_kernel={requested} needs quack-kernels ({QUACK_TESTED} is the tested version; flash-attn-4 installs it, "
+                        "README.md#install); use auto or triton")
+    try:
+        _quack_relu2_epilogues()
+    except (ImportError, OSError) as error:  # a missing dependency or shared library of an installed quack-kernels
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UserError(f"--mlp_kernel={requested}: quack-kernels is installed but does not import ({first_line}); "
+                        f"reinstall it (README.md#install) or pass --mlp_kernel=triton") from None
+
+
+def choose_mlp_kernel(requested: str, device: torch.device, capability: tuple[int, int] | None) -> str:
+    """The MLP kernel's name for --mlp_kernel=requested on device (capability: the GPU's, None on CPU): quack or triton.
+    Either runs the eager formula where its kernel cannot (triton on CPU, for one); auto takes quack only on the GPU
+    and version it was measured on."""
+    if requested == "quack" or (requested == "auto" and capability == QUACK_MEASURED_CAPABILITY and quack_version() == QUACK_TESTED):
+        check_quack_can_run(device, capability, requested)  # installed but broken: one line, not a silent triton
+        return "quack"
+    return "triton"
+
+
+def mlp_kernel_line(kernel: str) -> str:
+    """The log's mlp_kernel line; quack's names the installed quack-kernels, on whose version auto's choice depends."""
+    return f"mlp_kernel: {kernel}" + (f" (quack-kernels {quack_version()})" if kernel == "quack" else "")
+
+
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """The GPU's compute capability (choose_attention_backend's), None on CPU."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -954,23 +1008,24 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, kernel: str = "triton"):
         super().__init__()
         self.c_fc = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as h @ c_fc
         self.c_proj = tag(nn.Parameter(torch.empty(dim, 4 * dim)), "mlp")  # used as a @ c_proj^T
+        self.kernel = kernel  # quack or triton (choose_mlp_kernel): the same bytes either way
 
     def forward(self, x: Tensor) -> Tensor:  # F.linear(F.relu(x @ c_fc).square(), c_proj), ReLU² fused both ways
-        return ReLUSquaredMLP.apply(x, cast_matrix(self, "c_fc", x), cast_matrix(self, "c_proj", x))
+        return ReLUSquaredMLP.apply(x, cast_matrix(self, "c_fc", x), cast_matrix(self, "c_proj", x), self.kernel)
 
 
 MATRIX_NAMES: dict[type, tuple[str, ...]] = {CausalSelfAttention: ("qkvo_w",), MLP: ("c_fc", "c_proj")}
 
 
 class Block(nn.Module):
-    def __init__(self, layer: int, dim: int, num_heads: int):
+    def __init__(self, layer: int, dim: int, num_heads: int, mlp_kernel: str = "triton"):
         super().__init__()
         self.attn = CausalSelfAttention(dim, num_heads) if layer not in ATTENTION_LAYERS_SKIPPED else None
-        self.mlp = MLP(dim) if layer != 0 else None
+        self.mlp = MLP(dim, mlp_kernel) if layer != 0 else None
 
 
 class Scalars(NamedTuple):
@@ -1014,6 +1069,7 @@ class GPT(nn.Module):
         world_size: int,
         attention: AttentionBackend,
         table_dtype: torch.dtype = torch.bfloat16,
+        mlp_kernel: str = "triton",
     ):
         super().__init__()
         padded_vocab = ceil_to(vocab_size, 128)  # padding rows train normally and are never targets
@@ -1021,7 +1077,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(padded_vocab, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, dim) for _ in range(3))
         self.smear_gate = CastedLinear(GATE_INPUT_DIMS, 1)
-        self.blocks = nn.ModuleList(Block(layer, dim, num_heads) for layer in range(NUM_LAYERS))
+        self.blocks = nn.ModuleList(Block(layer, dim, num_heads, mlp_kernel) for layer in range(NUM_LAYERS))
         self.rotary = Rotary(dim // num_heads, max_seq_len, block_size, table_dtype)
         self.lm_head = LMHead(dim, padded_vocab)
         self.world_size = world_size  # the scalars' padding (Scalars.initial)
@@ -2478,7 +2534,7 @@ def prepare_outputs(log_path: Path, log_dir_file_sizes: Sequence[int], checkpoin
 CHECKPOINT_FORMAT = "train_gpt/3"  # /2: the manifest records each file's size and SHA-256; /3: and the train shards,
 # and shared.pt holds the settings and the train shards too
 # Settings that may differ between a checkpointed run and its resumption (the trajectory does not depend on them).
-RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume"})
+RUNTIME_ONLY_FIELDS = frozenset({"log_dir", "run_id", "save_checkpoint", "checkpoint_every", "checkpoint_dir", "resume", "mlp_kernel"})
 
 
 # ---- checkpoint files (the same helpers in train_gpt.py and train_gpt_shampoo.py) ----
@@ -3173,7 +3229,7 @@ def configure_torch(device: torch.device) -> None:
         torch.empty(1, device=device, requires_grad=True).backward()  # early autograd/driver init (record practice)
 
 
-def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GPT:
+def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool, mlp_kernel: str = "triton") -> GPT:
     """The record model on this rank's device, every parameter broadcast from rank 0: on CUDA the embeddings and
     linears (head, gates) in bf16, the raw matrices and scalars fp32, and the FP8 head in training when fp8; the
     tables' and matrices' gradients added into fixed buffers (GPT.grads_into_buffers); compiled in place when
@@ -3182,7 +3238,7 @@ def build_model(hp: Hyperparameters, rt: Runtime, backend: str, fp8: bool) -> GP
     rotary_positions = max(hp.train_batch_size, hp.val_batch_size) // (rt.grad_accum_steps * rt.world_size)
     attention = attention_backend(backend, hp.block_size, hp.bos_token)
     table_dtype = torch.bfloat16 if on_cuda else torch.float32
-    raw_model = GPT(hp.vocab_size, hp.model_dim, hp.num_heads, rotary_positions, hp.block_size, rt.world_size, attention, table_dtype)
+    raw_model = GPT(hp.vocab_size, hp.model_dim, hp.num_heads, rotary_positions, hp.block_size, rt.world_size, attention, table_dtype, mlp_kernel)
     raw_model.to(rt.device)
     if on_cuda:
         for module in raw_model.modules():
@@ -3236,7 +3292,8 @@ def run(argv: list[str]) -> float:
 
     backend = choose_attention_backend(hp.attention_backend, rt.device, device_capability(rt.device))
     fp8 = fp8_head_available(rt.device) and not hp.disable_fp8
-    raw_model = build_model(hp, rt, backend, fp8)
+    mlp_kernel = choose_mlp_kernel(hp.mlp_kernel, rt.device, device_capability(rt.device))
+    raw_model = build_model(hp, rt, backend, fp8, mlp_kernel)
     adam, muon = build_optimizers(raw_model, hp, rt.rank, rt.world_size)
 
     run_id = new_run_id(hp.run_id)
@@ -3253,7 +3310,7 @@ def run(argv: list[str]) -> float:
                                                checkpoint_dir if hp.checkpoint_every else None, checkpoint_file_sizes, run_started))
     open_run_log(hp, run_id, rt)
     print0("=" * 100)
-    track_lines = [attention_backend_line(backend), f"fp8_head: {'on' if fp8 else 'off'}"]
+    track_lines = [attention_backend_line(backend), mlp_kernel_line(mlp_kernel), f"fp8_head: {'on' if fp8 else 'off'}"]
     for line in environment_lines(rt, hp, overrides, track_lines, train_files, train_token_count, val_files, val_token_count):
         print0(line)
     log_model_and_muon(raw_model, muon, hp, rt)
@@ -3877,15 +3934,34 @@ def _relu2_matmul(a: Tensor, w: Tensor, pre: Tensor, out: Tensor, forward: bool,
     )
 
 
+def relu2_forward_operands(x: Tensor, w: Tensor, caller: str) -> tuple[Tensor, Tensor]:
+    """x and w contiguous (no-ops in training), or a ValueError naming caller unless they are 2-D x (M, K) and w (K, N)
+    of one dtype."""
+    shapes = f"{tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}"
+    if not x.dim() == w.dim() == 2:
+        raise ValueError(f"{caller}: needs 2-D x (M, K) and w (K, N), got {shapes}: flatten the leading dimensions")
+    if x.size(1) != w.size(0) or x.dtype != w.dtype:
+        raise ValueError(f"{caller}: needs x (M, K) and w (K, N) of one dtype, got {shapes}")
+    return x.contiguous(), w.contiguous()
+
+
+def relu2_backward_operands(grad_out: Tensor, w: Tensor, pre: Tensor, caller: str) -> tuple[Tensor, Tensor, Tensor]:
+    """grad_out, w and pre contiguous (no-ops in training), or a ValueError naming caller unless they are 2-D
+    grad_out (M, K), w (K, N) and pre (M, N) of one dtype."""
+    shapes = f"{tuple(grad_out.shape)} {grad_out.dtype}, {tuple(w.shape)} {w.dtype}, {tuple(pre.shape)} {pre.dtype}"
+    if not grad_out.dim() == w.dim() == pre.dim() == 2:
+        raise ValueError(f"{caller}: needs 2-D grad_out (M, K), w (K, N), pre (M, N); got {shapes}: flatten the leading dimensions")
+    M, K = grad_out.shape
+    N = w.size(1)
+    if w.shape != (K, N) or pre.shape != (M, N) or not (grad_out.dtype == w.dtype == pre.dtype):
+        raise ValueError(f"{caller}: needs grad_out (M, K), w (K, N), pre (M, N) of one dtype, got {shapes}")
+    return grad_out.contiguous(), w.contiguous(), pre.contiguous()
+
+
 def relu2_forward_matmul(x: Tensor, w: Tensor, tile: tuple[int, ...] = RELU2_MATMUL_TILE, programs: int | None = None) -> tuple[Tensor, Tensor]:
     """relu2_forward_eager(x, w) for 2-D x (M, K) and w (K, N) of one dtype: the Triton kernel where
     _relu2_kernel_takes says so, the eager formula elsewhere. tile and programs: see _relu2_matmul."""
-    shapes = f"{tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}"
-    if not x.dim() == w.dim() == 2:
-        raise ValueError(f"relu2_forward_matmul: needs 2-D x (M, K) and w (K, N), got {shapes}: flatten the leading dimensions")
-    if x.size(1) != w.size(0) or x.dtype != w.dtype:
-        raise ValueError(f"relu2_forward_matmul: needs x (M, K) and w (K, N) of one dtype, got {shapes}")
-    x, w = x.contiguous(), w.contiguous()  # no-ops in training
+    x, w = relu2_forward_operands(x, w, "relu2_forward_matmul")
     if not _relu2_kernel_takes(x, w):
         return relu2_forward_eager(x, w)
     pre = x.new_empty((x.size(0), w.size(1)))
@@ -3897,14 +3973,7 @@ def relu2_forward_matmul(x: Tensor, w: Tensor, tile: tuple[int, ...] = RELU2_MAT
 def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[int, ...] = RELU2_MATMUL_TILE, programs: int | None = None) -> Tensor:
     """relu2_backward_eager(grad_out, w, pre) for 2-D grad_out (M, K), w (K, N), pre (M, N) of one dtype: the Triton
     kernel where _relu2_kernel_takes says so, the eager formula elsewhere. tile and programs: see _relu2_matmul."""
-    shapes = f"{tuple(grad_out.shape)} {grad_out.dtype}, {tuple(w.shape)} {w.dtype}, {tuple(pre.shape)} {pre.dtype}"
-    if not grad_out.dim() == w.dim() == pre.dim() == 2:
-        raise ValueError(f"relu2_backward_matmul: needs 2-D grad_out (M, K), w (K, N), pre (M, N); got {shapes}: flatten the leading dimensions")
-    M, K = grad_out.shape
-    N = w.size(1)
-    if w.shape != (K, N) or pre.shape != (M, N) or not (grad_out.dtype == w.dtype == pre.dtype):
-        raise ValueError(f"relu2_backward_matmul: needs grad_out (M, K), w (K, N), pre (M, N) of one dtype, got {shapes}")
-    grad_out, w, pre = grad_out.contiguous(), w.contiguous(), pre.contiguous()  # no-ops in training
+    grad_out, w, pre = relu2_backward_operands(grad_out, w, pre, "relu2_backward_matmul")
     if not _relu2_kernel_takes(grad_out, w, pre):
         return relu2_backward_eager(grad_out, w, pre)
     out = torch.empty_like(pre)
@@ -3912,57 +3981,129 @@ def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[
     return out
 
 
+# ---- the same two epilogues on quack-kernels' GEMMs (--mlp_kernel=quack) ----
+# Triton 3.6 runs the epilogue above after a tile's last product, while the tensor cores wait; quack-kernels' SM90
+# GEMMs run the epilogue in warps of its own, so one tile's stores overlap the next tile's products. The two
+# epilogue functions below are written for its epilogue frontend (quack.epilogue.frontend: a Python function of one
+# fp32 accumulator element, traced into the kernel) and round where the Triton kernel rounds: the same bytes. One
+# H100, record shapes, interleaved (bench/NOTES.md, 2026-12-07): forward 0.385 against the Triton kernel's 0.518 ms
+# per call, backward 0.413 against 0.531; cuBLAS's product alone takes 0.352.
+@functools.cache
+def _quack_relu2_epilogues() -> tuple[Any, Any]:
+    """The forward and backward epilogues as quack EpiMods, built on first use (importing quack loads the CuTe DSL
+    compiler, seconds). Each is called as epilogue(a, w[, pre], ...) and returns a dict of its outputs, "D" first."""
+    import cutlass
+    from cutlass import BFloat16, Float32
+    from quack.epilogue.frontend import gemm_epilogue
+
+    def stored(acc: Any) -> Any:  # the product as an unfused matmul stores it: rounded to bf16 (nearest even), widened
+        return Float32(BFloat16(acc))
+
+    def relu(value: Any) -> Any:  # keeps NaN, as torch's relu does (maxnum would make it 0)
+        return Float32(cutlass.select_(value < Float32(0.0), Float32(0.0), value))
+
+    @gemm_epilogue(outputs=("h",))
+    def relu2_forward_epilogue(acc: Any) -> dict[str, Any]:
+        pre = stored(acc)
+        r = relu(pre)
+        return {"D": pre, "h": r * r}  # square's one rounding is the store's
+
+    @gemm_epilogue()
+    def relu2_backward_epilogue(acc: Any, c: Any) -> dict[str, Any]:  # c: pre, loaded by the epilogue
+        r = relu(c)
+        grad = stored(acc) * (Float32(2.0) * r)  # exact in fp32: the one rounding is the store's
+        return {"D": Float32(cutlass.select_(r <= Float32(0.0), Float32(0.0), grad))}
+
+    return relu2_forward_epilogue, relu2_backward_epilogue
+
+
+def _quack_takes(*tensors: Tensor) -> bool:
+    """Whether the quack GEMM can take these operands: CUDA bf16/fp16 (its TMA wants rows and base addresses on 16
+    bytes) and non-empty."""
+    return all(
+        t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and t.numel() > 0 and (t.size(1) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0
+        for t in tensors
+    )
+
+
+def quack_relu2_forward_matmul(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """relu2_forward_eager(x, w) on quack's GEMM where _quack_takes says so, the eager formula elsewhere."""
+    x, w = relu2_forward_operands(x, w, "quack_relu2_forward_matmul")
+    if not _quack_takes(x, w):
+        return relu2_forward_eager(x, w)
+    forward, _ = _quack_relu2_epilogues()
+    h = x.new_empty((x.size(0), w.size(1)))
+    outputs = forward(x, w, out={"h": h}, out_dtype=x.dtype, tuned=False)  # untuned: quack's fixed default tile
+    return outputs["D"], outputs["h"]
+
+
+def quack_relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
+    """relu2_backward_eager(grad_out, w, pre) on quack's GEMM where _quack_takes says so, the eager formula elsewhere."""
+    grad_out, w, pre = relu2_backward_operands(grad_out, w, pre, "quack_relu2_backward_matmul")
+    if not _quack_takes(grad_out, w, pre):
+        return relu2_backward_eager(grad_out, w, pre)
+    _, backward = _quack_relu2_epilogues()
+    return backward(grad_out, w, pre, out_dtype=grad_out.dtype, tuned=False)["D"]
+
+
+RELU2_MATMULS: dict[str, tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., Tensor]]] = {
+    "triton": (relu2_forward_matmul, relu2_backward_matmul),
+    "quack": (quack_relu2_forward_matmul, quack_relu2_backward_matmul),
+}
+
+
 @torch.library.custom_op("train_gpt::relu2_forward_matmul", mutates_args=())
-def relu2_forward_matmul_op(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    """relu2_forward_matmul as one opaque op, so that inductor calls the kernel from the compiled forward."""
-    return relu2_forward_matmul(x, w)
+def relu2_forward_matmul_op(x: Tensor, w: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
+    """The forward of RELU2_MATMULS[kernel] as one opaque op, so that inductor calls the kernel from the compiled forward."""
+    return RELU2_MATMULS[kernel][0](x, w)
 
 
 @relu2_forward_matmul_op.register_fake
-def _(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+def _(x: Tensor, w: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
     shape = (x.size(0), w.size(1))
     return x.new_empty(shape), x.new_empty(shape)
 
 
 @torch.library.custom_op("train_gpt::relu2_backward_matmul", mutates_args=())
-def relu2_backward_matmul_op(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
-    """relu2_backward_matmul as one opaque op, so that inductor calls the kernel from the compiled backward."""
-    return relu2_backward_matmul(grad_out, w, pre)
+def relu2_backward_matmul_op(grad_out: Tensor, w: Tensor, pre: Tensor, kernel: str) -> Tensor:
+    """The backward of RELU2_MATMULS[kernel] as one opaque op, so that inductor calls the kernel from the compiled backward."""
+    return RELU2_MATMULS[kernel][1](grad_out, w, pre)
 
 
 @relu2_backward_matmul_op.register_fake
-def _(grad_out: Tensor, w: Tensor, pre: Tensor) -> Tensor:
+def _(grad_out: Tensor, w: Tensor, pre: Tensor, kernel: str) -> Tensor:
     return torch.empty_like(pre, memory_format=torch.contiguous_format)
 
 
 class ReLUSquaredMLP(torch.autograd.Function):
     """F.linear(F.relu(x @ w_fc).square(), w_proj) for x (..., D), w_fc (D, N) and w_proj (D, N), with autograd's
-    gradients: pre and h from relu2_forward_matmul, grad_pre from relu2_backward_matmul, and the gradients of x and
+    gradients, on RELU2_MATMULS[kernel]: pre and h from its forward, grad_pre from its backward, and the gradients of x and
     both weights as autograd's matmul and linear compute them (the same mm calls). Saves x, pre and h, which autograd
     saves for the unfused MLP too (as relu(pre) in place of pre: the same bytes)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, w_fc: Tensor, w_proj: Tensor, kernel: str) -> Tensor:
         rows = x.reshape(-1, x.size(-1))
-        pre, h = relu2_forward_matmul_op(rows, w_fc)
+        pre, h = relu2_forward_matmul_op(rows, w_fc, kernel)
         ctx.save_for_backward(rows, pre, h, w_fc, w_proj)
-        ctx.input_shape = x.shape
+        ctx.input_shape, ctx.kernel = x.shape, kernel
         return F.linear(h, w_proj).view(*x.shape[:-1], w_proj.size(0))
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
         rows, pre, h, w_fc, w_proj = ctx.saved_tensors
         grad_rows = grad_out.reshape(-1, grad_out.size(-1))
         grad_x = grad_w_fc = grad_w_proj = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            grad_pre = relu2_backward_matmul_op(grad_rows, w_proj, pre)
+            grad_pre = relu2_backward_matmul_op(grad_rows, w_proj, pre, ctx.kernel)
             if ctx.needs_input_grad[0]:
                 grad_x = grad_pre.mm(w_fc.t()).view(ctx.input_shape)
             if ctx.needs_input_grad[1]:
                 grad_w_fc = rows.t().mm(grad_pre)
         if ctx.needs_input_grad[2]:
             grad_w_proj = grad_rows.t().mm(h)
-        return grad_x, grad_w_fc, grad_w_proj
+        return grad_x, grad_w_fc, grad_w_proj, None
 
 
 # ---- gradients into fixed buffers: the tables' (summed over sorted ids) and the matrices' ----

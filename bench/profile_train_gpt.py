@@ -48,7 +48,9 @@ def profile_steps(hp: tg.Hyperparameters, top: int) -> None:
     tg.configure_torch(rt.device)
     backend = tg.choose_attention_backend(hp.attention_backend, rt.device, tg.device_capability(rt.device))
     tokens_local = hp.train_batch_size // (rt.grad_accum_steps * rt.world_size)
-    model = tg.build_model(hp, rt, backend, fp8=tg.fp8_head_available(rt.device) and not hp.disable_fp8)  # compiled in place
+    fp8 = tg.fp8_head_available(rt.device) and not hp.disable_fp8
+    mlp_kernel = tg.choose_mlp_kernel(hp.mlp_kernel, rt.device, tg.device_capability(rt.device))
+    model = tg.build_model(hp, rt, backend, fp8, mlp_kernel)  # compiled in place
     adam, muon = tg.build_optimizers(model, hp, rt.rank, rt.world_size)
     loader = tg.TrainLoader(tg.resolve_files(hp.train_files, "train"), num_tokens_local=tokens_local,
                             max_seq_len=hp.train_max_seq_len, rank=rt.rank, world_size=rt.world_size, bos_token=hp.bos_token,

@@ -40,6 +40,7 @@ def test_preset_and_explicit_overrides():
         (["--compile=maybe"], "--compile"),
         (["--preset=huge"], "--preset"),
         (["--attention_backend=fa2"], "--attention_backend"),
+        (["--mlp_kernel=cublas"], "--mlp_kernel"),
         (["--val_tokens=1000"], "--val_tokens"),
         (["--train_batch_size=1000"], "--train_batch_size"),
         (["--model_dim=100"], "--model_dim"),
@@ -249,6 +250,57 @@ def test_flash_attn_4_installed_reads_the_distribution_metadata(monkeypatch: pyt
     for installed, expected in ((tg.FLASH_ATTN_4_TESTED, True), ("4.0.0b41", True), (None, False)):
         assert tg.flash_attn_4_installed() is expected and tg.flash_attn_4_version() == installed
     assert asked == ["flash-attn-4"] * 6
+
+
+def test_the_quack_mlp_kernel_is_refused_in_one_line_where_it_cannot_run_and_auto_takes_it_on_sm90(monkeypatch: pytest.MonkeyPatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    installed: str | None = None
+    monkeypatch.setattr(tg, "quack_version", lambda: installed)
+
+    def refusal(device: torch.device, capability: tuple[int, int] | None, requested: str = "quack") -> str:
+        with pytest.raises(tg.UserError) as error:
+            tg.choose_mlp_kernel(requested, device, capability)
+        return str(error.value)
+
+    assert refusal(cuda, (9, 0)) == ("--mlp_kernel=quack needs quack-kernels (0.6.5 is the tested version; flash-attn-4 installs it, "
+                                     "README.md#install); use auto or triton")
+    assert refusal(cpu, None) == "--mlp_kernel=quack cannot train on CPU (quack-kernels' GEMMs are CUDA only); use auto or triton"
+    assert refusal(cuda, (8, 0)) == ("--mlp_kernel=quack needs compute capability 9.0 or newer (quack-kernels' Hopper and Blackwell "
+                                     "GEMMs); this GPU is sm_80: use auto or triton")
+    assert tg.choose_mlp_kernel("auto", cuda, (9, 0)) == "triton"  # not installed
+    installed = tg.QUACK_TESTED
+
+    def broken_install() -> None:
+        raise ImportError("libcute_dsl_runtime.so: cannot open shared object file\nmore")
+
+    monkeypatch.setattr(tg, "_quack_relu2_epilogues", broken_install)
+    for requested in ("quack", "auto"):  # auto would take it here, so a broken install is refused, not silently replaced
+        assert refusal(cuda, (9, 0), requested) == (
+            f"--mlp_kernel={requested}: quack-kernels is installed but does not import (libcute_dsl_runtime.so: cannot open "
+            "shared object file); reinstall it (README.md#install) or pass --mlp_kernel=triton")
+    assert tg.choose_mlp_kernel("auto", cuda, (10, 0)) == "triton"  # not measured there: quack is not imported
+    assert tg.choose_mlp_kernel("triton", cuda, (9, 0)) == "triton"
+    monkeypatch.setattr(tg, "_quack_relu2_epilogues", lambda: (None, None))
+    assert tg.choose_mlp_kernel("quack", cuda, (9, 0)) == tg.choose_mlp_kernel("quack", cuda, (10, 0)) == "quack"
+    assert tg.choose_mlp_kernel("auto", cuda, (9, 0)) == "quack"  # the measured GPU and version
+    assert tg.choose_mlp_kernel("auto", cpu, None) == "triton"  # whose wrapper runs the eager formula there
+    installed = "0.6.6"  # its epilogue frontend may differ: only when asked for
+    assert tg.choose_mlp_kernel("auto", cuda, (9, 0)) == "triton"
+    assert tg.choose_mlp_kernel("quack", cuda, (9, 0)) == "quack"
+    assert tg.mlp_kernel_line("quack") == "mlp_kernel: quack (quack-kernels 0.6.6)"
+    assert tg.mlp_kernel_line("triton") == "mlp_kernel: triton"
+
+
+def test_quack_version_reads_the_distribution_metadata(monkeypatch: pytest.MonkeyPatch):
+    def version(name: str) -> str:
+        assert name == "quack-kernels"
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(tg.importlib.metadata, "version", version)
+    for installed in (tg.QUACK_TESTED, None):
+        assert tg.quack_version() == installed
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """train_gpt.py's CUDA-only code paths, on a GPU (skipped without one): the fused soft-capped CE kernel's
 hardware instructions (casts, reciprocal) against its integer casts and division, which the CPU interpreter tests (tests/test_train_gpt_triton.py)
-check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, the MLP's fused ReLU² forward and backward kernels against cuBLAS + the unfused formulas, eager and compiled, the tables' sorted-ids gradient kernels against their eager formula and compiled autograd, the matrices' in-place gradients (add_into_grad, CastIntoGrad compiled) against the eager sum and compiled autograd, and the FlexAttention block tables compiled against eager, and the varlen, flex and fa4 (with flash-attn-4 installed) attention backends against the fp32 reference.
+check against the eager formula, and the kernel against that formula on CUDA, the FP8 head's transpose kernel against the eager copy, the pinned batch staging against overwritten batches, the MLP's fused ReLU² forward and backward kernels (Triton's, and quack's with quack-kernels installed) against cuBLAS + the unfused formulas, eager and compiled, the tables' sorted-ids gradient kernels against their eager formula and compiled autograd, the matrices' in-place gradients (add_into_grad, CastIntoGrad compiled) against the eager sum and compiled autograd, and the FlexAttention block tables compiled against eager, and the varlen, flex and fa4 (with flash-attn-4 installed) attention backends against the fp32 reference.
 
     python -m pytest -q tests/test_train_gpt_cuda.py      # on a CUDA machine
 """
@@ -96,13 +96,37 @@ def test_relu2_forward_matmul_is_cublas_and_the_formula_on_cuda() -> None:
     assert 0.3 < (h == 0).float().mean().item() < 0.7  # the ReLU cut about half
 
 
+QUACK_RUNS_HERE = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) and tg.quack_version() is not None
+needs_quack = pytest.mark.skipif(not QUACK_RUNS_HERE, reason="the quack MLP kernel needs quack-kernels and sm_90 or newer")
+
+
+@needs_quack
+@pytest.mark.parametrize("rows, dim", [(49152, 768), (1000, 64)])
+def test_quack_relu2_matmuls_are_the_formula_on_cuda(rows: int, dim: int) -> None:
+    """quack's GEMMs with our epilogues against cuBLAS + the unfused formulas, bit for bit: at the record's shape and
+    at a small one whose rows end inside a tile. The fp32 product squared before its rounding to bf16 (what quack's
+    own relu_sq epilogue computes) differs from the formula in many entries, so these inputs can tell the two apart."""
+    x, c_fc, c_proj, grad_out = _record_mlp_inputs(6)
+    x = torch.nn.functional.rms_norm(x[0, :rows, :dim].float(), (dim,)).bfloat16()
+    w_fc, w_proj, grad_out = c_fc[:dim, : 4 * dim].bfloat16(), c_proj[:dim, : 4 * dim].bfloat16(), grad_out[0, :rows, :dim]
+    pre, h = tg.quack_relu2_forward_matmul(x, w_fc)
+    want_pre, want_h = tg.relu2_forward_eager(x, w_fc)
+    assert torch.equal(pre, want_pre) and torch.equal(h, want_h)
+    assert 0.3 < (h == 0).float().mean().item() < 0.7  # the ReLU cut about half
+    single_rounding = torch.relu(x.float() @ w_fc.float()).square().bfloat16()
+    assert (single_rounding != want_h).float().mean().item() > 1e-3
+    got = tg.quack_relu2_backward_matmul(grad_out, w_proj, want_pre)
+    assert torch.equal(got, tg.relu2_backward_eager(grad_out, w_proj, want_pre))
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0), reason="the fused kernel needs TMA (Hopper)")
-def test_compiled_mlp_with_the_fused_kernels_equals_the_compiled_unfused_mlp() -> None:
+@pytest.mark.parametrize("kernel", ["triton", pytest.param("quack", marks=needs_quack)])
+def test_compiled_mlp_with_the_fused_kernels_equals_the_compiled_unfused_mlp(kernel: str) -> None:
     """As training runs it: both MLPs through torch.compile (inductor's own ReLU² kernels in the unfused one)."""
     x, c_fc, c_proj, grad_out = _record_mlp_inputs(4)
     results = []
     for forward in (tg.MLP.forward, lambda self, x: torch.nn.functional.linear(torch.relu(x @ self.c_fc.type_as(x)).square(), self.c_proj.type_as(x))):
-        mlp = tg.MLP(768).cuda()
+        mlp = tg.MLP(768, kernel).cuda()
         with torch.no_grad():
             mlp.c_fc.copy_(c_fc)
             mlp.c_proj.copy_(c_proj)

@@ -72,6 +72,7 @@ def test_single_process_run_trains_and_logs_exactly(tiny_shards, tmp_path):
         "world_size: 1",
         "grad_accum_steps: 8",
         "attention_backend: reference",
+        "mlp_kernel: triton",
         "fp8_head: off",
         "muon_group_sizes: [1, 10, 16, 16]",
     ):

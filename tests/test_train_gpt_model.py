@@ -244,12 +244,15 @@ def _unfused_mlp(x: torch.Tensor, c_fc: torch.Tensor, c_proj: torch.Tensor) -> t
     return F.linear(F.relu(x @ c_fc.type_as(x)).square(), c_proj.type_as(x))
 
 
+@pytest.mark.parametrize("kernel", ["triton", "quack"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_mlp_with_the_fused_kernels_is_autograd_bitwise(dtype: torch.dtype) -> None:
+def test_mlp_with_the_fused_kernels_is_autograd_bitwise(dtype: torch.dtype, kernel: str) -> None:
     """ReLUSquaredMLP's output and the gradients of x and both weights against autograd of the unfused MLP,
-    with pre-activations that are exactly 0 (relu's threshold) and a gradient that is not contiguous."""
+    with pre-activations that are exactly 0 (relu's threshold) and a gradient that is not contiguous. On CPU both
+    kernels' wrappers run the eager formula (the quack path without importing quack); tests/test_train_gpt_cuda.py
+    runs the kernels."""
     torch.manual_seed(4)
-    mlp = tg.MLP(64)
+    mlp = tg.MLP(64, kernel)
     with torch.no_grad():
         mlp.c_fc.copy_(torch.randn(64, 256) * 0.1)
         mlp.c_proj.copy_(torch.randn(64, 256) * 0.1)
@@ -283,7 +286,7 @@ def test_relu_squared_mlp_at_zero_and_nan_pre_activations_and_partial_needs(need
     grad_out = torch.randn(2, 40, 16).bfloat16()
     leaves = [t.clone().requires_grad_(need) for t, need in zip((x, w_fc, w_proj), needs)]
     refs = [t.clone().requires_grad_(need) for t, need in zip((x, w_fc, w_proj), needs)]
-    tg.ReLUSquaredMLP.apply(*leaves).backward(grad_out)
+    tg.ReLUSquaredMLP.apply(*leaves, "triton").backward(grad_out)
     F.linear(F.relu(refs[0] @ refs[1]).square(), refs[2]).backward(grad_out)
     for leaf, ref, needed in zip(leaves, refs, needs):
         assert (leaf.grad is None) == (not needed)
@@ -292,18 +295,20 @@ def test_relu_squared_mlp_at_zero_and_nan_pre_activations_and_partial_needs(need
             assert torch.equal(leaf.grad.signbit(), ref.grad.signbit())  # -0 and +0 as autograd gives them
 
 
-def test_relu2_matmuls_refuse_mismatched_operands() -> None:
-    with pytest.raises(ValueError, match="needs 2-D grad_out"):
-        tg.relu2_backward_matmul(torch.zeros(1, 4, 8), torch.zeros(8, 16), torch.zeros(4, 16))
+@pytest.mark.parametrize("kernel", ["triton", "quack"])
+def test_relu2_matmuls_refuse_mismatched_operands(kernel: str) -> None:
+    forward, backward = tg.RELU2_MATMULS[kernel]
+    with pytest.raises(ValueError, match=f"{backward.__name__}: needs 2-D grad_out"):
+        backward(torch.zeros(1, 4, 8), torch.zeros(8, 16), torch.zeros(4, 16))
     with pytest.raises(ValueError, match=r"needs grad_out \(M, K\), w \(K, N\), pre \(M, N\) of one dtype"):
-        tg.relu2_backward_matmul(torch.zeros(4, 8), torch.zeros(8, 16), torch.zeros(4, 12))
+        backward(torch.zeros(4, 8), torch.zeros(8, 16), torch.zeros(4, 12))
     with pytest.raises(ValueError, match="of one dtype"):
-        tg.relu2_backward_matmul(torch.zeros(4, 8), torch.zeros(8, 16), torch.zeros(4, 16, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="relu2_forward_matmul: needs 2-D x .*: flatten the leading dimensions"):
-        tg.relu2_forward_matmul(torch.zeros(1, 4, 8), torch.zeros(8, 16))
+        backward(torch.zeros(4, 8), torch.zeros(8, 16), torch.zeros(4, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=f"{forward.__name__}: needs 2-D x .*: flatten the leading dimensions"):
+        forward(torch.zeros(1, 4, 8), torch.zeros(8, 16))
     for w in (torch.zeros(6, 16), torch.zeros(8, 16).half()):
-        with pytest.raises(ValueError, match=r"relu2_forward_matmul: needs x \(M, K\) and w \(K, N\) of one dtype, got \(4, 8\)"):
-            tg.relu2_forward_matmul(torch.zeros(4, 8), w)
+        with pytest.raises(ValueError, match=rf"{forward.__name__}: needs x \(M, K\) and w \(K, N\) of one dtype, got \(4, 8\)"):
+            forward(torch.zeros(4, 8), w)
 
 
 def test_mlp_saves_what_the_unfused_mlp_saved() -> None:
@@ -353,7 +358,7 @@ def test_compiled_partition_of_the_mlp_saves_the_unfused_mlps_bytes() -> None:
         step(*leaves).sum().backward()
         return sum(kept)
 
-    fused = forward_output_bytes(tg.ReLUSquaredMLP.apply)
+    fused = forward_output_bytes(lambda x, c_fc, c_proj: tg.ReLUSquaredMLP.apply(x, c_fc, c_proj, "triton"))
     unfused = forward_output_bytes(lambda x, c_fc, c_proj: F.linear(F.relu(x @ c_fc).square(), c_proj))
     assert fused == unfused >= 2 * 96 * 256 * 2  # at least pre (or relu(pre)) and h
 
