@@ -464,7 +464,8 @@ class RoundTimer:
 
 KERNEL_KINDS = [  # first match wins; kernel names as they appear on Hopper with torch 2.11
     # (inductor's fused kernels next to it carry the op's name too, hence the anchor)
-    ("MLP matmuls with ReLU² epilogues (Triton)", r"^_relu2_(backward_)?matmul_kernel"),  # the older name: backward only
+    # train_gpt.py's Triton kernel (the older name: backward only) and its epilogues on quack-kernels' GEMMs
+    ("MLP matmuls with ReLU² epilogues", r"^_relu2_(backward_)?matmul_kernel|quack.*relu2_(forward|backward)_epilogue"),
     # flex's templates, flash-attn-4's CuTe kernels (FlashAttentionForwardSm90, ...) and the reduction inductor fuses
     # onto either backward (named after flex_attention_backward or train_gpt's fa4_backward), so both count alike
     ("attention (flex templates, flash-attn kernels)", r"flex|attention|triton_tem|fa4_"),

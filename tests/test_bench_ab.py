@@ -712,10 +712,13 @@ def test_the_profiler_starts_after_profile_from_and_stops_profile_steps_later(ab
 
 
 def test_kernel_kinds_of_the_profiles(ab) -> None:
-    """Names seen in the profiles of 2026-12-02 (commit b1e22df) and 2026-12-06: the MLP's fused kernel is its own kind, the inductor kernels that carry
+    """Names seen in the profiles of 2026-12-02 (commit b1e22df), 2026-12-06 and 2026-12-07: the MLP's fused kernels are their own kind, the inductor kernels that carry
     its op's name stay inductor's, and the cuBLAS and FP8 head kernels keep theirs."""
-    assert ab.kind_of("_relu2_backward_matmul_kernel") == "MLP matmuls with ReLU² epilogues (Triton)"
-    assert ab.kind_of("_relu2_matmul_kernel") == "MLP matmuls with ReLU² epilogues (Triton)"  # both directions since fd230c0
+    mlp = "MLP matmuls with ReLU² epilogues"
+    assert ab.kind_of("_relu2_backward_matmul_kernel") == ab.kind_of("_relu2_matmul_kernel") == mlp  # both directions since fd230c0
+    for quack in ("kernel_cutlass_kernel_quackepiloguefrontendGemmMod_relu2_backward_epilogue_fccd08d0f2377a83__c_sm9_o",
+                  "kernel_cutlass_kernel_quackepiloguefrontendGemmMod_relu2_forward_epilogue_75983e62e103319f__none_sm9"):  # 2026-12-07
+        assert ab.kind_of(quack) == mlp
     assert ab.kind_of("triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mul_relu2_backward_matmul_slice_backwa") == "Triton fused (inductor)"
     assert ab.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "bf16/fp32 GEMM"
     assert ab.kind_of("_softcap_ce_e5m2_kernel") == "fp8 head (scaled_mm, casts, copies)"
