@@ -1,4 +1,5 @@
-"""The MLP's fused matmuls (train_gpt.relu2_forward_matmul and relu2_backward_matmul) against cuBLAS + inductor's
+"""The MLP's fused matmuls (train_gpt.relu2_forward_matmul and relu2_backward_matmul, and with quack-kernels
+installed train_gpt.quack_relu2_forward_matmul and quack_relu2_backward_matmul) against cuBLAS + inductor's
 pointwise kernels. One GPU.
 
 At a record micro-step (49,152 tokens, 768 -> 3,072, bf16) the MLP forward computes pre = x @ W_fc and then
@@ -7,10 +8,12 @@ h = relu(pre)^2; its backward computes grad_h = grad_out @ W_proj and then the p
 epilogue applies the formula, so pre is not read back and grad_h never reaches memory. This times, per tile
 configuration and direction, that kernel against cuBLAS + the compiled pointwise formula, as the median ratio over
 pairs timed back to back in alternating orders (the card's clock moves within seconds), and checks that the kernel's
-outputs are bitwise cuBLAS's product followed by the unfused formula. The measurements that chose train_gpt.py's
-tile are in bench/NOTES.md (2026-12-02, 2026-12-06).
+outputs are bitwise cuBLAS's product followed by the unfused formula. The same for the epilogues on quack-kernels'
+GEMMs (--mlp_kernel=quack), last. The measurements that chose train_gpt.py's tile are in bench/NOTES.md
+(2026-12-02, 2026-12-06); those of the quack kernel, 2026-12-07.
 
     python bench/bench_relu2_matmul.py        # one GPU (Hopper or newer, for TMA descriptors), one to two minutes
+    python bench/bench_relu2_matmul.py --tiles 1    # train_gpt.py's tile and quack only
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="timings per median, each of %d calls back to back" % CALLS_PER_TIMING)
     parser.add_argument("--pairs", type=int, default=4, help="reference/fused pairs per configuration, orders alternating")
+    parser.add_argument("--tiles", type=int, default=len(CONFIGS), choices=range(1, len(CONFIGS) + 1),
+                        help="time the first N Triton tiles (the first is train_gpt.py's)")
     args = parser.parse_args()
     if not torch.cuda.is_available() or triton is None or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("bench_relu2_matmul.py: needs a CUDA GPU with TMA (compute capability 9.0 or newer) and Triton.")
@@ -74,12 +79,20 @@ def main() -> None:
     pre = x @ w_fc
     forward_compiled = torch.compile(train_gpt.relu2_forward_eager, fullgraph=True)
     backward_compiled = torch.compile(train_gpt.relu2_backward_eager, fullgraph=True)
-    directions = {  # name: (fused(config), reference, expected outputs)
-        "forward": (lambda config: train_gpt.relu2_forward_matmul(x, w_fc, config, sms), lambda: forward_compiled(x, w_fc),
+    directions = {  # name: (fused(config), reference, expected outputs); config "quack": train_gpt's quack kernel
+        "forward": (lambda config: train_gpt.quack_relu2_forward_matmul(x, w_fc) if config == "quack" else
+                    train_gpt.relu2_forward_matmul(x, w_fc, config, sms), lambda: forward_compiled(x, w_fc),
                     train_gpt.relu2_forward_eager(x, w_fc)),
-        "backward": (lambda config: (train_gpt.relu2_backward_matmul(grad_out, w_proj, pre, config, sms),),
+        "backward": (lambda config: (train_gpt.quack_relu2_backward_matmul(grad_out, w_proj, pre) if config == "quack" else
+                                     train_gpt.relu2_backward_matmul(grad_out, w_proj, pre, config, sms),),
                      lambda: backward_compiled(grad_out, w_proj, pre), (train_gpt.relu2_backward_eager(grad_out, w_proj, pre),)),
     }
+    configs: list[tuple[int, ...] | str] = list(CONFIGS[: args.tiles])
+    if train_gpt.quack_version() is not None:
+        train_gpt.check_quack_can_run(x.device, torch.cuda.get_device_capability())  # one line if it does not import
+        configs.append("quack")
+    else:
+        print("quack-kernels is not installed: its kernel is left out")
     flops = 2 * TOKENS * DIM * HIDDEN
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {sms} SMs; "
           f"{TOKENS} x {DIM} @ {DIM} x {HIDDEN} bf16, {args.repeats} calls per median")
@@ -87,8 +100,8 @@ def main() -> None:
     def ms_per_call(fn) -> float:
         return median_ms(lambda: [fn() for _ in range(CALLS_PER_TIMING)], args.repeats) / CALLS_PER_TIMING
 
-    for config, (direction, (run_fused, reference, expected)) in itertools.product(CONFIGS, directions.items()):
-        name = "{} {}x{}x{} s{} w{}".format(direction, *config)
+    for config, (direction, (run_fused, reference, expected)) in itertools.product(configs, directions.items()):
+        name = f"{direction} quack" if config == "quack" else "{} {}x{}x{} s{} w{}".format(direction, *config)
         fused = lambda: run_fused(config)  # noqa: E731
         try:
             out = fused()
@@ -112,4 +125,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except train_gpt.UserError as error:  # quack-kernels installed but not importable
+        raise SystemExit(f"bench_relu2_matmul.py: {error}") from None
