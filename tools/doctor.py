@@ -106,7 +106,8 @@ MEASURED_MS_PER_STEP: dict[tuple[str, int, int, str], tuple[float, float, str]] 
     ("NVIDIA H200", 1, 1, "flex"): (578.7, 579.1, "1 GPU, 8 micro-steps, FlexAttention; 629e1fa, 2026-12-06"),
     ("NVIDIA H200", 1, 2, "flex"): (0.49 * 578.7, 0.49 * 579.1, "2 GPUs, FlexAttention: 0.49x the 1-GPU time, a ratio measured on 2026-11-30, before the speed work"),
     ("NVIDIA H100 80GB HBM3", 1, 1, "flex"): (605.0, 615.2, "1 GPU, 8 micro-steps, FlexAttention; 629e1fa, 7fb9d5d and 853a9e0, 2026-12-06, six invocations"),
-    ("NVIDIA H100 80GB HBM3", 1, 1, "fa4"): (589.5, 596.9, "1 GPU, 8 micro-steps, flash-attn-4 4.0.0b40; 853a9e0, 739378a and a740140, 2026-12-06 and 07, six invocations, before the 128-row CE tiles"),
+    # flash-attn-4 4.0.0b40 installs quack-kernels 0.6.5, so auto runs the MLP on quack too (--mlp_kernel)
+    ("NVIDIA H100 80GB HBM3", 1, 1, "fa4"): (575.8, 592.6, "1 GPU, 8 micro-steps, flash-attn-4 4.0.0b40 and quack-kernels 0.6.5; d54e085, 2026-12-07, three calls"),
     ("NVIDIA H200", 3, 1, "sdpa"): (1422.9, 1422.9, "1 GPU, Shampoo roots on 8 streams, steps 11-150; 2026-11-30"),
     ("NVIDIA H200", 3, 2, "sdpa"): (714.8, 714.8, "2 GPUs, 30 steps; 2026-11-30"),
 }

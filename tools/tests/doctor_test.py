@@ -417,7 +417,7 @@ def test_expected_speed_only_for_a_measured_gpu_and_the_record_configuration(mon
     monkeypatch.setattr(tg, "flash_attn_4_version", lambda: tg.FLASH_ATTN_4_TESTED)  # auto takes fa4 on sm_90
     monkeypatch.setattr(tg, "_fa4_interface", lambda: types.ModuleType("flash_attn.cute.interface"))
     fa4 = dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan())
-    assert fa4.status == "ok" and fa4.detail.startswith("590-597 ms/step on NVIDIA H100 80GB HBM3 (1 GPU, 8 micro-steps, flash-attn-4 4.0.0b40; 853a9e0, 739378a and a740140")
+    assert fa4.status == "ok" and fa4.detail.startswith("576-593 ms/step on NVIDIA H100 80GB HBM3 (1 GPU, 8 micro-steps, flash-attn-4 4.0.0b40 and quack-kernels 0.6.5; d54e085")
     assert dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan("--attention_backend=flex")).detail.startswith("605-615 ms/step")
     h200_fa4 = dr.check_expected_speed(gpus(1), plan())
     assert h200_fa4.status == "skip" and h200_fa4.detail.startswith("no measurement for 1 x NVIDIA H200 with fa4 (we have: ")
