@@ -3986,8 +3986,8 @@ def relu2_backward_matmul(grad_out: Tensor, w: Tensor, pre: Tensor, tile: tuple[
 # GEMMs run the epilogue in warps of its own, so one tile's stores overlap the next tile's products. The two
 # epilogue functions below are written for its epilogue frontend (quack.epilogue.frontend: a Python function of one
 # fp32 accumulator element, traced into the kernel) and round where the Triton kernel rounds: the same bytes. One
-# H100, record shapes, interleaved (bench/NOTES.md, 2026-12-07): forward 0.385 against the Triton kernel's 0.518 ms
-# per call, backward 0.413 against 0.531; cuBLAS's product alone takes 0.352.
+# H100, record shapes (bench/bench_relu2_matmul.py, bench/NOTES.md 2026-12-07): forward 0.371 against the Triton
+# kernel's 0.459 ms per call, backward 0.424 against 0.494; in training 0.9795 of the Triton kernel's ms/step.
 @functools.cache
 def _quack_relu2_epilogues() -> tuple[Any, Any]:
     """The forward and backward epilogues as quack EpiMods, built on first use (importing quack loads the CuTe DSL
@@ -4018,11 +4018,10 @@ def _quack_relu2_epilogues() -> tuple[Any, Any]:
 
 
 def _quack_takes(*tensors: Tensor) -> bool:
-    """Whether the quack GEMM can take these operands: CUDA bf16/fp16 (its TMA wants rows and base addresses on 16
-    bytes) and non-empty."""
+    """Whether the quack epilogues can take these operands: CUDA bf16 (they round the product to bf16, training's
+    dtype), non-empty, rows and base addresses on 16 bytes (its TMA's)."""
     return all(
-        t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and t.numel() > 0 and (t.size(1) * t.element_size()) % 16 == 0
-        and t.data_ptr() % 16 == 0
+        t.is_cuda and t.dtype == torch.bfloat16 and t.numel() > 0 and (t.size(1) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
         for t in tensors
     )
 
