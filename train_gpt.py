@@ -860,21 +860,46 @@ def attention_backend(name: str, block_size: int, bos_token: int) -> AttentionBa
     return ATTENTION_BACKEND_CLASSES[name](block_size, bos_token)
 
 
-def check_fa4_can_run(device: torch.device, capability: tuple[int, int] | None, requested: str = "fa4") -> None:
-    """One UserError line for what fa4 (asked for, or auto's choice) lacks here: CUDA, sm_90, the package, or its import."""
+class KernelPackage(NamedTuple):
+    """An optional package of Hopper and Blackwell kernels that a flag's value names (fa4, quack), and the words of
+    check_kernel_package's refusals."""
+
+    flag: str  # the flag that names it, without dashes
+    package: str  # the distribution's name
+    owner: str  # the package's name as a possessive: "flash-attn-4's"
+    kind: str  # what its kernels are: "kernels", "GEMMs"
+    tested: str  # the version auto takes
+    installed_by: str  # "" or "; <other package> installs it"
+    fallback: str  # the value to pass instead on a GPU
+    cpu_fallback: str  # and on CPU
+    version: Callable[[], str | None]  # the installed version, None without it
+    load: Callable[[], object]  # imports it (ImportError or OSError when the install is broken)
+
+
+def check_kernel_package(kernels: KernelPackage, device: torch.device, capability: tuple[int, int] | None, requested: str) -> None:
+    """One UserError line for what the package (asked for, or auto's choice) lacks here: CUDA, sm_90, the package, or its import."""
+    flag = f"--{kernels.flag}={requested}"
     if device.type != "cuda":
-        raise UserError(f"--attention_backend={requested} cannot train on CPU (flash-attn-4's kernels are CUDA only); use auto or reference")
+        raise UserError(f"{flag} cannot train on CPU ({kernels.owner} {kernels.kind} are CUDA only); use auto or {kernels.cpu_fallback}")
     if capability is not None and capability < (9, 0):
-        raise UserError(f"--attention_backend={requested} needs compute capability 9.0 or newer (flash-attn-4's Hopper and Blackwell kernels); "
-                        f"this GPU is sm_{capability[0]}{capability[1]}: use auto or flex")
-    if not flash_attn_4_installed():
-        raise UserError(f"--attention_backend={requested} needs flash-attn-4 ({FLASH_ATTN_4_TESTED} is the tested version, README.md#install); use auto or flex")
+        raise UserError(f"{flag} needs compute capability 9.0 or newer ({kernels.owner} Hopper and Blackwell {kernels.kind}); "
+                        f"this GPU is sm_{capability[0]}{capability[1]}: use auto or {kernels.fallback}")
+    if kernels.version() is None:
+        raise UserError(f"{flag} needs {kernels.package} ({kernels.tested} is the tested version{kernels.installed_by}, README.md#install); "
+                        f"use auto or {kernels.fallback}")
     try:
-        _fa4_interface()
-    except (ImportError, OSError) as error:  # a missing dependency or shared library of an installed flash-attn-4
+        kernels.load()
+    except (ImportError, OSError) as error:  # a missing dependency or shared library of an installed package
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise UserError(f"--attention_backend={requested}: flash-attn-4 is installed but does not import ({first_line}); "
-                        f"reinstall it (README.md#install) or pass --attention_backend=flex") from None
+        raise UserError(f"{flag}: {kernels.package} is installed but does not import ({first_line}); "
+                        f"reinstall it (README.md#install) or pass --{kernels.flag}={kernels.fallback}") from None
+
+
+# lambdas, so that the functions are looked up at the call (the tests replace them)
+FA4_KERNELS = KernelPackage("attention_backend", "flash-attn-4", "flash-attn-4's", "kernels", FLASH_ATTN_4_TESTED, "", "flex", "reference",
+                            lambda: flash_attn_4_version(), lambda: _fa4_interface())
+QUACK_KERNELS = KernelPackage("mlp_kernel", "quack-kernels", "quack-kernels'", "GEMMs", QUACK_TESTED, "; flash-attn-4 installs it", "triton",
+                              "triton", lambda: quack_version(), lambda: _quack_relu2_epilogues())
 
 
 def choose_attention_backend(requested: str, device: torch.device, capability: tuple[int, int] | None) -> str:
@@ -882,7 +907,7 @@ def choose_attention_backend(requested: str, device: torch.device, capability: t
     if requested == "flash3" and (flash_attn_varlen_func is None or device.type != "cuda"):
         raise UserError("--attention_backend=flash3 needs CUDA and flash_attn_interface (FlashAttention-3); use auto, flex or reference")
     if requested == "fa4":
-        check_fa4_can_run(device, capability)
+        check_kernel_package(FA4_KERNELS, device, capability, requested)
     if requested in ("flex", "varlen") and device.type != "cuda":
         why = "FlexAttention has no CPU backward" if requested == "flex" else "torch's varlen_attn has no CPU kernel"
         raise UserError(f"--attention_backend={requested} cannot train on CPU ({why}); use auto or reference")
@@ -896,7 +921,7 @@ def choose_attention_backend(requested: str, device: torch.device, capability: t
     if flash_attn_varlen_func is not None:
         return "flash3"
     if capability == FA4_MEASURED_CAPABILITY and flash_attn_4_version() == FLASH_ATTN_4_TESTED:
-        check_fa4_can_run(device, capability, requested)  # installed but broken: one line, not a silent flex
+        check_kernel_package(FA4_KERNELS, device, capability, requested)  # installed but broken: one line, not a silent flex
         return "fa4"
     return "flex"
 
@@ -906,31 +931,12 @@ def attention_backend_line(backend: str) -> str:
     return f"attention_backend: {backend}" + (f" (flash-attn-4 {flash_attn_4_version()})" if backend == "fa4" else "")
 
 
-def check_quack_can_run(device: torch.device, capability: tuple[int, int] | None, requested: str = "quack") -> None:
-    """One UserError line for what the quack MLP kernel (asked for, or auto's choice) lacks here: CUDA, sm_90, the
-    package, or its import."""
-    if device.type != "cuda":
-        raise UserError(f"--mlp_kernel={requested} cannot train on CPU (quack-kernels' GEMMs are CUDA only); use auto or triton")
-    if capability is not None and capability < (9, 0):
-        raise UserError(f"--mlp_kernel={requested} needs compute capability 9.0 or newer (quack-kernels' Hopper and Blackwell GEMMs); "
-                        f"this GPU is sm_{capability[0]}{capability[1]}: use auto or triton")
-    if quack_version() is None:
-        raise UserError(f"--mlp_kernel={requested} needs quack-kernels ({QUACK_TESTED} is the tested version; flash-attn-4 installs it, "
-                        "README.md#install); use auto or triton")
-    try:
-        _quack_relu2_epilogues()
-    except (ImportError, OSError) as error:  # a missing dependency or shared library of an installed quack-kernels
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise UserError(f"--mlp_kernel={requested}: quack-kernels is installed but does not import ({first_line}); "
-                        f"reinstall it (README.md#install) or pass --mlp_kernel=triton") from None
-
-
 def choose_mlp_kernel(requested: str, device: torch.device, capability: tuple[int, int] | None) -> str:
     """The MLP kernel's name for --mlp_kernel=requested on device (capability: the GPU's, None on CPU): quack or triton.
     Either runs the eager formula where its kernel cannot (triton on CPU, for one); auto takes quack only on the GPU
     and version it was measured on."""
     if requested == "quack" or (requested == "auto" and capability == QUACK_MEASURED_CAPABILITY and quack_version() == QUACK_TESTED):
-        check_quack_can_run(device, capability, requested)  # installed but broken: one line, not a silent triton
+        check_kernel_package(QUACK_KERNELS, device, capability, requested)  # installed but broken: one line, not a silent triton
         return "quack"
     return "triton"
 

@@ -89,7 +89,8 @@ def main() -> None:
     }
     configs: list[tuple[int, ...] | str] = list(CONFIGS[: args.tiles])
     if train_gpt.quack_version() is not None:
-        train_gpt.check_quack_can_run(x.device, torch.cuda.get_device_capability())  # one line if it does not import
+        capability = torch.cuda.get_device_capability()
+        train_gpt.check_kernel_package(train_gpt.QUACK_KERNELS, x.device, capability, "quack")  # one line if it does not import
         configs.append("quack")
     else:
         print("quack-kernels is not installed: its kernel is left out")

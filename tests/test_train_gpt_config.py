@@ -252,38 +252,57 @@ def test_flash_attn_4_installed_reads_the_distribution_metadata(monkeypatch: pyt
     assert asked == ["flash-attn-4"] * 6
 
 
-def test_the_quack_mlp_kernel_is_refused_in_one_line_where_it_cannot_run_and_auto_takes_it_on_sm90(monkeypatch: pytest.MonkeyPatch):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+@pytest.mark.parametrize("flag, value, fallback, cpu_fallback, words", [
+    ("attention_backend", "fa4", "flex", "reference", ("flash-attn-4", "flash-attn-4's", "kernels", "4.0.0b40", "")),
+    ("mlp_kernel", "quack", "triton", "triton", ("quack-kernels", "quack-kernels'", "GEMMs", "0.6.5", "; flash-attn-4 installs it")),
+])
+def test_each_kernel_package_is_refused_in_one_line_where_it_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, flag: str, value: str, fallback: str, cpu_fallback: str, words: tuple[str, ...]
+):
+    """check_kernel_package's four refusals, through the choose function that calls it, for both packages."""
+    package, owner, kind, tested, installed_by = words
+    choose = {"attention_backend": tg.choose_attention_backend, "mlp_kernel": tg.choose_mlp_kernel}[flag]
+    version_function = {"attention_backend": "flash_attn_4_version", "mlp_kernel": "quack_version"}[flag]
+    loader = {"attention_backend": "_fa4_interface", "mlp_kernel": "_quack_relu2_epilogues"}[flag]
+    monkeypatch.setattr(tg, "flash_attn_varlen_func", None)
     installed: str | None = None
-    monkeypatch.setattr(tg, "quack_version", lambda: installed)
+    monkeypatch.setattr(tg, version_function, lambda: installed)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
 
-    def refusal(device: torch.device, capability: tuple[int, int] | None, requested: str = "quack") -> str:
+    def refusal(device: torch.device, capability: tuple[int, int] | None, requested: str = value) -> str:
         with pytest.raises(tg.UserError) as error:
-            tg.choose_mlp_kernel(requested, device, capability)
+            choose(requested, device, capability)
         return str(error.value)
 
-    assert refusal(cuda, (9, 0)) == ("--mlp_kernel=quack needs quack-kernels (0.6.5 is the tested version; flash-attn-4 installs it, "
-                                     "README.md#install); use auto or triton")
-    assert refusal(cpu, None) == "--mlp_kernel=quack cannot train on CPU (quack-kernels' GEMMs are CUDA only); use auto or triton"
-    assert refusal(cuda, (8, 0)) == ("--mlp_kernel=quack needs compute capability 9.0 or newer (quack-kernels' Hopper and Blackwell "
-                                     "GEMMs); this GPU is sm_80: use auto or triton")
-    assert tg.choose_mlp_kernel("auto", cuda, (9, 0)) == "triton"  # not installed
-    installed = tg.QUACK_TESTED
+    assert refusal(cuda, (9, 0)) == (f"--{flag}={value} needs {package} ({tested} is the tested version{installed_by}, README.md#install); "
+                                     f"use auto or {fallback}")
+    assert refusal(cpu, None) == f"--{flag}={value} cannot train on CPU ({owner} {kind} are CUDA only); use auto or {cpu_fallback}"
+    assert refusal(cuda, (8, 0)) == (f"--{flag}={value} needs compute capability 9.0 or newer ({owner} Hopper and Blackwell {kind}); "
+                                     f"this GPU is sm_80: use auto or {fallback}")
+    installed = tested
 
     def broken_install() -> None:
         raise ImportError("libcute_dsl_runtime.so: cannot open shared object file\nmore")
 
-    monkeypatch.setattr(tg, "_quack_relu2_epilogues", broken_install)
-    for requested in ("quack", "auto"):  # auto would take it here, so a broken install is refused, not silently replaced
+    monkeypatch.setattr(tg, loader, broken_install)
+    for requested in (value, "auto"):  # auto would take it here, so a broken install is refused, not silently replaced
         assert refusal(cuda, (9, 0), requested) == (
-            f"--mlp_kernel={requested}: quack-kernels is installed but does not import (libcute_dsl_runtime.so: cannot open "
-            "shared object file); reinstall it (README.md#install) or pass --mlp_kernel=triton")
-    assert tg.choose_mlp_kernel("auto", cuda, (10, 0)) == "triton"  # not measured there: quack is not imported
-    assert tg.choose_mlp_kernel("triton", cuda, (9, 0)) == "triton"
+            f"--{flag}={requested}: {package} is installed but does not import (libcute_dsl_runtime.so: cannot open shared object "
+            f"file); reinstall it (README.md#install) or pass --{flag}={fallback}")
+
+
+def test_auto_takes_the_quack_mlp_kernel_on_sm90_with_its_tested_version(monkeypatch: pytest.MonkeyPatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    installed: str | None = None
+    monkeypatch.setattr(tg, "quack_version", lambda: installed)
     monkeypatch.setattr(tg, "_quack_relu2_epilogues", lambda: (None, None))
+    assert tg.choose_mlp_kernel("auto", cuda, (9, 0)) == "triton"  # not installed
+    installed = tg.QUACK_TESTED
     assert tg.choose_mlp_kernel("quack", cuda, (9, 0)) == tg.choose_mlp_kernel("quack", cuda, (10, 0)) == "quack"
     assert tg.choose_mlp_kernel("auto", cuda, (9, 0)) == "quack"  # the measured GPU and version
+    assert tg.choose_mlp_kernel("auto", cuda, (10, 0)) == "triton"  # not measured there
     assert tg.choose_mlp_kernel("auto", cpu, None) == "triton"  # whose wrapper runs the eager formula there
+    assert tg.choose_mlp_kernel("triton", cuda, (9, 0)) == "triton"
     installed = "0.6.6"  # its epilogue frontend may differ: only when asked for
     assert tg.choose_mlp_kernel("auto", cuda, (9, 0)) == "triton"
     assert tg.choose_mlp_kernel("quack", cuda, (9, 0)) == "quack"

@@ -359,7 +359,7 @@ def test_attention_backend_and_why(monkeypatch):
     broken = dr.check_attention(gpus(1), plan("--attention_backend=fa4"), quick=False)
     assert broken.status == "fail" and broken.detail.endswith("but its kernel fails on this GPU (sm_90): Unsupported compute capability")
     assert broken.fix == f"pass --attention_backend=flex, or (re)install flash-attn-4 {tg.FLASH_ATTN_4_TESTED} (README.md#install)"
-    monkeypatch.setattr(tg, "flash_attn_4_installed", lambda: False)
+    monkeypatch.setattr(tg, "flash_attn_4_version", lambda: None)  # not installed
     missing = dr.check_attention(gpus(1), plan("--attention_backend=fa4"), quick=True)
     assert missing.status == "fail" and "needs flash-attn-4 (4.0.0b40 is the tested version" in missing.detail
     turing = dr.check_attention(gpus(1, capability=(7, 5)), plan("--attention_backend=varlen"), quick=True)
