@@ -861,14 +861,17 @@ def attention_backend(name: str, block_size: int, bos_token: int) -> AttentionBa
 
 
 class KernelPackage(NamedTuple):
-    """An optional package of Hopper and Blackwell kernels that a flag's value names (fa4, quack), and the words of
+    """An optional package of GPU kernels that a flag's value names (fa4, quack), where it runs, and the words of
     check_kernel_package's refusals."""
 
     flag: str  # the flag that names it, without dashes
     package: str  # the distribution's name
     owner: str  # the package's name as a possessive: "flash-attn-4's"
     kind: str  # what its kernels are: "kernels", "GEMMs"
+    gpus: str  # the GPUs it is used on: "Hopper and Blackwell"
+    newest_major: int | None  # the newest compute capability major it runs on (None: any from 9.0 on)
     tested: str  # the version auto takes
+    only_tested: bool  # other versions are refused even when asked for
     installed_by: str  # "" or "; <other package> installs it"
     fallback: str  # the value to pass instead on a GPU
     cpu_fallback: str  # and on CPU
@@ -881,12 +884,18 @@ def check_kernel_package(kernels: KernelPackage, device: torch.device, capabilit
     flag = f"--{kernels.flag}={requested}"
     if device.type != "cuda":
         raise UserError(f"{flag} cannot train on CPU ({kernels.owner} {kernels.kind} are CUDA only); use auto or {kernels.cpu_fallback}")
-    if capability is not None and capability < (9, 0):
-        raise UserError(f"{flag} needs compute capability 9.0 or newer ({kernels.owner} Hopper and Blackwell {kernels.kind}); "
+    newest = kernels.newest_major
+    if capability is not None and (capability < (9, 0) or (newest is not None and capability[0] > newest)):
+        needed = "9.0 or newer" if newest is None else ("9.x" if newest == 9 else f"9.0 to {newest}.x")
+        raise UserError(f"{flag} needs compute capability {needed} ({kernels.owner} {kernels.gpus} {kernels.kind}); "
                         f"this GPU is sm_{capability[0]}{capability[1]}: use auto or {kernels.fallback}")
-    if kernels.version() is None:
+    installed = kernels.version()
+    if installed is None:
         raise UserError(f"{flag} needs {kernels.package} ({kernels.tested} is the tested version{kernels.installed_by}, README.md#install); "
                         f"use auto or {kernels.fallback}")
+    if kernels.only_tested and installed != kernels.tested:
+        raise UserError(f"{flag} needs {kernels.package} {kernels.tested}, the tested version ({installed} is installed): "
+                        f"pip install {kernels.package}=={kernels.tested}, or pass --{kernels.flag}={kernels.fallback}")
     try:
         kernels.load()
     except (ImportError, OSError) as error:  # a missing dependency or shared library of an installed package
@@ -895,11 +904,13 @@ def check_kernel_package(kernels: KernelPackage, device: torch.device, capabilit
                         f"reinstall it (README.md#install) or pass --{kernels.flag}={kernels.fallback}") from None
 
 
-# lambdas, so that the functions are looked up at the call (the tests replace them)
-FA4_KERNELS = KernelPackage("attention_backend", "flash-attn-4", "flash-attn-4's", "kernels", FLASH_ATTN_4_TESTED, "", "flex", "reference",
-                            lambda: flash_attn_4_version(), lambda: _fa4_interface())
-QUACK_KERNELS = KernelPackage("mlp_kernel", "quack-kernels", "quack-kernels'", "GEMMs", QUACK_TESTED, "; flash-attn-4 installs it", "triton",
-                              "triton", lambda: quack_version(), lambda: _quack_relu2_epilogues())
+# Lambdas, so that the functions are looked up at the call (the tests replace them). quack: Hopper and the tested
+# version only, as train_gpt.py's epilogues are written for 0.6.5's frontend on SM90, which passes them one fp32 value
+# at a time (its SM100 GEMMs pass pairs), and that frontend is young.
+FA4_KERNELS = KernelPackage("attention_backend", "flash-attn-4", "flash-attn-4's", "kernels", "Hopper and Blackwell", None,
+                            FLASH_ATTN_4_TESTED, False, "", "flex", "reference", lambda: flash_attn_4_version(), lambda: _fa4_interface())
+QUACK_KERNELS = KernelPackage("mlp_kernel", "quack-kernels", "quack-kernels'", "GEMMs", "Hopper", 9, QUACK_TESTED, True,
+                              "; flash-attn-4 installs it", "triton", "triton", lambda: quack_version(), lambda: _quack_relu2_epilogues())
 
 
 def choose_attention_backend(requested: str, device: torch.device, capability: tuple[int, int] | None) -> str:

@@ -253,14 +253,15 @@ def test_flash_attn_4_installed_reads_the_distribution_metadata(monkeypatch: pyt
 
 
 @pytest.mark.parametrize("flag, value, fallback, cpu_fallback, words", [
-    ("attention_backend", "fa4", "flex", "reference", ("flash-attn-4", "flash-attn-4's", "kernels", "4.0.0b40", "")),
-    ("mlp_kernel", "quack", "triton", "triton", ("quack-kernels", "quack-kernels'", "GEMMs", "0.6.5", "; flash-attn-4 installs it")),
+    ("attention_backend", "fa4", "flex", "reference", ("flash-attn-4", "flash-attn-4's", "Hopper and Blackwell kernels", "4.0.0b40", "")),
+    ("mlp_kernel", "quack", "triton", "triton", ("quack-kernels", "quack-kernels'", "Hopper GEMMs", "0.6.5", "; flash-attn-4 installs it")),
 ])
 def test_each_kernel_package_is_refused_in_one_line_where_it_cannot_run(
     monkeypatch: pytest.MonkeyPatch, flag: str, value: str, fallback: str, cpu_fallback: str, words: tuple[str, ...]
 ):
     """check_kernel_package's four refusals, through the choose function that calls it, for both packages."""
-    package, owner, kind, tested, installed_by = words
+    package, owner, gpus_kind, tested, installed_by = words
+    kind = gpus_kind.split()[-1]
     choose = {"attention_backend": tg.choose_attention_backend, "mlp_kernel": tg.choose_mlp_kernel}[flag]
     version_function = {"attention_backend": "flash_attn_4_version", "mlp_kernel": "quack_version"}[flag]
     loader = {"attention_backend": "_fa4_interface", "mlp_kernel": "_quack_relu2_epilogues"}[flag]
@@ -277,8 +278,13 @@ def test_each_kernel_package_is_refused_in_one_line_where_it_cannot_run(
     assert refusal(cuda, (9, 0)) == (f"--{flag}={value} needs {package} ({tested} is the tested version{installed_by}, README.md#install); "
                                      f"use auto or {fallback}")
     assert refusal(cpu, None) == f"--{flag}={value} cannot train on CPU ({owner} {kind} are CUDA only); use auto or {cpu_fallback}"
-    assert refusal(cuda, (8, 0)) == (f"--{flag}={value} needs compute capability 9.0 or newer ({owner} Hopper and Blackwell {kind}); "
-                                     f"this GPU is sm_80: use auto or {fallback}")
+    needed = "9.0 or newer" if value == "fa4" else "9.x"
+    assert refusal(cuda, (8, 0)) == f"--{flag}={value} needs compute capability {needed} ({owner} {gpus_kind}); this GPU is sm_80: use auto or {fallback}"
+    if value == "quack":  # its epilogues are written for SM90's one value at a time
+        assert refusal(cuda, (10, 0)) == f"--{flag}={value} needs compute capability 9.x ({owner} {gpus_kind}); this GPU is sm_100: use auto or {fallback}"
+        installed = "0.6.6"  # its epilogue frontend may differ
+        assert refusal(cuda, (9, 0)) == (f"--{flag}={value} needs {package} {tested}, the tested version (0.6.6 is installed): "
+                                         f"pip install {package}=={tested}, or pass --{flag}={fallback}")
     installed = tested
 
     def broken_install() -> None:
@@ -298,14 +304,13 @@ def test_auto_takes_the_quack_mlp_kernel_on_sm90_with_its_tested_version(monkeyp
     monkeypatch.setattr(tg, "_quack_relu2_epilogues", lambda: (None, None))
     assert tg.choose_mlp_kernel("auto", cuda, (9, 0)) == "triton"  # not installed
     installed = tg.QUACK_TESTED
-    assert tg.choose_mlp_kernel("quack", cuda, (9, 0)) == tg.choose_mlp_kernel("quack", cuda, (10, 0)) == "quack"
+    assert tg.choose_mlp_kernel("quack", cuda, (9, 0)) == "quack"
     assert tg.choose_mlp_kernel("auto", cuda, (9, 0)) == "quack"  # the measured GPU and version
-    assert tg.choose_mlp_kernel("auto", cuda, (10, 0)) == "triton"  # not measured there
+    assert tg.choose_mlp_kernel("auto", cuda, (10, 0)) == "triton"  # Blackwell's GEMMs pass the epilogues pairs
     assert tg.choose_mlp_kernel("auto", cpu, None) == "triton"  # whose wrapper runs the eager formula there
     assert tg.choose_mlp_kernel("triton", cuda, (9, 0)) == "triton"
-    installed = "0.6.6"  # its epilogue frontend may differ: only when asked for
+    installed = "0.6.6"  # its epilogue frontend may differ: refused when asked for (the refusal test), not taken by auto
     assert tg.choose_mlp_kernel("auto", cuda, (9, 0)) == "triton"
-    assert tg.choose_mlp_kernel("quack", cuda, (9, 0)) == "quack"
     assert tg.mlp_kernel_line("quack") == "mlp_kernel: quack (quack-kernels 0.6.6)"
     assert tg.mlp_kernel_line("triton") == "mlp_kernel: triton"
 
