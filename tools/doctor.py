@@ -111,12 +111,14 @@ MEASURED_MS_PER_STEP: dict[tuple[str, int, int, str], tuple[float, float, str]] 
     ("NVIDIA H200", 3, 1, "sdpa"): (1422.9, 1422.9, "1 GPU, Shampoo roots on 8 streams, steps 11-150; 2026-11-30"),
     ("NVIDIA H200", 3, 2, "sdpa"): (714.8, 714.8, "2 GPUs, 30 steps; 2026-11-30"),
 }
+# The MLP kernel each Track 1 entry ran with (--mlp_kernel): quack-kernels comes with flash-attn-4
+MEASURED_MLP_KERNEL = {"fa4": "quack"}
 # Overrides that leave the work of a step unchanged (paths, logging, how long, checkpoints).
 STEP_NEUTRAL_FLAGS = frozenset({
     "train_files", "val_files", "cycle_train_files", "log_dir", "run_id", "seed", "save_checkpoint",
     "checkpoint_every", "checkpoint_dir", "resume", "val_loss_every", "val_every", "val_every_late", "late_frac",
     "num_iterations", "iteration_extension", "train_steps", "warmup_steps", "num_trials", "val_tokens", "val_batch_size",
-    "attention_backend",  # the measurements are keyed by the backend the run will use
+    "attention_backend", "mlp_kernel",  # the measurements are keyed by the backend and MLP kernel the run will use
 })
 # `time python <script> --preset=smoke` on this project's 2-core machines (shared with other work), the fastest of
 # several runs, 2026-12-04 (README "First 10 minutes").
@@ -568,6 +570,40 @@ def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
     return Check("attention", "ok", f"{chosen} (FA3): {why}, and its kernel runs on this GPU")
 
 
+def _why_not_quack(tg: Any, capability: tuple[int, int]) -> str:
+    """Why auto did not take the quack MLP kernel (train_gpt.choose_mlp_kernel's rule)."""
+    version = tg.quack_version()
+    if version is None:
+        return "quack-kernels is not installed (flash-attn-4 brings it)"
+    if version != tg.QUACK_TESTED:
+        return f"quack-kernels {version} is not the tested {tg.QUACK_TESTED}"
+    return f"the quack kernel is measured on sm_90 only, this GPU is sm_{capability[0]}{capability[1]}"
+
+
+def check_mlp_kernel(machine: Machine, plan: Plan) -> Check | None:
+    """Track 1's --mlp_kernel as train_gpt.py resolves it here (its refusals are one line each)."""
+    if plan.track.number != 1:
+        return None
+    import torch
+
+    tg = training_module(plan.track)
+    requested = plan.hp.mlp_kernel
+    device = torch.device("cuda", 0) if machine.gpu_mode else torch.device("cpu")
+    capability = machine.gpus[0].capability if machine.gpu_mode else None
+    try:
+        kernel = tg.choose_mlp_kernel(requested, device, capability)  # train_gpt.py's own decision
+    except tg.UserError as error:
+        return Check("mlp", "fail", str(error), "pass --mlp_kernel=triton" if machine.gpu_mode else "drop --mlp_kernel")
+    chosen = f"train_gpt.py will use {kernel}"
+    if not machine.gpu_mode:
+        return Check("mlp", "ok", f"{chosen}: a CPU run, where its wrapper runs the eager formula")
+    if kernel == "quack":
+        why = "asked for" if requested == "quack" else f"quack-kernels {tg.QUACK_TESTED} is installed, on sm_90 (measured faster than the Triton kernel on an H100)"
+        return Check("mlp", "ok", f"{chosen} (quack-kernels' GEMMs with train_gpt.py's ReLU² epilogues): {why}")
+    why = "asked for" if requested == "triton" else _why_not_quack(tg, capability)
+    return Check("mlp", "ok", f"{chosen} (the Triton kernel, the same bytes): {why}")
+
+
 def check_shampoo(plan: Plan) -> Check | None:
     if plan.track.number != 3:
         return None
@@ -917,7 +953,8 @@ def work_changing_flags(plan: Plan) -> list[str]:
 
 def attention_measured_as(machine: Machine, plan: Plan) -> str | None:
     """MEASURED_MS_PER_STEP's attention key for this run on GPU 0: Track 1's backend as train_gpt.py chooses it
-    (None when it refuses; fa4 with its version when that is not the tested one), "sdpa" for Track 3."""
+    (None when it refuses it or the MLP kernel; fa4 with its version when that is not the tested one; the backend
+    with the MLP kernel when that is not the one its entry ran with), "sdpa" for Track 3."""
     if plan.track.number != 1:
         return "sdpa"
     import torch
@@ -929,6 +966,12 @@ def attention_measured_as(machine: Machine, plan: Plan) -> str | None:
         return None
     if backend == "fa4" and (version := tg.flash_attn_4_version()) != tg.FLASH_ATTN_4_TESTED:
         return f"fa4 {version}"  # measured with the tested version only
+    try:
+        mlp_kernel = tg.choose_mlp_kernel(plan.hp.mlp_kernel, torch.device("cuda", 0), machine.gpus[0].capability)
+    except tg.UserError:  # check_mlp_kernel reports it
+        return None
+    if mlp_kernel != MEASURED_MLP_KERNEL.get(backend, "triton"):
+        return f"{backend} with the {mlp_kernel} MLP kernel"
     return backend
 
 
@@ -940,7 +983,7 @@ def check_expected_speed(machine: Machine, plan: Plan) -> Check:
     name = machine.gpus[0].name
     attention = attention_measured_as(machine, plan)
     if attention is None:
-        return Check("expected", "skip", "the attention backend cannot run here (see attention)")
+        return Check("expected", "skip", "the attention backend or the MLP kernel cannot run here (see attention, mlp)")
     measured = MEASURED_MS_PER_STEP.get((name, plan.track.number, plan.world_size, attention))
     if measured is None or plan.nnodes > 1:
         known = sorted({f"{gpu} x{n} {backend}" for gpu, track, n, backend in MEASURED_MS_PER_STEP if track == plan.track.number})
@@ -975,6 +1018,7 @@ def run_checks(machine: Machine, plan: Plan, quick: bool, report: Callable[[Chec
         lambda: check_triton(machine, failures.get("triton")), lambda: check_data_package("tiktoken", failures, machine.gpu_mode),
         lambda: check_data_package("huggingface_hub", failures, machine.gpu_mode), lambda: check_cuda(machine),
         lambda: check_gpus(machine, plan), lambda: check_processes(plan), lambda: check_attention(machine, plan, quick),
+        lambda: check_mlp_kernel(machine, plan),
         lambda: check_shampoo(plan), lambda: check_all_reduce(machine, plan, quick), lambda: check_shards(plan),
         lambda: check_torchrun(plan), lambda: check_disk(plan), lambda: check_expected_speed(machine, plan),
     ]

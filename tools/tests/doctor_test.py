@@ -70,10 +70,11 @@ def test_cpu_mode_reports_the_smoke_run_and_skips_the_gpu_checks(tmp_path):
     assert lines[0] == "doctor: Track 1 (train_gpt.py), 1 process, CPU mode (the smoke run)"
     found = statuses(result.stdout)
     assert list(found) == ["python", "torch", "numpy", "triton", "tiktoken", "huggingface_hub", "cuda", "gpus", "processes",
-                           "attention", "nccl", "shards", "torchrun", "disk", "expected"]
+                           "attention", "mlp", "nccl", "shards", "torchrun", "disk", "expected"]
     assert all(found[name] == "skip" for name in GPU_CHECKS), found
     assert "fail" not in found.values()
     assert "ok    attention  train_gpt.py will use reference: a CPU run (FlexAttention has no CPU backward)" in lines
+    assert "ok    mlp        train_gpt.py will use triton: a CPU run, where its wrapper runs the eager formula" in lines
     assert "ok    shards     the smoke preset writes its own synthetic shards (logs/smoke_shards_*/)" in lines
     assert any(line.startswith("doctor: the smoke run would start (") for line in lines)
     assert "  python train_gpt.py --preset=smoke" in result.stdout and "  python train_gpt_shampoo.py --preset=smoke" in result.stdout
@@ -399,7 +400,30 @@ def test_attention_auto_takes_fa4_on_sm90_with_the_tested_version(monkeypatch):
         refused = dr.check_attention(gpus(1), plan(f"--attention_backend={requested}"), quick=True)
         assert refused.status == "fail" and refused.fix == "pass --attention_backend=flex"
         assert refused.detail.startswith(f"--attention_backend={requested}: flash-attn-4 is installed but does not import (libcute_dsl_runtime.so")
-    assert dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan()).detail == "the attention backend cannot run here (see attention)"
+    assert dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan()).detail == "the attention backend or the MLP kernel cannot run here (see attention, mlp)"
+
+
+def test_mlp_kernel_says_which_and_why_and_refuses_in_one_line(monkeypatch):
+    tg = dr.training_module(dr.TRACKS[1])
+    installed: str | None = None
+    monkeypatch.setattr(tg, "quack_version", lambda: installed)
+    monkeypatch.setattr(tg, "_quack_relu2_epilogues", lambda: (None, None))
+    triton = dr.check_mlp_kernel(gpus(1), plan())
+    assert (triton.status, triton.detail) == ("ok", "train_gpt.py will use triton (the Triton kernel, the same bytes): "
+                                                     "quack-kernels is not installed (flash-attn-4 brings it)")
+    installed = tg.QUACK_TESTED
+    quack = dr.check_mlp_kernel(gpus(1), plan())
+    assert (quack.status, quack.detail) == ("ok", "train_gpt.py will use quack (quack-kernels' GEMMs with train_gpt.py's ReLU² epilogues): "
+                                                   "quack-kernels 0.6.5 is installed, on sm_90 (measured faster than the Triton kernel on an H100)")
+    assert dr.check_mlp_kernel(gpus(1, capability=(10, 0)), plan()).detail.endswith("the quack kernel is measured on sm_90 only, this GPU is sm_100")
+    refused = dr.check_mlp_kernel(gpus(1, capability=(10, 0)), plan("--mlp_kernel=quack"))
+    assert (refused.status, refused.fix) == ("fail", "pass --mlp_kernel=triton")
+    assert refused.detail == "--mlp_kernel=quack needs compute capability 9.x (quack-kernels' Hopper GEMMs); this GPU is sm_100: use auto or triton"
+    assert dr.check_expected_speed(gpus(1, capability=(10, 0)), plan("--mlp_kernel=quack")).status == "skip"
+    installed = "0.6.6"
+    assert dr.check_mlp_kernel(gpus(1), plan()).detail.endswith("quack-kernels 0.6.6 is not the tested 0.6.5")
+    assert dr.check_mlp_kernel(gpus(1), plan("--mlp_kernel=triton")).detail.endswith("(the Triton kernel, the same bytes): asked for")
+    assert dr.check_mlp_kernel(gpus(1), plan(track=3)) is None  # Track 3 has no --mlp_kernel
 
 
 def test_expected_speed_only_for_a_measured_gpu_and_the_record_configuration(monkeypatch):
@@ -416,12 +440,21 @@ def test_expected_speed_only_for_a_measured_gpu_and_the_record_configuration(mon
     assert h100.status == "ok" and h100.detail.startswith("605-615 ms/step on NVIDIA H100 80GB HBM3 (1 GPU, 8 micro-steps, FlexAttention; 629e1fa")
     monkeypatch.setattr(tg, "flash_attn_4_version", lambda: tg.FLASH_ATTN_4_TESTED)  # auto takes fa4 on sm_90
     monkeypatch.setattr(tg, "_fa4_interface", lambda: types.ModuleType("flash_attn.cute.interface"))
+    without_quack = dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan())  # the entry ran with quack's MLP kernel
+    assert without_quack.status == "skip" and without_quack.detail.startswith(
+        "no measurement for 1 x NVIDIA H100 80GB HBM3 with fa4 with the triton MLP kernel (we have: ")
+    monkeypatch.setattr(tg, "quack_version", lambda: tg.QUACK_TESTED)  # flash-attn-4 brings it; auto takes it on sm_90
+    monkeypatch.setattr(tg, "_quack_relu2_epilogues", lambda: (None, None))
     fa4 = dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan())
     assert fa4.status == "ok" and fa4.detail.startswith("576-593 ms/step on NVIDIA H100 80GB HBM3 (1 GPU, 8 micro-steps, flash-attn-4 4.0.0b40 and quack-kernels 0.6.5; d54e085")
-    assert dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan("--attention_backend=flex")).detail.startswith("605-615 ms/step")
+    flex_with_quack = dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan("--attention_backend=flex"))
+    assert flex_with_quack.detail.startswith("no measurement for 1 x NVIDIA H100 80GB HBM3 with flex with the quack MLP kernel")
+    flex = dr.check_expected_speed(gpus(1, name="NVIDIA H100 80GB HBM3"), plan("--attention_backend=flex", "--mlp_kernel=triton"))
+    assert flex.detail.startswith("605-615 ms/step")
     h200_fa4 = dr.check_expected_speed(gpus(1), plan())
     assert h200_fa4.status == "skip" and h200_fa4.detail.startswith("no measurement for 1 x NVIDIA H200 with fa4 (we have: ")
     monkeypatch.setattr(tg, "flash_attn_4_version", lambda: None)
+    monkeypatch.setattr(tg, "quack_version", lambda: None)  # gone with flash-attn-4
     assert dr.check_expected_speed(gpus(1), plan(track=3)).detail.startswith("1,423 ms/step")
     assert dr.check_expected_speed(gpus(2), plan(track=3, nproc=2)).detail.startswith("715 ms/step")
     assert dr.check_expected_speed(gpus(8), plan(nproc=8)).status == "skip"  # not measured
