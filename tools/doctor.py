@@ -520,15 +520,19 @@ def _why_not_fa4(tg: Any, capability: tuple[int, int]) -> str:
     return f"fa4 is measured on sm_90 only, this GPU is sm_{capability[0]}{capability[1]} (--attention_backend=fa4 takes it anyway)"
 
 
+def first_device(machine: Machine) -> tuple[Any, tuple[int, int] | None]:
+    """The device train_gpt.py's rank 0 trains on and its compute capability (None on CPU), for its choose functions."""
+    import torch
+
+    return (torch.device("cuda", 0), machine.gpus[0].capability) if machine.gpu_mode else (torch.device("cpu"), None)
+
+
 def check_attention(machine: Machine, plan: Plan, quick: bool) -> Check:
     if plan.track.number != 1:
         return Check("attention", "skip", "Track 3 uses PyTorch's scaled_dot_product_attention")
-    import torch
-
     tg = training_module(plan.track)
     requested = plan.hp.attention_backend
-    device = torch.device("cuda", 0) if machine.gpu_mode else torch.device("cpu")
-    capability = machine.gpus[0].capability if machine.gpu_mode else None
+    device, capability = first_device(machine)
     try:
         backend = tg.choose_attention_backend(requested, device, capability)  # train_gpt.py's own decision
     except tg.UserError as error:  # its line says what to install; flex runs on every GPU (auto may take a broken fa4)
@@ -584,12 +588,9 @@ def check_mlp_kernel(machine: Machine, plan: Plan) -> Check | None:
     """Track 1's --mlp_kernel as train_gpt.py resolves it here (its refusals are one line each)."""
     if plan.track.number != 1:
         return None
-    import torch
-
     tg = training_module(plan.track)
     requested = plan.hp.mlp_kernel
-    device = torch.device("cuda", 0) if machine.gpu_mode else torch.device("cpu")
-    capability = machine.gpus[0].capability if machine.gpu_mode else None
+    device, capability = first_device(machine)
     try:
         kernel = tg.choose_mlp_kernel(requested, device, capability)  # train_gpt.py's own decision
     except tg.UserError as error:
