@@ -19,10 +19,12 @@ GEMMs (--mlp_kernel=quack), last. The measurements that chose train_gpt.py's til
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -79,13 +81,17 @@ def main() -> None:
     pre = x @ w_fc
     forward_compiled = torch.compile(train_gpt.relu2_forward_eager, fullgraph=True)
     backward_compiled = torch.compile(train_gpt.relu2_backward_eager, fullgraph=True)
-    directions = {  # name: (fused(config), reference, expected outputs); config "quack": train_gpt's quack kernel
-        "forward": (lambda config: train_gpt.quack_relu2_forward_matmul(x, w_fc) if config == "quack" else
-                    train_gpt.relu2_forward_matmul(x, w_fc, config, sms), lambda: forward_compiled(x, w_fc),
-                    train_gpt.relu2_forward_eager(x, w_fc)),
-        "backward": (lambda config: (train_gpt.quack_relu2_backward_matmul(grad_out, w_proj, pre) if config == "quack" else
-                                     train_gpt.relu2_backward_matmul(grad_out, w_proj, pre, config, sms),),
-                     lambda: backward_compiled(grad_out, w_proj, pre), (train_gpt.relu2_backward_eager(grad_out, w_proj, pre),)),
+    def kernels(config: tuple[int, ...] | str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """train_gpt's (forward, backward) for a Triton tile, or for "quack" its quack kernel (RELU2_MATMULS)."""
+        if config == "quack":
+            return train_gpt.RELU2_MATMULS["quack"]
+        return (functools.partial(train_gpt.relu2_forward_matmul, tile=config, programs=sms),
+                functools.partial(train_gpt.relu2_backward_matmul, tile=config, programs=sms))
+
+    directions = {  # name: (fused(config), reference, expected outputs)
+        "forward": (lambda config: kernels(config)[0](x, w_fc), lambda: forward_compiled(x, w_fc), train_gpt.relu2_forward_eager(x, w_fc)),
+        "backward": (lambda config: (kernels(config)[1](grad_out, w_proj, pre),), lambda: backward_compiled(grad_out, w_proj, pre),
+                     (train_gpt.relu2_backward_eager(grad_out, w_proj, pre),)),
     }
     configs: list[tuple[int, ...] | str] = list(CONFIGS[: args.tiles])
     if train_gpt.quack_version() is not None:

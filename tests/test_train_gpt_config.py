@@ -252,19 +252,19 @@ def test_flash_attn_4_installed_reads_the_distribution_metadata(monkeypatch: pyt
     assert asked == ["flash-attn-4"] * 6
 
 
-@pytest.mark.parametrize("flag, value, fallback, cpu_fallback, words", [
-    ("attention_backend", "fa4", "flex", "reference", ("flash-attn-4", "flash-attn-4's", "Hopper and Blackwell kernels", "4.0.0b40", "")),
-    ("mlp_kernel", "quack", "triton", "triton", ("quack-kernels", "quack-kernels'", "Hopper GEMMs", "0.6.5", "; flash-attn-4 installs it")),
+@pytest.mark.parametrize("flag, value, fallback, cpu_fallback, words, choose, version_function, loader", [
+    ("attention_backend", "fa4", "flex", "reference", ("flash-attn-4", "flash-attn-4's", "Hopper and Blackwell kernels", "4.0.0b40", ""),
+     "choose_attention_backend", "flash_attn_4_version", "_fa4_interface"),
+    ("mlp_kernel", "quack", "triton", "triton", ("quack-kernels", "quack-kernels'", "Hopper GEMMs", "0.6.5", "; flash-attn-4 installs it"),
+     "choose_mlp_kernel", "quack_version", "_quack_relu2_epilogues"),
 ])
 def test_each_kernel_package_is_refused_in_one_line_where_it_cannot_run(
-    monkeypatch: pytest.MonkeyPatch, flag: str, value: str, fallback: str, cpu_fallback: str, words: tuple[str, ...]
+    monkeypatch: pytest.MonkeyPatch, flag: str, value: str, fallback: str, cpu_fallback: str, words: tuple[str, ...], choose: str,
+    version_function: str, loader: str,
 ):
-    """check_kernel_package's four refusals, through the choose function that calls it, for both packages."""
+    """check_kernel_package's refusals, through the choose function that calls it, for both packages."""
     package, owner, gpus_kind, tested, installed_by = words
     kind = gpus_kind.split()[-1]
-    choose = {"attention_backend": tg.choose_attention_backend, "mlp_kernel": tg.choose_mlp_kernel}[flag]
-    version_function = {"attention_backend": "flash_attn_4_version", "mlp_kernel": "quack_version"}[flag]
-    loader = {"attention_backend": "_fa4_interface", "mlp_kernel": "_quack_relu2_epilogues"}[flag]
     monkeypatch.setattr(tg, "flash_attn_varlen_func", None)
     installed: str | None = None
     monkeypatch.setattr(tg, version_function, lambda: installed)
@@ -272,7 +272,7 @@ def test_each_kernel_package_is_refused_in_one_line_where_it_cannot_run(
 
     def refusal(device: torch.device, capability: tuple[int, int] | None, requested: str = value) -> str:
         with pytest.raises(tg.UserError) as error:
-            choose(requested, device, capability)
+            getattr(tg, choose)(requested, device, capability)
         return str(error.value)
 
     assert refusal(cuda, (9, 0)) == (f"--{flag}={value} needs {package} ({tested} is the tested version{installed_by}, README.md#install); "

@@ -958,17 +958,16 @@ def attention_measured_as(machine: Machine, plan: Plan) -> str | None:
     with the MLP kernel when that is not the one its entry ran with), "sdpa" for Track 3."""
     if plan.track.number != 1:
         return "sdpa"
-    import torch
-
     tg = training_module(plan.track)
+    device, capability = first_device(machine)
     try:
-        backend = tg.choose_attention_backend(plan.hp.attention_backend, torch.device("cuda", 0), machine.gpus[0].capability)
+        backend = tg.choose_attention_backend(plan.hp.attention_backend, device, capability)
     except tg.UserError:  # check_attention reports it
         return None
     if backend == "fa4" and (version := tg.flash_attn_4_version()) != tg.FLASH_ATTN_4_TESTED:
         return f"fa4 {version}"  # measured with the tested version only
     try:
-        mlp_kernel = tg.choose_mlp_kernel(plan.hp.mlp_kernel, torch.device("cuda", 0), machine.gpus[0].capability)
+        mlp_kernel = tg.choose_mlp_kernel(plan.hp.mlp_kernel, device, capability)
     except tg.UserError:  # check_mlp_kernel reports it
         return None
     if mlp_kernel != MEASURED_MLP_KERNEL.get(backend, "triton"):
