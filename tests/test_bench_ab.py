@@ -713,13 +713,16 @@ def test_the_profiler_starts_after_profile_from_and_stops_profile_steps_later(ab
 
 def test_kernel_kinds_of_the_profiles(ab) -> None:
     """Names seen in the profiles of 2026-12-02 (commit b1e22df), 2026-12-06 and 2026-12-07: the MLP's fused kernels are their own kind, the inductor kernels that carry
-    its op's name stay inductor's, and the cuBLAS and FP8 head kernels keep theirs."""
+    its op's name or "mm" stay inductor's, and the cuBLAS and FP8 head kernels keep theirs."""
     mlp = "MLP matmuls with ReLU² epilogues"
     assert ab.kind_of("_relu2_backward_matmul_kernel") == ab.kind_of("_relu2_matmul_kernel") == mlp  # both directions since fd230c0
     for quack in ("kernel_cutlass_kernel_quackepiloguefrontendGemmMod_relu2_backward_epilogue_fccd08d0f2377a83__c_sm9_o",
                   "kernel_cutlass_kernel_quackepiloguefrontendGemmMod_relu2_forward_epilogue_75983e62e103319f__none_sm9"):  # 2026-12-07
         assert ab.kind_of(quack) == mlp
     assert ab.kind_of("triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mul_relu2_backward_matmul_slice_backwa") == "Triton fused (inductor)"
+    for with_mm in ("triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mm_mul_relu2_backward_matmul_slice_bac",
+                          "triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mm_mul_slice_backward_sum_unsqueeze_view_22"):
+        assert ab.kind_of(with_mm) == "Triton fused (inductor)"  # names from the profile of 2026-12-07, c03efbb
     assert ab.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "bf16/fp32 GEMM"
     assert ab.kind_of("_softcap_ce_e5m2_kernel") == "fp8 head (scaled_mm, casts, copies)"
     for fp8_product in ("nvjet_sm90_qqtst_192x192_128x4_1x2_h_bz_coopB_TNN", "nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT",
