@@ -474,11 +474,10 @@ KERNEL_KINDS = [  # first match wins; kernel names as they appear on Hopper with
     ("fp8 head (scaled_mm, casts, copies)", r"f8|fp8|e4m3|e5m2|softcap|^nvjet_sm\d+_q"),
     # before the GEMMs: an inductor kernel's name lists the ops its code came from, "mm" among them at times (at c03efbb,
     # 2026-12-07: 17.2 ms per step of norm backwards named "..._add_mm_mul_..." were counted as GEMMs)
-    ("Triton fused (inductor)", r"^triton_(poi|red|per)_"),
+    ("Triton fused (inductor)", r"^triton_"),
     ("bf16/fp32 GEMM", r"gemm|sm90|cutlass|xmma|cublas|nvjet|mm_"),
     ("Newton-Schulz kernels", r"_symmetric_matmul"),
     ("communication", r"nccl"),
-    ("Triton fused (inductor)", r"^triton_"),
 ]
 
 

@@ -721,7 +721,7 @@ def test_kernel_kinds_of_the_profiles(ab) -> None:
         assert ab.kind_of(quack) == mlp
     assert ab.kind_of("triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mul_relu2_backward_matmul_slice_backwa") == "Triton fused (inductor)"
     for with_mm in ("triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mm_mul_relu2_backward_matmul_slice_bac",
-                          "triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mm_mul_slice_backward_sum_unsqueeze_view_22"):
+                    "triton_red_fused__fused_rms_norm__fused_rms_norm_backward_add_mm_mul_slice_backward_sum_unsqueeze_view_22"):
         assert ab.kind_of(with_mm) == "Triton fused (inductor)"  # names from the profile of 2026-12-07, c03efbb
     assert ab.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "bf16/fp32 GEMM"
     assert ab.kind_of("_softcap_ce_e5m2_kernel") == "fp8 head (scaled_mm, casts, copies)"
