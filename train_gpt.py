@@ -3591,9 +3591,11 @@ if triton is not None:
         # bare reciprocal and the two-value casts (HARDWARE), each tile's load issued one tile ahead, the target
         # column's "- 1" of the softmax gradient written once per row after the loop instead of a compare per
         # element, one 64-bit base per tile and 32-bit offsets inside it (M * N exceeds 2^31, a row block does not),
-        # and no column masks (N is a multiple of BLOCK_N; the wrapper checks). HARDWARE=False does the casts in
-        # integer arithmetic, as the interpreter's differ from CUDA's, and the reciprocal as a division; on an H200
-        # the two paths give bitwise the same bytes (bench/bench_softcap_ce.py, tests/test_train_gpt_cuda.py).
+        # and no column masks (N is a multiple of BLOCK_N; the wrapper checks); the first pass's exponential on the
+        # FMA pipe (_exp2_on_fma_pipe: 5.59 against 5.81 ms on one H100, bench/NOTES.md, 2026-12-07). HARDWARE=False
+        # does the casts in integer arithmetic, as the interpreter's differ from CUDA's, and the reciprocal as a
+        # division; on an H200 the two paths give bitwise the same bytes (bench/bench_softcap_ce.py,
+        # tests/test_train_gpt_cuda.py).
         CAP_LOG2E: tl.constexpr = CAP * 1.4426950408889634  # e^(30 s) = 2^(s * this)
         row0 = tl.program_id(0) * BLOCK_M
         local_rows = tl.arange(0, BLOCK_M)
