@@ -450,3 +450,109 @@ print(json.dumps(results))
 def test_block_tables_kernel_is_the_eager_formula_under_the_interpreter():
     results = run_under_interpreter(BLOCK_TABLE_CHECKS)
     assert len(results) == 13 and all(results.values()), results
+
+
+QK_NORM_ROTARY_CHECKS = r"""
+import json, math, torch, train_gpt as tg
+torch.manual_seed(0)
+results = {}
+
+def reference(x, cos, sin):
+    # float64, written out: RMS norm with F.rms_norm's eps for fp32 and bf16 inputs, then the half rotation
+    x = x.double()
+    r = (x.pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps).rsqrt()
+    n1, n2 = (x * r).chunk(2, dim=-1)
+    c, s = cos[: x.size(1)].double()[None, :, None], sin[: x.size(1)].double()[None, :, None]
+    return torch.cat((n1 * c + n2 * s, n2 * c - n1 * s), dim=-1), r[..., 0]
+
+def spacing(t, dtype):  # the distance between neighbours of dtype around |t| (bf16: 8 significant bits)
+    bits = {torch.bfloat16: 8, torch.float32: 24}[dtype]
+    return torch.ldexp(torch.ones_like(t), torch.frexp(t.abs().clamp_min(1e-30))[1] - bits)
+
+def error(got, want, dtype):
+    # bf16: the largest error in units of half a spacing, beyond an fp32 computation's 1e-6 of the largest value
+    # (<= 1: one rounding of a value within 1e-6); fp32: the largest error over the largest value
+    if dtype == torch.float32:
+        return ((got.double() - want).abs().max() / want.abs().max()).item()
+    excess = (got.double() - want).abs() - 1e-6 * want.abs().max()
+    return (excess / (0.5 * spacing(want, dtype))).max().item()
+
+for (T, H, d), scale, dtype in [((37, 3, 16), 3.0, torch.float32), ((37, 3, 16), 3.0, torch.bfloat16),
+                                ((20, 6, 128), 1.0, torch.bfloat16), ((20, 6, 128), 1.0, torch.float32),
+                                ((9, 2, 8), 1e-5, torch.bfloat16), ((9, 2, 8), 1e3, torch.bfloat16)]:
+    rotary = tg.Rotary(d, 64, 16, dtype)
+    rotary.apply_yarn(1, 3)
+    qkv = (torch.randn(1, T, 3 * H, d, dtype=torch.float64) * scale).to(dtype).requires_grad_()
+    qk = qkv[:, :, : 2 * H]
+    name = f"{T}x{H}x{d} {scale} {dtype}"
+    results[f"runs {name}"] = tg.qk_norm_rotary_runs(qk, rotary.cos)
+    q, k, rstd = tg.qk_norm_rotary(qk, rotary.cos, rotary.sin)
+    want, want_rstd = reference(qk.detach(), rotary.cos, rotary.sin)
+    results[f"out {name}"] = error(torch.cat((q, k), dim=-2), want, dtype)
+    results[f"rstd {name}"] = ((rstd.double() - want_rstd).abs() / want_rstd).max().item()
+    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+    grad, = torch.autograd.grad((q * grad_q).sum() + (k * grad_k).sum(), qkv)
+    qkv64 = qkv.detach().double().requires_grad_()
+    want_out, _ = reference(qkv64[:, :, : 2 * H], rotary.cos, rotary.sin)
+    want_grad, = torch.autograd.grad((want_out * torch.cat((grad_q, grad_k), dim=-2).double()).sum(), qkv64)
+    results[f"grad {name}"] = error(grad[:, :, : 2 * H], want_grad[:, :, : 2 * H], dtype)
+    results[f"zero v gradient {name}"] = bool((grad[:, :, 2 * H :] == 0).all())
+    if dtype == torch.float32:
+        eager_q, eager_k = tg.qk_norm_rotary_eager(qk.detach(), rotary.cos, rotary.sin)
+        results[f"eager {name}"] = max((q - eager_q).abs().max().item(), (k - eager_k).abs().max().item())
+    model_q, model_k = rotary.norm_and_rotate(qk.detach())
+    results[f"model takes it {name}"] = torch.equal(model_q, q) and torch.equal(model_k, k)
+# a NaN stays in its own row
+rotary = tg.Rotary(16, 64, 16, torch.bfloat16)
+qk = torch.randn(1, 33, 4, 16).bfloat16()
+qk[0, 5, 1, 3] = float("nan")
+q, k, rstd = tg.qk_norm_rotary(qk, rotary.cos, rotary.sin)
+bad = torch.zeros(1, 33, 4, dtype=torch.bool)
+bad[0, 5, 1] = True
+out = torch.cat((q, k), dim=-2)
+results["nan row"] = bool(out[bad].isnan().all() and out[~bad].isfinite().all() and rstd[bad].isnan().all() and rstd[~bad].isfinite().all())
+# rows that are not dense (a head-major view) go to the eager formula, bit for bit
+strided = torch.randn(1, 4, 33, 16).transpose(1, 2)
+results["strided runs"] = tg.qk_norm_rotary_runs(strided, rotary.cos)
+rotary32 = tg.Rotary(16, 64, 16, torch.float32)
+model_q, model_k = rotary32.norm_and_rotate(strided)
+eager_q, eager_k = tg.qk_norm_rotary_eager(strided, rotary32.cos, rotary32.sin)
+results["strided is eager"] = torch.equal(model_q, eager_q) and torch.equal(model_k, eager_k)
+print(json.dumps(results))
+"""
+
+
+def test_qk_norm_rotary_kernel_is_the_formula_to_one_rounding_under_the_interpreter():
+    """Against a float64 formula written out here: bf16 outputs and gradients within half a spacing of it (one
+    rounding of an fp32 computation), fp32 within 1e-6, rstd within 4e-7; at the record's head shape, a partial last
+    program, rows near eps and far above 1."""
+    results = run_under_interpreter(QK_NORM_ROTARY_CHECKS)
+    assert len(results) == 41, results
+    for name, value in results.items():
+        if name.startswith(("out", "grad ")) and "float32" in name:
+            assert value <= 1e-6, (name, value)
+        elif name.startswith(("out", "grad ")):
+            assert value <= 1.0, (name, value)
+        elif name.startswith("rstd"):
+            assert value <= 4e-7, (name, value)
+        elif name.startswith("eager"):
+            assert value <= 1e-6, (name, value)
+        elif name == "strided runs":
+            assert value is False
+        else:
+            assert value is True, name
+
+
+@pytest.mark.parametrize("case", ["not dense rows", "odd head dim half", "short tables"])
+def test_qk_norm_rotary_refuses_what_the_kernel_cannot_do(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    import torch
+
+    import train_gpt as tg
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    d = 12 if case == "odd head dim half" else 16
+    rotary = tg.Rotary(d, 8 if case == "short tables" else 64, 8, torch.float32)
+    qk = torch.zeros(1, 4, 33, d).transpose(1, 2) if case == "not dense rows" else torch.zeros(1, 33, 4, d)
+    with pytest.raises(ValueError, match=r"^qk_norm_rotary: needs qk \(1, T, 2H, d\) with dense rows.*use qk_norm_rotary_eager$") as error:
+        tg.qk_norm_rotary(qk, rotary.cos, rotary.sin)
+    assert "\n" not in str(error.value)
