@@ -584,11 +584,11 @@ class Rotary(nn.Module):
         return rotate(x, self.cos, self.sin)
 
     def norm_and_rotate(self, qk: Tensor) -> tuple[Tensor, Tensor]:
-        """q and k, each (1, T, H, d), of qk = (q, k) along heads (1, T, 2H, d): rotate(rms_norm(.)) of each; one
-        Triton kernel where qk_norm_rotary_runs (Fast paths), the eager formula elsewhere."""
-        if qk_norm_rotary_runs(qk, self.cos):
-            q, k, _ = qk_norm_rotary(qk, self.cos, self.sin)
-            return q, k
+        """q and k, each (1, T, H, d), of qk = (q, k) along heads (1, T, 2H, d): rotate(rms_norm(.)) of each. On CUDA
+        in bf16 through QKNormRotary (Fast paths: its backward by formula); elsewhere the eager formula, which the
+        CPU reference tests compare with the record's bit for bit."""
+        if qk.is_cuda and qk.dtype == torch.bfloat16:
+            return QKNormRotary.apply(qk, self.cos, self.sin)
         return qk_norm_rotary_eager(qk, self.cos, self.sin)
 
 
@@ -3814,96 +3814,36 @@ def _fp8_head_loss_backward(ctx: Any, grad_loss: Tensor, *_unused: Any) -> tuple
 fp8_head_loss.register_autograd(_fp8_head_loss_backward, setup_context=_fp8_head_loss_setup_context)
 
 
-# ---- q/k RMS norm and rotary in one pass ----
-# Replaces qk_norm_rotary_eager, rotate(rms_norm(.)) of q and of k, whose compiled kernel moved q and k at 2.40 TB/s on
-# an H100 where inductor's other norm kernels moved 3.0 (bench/NOTES.md, 2026-12-07, commit c03efbb). A program takes
-# QK_NORM_ROTARY_BLOCK rows (a row: one head of q or k of one token), reads them with strides straight from the QKV
-# matmul's output, loads each row once as its two halves and writes q, k and the fp32 reciprocal RMS that the
-# backward reads. Like inductor's kernel it computes in fp32 and rounds once at the store (the eager formula on bf16
-# rounds after the norm and after each product); it sums each row's squares in its own order, so a few bf16 outputs
-# may differ from the compiled formula's by one unit in the last place. The backward stays in torch ops
-# (qk_norm_rotary_backward_formula), which inductor compiles into the kernel that writes qkv's gradient.
-QK_NORM_ROTARY_BLOCK = (32, 4)  # rows per program, warps
+# ---- q/k RMS norm and rotary: inductor's forward, the backward by formula ----
+# Replaces autograd through qk_norm_rotary_eager, rotate(rms_norm(.)) of q and of k. The forward stays torch ops,
+# which inductor fuses with the value mixing into one kernel as before, in fp32 rounded once at the store as it
+# compiles the eager formula; it also returns each row's reciprocal RMS. The backward is written out rather than
+# derived through rms_norm and the rotation: the rotation's transpose, then rms_norm's backward from the saved
+# reciprocal RMS, in fp32 rounded once (qk_norm_rotary_backward_formula). A layer's attention inputs took 1.20 ms
+# forward + backward against 1.28 for autograd's compiled backward on one H100 (bench/bench_qk_rotary.py; there the
+# forward was a Triton kernel, 0.36 ms against inductor's 0.26: bench/NOTES.md, 2026-12-07).
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default for bf16 and fp32 inputs (its fp32 opmath's eps)
 
-if triton is not None:
 
-    @triton.jit
-    def _qk_norm_rotary_kernel(
-        qk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, rstd_ptr, rows, heads, token_stride, eps,
-        HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROUND_TO_BF16: tl.constexpr,
-    ):
-        """Row r = (token t, head h < 2 heads) of qk, at t * token_stride + h * 2 HALF: q[t, h] (h < heads) or
-        k[t, h - heads] = rotate(rms_norm(row)) by the tables' row t, and rstd[r] = 1 / RMS(row)."""
-        r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        inside = (r < rows)[:, None]
-        t = r // (2 * heads)
-        h = r % (2 * heads)
-        col = tl.arange(0, HALF)[None, :]
-        src = (t.to(tl.int64) * token_stride + h * (2 * HALF))[:, None] + col
-        x1 = tl.load(qk_ptr + src, mask=inside, other=0.0).to(tl.float32)
-        x2 = tl.load(qk_ptr + src + HALF, mask=inside, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-        table = t.to(tl.int64)[:, None] * HALF + col
-        cos = tl.load(cos_ptr + table, mask=inside, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + table, mask=inside, other=0.0).to(tl.float32)
-        n1 = x1 * rstd[:, None]
-        n2 = x2 * rstd[:, None]
-        y1 = n1 * cos + n2 * sin
-        y2 = n2 * cos - n1 * sin
-        if ROUND_TO_BF16:  # the interpreter's own bf16 store does not round to nearest even; CUDA's does
-            y1 = _round_to_bf16(y1)
-            y2 = _round_to_bf16(y2)
-        dst = ((t.to(tl.int64) * heads + h % heads) * (2 * HALF))[:, None] + col
-        is_q = (h < heads)[:, None]
-        tl.store(q_ptr + dst, y1.to(q_ptr.dtype.element_ty), mask=inside & is_q)
-        tl.store(q_ptr + dst + HALF, y2.to(q_ptr.dtype.element_ty), mask=inside & is_q)
-        tl.store(k_ptr + dst, y1.to(k_ptr.dtype.element_ty), mask=inside & ~is_q)
-        tl.store(k_ptr + dst + HALF, y2.to(k_ptr.dtype.element_ty), mask=inside & ~is_q)
-        tl.store(rstd_ptr + r, rstd, mask=r < rows)
+class QKNormRotary(torch.autograd.Function):
+    """q, k (1, T, H, d) of qk (1, T, 2H, d) = (q, k) along heads, computed as torch ops in fp32 and rounded once to
+    qk's dtype; the backward is qk_norm_rotary_backward_formula."""
 
+    @staticmethod
+    def forward(ctx: Any, qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        heads = qk.size(2) // 2
+        x = qk.float()
+        rstd = torch.rsqrt(x.pow(2).mean(-1) + RMS_NORM_EPS)
+        normed = x * rstd[..., None]
+        q = rotate(normed[:, :, :heads], cos.float(), sin.float()).to(qk.dtype)
+        k = rotate(normed[:, :, heads:], cos.float(), sin.float()).to(qk.dtype)
+        ctx.save_for_backward(qk, cos, sin, rstd)
+        return q, k
 
-def qk_norm_rotary_runs(qk: Tensor, cos: Tensor) -> bool:
-    """Whether Rotary.norm_and_rotate takes the kernel for qk (1, T, 2H, d): bf16 on CUDA (bf16 or fp32 under
-    TRITON_INTERPRET), rows dense (as in qkv's view), d/2 a power of two, and tables of d/2 columns."""
-    half = qk.size(-1) // 2
-    return (
-        triton_runs(qk, dtypes=(torch.bfloat16, torch.float32), cuda_dtypes=(torch.bfloat16,))
-        and qk.dim() == 4 and qk.size(0) == 1 and qk.size(2) % 2 == 0
-        and qk.stride(-1) == 1 and qk.stride(-2) == qk.size(-1)
-        and half > 0 and half & (half - 1) == 0 and qk.size(-1) == 2 * half
-        and cos.size(-1) == half and cos.is_contiguous() and qk.size(1) <= cos.size(0)
-    )
-
-
-@torch.library.custom_op("train_gpt::qk_norm_rotary", mutates_args=())
-def qk_norm_rotary(qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k (1, T, H, d) and the rows' reciprocal RMS (1, T, 2H) fp32 of qk (1, T, 2H, d) by the Triton kernel,
-    differentiable w.r.t. qk; a one-line ValueError for input the kernel does not take (qk_norm_rotary_runs)."""
-    if not qk_norm_rotary_runs(qk, cos) or sin.shape != cos.shape or not sin.is_contiguous():
-        raise ValueError(
-            f"qk_norm_rotary: needs qk (1, T, 2H, d) with dense rows, d/2 a power of two, and contiguous (>= T, d/2) tables, "
-            f"got qk {tuple(qk.shape)} strides {qk.stride()} {qk.dtype}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}; "
-            "use qk_norm_rotary_eager"
-        )
-    T, heads, d = qk.size(1), qk.size(2) // 2, qk.size(3)
-    q = qk.new_empty((1, T, heads, d))
-    k = torch.empty_like(q)
-    rstd = qk.new_empty((1, T, 2 * heads), dtype=torch.float32)
-    rows = T * 2 * heads
-    block_rows, warps = QK_NORM_ROTARY_BLOCK
-    if rows:
-        _qk_norm_rotary_kernel[(triton.cdiv(rows, block_rows),)](
-            qk, cos, sin, q, k, rstd, rows, heads, qk.stride(1), RMS_NORM_EPS, HALF=d // 2, BLOCK_ROWS=block_rows,
-            ROUND_TO_BF16=_interpreting_triton() and qk.dtype == torch.bfloat16, num_warps=warps,
-        )
-    return q, k, rstd
-
-
-@qk_norm_rotary.register_fake
-def _(qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    q = qk.new_empty((1, qk.size(1), qk.size(2) // 2, qk.size(3)))
-    return q, torch.empty_like(q), qk.new_empty((1, qk.size(1), qk.size(2)), dtype=torch.float32)
+    @staticmethod
+    def backward(ctx: Any, grad_q: Tensor, grad_k: Tensor) -> tuple[Tensor | None, ...]:
+        qk, cos, sin, rstd = ctx.saved_tensors
+        return qk_norm_rotary_backward_formula(grad_q, grad_k, qk, rstd, cos, sin), None, None
 
 
 def qk_norm_rotary_backward_formula(grad_q: Tensor, grad_k: Tensor, qk: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -3913,19 +3853,6 @@ def qk_norm_rotary_backward_formula(grad_q: Tensor, grad_k: Tensor, qk: Tensor, 
     r = rstd[..., None]
     n = qk.float() * r
     return (r * (grad_n - n * (grad_n * n).mean(-1, keepdim=True))).to(qk.dtype)
-
-
-def _qk_norm_rotary_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    qk, cos, sin = inputs
-    ctx.save_for_backward(qk, cos, sin, output[2])
-
-
-def _qk_norm_rotary_backward(ctx: Any, grad_q: Tensor, grad_k: Tensor, _grad_rstd: Tensor | None) -> tuple:
-    qk, cos, sin, rstd = ctx.saved_tensors
-    return qk_norm_rotary_backward_formula(grad_q, grad_k, qk, rstd, cos, sin), None, None
-
-
-qk_norm_rotary.register_autograd(_qk_norm_rotary_backward, setup_context=_qk_norm_rotary_setup_context)
 
 
 # ---- FlexAttention block tables without a sort ----

@@ -1,12 +1,11 @@
-"""The q/k RMS norm + rotary kernel (train_gpt.py, Fast paths) against the compiled formula it replaces, on one GPU.
+"""The q/k RMS norm + rotary through QKNormRotary (train_gpt.py, Fast paths: its backward by formula) against
+autograd through the compiled eager formula, on one GPU.
 
-At the record's micro-step shape (49,152 tokens, 6 heads of 128, YaRN-stretched bf16 tables), two comparisons, each
-timed in turn over interleaved rounds (bench/gpu_timing.py) so that a drift of the clock reaches both sides alike:
-  * the kernel alone at several tiles (rows per program, warps) against the compiled qk_norm_rotary_eager;
-  * a layer's attention inputs as CausalSelfAttention computes them from qkv (q/k norm + rotary and the value
-    mixing), compiled, forward and forward + backward: Rotary.norm_and_rotate (the kernel, its backward compiled
-    by inductor) against the eager formula compiled whole (train_gpt.py before the kernel).
-It prints how many outputs and gradients differ from the compiled formula and by how many bf16 units at most.
+At the record's micro-step shape (49,152 tokens, 6 heads of 128, YaRN-stretched bf16 tables), a layer's attention
+inputs as CausalSelfAttention computes them from qkv (q/k norm + rotary and the value mixing), compiled, forward and
+forward + backward, timed in turn over interleaved rounds (bench/gpu_timing.py) so that a drift of the clock reaches
+both alike. It prints how many outputs and gradients differ from the compiled formula's and by how many bf16 units
+at most.
 
     python bench/bench_qk_rotary.py        # one GPU, about a minute
 """
@@ -25,47 +24,29 @@ import train_gpt as tg  # noqa: E402
 from bench.gpu_timing import interleaved_median_ms  # noqa: E402
 
 TOKENS, HEADS, HEAD_DIM = 49152, 6, 128
-TILES = ((16, 2), (16, 4), (32, 4), (64, 4), (64, 8))
+FORMS = ("formula", "QKNormRotary")  # the compiled eager formula first: the other is compared with it
 
 
-def units_apart(got: Tensor, want: Tensor) -> tuple[int, int]:
-    """(elements that differ, the most bf16 units between two of them); signs equal where they differ by little."""
-    units = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
-    return int(units.bool().sum()), int(units.max())
+def units_apart(got: Tensor, want: Tensor) -> tuple[int, float]:
+    """(elements that differ, their largest difference in bf16 units of the larger of the two)."""
+    larger = torch.maximum(got.float().abs(), want.float().abs()).clamp_min(1e-30)
+    unit = torch.ldexp(torch.ones_like(larger), torch.frexp(larger)[1] - 8)
+    return int((got != want).sum()), ((got.float() - want.float()).abs() / unit).max().item()
 
 
-def attention_inputs(fused: bool, rotary: tg.Rotary) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+def norm_and_rotate(form: str, qk: Tensor, rotary: tg.Rotary) -> tuple[Tensor, Tensor]:
+    if form == "formula":
+        return tg.qk_norm_rotary_eager(qk, rotary.cos, rotary.sin)
+    return tg.QKNormRotary.apply(qk, rotary.cos, rotary.sin)
+
+
+def attention_inputs(form: str, rotary: tg.Rotary) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
     def inputs(qkv: Tensor, ve: Tensor, mix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         qk, v = qkv.split((2 * HEADS, HEADS), dim=-2)  # as CausalSelfAttention.forward
-        q, k = rotary.norm_and_rotate(qk) if fused else tg.qk_norm_rotary_eager(qk, rotary.cos, rotary.sin)
+        q, k = norm_and_rotate(form, qk, rotary)
         return q, k, mix[0] * v + mix[1] * ve.view_as(v)
 
     return inputs
-
-
-def time_kernel_tiles(qk: Tensor, rotary: tg.Rotary, rounds: int) -> None:
-    formula = torch.compile(lambda qk: tg.qk_norm_rotary_eager(qk, rotary.cos, rotary.sin), fullgraph=True, dynamic=False)
-    want = torch.cat(formula(qk), dim=-2)
-
-    def with_tile(tile: tuple[int, int]) -> Callable[[], object]:
-        def call() -> object:
-            tg.QK_NORM_ROTARY_BLOCK = tile
-            return tg.qk_norm_rotary(qk, rotary.cos, rotary.sin)
-
-        return call
-
-    fns: dict[str, Callable[[], object]] = {"compiled formula": lambda: formula(qk)}
-    fns.update({f"kernel {rows} rows x {warps} warps": with_tile((rows, warps)) for rows, warps in TILES})
-    committed = tg.QK_NORM_ROTARY_BLOCK
-    times = interleaved_median_ms(fns, rounds)
-    moved = qk.numel() * 2 * 2  # bf16 q and k read once and written once (the tables and rstd are small)
-    for name, ms in times.items():
-        line = f"{name}: {ms:.4f} ms, {moved / ms / 1e9:.2f} TB/s"
-        if name != "compiled formula":
-            differ, most = units_apart(torch.cat(fns[name]()[:2], dim=-2), want)
-            line += f"; {differ} of {want.numel()} outputs differ from the compiled formula, by at most {most} bf16 units"
-        print(line)
-    tg.QK_NORM_ROTARY_BLOCK = committed
 
 
 def time_layer(rotary: tg.Rotary, rounds: int) -> None:
@@ -73,7 +54,7 @@ def time_layer(rotary: tg.Rotary, rounds: int) -> None:
     ve = torch.randn(TOKENS, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mix = torch.tensor([0.5, 0.5], device="cuda", requires_grad=True)
     grads = [torch.randn(1, TOKENS, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    compiled = {name: torch.compile(attention_inputs(fused, rotary), fullgraph=True, dynamic=False) for name, fused in (("formula", False), ("kernel", True))}
+    compiled = {form: torch.compile(attention_inputs(form, rotary), fullgraph=True, dynamic=False) for form in FORMS}
 
     def forward(name: str) -> Callable[[], object]:
         return lambda: compiled[name](qkv.detach(), ve.detach(), mix.detach())
@@ -86,12 +67,13 @@ def time_layer(rotary: tg.Rotary, rounds: int) -> None:
         return step
 
     results = {name: [t.detach().clone() for t in forward_backward(name)()] for name in compiled}
-    for label, got, want in zip(("q", "k", "v", "dqkv", "dve", "dmix"), results["kernel"], results["formula"]):
-        if got.dtype == torch.bfloat16:
-            differ, most = units_apart(got, want)
-            print(f"  {label}: {differ} of {want.numel()} differ from the compiled formula, by at most {most} bf16 units")
-        else:
-            print(f"  {label}: largest difference {(got - want).abs().max().item():.3g} (fp32)")
+    for form in FORMS[1:]:
+        for label, got, want in zip(("q", "k", "v", "dqkv", "dve", "dmix"), results[form], results["formula"]):
+            if got.dtype == torch.bfloat16:
+                differ, most = units_apart(got, want)
+                print(f"  {form}, {label}: {differ} of {want.numel()} differ from the compiled formula, by at most {most:g} bf16 units")
+            else:
+                print(f"  {form}, {label}: largest difference {(got - want).abs().max().item():.3g} (fp32)")
     times = interleaved_median_ms({f"{kind} {name}": fn(name) for name in compiled for kind, fn in (("forward", forward), ("forward + backward", forward_backward))}, rounds)
     for name, ms in times.items():
         print(f"layer {name}: {ms:.4f} ms")
@@ -107,8 +89,6 @@ def main() -> None:
     rotary = tg.Rotary(HEAD_DIM, TOKENS, 128, torch.bfloat16).cuda()
     rotary.apply_yarn(3, 11)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {TOKENS} tokens, {HEADS} heads x {HEAD_DIM}, {args.rounds} rounds")
-    qkv = torch.randn(1, TOKENS, 3 * HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    time_kernel_tiles(qkv[:, :, : 2 * HEADS], rotary, args.rounds)
     time_layer(rotary, args.rounds)
 
 

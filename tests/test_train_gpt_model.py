@@ -385,3 +385,61 @@ def test_gradient_buffers_survive_every_zero_grad_and_a_move_of_the_model():
     for param in (model.embed.weight, model.blocks[1].attn.qkvo_w):
         module_buffer = tg.grad_buffer(param)
         assert param.grad is module_buffer and module_buffer.abs().sum() > 0
+
+
+def _qk_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate(rms_norm(x)) in float64, written out: F.rms_norm's eps for bf16 and fp32 inputs, the half rotation."""
+    x = x.double()
+    n1, n2 = (x * (x.pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps).rsqrt()).chunk(2, dim=-1)
+    c, s = cos[: x.size(1)].double()[None, :, None], sin[: x.size(1)].double()[None, :, None]
+    return torch.cat((n1 * c + n2 * s, n2 * c - n1 * s), dim=-1)
+
+
+def _half_spacings(got: torch.Tensor, want: torch.Tensor) -> float:
+    """bf16: the largest error in half spacings beyond an fp32 computation's 1e-6 of the largest value (<= 1: one
+    rounding); fp32: the largest error over the largest value."""
+    if got.dtype == torch.float32:
+        return ((got.double() - want).abs().max() / want.abs().max()).item()
+    spacing = torch.ldexp(torch.ones_like(want), torch.frexp(want.abs().clamp_min(1e-30))[1] - 8)
+    return (((got.double() - want).abs() - 1e-6 * want.abs().max()) / (0.5 * spacing)).max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale", [1e-5, 1.0, 1e3])
+def test_qk_norm_rotary_function_is_the_formula_to_one_rounding(dtype: torch.dtype, scale: float) -> None:
+    """QKNormRotary (the model's q/k norm + rotary on CUDA, its backward by formula) against a float64 formula, forward and gradient:
+    bf16 within one rounding of an fp32 computation, fp32 within 1e-6; eager and compiled; rows near eps and far
+    above 1; a NaN stays in its row."""
+    torch.manual_seed(0)
+    T, H, d = 40, 3, 16
+    rotary = tg.Rotary(d, 64, 16, dtype)
+    rotary.apply_yarn(1, 3)
+    qkv = (torch.randn(1, T, 3 * H, d, dtype=torch.float64) * scale).to(dtype)
+    grad_q, grad_k = torch.randn(2, 1, T, H, d).to(dtype)
+    qkv64 = qkv.double().requires_grad_()
+    want = _qk_reference(qkv64[:, :, : 2 * H], rotary.cos, rotary.sin)
+    want_grad, = torch.autograd.grad((want * torch.cat((grad_q, grad_k), dim=-2).double()).sum(), qkv64)
+    apply = lambda qkv: tg.QKNormRotary.apply(qkv[:, :, : 2 * H], rotary.cos, rotary.sin)
+    bound = 1e-6 if dtype == torch.float32 else 1.0
+    for run in (apply, torch.compile(apply, fullgraph=True, dynamic=False)):
+        leaf = qkv.clone().requires_grad_()
+        q, k = run(leaf)
+        assert q.dtype == k.dtype == dtype and q.is_contiguous() and k.is_contiguous()
+        grad, = torch.autograd.grad((q * grad_q).sum() + (k * grad_k).sum(), leaf)
+        assert _half_spacings(torch.cat((q, k), dim=-2).detach(), want.detach()) <= bound
+        assert _half_spacings(grad[:, :, : 2 * H], want_grad[:, :, : 2 * H]) <= bound
+        assert torch.equal(grad[:, :, 2 * H :], torch.zeros_like(grad[:, :, 2 * H :]))
+    qkv[0, 7, 1, 3] = float("nan")
+    q, k = apply(qkv)
+    out = torch.cat((q, k), dim=-2)
+    assert out[0, 7, 1].isnan().all() and out[0, 7, torch.arange(2 * H) != 1].isfinite().all() and out[0, torch.arange(T) != 7].isfinite().all()
+
+
+def test_the_model_takes_the_eager_formula_on_cpu() -> None:
+    """On CPU the q/k norm + rotary stays the eager formula bit for bit (the reference tests compare it with the
+    record's); QKNormRotary is CUDA's."""
+    rotary = tg.Rotary(16, 64, 16, torch.float32)
+    qk = torch.randn(1, 40, 6, 16)
+    q, k = rotary.norm_and_rotate(qk)
+    want_q, want_k = qk.chunk(2, dim=-2)
+    assert torch.equal(q, rotary(tg.rms_norm(want_q))) and torch.equal(k, rotary(tg.rms_norm(want_k)))
