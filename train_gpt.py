@@ -3815,13 +3815,14 @@ fp8_head_loss.register_autograd(_fp8_head_loss_backward, setup_context=_fp8_head
 
 
 # ---- q/k RMS norm and rotary: inductor's forward, the backward by formula ----
-# Replaces autograd through qk_norm_rotary_eager, rotate(rms_norm(.)) of q and of k. The forward stays torch ops,
-# which inductor fuses with the value mixing into one kernel as before, in fp32 rounded once at the store as it
-# compiles the eager formula; it also returns each row's reciprocal RMS. The backward is written out rather than
-# derived through rms_norm and the rotation: the rotation's transpose, then rms_norm's backward from the saved
-# reciprocal RMS, in fp32 rounded once (qk_norm_rotary_backward_formula). A layer's attention inputs took 1.20 ms
-# forward + backward against 1.28 for autograd's compiled backward on one H100 (bench/bench_qk_rotary.py; there the
-# forward was a Triton kernel, 0.36 ms against inductor's 0.26: bench/NOTES.md, 2026-12-07).
+# Replaces autograd through qk_norm_rotary_eager, rotate(rms_norm(.)) of q and of k. The forward is torch ops in fp32
+# rounded once at the end, as inductor compiles the eager formula, and also returns each row's reciprocal RMS. The
+# backward is written out instead of derived through rms_norm and the rotation: the rotation's transpose, then
+# rms_norm's backward from the saved reciprocal RMS, in fp32 rounded once (qk_norm_rotary_backward_formula). On one
+# H100 a layer's attention inputs (q/k norm + rotary and the value mixing, compiled) took 1.115 ms forward + backward
+# against 1.369 through autograd, every output and gradient bitwise the compiled formula's (bench/bench_qk_rotary.py,
+# 7 interleaved rounds; bench/NOTES.md, 2026-12-07). Without autograd (validation) its forward took 0.630 ms against
+# 0.308. A Triton kernel for the forward was no faster than inductor's (0.186 against 0.184 ms, the same NOTES entry).
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default for bf16 and fp32 inputs (its fp32 opmath's eps)
 
 
