@@ -584,10 +584,11 @@ class Rotary(nn.Module):
         return rotate(x, self.cos, self.sin)
 
     def norm_and_rotate(self, qk: Tensor) -> tuple[Tensor, Tensor]:
-        """q and k, each (1, T, H, d), of qk = (q, k) along heads (1, T, 2H, d): rotate(rms_norm(.)) of each. On CUDA
-        in bf16 through QKNormRotary (Fast paths: its backward by formula); elsewhere the eager formula, which the
-        CPU reference tests compare with the record's bit for bit."""
-        if qk.is_cuda and qk.dtype == torch.bfloat16:
+        """q and k, each (1, T, H, d), of qk = (q, k) along heads (1, T, 2H, d): rotate(rms_norm(.)) of each. In
+        training on CUDA in bf16 through QKNormRotary (Fast paths: its backward by formula); elsewhere the eager
+        formula, which the CPU reference tests compare with the record's bit for bit and which compiles to the same
+        bytes and a faster forward where nothing needs a gradient (validation)."""
+        if qk.is_cuda and qk.dtype == torch.bfloat16 and qk.requires_grad:
             return QKNormRotary.apply(qk, self.cos, self.sin)
         return qk_norm_rotary_eager(qk, self.cos, self.sin)
 
@@ -3821,8 +3822,8 @@ fp8_head_loss.register_autograd(_fp8_head_loss_backward, setup_context=_fp8_head
 # rms_norm's backward from the saved reciprocal RMS, in fp32 rounded once (qk_norm_rotary_backward_formula). On one
 # H100 a layer's attention inputs (q/k norm + rotary and the value mixing, compiled) took 1.115 ms forward + backward
 # against 1.369 through autograd, every output and gradient bitwise the compiled formula's (bench/bench_qk_rotary.py,
-# 7 interleaved rounds; bench/NOTES.md, 2026-12-07). Without autograd (validation) its forward took 0.630 ms against
-# 0.308. A Triton kernel for the forward was no faster than inductor's (0.186 against 0.184 ms, the same NOTES entry).
+# 7 interleaved rounds; bench/NOTES.md, 2026-12-07). Without autograd its forward took 0.630 ms against 0.308, so
+# validation keeps the formula (Rotary.norm_and_rotate). A Triton kernel for the forward was no faster than inductor's (0.186 against 0.184 ms, the same NOTES entry).
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default for bf16 and fp32 inputs (its fp32 opmath's eps)
 
 

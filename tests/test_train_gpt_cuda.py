@@ -286,10 +286,8 @@ def test_qk_norm_rotary_and_its_gradient_compiled_match_the_formula_on_cuda() ->
     qkv = torch.randn(1, T, 3 * H, d, device="cuda").bfloat16().requires_grad_()
     grad_q, grad_k = torch.randn(2, 1, T, H, d, device="cuda").bfloat16()
 
-    def loss(qkv: torch.Tensor, fused: bool) -> torch.Tensor:
-        qk = qkv[:, :, : 2 * H]
-        q, k = rotary.norm_and_rotate(qk) if fused else tg.qk_norm_rotary_eager(qk, rotary.cos, rotary.sin)
-        return (q.float() * grad_q).sum() + (k.float() * grad_k).sum()
+    def attention_qk(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary.norm_and_rotate(qkv[:, :, : 2 * H])  # QKNormRotary: qkv needs a gradient
 
     qkv64 = qkv.detach().double().requires_grad_()
     x = qkv64[:, :, : 2 * H]
@@ -299,10 +297,10 @@ def test_qk_norm_rotary_and_its_gradient_compiled_match_the_formula_on_cuda() ->
     want = torch.cat((n1 * cos + n2 * sin, n2 * cos - n1 * sin), dim=-1)
     want_grad, = torch.autograd.grad((want * torch.cat((grad_q, grad_k), dim=-2).double()).sum(), qkv64)
 
-    compiled = torch.compile(loss, fullgraph=True, dynamic=False)
-    q, k = torch.compile(rotary.norm_and_rotate, fullgraph=True, dynamic=False)(qkv.detach()[:, :, : 2 * H])
+    q, k = torch.compile(attention_qk, fullgraph=True, dynamic=False)(qkv)
+    grad, = torch.autograd.grad((q.float() * grad_q).sum() + (k.float() * grad_k).sum(), qkv)
+    q, k = q.detach(), k.detach()
     assert _half_spacings_beyond_fp32(torch.cat((q, k), dim=-2), want) <= 1.0
-    grad, = torch.autograd.grad(compiled(qkv, True), qkv)
     assert _half_spacings_beyond_fp32(grad, want_grad) <= 1.0
     assert torch.equal(grad[:, :, 2 * H :], torch.zeros_like(grad[:, :, 2 * H :]))
     formula = torch.compile(lambda qk: tg.qk_norm_rotary_eager(qk, rotary.cos, rotary.sin), fullgraph=True, dynamic=False)
