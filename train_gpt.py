@@ -3823,7 +3823,8 @@ fp8_head_loss.register_autograd(_fp8_head_loss_backward, setup_context=_fp8_head
 # H100 a layer's attention inputs (q/k norm + rotary and the value mixing, compiled) took 1.115 ms forward + backward
 # against 1.369 through autograd, every output and gradient bitwise the compiled formula's (bench/bench_qk_rotary.py,
 # 7 interleaved rounds; bench/NOTES.md, 2026-12-07). Without autograd its forward took 0.630 ms against 0.308, so
-# validation keeps the formula (Rotary.norm_and_rotate). A Triton kernel for the forward was no faster than inductor's (0.186 against 0.184 ms, the same NOTES entry).
+# validation keeps the formula (Rotary.norm_and_rotate). A Triton kernel for the forward was no faster than
+# inductor's (0.186 against 0.184 ms, the same NOTES entry).
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default for bf16 and fp32 inputs (its fp32 opmath's eps)
 
 

@@ -74,7 +74,8 @@ def time_layer(rotary: tg.Rotary, rounds: int) -> None:
                 print(f"  {form}, {label}: {differ} of {want.numel()} differ from the compiled formula, by at most {most:g} bf16 units")
             else:
                 print(f"  {form}, {label}: largest difference {(got - want).abs().max().item():.3g} (fp32)")
-    times = interleaved_median_ms({f"{kind} {name}": fn(name) for name in compiled for kind, fn in (("forward", forward), ("forward + backward", forward_backward))}, rounds)
+    timed = {f"{kind} {name}": fn(name) for name in compiled for kind, fn in (("forward", forward), ("forward + backward", forward_backward))}
+    times = interleaved_median_ms(timed, rounds)
     for name, ms in times.items():
         print(f"layer {name}: {ms:.4f} ms")
 
