@@ -297,6 +297,8 @@ def test_qk_norm_rotary_and_its_gradient_compiled_match_the_formula_on_cuda() ->
     want = torch.cat((n1 * cos + n2 * sin, n2 * cos - n1 * sin), dim=-1)
     want_grad, = torch.autograd.grad((want * torch.cat((grad_q, grad_k), dim=-2).double()).sum(), qkv64)
 
+    assert type(attention_qk(qkv)[0].grad_fn).__name__ == "QKNormRotaryBackward"  # the model's choice in training
+    assert attention_qk(qkv.detach())[0].grad_fn is None  # and the formula's without a gradient (validation)
     q, k = torch.compile(attention_qk, fullgraph=True, dynamic=False)(qkv)
     grad, = torch.autograd.grad((q.float() * grad_q).sum() + (k.float() * grad_k).sum(), qkv)
     q, k = q.detach(), k.detach()

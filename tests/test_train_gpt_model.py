@@ -437,11 +437,13 @@ def test_qk_norm_rotary_function_is_the_formula_to_one_rounding(dtype: torch.dty
     assert out[0, 7, 1].isnan().all() and out[0, 7, torch.arange(2 * H) != 1].isfinite().all() and out[0, torch.arange(T) != 7].isfinite().all()
 
 
-def test_the_model_takes_the_eager_formula_on_cpu() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_takes_the_eager_formula_on_cpu(dtype: torch.dtype) -> None:
     """On CPU the q/k norm + rotary stays the eager formula bit for bit (the reference tests compare it with the
-    record's); QKNormRotary is CUDA's."""
-    rotary = tg.Rotary(16, 64, 16, torch.float32)
-    qk = torch.randn(1, 40, 6, 16)
+    record's), in bf16 with a gradient too; QKNormRotary is CUDA's."""
+    rotary = tg.Rotary(16, 64, 16, dtype)
+    qk = torch.randn(1, 40, 6, 16).to(dtype).requires_grad_()
     q, k = rotary.norm_and_rotate(qk)
+    assert "QKNormRotary" not in type(q.grad_fn).__name__
     want_q, want_k = qk.chunk(2, dim=-2)
     assert torch.equal(q, rotary(tg.rms_norm(want_q))) and torch.equal(k, rotary(tg.rms_norm(want_k)))

@@ -450,4 +450,3 @@ print(json.dumps(results))
 def test_block_tables_kernel_is_the_eager_formula_under_the_interpreter():
     results = run_under_interpreter(BLOCK_TABLE_CHECKS)
     assert len(results) == 13 and all(results.values()), results
-
