@@ -581,33 +581,12 @@ class Rotary(nn.Module):
         return self.attn_scale_tensor if as_tensor else self.attn_scale
 
     def forward(self, x: Tensor) -> Tensor:  # x: (1, T, H, d)
-        return rotate(x, self.cos, self.sin)
-
-    def norm_and_rotate(self, qk: Tensor) -> tuple[Tensor, Tensor]:
-        """q and k, each (1, T, H, d), of qk = (q, k) along heads (1, T, 2H, d): rotate(rms_norm(.)) of each. In
-        training on CUDA in bf16 through QKNormRotary (Fast paths: its backward by formula); elsewhere the eager
-        formula, which the CPU reference tests compare with the record's bit for bit and whose compiled forward,
-        measured bitwise equal to QKNormRotary's, is the faster one where nothing needs a gradient (validation)."""
-        if qk.is_cuda and qk.dtype == torch.bfloat16 and qk.requires_grad:
-            return QKNormRotary.apply(qk, self.cos, self.sin)
-        return qk_norm_rotary_eager(qk, self.cos, self.sin)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (1, T, H, d) rotated by the tables' first T rows: (x1 cos + x2 sin, x2 cos - x1 sin) of its halves x1, x2,
-    computed in the tables' dtype."""
-    cos = cos[None, : x.size(1), None, None, :]
-    sin = sin[None, : x.size(1), None, None, :]
-    halves = x.to(cos.dtype).unflatten(-1, (2, -1))  # (..., 2, d/2): x1, x2
-    # (x1 cos + x2 sin, x2 cos + x1 (-sin)) without a cat of the halves, which inductor fuses into cheaper q/k
-    # norm + rotary kernels (bench/NOTES.md, 2026-12-01)
-    return (halves * cos + halves.flip(-2) * torch.cat((sin, -sin), dim=-2)).flatten(-2).type_as(x)
-
-
-def qk_norm_rotary_eager(qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """The eager formula of the q/k norm and rotary: qk (1, T, 2H, d) = (q, k) along heads."""
-    q, k = qk.chunk(2, dim=-2)
-    return rotate(rms_norm(q), cos, sin), rotate(rms_norm(k), cos, sin)
+        cos = self.cos[None, : x.size(1), None, None, :]
+        sin = self.sin[None, : x.size(1), None, None, :]
+        halves = x.to(cos.dtype).unflatten(-1, (2, -1))  # (..., 2, d/2): x1, x2
+        # (x1 cos + x2 sin, x2 cos + x1 (-sin)) without a cat of the halves, which inductor fuses into cheaper q/k
+        # norm + rotary kernels (bench/NOTES.md, 2026-12-01)
+        return (halves * cos + halves.flip(-2) * torch.cat((sin, -sin), dim=-2)).flatten(-2).type_as(x)
 
 
 # ---- attention backends ----
@@ -1037,8 +1016,8 @@ class CausalSelfAttention(nn.Module):
         T, D = x.size(1), x.size(2)
         weights = cast_matrix(self, "qkvo_w", x).view(4, D, D)
         qkv = F.linear(x, weights[:3].flatten(0, 1)).view(1, T, 3 * self.num_heads, self.head_dim)
-        qk, v = qkv.split((2 * self.num_heads, self.num_heads), dim=-2)
-        q, k = rotary.norm_and_rotate(qk)
+        q, k, v = qkv.chunk(3, dim=-2)
+        q, k = rotary(rms_norm(q)), rotary(rms_norm(k))
         v = mix[0] * v + mix[1] * value_embed.view_as(v) if value_embed is not None else mix[0] * v
         y = attention(q, k, v, inputs, window, scale)
         y = y * torch.sigmoid(self.attn_gate(x[..., :GATE_INPUT_DIMS])).unsqueeze(-1)  # sparse per-head gate
@@ -3813,49 +3792,6 @@ def _fp8_head_loss_backward(ctx: Any, grad_loss: Tensor, *_unused: Any) -> tuple
 
 
 fp8_head_loss.register_autograd(_fp8_head_loss_backward, setup_context=_fp8_head_loss_setup_context)
-
-
-# ---- q/k RMS norm and rotary: inductor's forward, the backward by formula ----
-# Replaces autograd through qk_norm_rotary_eager, rotate(rms_norm(.)) of q and of k. The forward is torch ops in fp32
-# rounded once at the end, as inductor compiles the eager formula, and also returns each row's reciprocal RMS. The
-# backward is written out instead of derived through rms_norm and the rotation: the rotation's transpose, then
-# rms_norm's backward from the saved reciprocal RMS, in fp32 rounded once (qk_norm_rotary_backward_formula). On one
-# H100 a layer's attention inputs (q/k norm + rotary and the value mixing, compiled) took 1.115 ms forward + backward
-# against 1.369 through autograd, every output and gradient bitwise the compiled formula's (bench/bench_qk_rotary.py,
-# 7 interleaved rounds; bench/NOTES.md, 2026-12-07). Without autograd its forward took 0.630 ms against 0.308, so
-# validation keeps the formula (Rotary.norm_and_rotate). A Triton kernel for the forward was no faster than
-# inductor's (0.186 against 0.184 ms, the same NOTES entry).
-RMS_NORM_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default for bf16 and fp32 inputs (its fp32 opmath's eps)
-
-
-class QKNormRotary(torch.autograd.Function):
-    """q, k (1, T, H, d) of qk (1, T, 2H, d) = (q, k) along heads, computed as torch ops in fp32 and rounded once to
-    qk's dtype; the backward is qk_norm_rotary_backward_formula."""
-
-    @staticmethod
-    def forward(ctx: Any, qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        heads = qk.size(2) // 2
-        x = qk.float()
-        rstd = torch.rsqrt(x.pow(2).mean(-1) + RMS_NORM_EPS)
-        normed = x * rstd[..., None]
-        q = rotate(normed[:, :, :heads], cos.float(), sin.float()).to(qk.dtype)
-        k = rotate(normed[:, :, heads:], cos.float(), sin.float()).to(qk.dtype)
-        ctx.save_for_backward(qk, cos, sin, rstd)
-        return q, k
-
-    @staticmethod
-    def backward(ctx: Any, grad_q: Tensor, grad_k: Tensor) -> tuple[Tensor | None, ...]:
-        qk, cos, sin, rstd = ctx.saved_tensors
-        return qk_norm_rotary_backward_formula(grad_q, grad_k, qk, rstd, cos, sin), None, None
-
-
-def qk_norm_rotary_backward_formula(grad_q: Tensor, grad_k: Tensor, qk: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The gradient of qk_norm_rotary_eager w.r.t. qk, given each row's reciprocal RMS r, in fp32 rounded once to
-    qk's dtype: the rotation's transpose (a rotation by -sin), then rms_norm's r (g - n mean(g n)) with n = r x."""
-    grad_n = rotate(torch.cat((grad_q, grad_k), dim=-2).float(), cos.float(), -sin.float())
-    r = rstd[..., None]
-    n = qk.float() * r
-    return (r * (grad_n - n * (grad_n * n).mean(-1, keepdim=True))).to(qk.dtype)
 
 
 # ---- FlexAttention block tables without a sort ----
