@@ -19,6 +19,9 @@ comparison in one invocation is a comparison):
     abba_rounds (the completed rounds per order) and abba_balanced.
   * The timed segment is steps skip..T (synchronized at both ends; validation inside it is left out),
     so each round gives ms/step for A and for B, and their ratio B/A is paired by round.
+  * MFU: each version's model FLOPs per step (6 x the parameters of the matrices multiplied in the forward x tokens
+    per step, as bench/bench_train_gpt.py counts them; the worker asks the script's matmul_parameter_count) over the
+    median round's time and --nproc x --peak-tflops. A script that does not give its count: "not reported".
   * The val losses at the end of each round are paired by seed. Their spread over seeds is the noise
     within a process; separate processes of the same code differ by more (about 0.02 at step 120 on the
     proxy data, bench/NOTES.md), so one invocation's paired difference is one draw of that noise.
@@ -606,10 +609,12 @@ def signal_ready(control: Control, rank: int) -> None:
 def timed_rounds(
     args: argparse.Namespace, control: Control, rank: int, timer: RoundTimer,
     start_round: Callable[[int], None], train: Callable[[], tuple[Any, int, float]], before_any: Any,
+    model_flops_per_step: float | None = None,
 ) -> Any:
     """Each round the coordinator starts: start_round(seed) resets what a round starts from, then train() trains it
     and returns (its result, the segment's last step, the final val loss); ms per step over steps
-    timer.first_step..last (validation left out), the val loss and the round's peak memory go to the coordinator.
+    timer.first_step..last (validation left out), the val loss, the round's peak memory and the model's FLOPs per
+    step (None: not known for this script) go to the coordinator.
     Returns the last round's result (before_any if the coordinator's time limit stopped the worker first)."""
     import torch
 
@@ -628,7 +633,7 @@ def timed_rounds(
             control.signal(
                 f"result{index}",
                 dict(seed=seed, ms_per_step=1000 * segment_s / (last - timer.first_step), steps=[timer.first_step, last],
-                     val_loss=val_loss, peak_allocated_mib=peak / 2**20),
+                     val_loss=val_loss, peak_allocated_mib=peak / 2**20, model_flops_per_step=model_flops_per_step),
             )
     return result
 
@@ -776,12 +781,23 @@ def worker_main(args: argparse.Namespace, overrides: list[str]) -> None:
             final = original_train(*bound.args, **bound.kwargs)
             return final, max(timer.marks), float(final)
 
-        final = timed_rounds(args, control, rank, timer, start_round, train, math.nan)
+        flops = model_flops_per_step(module, raw_model, bound.arguments.get("hp"))
+        final = timed_rounds(args, control, rank, timer, start_round, train, math.nan, flops)
         profiled_round(args, control, rank, timer, start_round, train)
         return final
 
     module.train, module.print0, module.evaluate = rounds_of_train, print0, timed_evaluate(module.evaluate, timer)
     module.run(overrides)
+
+
+def model_flops_per_step(module: Any, raw_model: Any, hp: Any) -> float | None:
+    """MFU's FLOPs, as bench/bench_train_gpt.py counts them: 6 x the parameters of the matrices multiplied in the
+    forward x tokens per step, all ranks together (attention's score and value products left out). None for a
+    script without matmul_parameter_count or train_batch_size."""
+    count, batch = getattr(module, "matmul_parameter_count", None), getattr(hp, "train_batch_size", None)
+    if count is None or batch is None:
+        return None
+    return 6.0 * count(raw_model) * batch
 
 
 def trials_worker(module: Any, args: argparse.Namespace, overrides: list[str], control: Control, rank: int) -> None:
@@ -857,7 +873,7 @@ class RoundResult:
     ms_per_step: float
     val_loss: float
     peak_allocated_mib: float
-
+    model_flops_per_step: float = math.nan  # 6 x matmul parameters x tokens per step; NaN: the script does not say
 
 class ResidentVersion:
     def __init__(self, version: Version, args: argparse.Namespace, overrides: list[str], folder: Path, deadline: float | None = None):
@@ -881,7 +897,8 @@ class ResidentVersion:
     def run_round(self, index: int) -> RoundResult:
         self.control.signal(f"go{index}")
         r = self.control.wait(f"result{index}", self.alive, self.deadline)
-        return RoundResult(r["seed"], r["ms_per_step"], r["val_loss"], r["peak_allocated_mib"])
+        flops = r.get("model_flops_per_step")
+        return RoundResult(r["seed"], r["ms_per_step"], r["val_loss"], r["peak_allocated_mib"], math.nan if flops is None else flops)
 
     def profile(self) -> list[dict]:
         self.control.signal("go_profile")
@@ -1254,8 +1271,15 @@ def val_not_finite(baseline: list[RoundResult], candidate: list[RoundResult]) ->
     ]
 
 
-def summarize(baseline: list[RoundResult], candidate: list[RoundResult]) -> dict[str, Any]:
-    """The timing and val loss statistics of paired rounds. The val loss figures are over the rounds where both
+def mfu(rounds: list[RoundResult], peak_flops: float) -> float:
+    """The median round's model FLOPs per second over peak_flops (all GPUs of a version together); NaN where a
+    round's FLOPs are not known."""
+    return statistics.median(r.model_flops_per_step / (r.ms_per_step * 1e-3) / peak_flops for r in rounds)
+
+
+def summarize(baseline: list[RoundResult], candidate: list[RoundResult], peak_flops: float = math.nan) -> dict[str, Any]:
+    """The timing and val loss statistics of paired rounds, and each version's MFU over peak_flops (the bf16 rate
+    of all its GPUs together). The val loss figures are over the rounds where both
     versions' val losses are finite (val_rounds of them; val_not_finite names the others), so that both means
     and the paired difference stand on the same seeds; NaN (null in the JSON) where no such round, or one for an sd."""
     ratios = [c.ms_per_step / b.ms_per_step for b, c in zip(baseline, candidate)]
@@ -1271,6 +1295,8 @@ def summarize(baseline: list[RoundResult], candidate: list[RoundResult]) -> dict
         candidate_ms_median=statistics.median(r.ms_per_step for r in candidate),
         baseline_peak_mib=_finite_max([r.peak_allocated_mib for r in baseline]),
         candidate_peak_mib=_finite_max([r.peak_allocated_mib for r in candidate]),
+        baseline_mfu=mfu(baseline, peak_flops),
+        candidate_mfu=mfu(candidate, peak_flops),
         val_rounds=len(pairs),
         val_not_finite=val_not_finite(baseline, candidate),
         baseline_val_mean=_mean(val_a),
@@ -1282,14 +1308,14 @@ def summarize(baseline: list[RoundResult], candidate: list[RoundResult]) -> dict
     )
 
 
-def summarize_rounds(baseline: list[RoundResult], candidate: list[RoundResult], order: str) -> dict[str, Any]:
+def summarize_rounds(baseline: list[RoundResult], candidate: list[RoundResult], order: str, peak_flops: float = math.nan) -> dict[str, Any]:
     """summarize() over the rounds both versions completed ({} if none); with abba order also the second-slot
     effect, the completed rounds per order and whether they balance (a time limit or deadline can end the
     rounds after an odd number: the slot effect then no longer cancels in the ratio's median and mean)."""
     complete = min(len(baseline), len(candidate))
     if not complete:
         return {}
-    summary = summarize(baseline[:complete], candidate[:complete])
+    summary = summarize(baseline[:complete], candidate[:complete], peak_flops)
     if order == "abba":
         summary["second_slot_effect"] = second_slot_effect(summary["ratios"])
         summary["abba_rounds"] = abba_counts(complete)
@@ -1338,6 +1364,10 @@ def _stat(value: float, spec: str, undefined: str = "undefined") -> str:
     return format(value, spec) if math.isfinite(value) else undefined
 
 
+def _percent(share: float) -> str:
+    return f"{100 * share:.1f}%" if math.isfinite(share) else "not reported"  # a script that does not give its FLOPs
+
+
 def _gib(mib: float) -> str:
     return f"{mib / 1024:.2f} GiB" if math.isfinite(mib) else "not reported"  # no workers' peak: no unit either
 
@@ -1355,7 +1385,7 @@ def val_not_finite_line(entries: list[dict[str, Any]]) -> str:
 
 
 def print_report(versions: list[Version], baseline: list[RoundResult], candidate: list[RoundResult], summary: dict, profiles: dict,
-                 profiled_steps: str = "") -> None:
+                 profiled_steps: str = "", peak_tflops: float = math.nan, nproc: int = 1) -> None:
     for v in versions:
         print(f"{v.label}: {v.origin}{describe_flags(v)} [{v.mode}]")
     print(f"{'round':>5} {'seed':>5} {'baseline ms/step':>17} {'candidate ms/step':>18} {'B/A':>7} {'val A':>8} {'val B':>8}")
@@ -1374,6 +1404,10 @@ def print_report(versions: list[Version], baseline: list[RoundResult], candidate
     if s.get("abba_balanced") is False:
         print(abba_unbalanced_line(s["abba_rounds"]))
     print(f"peak allocated: baseline {_gib(s['baseline_peak_mib'])}, candidate {_gib(s['candidate_peak_mib'])}")
+    print(
+        f"MFU (6 x matmul parameters x tokens per step, median round, over {nproc} x {peak_tflops:g} TFLOP/s): "
+        f"baseline {_percent(s['baseline_mfu'])}, candidate {_percent(s['candidate_mfu'])}"
+    )
     if s["val_not_finite"]:
         print(val_not_finite_line(s["val_not_finite"]))
     over = "" if s["val_rounds"] == len(s["ratios"]) else f" (over the {s['val_rounds']} of {len(s['ratios'])} rounds with both finite)"
@@ -1459,6 +1493,10 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "(exit status 3; default 0: none); give the call's limit less the report's few seconds",
     )
     parser.add_argument("--skip", type=int, default=10, help="steps before the timed segment (default 10)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=784.0,
+        help="the bf16 rate per GPU that MFU divides by (default 784 TFLOP/s, the dense rate README's Performance tables use for H100 and H200)",
+    )
     parser.add_argument("--profile-steps", type=int, default=0, help="after the rounds, profile this many steps of each version")
     parser.add_argument("--profile-from", type=int, help="profile the steps after this one (default: --skip, the timed segment's first steps; "
                         "the window schedule makes early and late steps differ)")
@@ -1483,6 +1521,8 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         for flag, seconds in (("--time-limit", args.time_limit), ("--deadline", args.deadline)):
             if not (math.isfinite(seconds) and seconds >= 0):  # inf passed `>= 0` and went into ab.json as Infinity
                 parser.error(f"{flag}={seconds}: give finite seconds >= 0 (0: none)")
+        if not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+            parser.error(f"--peak-tflops={args.peak_tflops}: give the GPU's bf16 rate in TFLOP/s, a finite number above 0")
         if args.order == "abba" and args.rounds % 2:
             parser.error(f"--order abba needs an even --rounds (got {args.rounds}): the slot effect cancels over pairs of rounds")
         if args.json is not None and args.json.exists():
@@ -1601,10 +1641,11 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
             if left_out:
                 runner.stop()
             runner.finish()
-    summary = summarize_rounds(results["baseline"], results["candidate"], args.order)  # rounds with both versions timed
+    # rounds with both versions timed
+    summary = summarize_rounds(results["baseline"], results["candidate"], args.order, args.peak_tflops * 1e12 * args.nproc)
     if summary:
         print_report(versions, results["baseline"], results["candidate"], summary, profiles,
-                     f", steps {profiled_steps_text(args)}" if args.profile_steps else "")
+                     f", steps {profiled_steps_text(args)}" if args.profile_steps else "", args.peak_tflops, args.nproc)
         print_clocks(clocks)
     else:
         print("no round was completed by both versions: nothing to compare")
@@ -1614,7 +1655,7 @@ def coordinate(args: argparse.Namespace, overrides: list[str]) -> int:
         versions=[asdict(v) | dict(script=str(v.script)) for v in versions],
         rounds={label: [asdict(r) for r in rs] for label, rs in results.items()}, summary=summary, profiles=profiles,
         profiled_steps=profiled_steps_text(args) if profiles else None,
-        rounds_planned=args.rounds, order=args.order, time_limit_s=args.time_limit, left_out=left_out, hung=hung, clocks=clocks,
+        peak_tflops=args.peak_tflops, rounds_planned=args.rounds, order=args.order, time_limit_s=args.time_limit, left_out=left_out, hung=hung, clocks=clocks,
     )
     json_path = write_new_results(args.json or folder / "ab.json", report, folder)
     print(f"json: {json_path}")

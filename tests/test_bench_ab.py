@@ -1,6 +1,7 @@
 """bench/ab.py, the paired A/B timing runner: its plan and version handling on CPU, and one real (tiny) run."""
 
 import argparse
+import dataclasses
 import gzip
 import json
 import math
@@ -152,6 +153,8 @@ def test_a_results_file_in_the_out_folder_this_call_makes_is_accepted(tmp_path):
         (["--profile-steps", "5"], "--skip=2 (where profiling starts by default) with --profile-steps=5 runs past the 6-step run"),
         (["--time-limit", "inf"], "--time-limit=inf: give finite seconds >= 0"),
         (["--deadline", "-1"], "--deadline=-1.0: give finite seconds >= 0"),
+        (["--peak-tflops", "0"], "--peak-tflops=0.0: give the GPU's bf16 rate in TFLOP/s, a finite number above 0"),
+        (["--peak-tflops", "nan"], "--peak-tflops=nan: give the GPU's bf16 rate in TFLOP/s, a finite number above 0"),
         (["--rounds", "0"], "--rounds=0: give 1 to 1000"),
         (["--rounds", "1000000000"], "--rounds=1000000000: give 1 to 1000"),  # planned in memory before: killed for it
         (["--skip", "0"], "--skip=0: give 1 to 1000"),
@@ -277,6 +280,14 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
     assert baseline[0]["val_loss"] != baseline[1]["val_loss"]
     assert len(report["summary"]["ratios"]) == 2
     assert "ratio B/A: median" in result.stdout and "paired difference B-A +0.0000" in result.stdout
+    # MFU's FLOPs per step: 6 x the log's matmul parameters x the smoke preset's tokens per step
+    matmul = int(re.search(r"^params: total=\d+ matmul=(\d+)", log, re.MULTILINE)[1])
+    tokens = int(re.search(r"^hyperparameters: .*'train_batch_size': (\d+)", log, re.MULTILINE)[1])
+    assert tokens == 8 * 128  # the smoke preset's batch
+    for r in baseline + candidate:
+        assert r["model_flops_per_step"] == 6 * matmul * tokens
+    assert re.search(r"^MFU \(6 x matmul parameters x tokens per step, median round, over 1 x 784 TFLOP/s\): "
+                     r"baseline \d+\.\d%, candidate \d+\.\d%$", result.stdout, re.MULTILINE)
     if shutil.which("nvidia-smi") is None:  # CI: nothing to sample, and the report says so
         assert report["clocks"] == {} and "SM clock while each version trained: not sampled" in result.stdout
 
@@ -373,6 +384,21 @@ def test_a_peak_no_round_reported_is_not_reported_without_a_unit(ab, tmp_path, c
     candidate = [ab.RoundResult(r.seed, r.ms_per_step, r.val_loss, math.nan) for r in candidate]
     report_of(ab, tmp_path, baseline, candidate, "alternate")
     assert "peak allocated: baseline 1.00 GiB, candidate not reported\n" in capsys.readouterr().out
+
+
+def test_mfu_is_the_median_rounds_flops_rate_over_the_peak_and_not_reported_without_flops(ab, tmp_path, capsys):
+    """Two GPUs of 784 TFLOP/s; the baseline's rounds at 600, 500 and 550 ms/step for 1e15 FLOPs per step."""
+    baseline, candidate = rounds_of(ab, [(600.0, 90.0, 3.5, 3.5), (500.0, 90.0, 3.5, 3.5), (550.0, 90.0, 3.5, 3.5)])
+    baseline = [dataclasses.replace(r, model_flops_per_step=1e15) for r in baseline]  # the candidate's: not given
+    summary = ab.summarize_rounds(baseline, candidate, "alternate", 2 * 784e12)
+    assert summary["baseline_mfu"] == pytest.approx(1e15 / 0.55 / (2 * 784e12), rel=1e-12)
+    assert math.isnan(summary["candidate_mfu"])
+    versions = [ab.Version(label, "x.py", "x.py", tmp_path / "x.py", "resident") for label in ab.LABELS]
+    ab.print_report(versions, baseline, candidate, summary, {}, "", 784.0, 2)
+    assert ("MFU (6 x matmul parameters x tokens per step, median round, over 2 x 784 TFLOP/s): baseline 116.0%, "
+            "candidate not reported\n") in capsys.readouterr().out
+    ab.write_new_results(tmp_path / "ab.json", dict(summary=summary), tmp_path)
+    assert strict_loads((tmp_path / "ab.json").read_text())["summary"]["candidate_mfu"] is None
 
 
 def test_results_are_strict_json_with_every_non_finite_value_null(ab, tmp_path):
