@@ -21,7 +21,7 @@ comparison in one invocation is a comparison):
     so each round gives ms/step for A and for B, and their ratio B/A is paired by round.
   * MFU: each version's model FLOPs per step (6 x the parameters of the matrices multiplied in the forward x tokens
     per step, as bench/bench_train_gpt.py counts them; the worker asks the script's matmul_parameter_count) over the
-    median round's time and --nproc x --peak-tflops. A script that does not give its count: "not reported".
+    median ms/step and --nproc x --peak-tflops. A script that does not give its count: "not reported".
   * The val losses at the end of each round are paired by seed. Their spread over seeds is the noise
     within a process; separate processes of the same code differ by more (about 0.02 at step 120 on the
     proxy data, bench/NOTES.md), so one invocation's paired difference is one draw of that noise.
@@ -1272,9 +1272,12 @@ def val_not_finite(baseline: list[RoundResult], candidate: list[RoundResult]) ->
 
 
 def mfu(rounds: list[RoundResult], peak_flops: float) -> float:
-    """The median round's model FLOPs per second over peak_flops (all GPUs of a version together); NaN where a
-    round's FLOPs are not known."""
-    return statistics.median(r.model_flops_per_step / (r.ms_per_step * 1e-3) / peak_flops for r in rounds)
+    """The model FLOPs per step over the median ms/step (the report's), over peak_flops (all GPUs of a version
+    together). A worker counts its FLOPs once, so its rounds agree; NaN where one is not known (or they differ)."""
+    flops = {r.model_flops_per_step for r in rounds}
+    if len(flops) != 1 or not all(math.isfinite(f) for f in flops):
+        return math.nan
+    return flops.pop() / (statistics.median(r.ms_per_step for r in rounds) * 1e-3) / peak_flops
 
 
 def summarize(baseline: list[RoundResult], candidate: list[RoundResult], peak_flops: float = math.nan) -> dict[str, Any]:
@@ -1405,7 +1408,7 @@ def print_report(versions: list[Version], baseline: list[RoundResult], candidate
         print(abba_unbalanced_line(s["abba_rounds"]))
     print(f"peak allocated: baseline {_gib(s['baseline_peak_mib'])}, candidate {_gib(s['candidate_peak_mib'])}")
     print(
-        f"MFU (6 x matmul parameters x tokens per step, median round, over {nproc} x {peak_tflops:g} TFLOP/s): "
+        f"MFU (6 x matmul parameters x tokens per step at the median ms/step, over {nproc} x {peak_tflops:g} TFLOP/s): "
         f"baseline {_percent(s['baseline_mfu'])}, candidate {_percent(s['candidate_mfu'])}"
     )
     if s["val_not_finite"]:
@@ -1495,7 +1498,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--skip", type=int, default=10, help="steps before the timed segment (default 10)")
     parser.add_argument(
         "--peak-tflops", type=float, default=784.0,
-        help="the bf16 rate per GPU that MFU divides by (default 784 TFLOP/s, the dense rate README's Performance tables use for H100 and H200)",
+        help="the bf16 rate per GPU that MFU divides by (default 784 TFLOP/s, the rate of README's MFU figures; bench/NOTES.md of 2026-11-30 measured about 780)",
     )
     parser.add_argument("--profile-steps", type=int, default=0, help="after the rounds, profile this many steps of each version")
     parser.add_argument("--profile-from", type=int, help="profile the steps after this one (default: --skip, the timed segment's first steps; "

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -256,7 +257,8 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
     forgetful.write_text(source.replace(SCALARS_RESET, ""))
     result = run_ab(
         "--baseline", str(forgetful), "--candidate", "train_gpt.py", "--rounds", "2", "--skip", "2", "--profile-steps", "1",
-        "--profile-from", "4", "--trace", str(tmp_path / "trace"), "--out", str(tmp_path / "out"), "--", *TINY_RUN, "--val_loss_every=4",
+        "--profile-from", "4", "--trace", str(tmp_path / "trace"), "--out", str(tmp_path / "out"), "--peak-tflops", "392",
+        "--", *TINY_RUN, "--val_loss_every=4",
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -286,7 +288,11 @@ def test_a_tiny_run_times_both_versions_in_turn_on_cpu(tmp_path):
     assert tokens == 8 * 128  # the smoke preset's batch
     for r in baseline + candidate:
         assert r["model_flops_per_step"] == 6 * matmul * tokens
-    assert re.search(r"^MFU \(6 x matmul parameters x tokens per step, median round, over 1 x 784 TFLOP/s\): "
+    summary = report["summary"]
+    for label, rounds in (("baseline", baseline), ("candidate", candidate)):  # over one GPU's --peak-tflops
+        ms = statistics.median(r["ms_per_step"] for r in rounds)
+        assert summary[f"{label}_mfu"] == pytest.approx(6 * matmul * tokens / (ms * 1e-3) / 392e12, rel=1e-12)
+    assert re.search(r"^MFU \(6 x matmul parameters x tokens per step at the median ms/step, over 1 x 392 TFLOP/s\): "
                      r"baseline \d+\.\d%, candidate \d+\.\d%$", result.stdout, re.MULTILINE)
     if shutil.which("nvidia-smi") is None:  # CI: nothing to sample, and the report says so
         assert report["clocks"] == {} and "SM clock while each version trained: not sampled" in result.stdout
@@ -387,18 +393,23 @@ def test_a_peak_no_round_reported_is_not_reported_without_a_unit(ab, tmp_path, c
 
 
 def test_mfu_is_the_median_rounds_flops_rate_over_the_peak_and_not_reported_without_flops(ab, tmp_path, capsys):
-    """Two GPUs of 784 TFLOP/s; the baseline's rounds at 600, 500 and 550 ms/step for 1e15 FLOPs per step."""
-    baseline, candidate = rounds_of(ab, [(600.0, 90.0, 3.5, 3.5), (500.0, 90.0, 3.5, 3.5), (550.0, 90.0, 3.5, 3.5)])
+    """Two GPUs of 784 TFLOP/s; the baseline's rounds at 600, 500 and 520 ms/step (median 520, mean 540, and MFU's
+    median 1/520 against the mean of 1/ms) for 1e15 FLOPs per step: MFU is the report's median ms/step's."""
+    baseline, candidate = rounds_of(ab, [(600.0, 90.0, 3.5, 3.5), (500.0, 90.0, 3.5, 3.5), (520.0, 90.0, 3.5, 3.5)])
     baseline = [dataclasses.replace(r, model_flops_per_step=1e15) for r in baseline]  # the candidate's: not given
     summary = ab.summarize_rounds(baseline, candidate, "alternate", 2 * 784e12)
-    assert summary["baseline_mfu"] == pytest.approx(1e15 / 0.55 / (2 * 784e12), rel=1e-12)
+    assert summary["baseline_mfu"] == pytest.approx(1e15 / 0.52 / (2 * 784e12), rel=1e-12)
     assert math.isnan(summary["candidate_mfu"])
     versions = [ab.Version(label, "x.py", "x.py", tmp_path / "x.py", "resident") for label in ab.LABELS]
     ab.print_report(versions, baseline, candidate, summary, {}, "", 784.0, 2)
-    assert ("MFU (6 x matmul parameters x tokens per step, median round, over 2 x 784 TFLOP/s): baseline 116.0%, "
+    assert ("MFU (6 x matmul parameters x tokens per step at the median ms/step, over 2 x 784 TFLOP/s): baseline 122.6%, "
             "candidate not reported\n") in capsys.readouterr().out
     ab.write_new_results(tmp_path / "ab.json", dict(summary=summary), tmp_path)
     assert strict_loads((tmp_path / "ab.json").read_text())["summary"]["candidate_mfu"] is None
+    # a round without FLOPs among rounds with them (NaN sorts anywhere in a median): not reported either
+    for where in range(3):
+        mixed = [dataclasses.replace(r, model_flops_per_step=math.nan) if i == where else r for i, r in enumerate(baseline)]
+        assert math.isnan(ab.summarize_rounds(mixed, candidate, "alternate", 2 * 784e12)["baseline_mfu"])
 
 
 def test_results_are_strict_json_with_every_non_finite_value_null(ab, tmp_path):
