@@ -875,6 +875,7 @@ class RoundResult:
     peak_allocated_mib: float
     model_flops_per_step: float = math.nan  # 6 x matmul parameters x tokens per step; NaN: the script does not say
 
+
 class ResidentVersion:
     def __init__(self, version: Version, args: argparse.Namespace, overrides: list[str], folder: Path, deadline: float | None = None):
         self.version, self.control, self.deadline = version, Control(folder, version.label), deadline
